@@ -1,0 +1,132 @@
+#include "topology/distributed_env.h"
+
+#include <cstdlib>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace trident {
+namespace {
+
+const EnvLookup& ProcessEnvironment() {
+  static const EnvLookup* lookup = new EnvLookup([](const char* name) { return std::getenv(name); });
+  return *lookup;
+}
+
+// Reads integer variable `name`; `fallback` when unset and `fallback` >= 0.
+absl::StatusOr<int> ReadInt(const EnvLookup& lookup, const char* name, int fallback = -1) {
+  const char* value = lookup(name);
+  if (value == nullptr) {
+    if (fallback >= 0) return fallback;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment variable ", name, " is not set; start the program with tools/launch, "
+        "mpirun or srun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"));
+  }
+  int parsed;
+  if (!absl::SimpleAtoi(value, &parsed) || parsed < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, "='", value,
+                                                   "' is not a non-negative integer"));
+  }
+  return parsed;
+}
+
+}  // namespace
+
+bool HasDistributedEnv(const EnvLookup& lookup) {
+  return lookup("RANK") != nullptr || lookup("OMPI_COMM_WORLD_RANK") != nullptr ||
+         lookup("SLURM_PROCID") != nullptr;
+}
+
+bool HasDistributedEnv() { return HasDistributedEnv(ProcessEnvironment()); }
+
+std::string FirstSlurmHost(const std::string& nodelist) {
+  std::string host;
+  for (size_t i = 0; i < nodelist.size(); ++i) {
+    char c = nodelist[i];
+    if (c == ',') break;
+    if (c == '[') {
+      // Take the first number (with its zero padding) of the first range.
+      size_t j = i + 1;
+      while (j < nodelist.size() && nodelist[j] != '-' && nodelist[j] != ',' &&
+             nodelist[j] != ']') {
+        host += nodelist[j++];
+      }
+      break;
+    }
+    host += c;
+  }
+  return host;
+}
+
+absl::StatusOr<DistributedEnv> DistributedEnvFrom(const EnvLookup& lookup) {
+  DistributedEnv env;
+  const char* rank_var;
+  const char* size_var;
+  const char* local_rank_var;
+  const char* local_size_var;
+  if (lookup("RANK") != nullptr) {
+    env.launcher = "env";
+    rank_var = "RANK";
+    size_var = "WORLD_SIZE";
+    local_rank_var = "LOCAL_RANK";
+    local_size_var = "LOCAL_WORLD_SIZE";
+  } else if (lookup("OMPI_COMM_WORLD_RANK") != nullptr) {
+    env.launcher = "mpirun";
+    rank_var = "OMPI_COMM_WORLD_RANK";
+    size_var = "OMPI_COMM_WORLD_SIZE";
+    local_rank_var = "OMPI_COMM_WORLD_LOCAL_RANK";
+    local_size_var = "OMPI_COMM_WORLD_LOCAL_SIZE";
+  } else if (lookup("SLURM_PROCID") != nullptr) {
+    env.launcher = "slurm";
+    rank_var = "SLURM_PROCID";
+    size_var = "SLURM_NTASKS";
+    local_rank_var = "SLURM_LOCALID";
+    local_size_var = "SLURM_NTASKS_PER_NODE";
+  } else {
+    return absl::FailedPreconditionError(
+        "no distributed environment: none of RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID is "
+        "set; start the program with tools/launch, mpirun or srun");
+  }
+  auto rank = ReadInt(lookup, rank_var);
+  if (!rank.ok()) return rank.status();
+  auto world_size = ReadInt(lookup, size_var);
+  if (!world_size.ok()) return world_size.status();
+  env.rank = *rank;
+  env.world_size = *world_size;
+  if (env.world_size == 0 || env.rank >= env.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(rank_var, "=", env.rank, " must be below ",
+                                                   size_var, "=", env.world_size));
+  }
+  // Without local information every process is assumed to be on its own node.
+  auto local_rank = ReadInt(lookup, local_rank_var, 0);
+  if (!local_rank.ok()) return local_rank.status();
+  auto local_size = ReadInt(lookup, local_size_var, *local_rank + 1);
+  if (!local_size.ok()) return local_size.status();
+  env.local_rank = *local_rank;
+  env.local_world_size = *local_size;
+
+  if (const char* addr = lookup("MASTER_ADDR")) {
+    env.master_addr = addr;
+  } else if (env.launcher == "env") {
+    return absl::InvalidArgumentError(
+        "environment variable MASTER_ADDR is not set; set it to the host of rank 0");
+  } else if (const char* nodes = lookup("SLURM_STEP_NODELIST") ? lookup("SLURM_STEP_NODELIST")
+                                                              : lookup("SLURM_JOB_NODELIST")) {
+    env.master_addr = FirstSlurmHost(nodes);
+  }
+  const bool port_required = env.launcher == "env";
+  auto port = ReadInt(lookup, "MASTER_PORT", port_required ? -1 : 29500);
+  if (!port.ok()) return port.status();
+  if (*port == 0 || *port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MASTER_PORT=", *port, " is not a TCP port (1..65535)"));
+  }
+  env.master_port = *port;
+  return env;
+}
+
+absl::StatusOr<DistributedEnv> DistributedEnvFromEnvironment() {
+  return DistributedEnvFrom(ProcessEnvironment());
+}
+
+}  // namespace trident

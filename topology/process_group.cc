@@ -1,0 +1,242 @@
+#include "topology/process_group.h"
+
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+
+namespace trident {
+namespace {
+
+// c10d's reduction for `op`; kAvg is a sum followed by a division.
+c10d::ReduceOp ToC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return c10d::ReduceOp(c10d::ReduceOp::SUM);
+    case ReduceOp::kMax:
+      return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::kMin:
+      return c10d::ReduceOp(c10d::ReduceOp::MIN);
+    case ReduceOp::kProduct:
+      return c10d::ReduceOp(c10d::ReduceOp::PRODUCT);
+  }
+  return c10d::ReduceOp(c10d::ReduceOp::SUM);
+}
+
+// Reduces `stacked` along dim 0 with `op`.
+at::Tensor ReduceLocally(const at::Tensor& stacked, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return stacked.sum(0);
+    case ReduceOp::kAvg:
+      return stacked.mean(0);
+    case ReduceOp::kMax:
+      return std::get<0>(stacked.max(0));
+    case ReduceOp::kMin:
+      return std::get<0>(stacked.min(0));
+    case ReduceOp::kProduct:
+      return stacked.prod(0);
+  }
+  return stacked.sum(0);
+}
+
+absl::Status CheckAverageable(const at::Tensor& tensor, ReduceOp op) {
+  if (op == ReduceOp::kAvg && !at::isFloatingType(tensor.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ReduceOp::kAvg needs a floating-point tensor, got ", c10::toString(tensor.scalar_type()),
+        "; reduce with kSum and divide instead"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+PendingWork::PendingWork() = default;
+PendingWork::PendingWork(PendingWork&&) noexcept = default;
+PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
+PendingWork::~PendingWork() = default;
+
+absl::Status PendingWork::Wait() {
+  if (!work_) return absl::FailedPreconditionError("PendingWork::Wait on an empty or used handle");
+  c10::intrusive_ptr<c10d::Work> work = std::move(work_);
+  try {
+    if (!work->wait(group_->timeout())) {
+      return absl::DeadlineExceededError(absl::StrCat(operation_, " on process group '",
+                                                      group_->name(), "' timed out"));
+    }
+  } catch (...) {
+    return group_->Failure(operation_);
+  }
+  return absl::OkStatus();
+}
+
+ProcessGroup::ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
+                           c10::intrusive_ptr<internal::C10dBackend> backend,
+                           std::chrono::milliseconds timeout, FailureDiagnosis diagnosis)
+    : name_(std::move(name)),
+      global_ranks_(std::move(global_ranks)),
+      rank_(rank),
+      backend_(std::move(backend)),
+      timeout_(timeout),
+      diagnosis_(std::move(diagnosis)) {}
+
+ProcessGroup::~ProcessGroup() = default;
+
+absl::Status ProcessGroup::Failure(const char* operation) const {
+  absl::Status cause = StatusFromCurrentException(
+      absl::StrCat(operation, " on process group '", name_, "' (global ranks ",
+                   absl::StrJoin(global_ranks_, ","), ") failed"));
+  std::string message(cause.message());
+  const bool timed_out = absl::StrContains(message, "imed out") ||
+                         absl::StrContains(message, "imeout");
+  if (diagnosis_) {
+    std::vector<int> peers;
+    for (int r : global_ranks_) {
+      if (r != global_ranks_[rank_]) peers.push_back(r);
+    }
+    std::string diagnosis = diagnosis_(peers);
+    if (!diagnosis.empty()) absl::StrAppend(&message, "; ", diagnosis);
+  }
+  return timed_out ? absl::DeadlineExceededError(message) : absl::UnavailableError(message);
+}
+
+absl::StatusOr<PendingWork> ProcessGroup::Start(
+    const char* operation, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const {
+  PendingWork pending;
+  pending.group_ = this;
+  pending.operation_ = operation;
+  try {
+    pending.work_ = start();
+  } catch (...) {
+    return Failure(operation);
+  }
+  return pending;
+}
+
+absl::Status ProcessGroup::Run(const char* operation,
+                               const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const {
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, Start(operation, start));
+  return pending.Wait();
+}
+
+absl::Status ProcessGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
+  TRIDENT_RETURN_IF_ERROR(CheckAverageable(tensor, op));
+  std::vector<at::Tensor> tensors = {tensor.is_contiguous() ? tensor : tensor.contiguous()};
+  c10d::AllreduceOptions options;
+  options.reduceOp = ToC10d(op);
+  options.timeout = timeout_;
+  TRIDENT_RETURN_IF_ERROR(
+      Run("all_reduce", [&] { return backend_->allreduce(tensors, options); }));
+  if (op == ReduceOp::kAvg) tensors[0].div_(size());
+  if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
+  return absl::OkStatus();
+}
+
+absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
+  TRIDENT_RETURN_IF_ERROR(CheckPeer(root, "broadcast"));
+  std::vector<at::Tensor> tensors = {tensor.is_contiguous() ? tensor : tensor.contiguous()};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  options.timeout = timeout_;
+  TRIDENT_RETURN_IF_ERROR(
+      Run("broadcast", [&] { return backend_->broadcast(tensors, options); }));
+  if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> ProcessGroup::AllGather(const at::Tensor& input, int64_t dim) const {
+  std::vector<at::Tensor> inputs = {input.contiguous()};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
+  c10d::AllgatherOptions options;
+  options.timeout = timeout_;
+  TRIDENT_RETURN_IF_ERROR(
+      Run("all_gather", [&] { return backend_->allgather(outputs, inputs, options); }));
+  return at::cat(outputs[0], dim);
+}
+
+absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, int64_t dim,
+                                                       ReduceOp op) const {
+  TRIDENT_RETURN_IF_ERROR(CheckAverageable(input, op));
+  const int64_t dims = input.dim();
+  if (dims == 0 || dim < -dims || dim >= dims) {
+    return absl::InvalidArgumentError(absl::StrCat("reduce_scatter on process group '", name_,
+                                                   "': dim ", dim, " is out of range for a ",
+                                                   dims, "-d tensor"));
+  }
+  if (dim < 0) dim += dims;
+  if (input.size(dim) % size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reduce_scatter on process group '", name_, "': dimension ", dim, " of size ",
+        input.size(dim), " is not divisible by the group size ", size(),
+        "; pad the tensor or choose a size that divides"));
+  }
+  // NOTE: Gloo has no reduce-scatter; an all-to-all of the chunks followed by a
+  // local reduction moves the same bytes as a ring reduce-scatter.
+  at::Tensor chunks = input.movedim(dim, 0).contiguous();
+  std::vector<int64_t> shape = chunks.sizes().vec();
+  shape[0] /= size();
+  shape.insert(shape.begin(), size());
+  chunks = chunks.view(shape);
+  at::Tensor received = at::empty_like(chunks);
+  c10d::AllToAllOptions options;
+  options.timeout = timeout_;
+  std::vector<int64_t> equal_splits;
+  TRIDENT_RETURN_IF_ERROR(Run("reduce_scatter", [&] {
+    return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
+  }));
+  return ReduceLocally(received, op).movedim(0, dim).contiguous();
+}
+
+absl::Status ProcessGroup::Barrier() const {
+  c10d::BarrierOptions options;
+  options.timeout = timeout_;
+  return Run("barrier", [&] { return backend_->barrier(options); });
+}
+
+absl::Status ProcessGroup::CheckPeer(int peer, const char* operation) const {
+  if (peer < 0 || peer >= size()) {
+    return absl::InvalidArgumentError(absl::StrCat(operation, " on process group '", name_,
+                                                   "': peer rank ", peer,
+                                                   " is outside the group of size ", size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PendingWork> ProcessGroup::ISend(const at::Tensor& tensor, int dst, int tag) const {
+  TRIDENT_RETURN_IF_ERROR(CheckPeer(dst, "send"));
+  // The c10d work keeps the (possibly copied) tensor alive until it completes.
+  std::vector<at::Tensor> tensors = {tensor.contiguous()};
+  return Start("send", [&] { return backend_->send(tensors, dst, tag); });
+}
+
+absl::StatusOr<PendingWork> ProcessGroup::IRecv(at::Tensor& tensor, int src, int tag) const {
+  TRIDENT_RETURN_IF_ERROR(CheckPeer(src, "recv"));
+  if (!tensor.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "recv on process group '", name_, "' needs a contiguous tensor; pass tensor.contiguous()"
+        " and copy the result"));
+  }
+  std::vector<at::Tensor> tensors = {tensor};
+  return Start("recv", [&] { return backend_->recv(tensors, src, tag); });
+}
+
+absl::Status ProcessGroup::Send(const at::Tensor& tensor, int dst, int tag) const {
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, ISend(tensor, dst, tag));
+  return pending.Wait();
+}
+
+absl::Status ProcessGroup::Recv(at::Tensor& tensor, int src, int tag) const {
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, IRecv(tensor, src, tag));
+  return pending.Wait();
+}
+
+}  // namespace trident

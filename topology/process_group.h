@@ -1,0 +1,128 @@
+// ProcessGroup: a group of ranks and the collectives Trident uses on it, over
+// LibTorch's c10d (Gloo on CPU, NCCL on GPU). Every operation blocks until done
+// or until the group's timeout, and returns a status instead of throwing: a peer
+// that died or timed out gives an error that names the group, the operation and,
+// where it can be told, the rank at fault.
+//
+//   ProcessGroup& dp = *topology->Group("dp").value();
+//   at::Tensor grad = ...;
+//   TRIDENT_RETURN_IF_ERROR(dp.AllReduce(grad, ReduceOp::kAvg));
+#ifndef TRIDENT_TOPOLOGY_PROCESS_GROUP_H_
+#define TRIDENT_TOPOLOGY_PROCESS_GROUP_H_
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/version.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace c10d {
+class ProcessGroup;
+class Backend;
+class Work;
+}  // namespace c10d
+
+namespace trident {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin, kProduct };
+
+namespace internal {
+// The c10d class that implements collectives: ProcessGroup in LibTorch 1.x,
+// Backend in 2.x. Only topology's .cc files see its definition.
+#if TORCH_VERSION_MAJOR >= 2
+using C10dBackend = c10d::Backend;
+#else
+using C10dBackend = c10d::ProcessGroup;
+#endif
+}  // namespace internal
+
+// An operation started with ProcessGroup::ISend / IRecv. Wait() must be called
+// before the tensor is read or reused. Move-only.
+class PendingWork {
+ public:
+  PendingWork();
+  PendingWork(PendingWork&&) noexcept;
+  PendingWork& operator=(PendingWork&&) noexcept;
+  ~PendingWork();
+
+  // Blocks until the operation finished or the group's timeout passed.
+  absl::Status Wait();
+
+ private:
+  friend class ProcessGroup;
+  const class ProcessGroup* group_ = nullptr;
+  const char* operation_ = "";
+  c10::intrusive_ptr<c10d::Work> work_;
+};
+
+class ProcessGroup {
+ public:
+  // Returns a description of which of `global_ranks` failed ("rank 3 stopped
+  // responding ..."), or "" when it cannot tell. Called after an operation failed.
+  using FailureDiagnosis = std::function<std::string(const std::vector<int>& global_ranks)>;
+
+  // Wraps `backend`. `global_ranks[i]` is the global rank of group rank i.
+  ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
+               c10::intrusive_ptr<internal::C10dBackend> backend,
+               std::chrono::milliseconds timeout, FailureDiagnosis diagnosis);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  const std::string& name() const { return name_; }
+  // This process's rank within the group.
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(global_ranks_.size()); }
+  // Global rank of every group rank, in group-rank order.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // In place: `tensor` becomes the reduction of every rank's `tensor`.
+  absl::Status AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) const;
+  // In place: every rank's `tensor` becomes group rank `root`'s.
+  absl::Status Broadcast(at::Tensor& tensor, int root) const;
+  // Every rank's `input` (same shape and dtype everywhere), concatenated along
+  // `dim` in group-rank order.
+  absl::StatusOr<at::Tensor> AllGather(const at::Tensor& input, int64_t dim = 0) const;
+  // Reduces `input` across ranks and returns this rank's chunk: `input` is split
+  // into size() equal chunks along `dim` and rank r gets the reduced chunk r.
+  absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& input, int64_t dim = 0,
+                                           ReduceOp op = ReduceOp::kSum) const;
+  absl::Status Barrier() const;
+
+  // Point to point, peers given as group ranks. Receives need a tensor of the
+  // sender's shape and dtype; messages between a pair with the same tag arrive
+  // in the order sent.
+  absl::Status Send(const at::Tensor& tensor, int dst, int tag = 0) const;
+  absl::Status Recv(at::Tensor& tensor, int src, int tag = 0) const;
+  absl::StatusOr<PendingWork> ISend(const at::Tensor& tensor, int dst, int tag = 0) const;
+  absl::StatusOr<PendingWork> IRecv(at::Tensor& tensor, int src, int tag = 0) const;
+
+ private:
+  friend class PendingWork;
+  // Runs `start` (which issues a c10d operation) and waits for it.
+  absl::Status Run(const char* operation,
+                   const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
+  absl::StatusOr<PendingWork> Start(
+      const char* operation, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
+  // The one place c10d exceptions become statuses.
+  absl::Status Failure(const char* operation) const;
+  absl::Status CheckPeer(int peer, const char* operation) const;
+
+  std::string name_;
+  std::vector<int> global_ranks_;
+  int rank_;
+  c10::intrusive_ptr<internal::C10dBackend> backend_;
+  std::chrono::milliseconds timeout_;
+  FailureDiagnosis diagnosis_;
+};
+
+}  // namespace trident
+
+#endif  // TRIDENT_TOPOLOGY_PROCESS_GROUP_H_

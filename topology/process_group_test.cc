@@ -1,0 +1,166 @@
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "testing/multiprocess.h"
+#include "topology/topology.h"
+
+namespace trident {
+namespace {
+
+using ::testing::HasSubstr;
+
+class CollectivesTest : public ::testing::TestWithParam<int> {};
+
+// Rank r holds [r+1, 2(r+1), 3(r+1)]; every answer below is computed by hand from that.
+at::Tensor RankTensor(int rank) {
+  return at::tensor({1.0f, 2.0f, 3.0f}) * static_cast<float>(rank + 1);
+}
+
+TEST_P(CollectivesTest, AllReduceMatchesHandComputedAnswers) {
+  const int world = GetParam();
+  testing::RunOnRanks(world, [world](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& group = (*topology)->world();
+    ASSERT_EQ(group.size(), world);
+    ASSERT_EQ(group.rank(), rank);
+    const float sum_of_factors = world * (world + 1) / 2.0f;  // 1 + 2 + ... + world
+    float product_of_factors = 1;
+    for (int k = 1; k <= world; ++k) product_of_factors *= k;
+
+    at::Tensor sum = RankTensor(rank);
+    ASSERT_TRUE(group.AllReduce(sum).ok());
+    EXPECT_TRUE(at::equal(sum, at::tensor({1.0f, 2.0f, 3.0f}) * sum_of_factors)) << sum;
+
+    at::Tensor avg = RankTensor(rank);
+    ASSERT_TRUE(group.AllReduce(avg, ReduceOp::kAvg).ok());
+    EXPECT_TRUE(at::allclose(avg, at::tensor({1.0f, 2.0f, 3.0f}) * (sum_of_factors / world)));
+
+    at::Tensor max = RankTensor(rank);
+    ASSERT_TRUE(group.AllReduce(max, ReduceOp::kMax).ok());
+    EXPECT_TRUE(at::equal(max, RankTensor(world - 1)));
+
+    at::Tensor min = RankTensor(rank);
+    ASSERT_TRUE(group.AllReduce(min, ReduceOp::kMin).ok());
+    EXPECT_TRUE(at::equal(min, RankTensor(0)));
+
+    at::Tensor product = at::full({2}, static_cast<double>(rank + 1), at::kDouble);
+    ASSERT_TRUE(group.AllReduce(product, ReduceOp::kProduct).ok());
+    EXPECT_EQ(product[1].item<double>(), product_of_factors);
+
+    at::Tensor counts = at::full({4}, rank, at::kLong);
+    ASSERT_TRUE(group.AllReduce(counts).ok());
+    EXPECT_EQ(counts[3].item<int64_t>(), world * (world - 1) / 2);
+
+    // A non-contiguous view is reduced in place too.
+    at::Tensor matrix = at::arange(6, at::kFloat).view({2, 3}).mul(rank + 1);
+    at::Tensor transposed = matrix.t();
+    ASSERT_TRUE(group.AllReduce(transposed).ok());
+    EXPECT_TRUE(at::equal(matrix, at::arange(6, at::kFloat).view({2, 3}).mul(sum_of_factors)));
+
+    absl::Status bad = group.AllReduce(counts, ReduceOp::kAvg);
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(bad.message()), HasSubstr("kAvg needs a floating-point tensor"));
+  });
+}
+
+TEST_P(CollectivesTest, BroadcastAllGatherReduceScatterAndBarrier) {
+  const int world = GetParam();
+  testing::RunOnRanks(world, [world](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& group = (*topology)->world();
+
+    at::Tensor broadcast = RankTensor(rank);
+    ASSERT_TRUE(group.Broadcast(broadcast, /*root=*/1).ok());
+    EXPECT_TRUE(at::equal(broadcast, RankTensor(1)));
+
+    // Gathering [r+1, 2(r+1), 3(r+1)] along dim 0 gives the ranks' vectors in order.
+    auto gathered = group.AllGather(RankTensor(rank));
+    ASSERT_TRUE(gathered.ok()) << gathered.status();
+    ASSERT_EQ(gathered->numel(), 3 * world);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_TRUE(at::equal(gathered->slice(0, 3 * r, 3 * r + 3), RankTensor(r)));
+    }
+    // Along dim 1 a [2, 1] column per rank becomes a [2, world] matrix whose column r is r.
+    auto columns = group.AllGather(at::full({2, 1}, static_cast<float>(rank)), /*dim=*/1);
+    ASSERT_TRUE(columns.ok());
+    EXPECT_TRUE(at::equal(*columns, at::arange(world, at::kFloat).expand({2, world})));
+
+    // Every rank holds 0..2*world-1 times (rank+1); rank r receives chunk r of the sum.
+    at::Tensor input = at::arange(2 * world, at::kFloat) * static_cast<float>(rank + 1);
+    auto scattered = group.ReduceScatter(input);
+    ASSERT_TRUE(scattered.ok()) << scattered.status();
+    const float sum_of_factors = world * (world + 1) / 2.0f;
+    EXPECT_TRUE(at::equal(*scattered, at::tensor({2.0f * rank, 2.0f * rank + 1}) * sum_of_factors))
+        << *scattered;
+    // Along dim 1 of a [2, world] matrix: rank r gets column r of the maximum.
+    at::Tensor matrix = at::arange(2 * world, at::kFloat).view({2, world}) + rank;
+    auto column = group.ReduceScatter(matrix, /*dim=*/1, ReduceOp::kMax);
+    ASSERT_TRUE(column.ok()) << column.status();
+    EXPECT_TRUE(at::equal(*column, at::tensor({float(rank + world - 1),
+                                               float(world + rank + world - 1)})
+                                       .view({2, 1})))
+        << *column;
+
+    auto uneven = group.ReduceScatter(at::ones({2 * world + 1}));
+    EXPECT_EQ(uneven.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(uneven.status().message()), HasSubstr("is not divisible by the group size"));
+
+    EXPECT_TRUE(group.Barrier().ok());
+  });
+}
+
+TEST_P(CollectivesTest, SendRecvCarriesEveryDtypeAndShape) {
+  const int world = GetParam();
+  testing::RunOnRanks(world, [world](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& group = (*topology)->world();
+    const int next = (rank + 1) % world;
+    const int previous = (rank + world - 1) % world;
+    const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf,
+                                                at::kBFloat16, at::kLong, at::kInt,
+                                                at::kByte, at::kBool};
+    const std::vector<std::vector<int64_t>> shapes = {{}, {5}, {2, 3, 4}};
+    int tag = 0;
+    for (at::ScalarType dtype : dtypes) {
+      for (const auto& shape : shapes) {
+        // What rank `r` sends for this dtype and shape.
+        auto payload = [&](int r) {
+          return (at::arange(at::IntArrayRef(shape).empty() ? 1 : c10::multiply_integers(shape),
+                             at::kDouble) + 7 * r).remainder(2 + r).reshape(shape).to(dtype);
+        };
+        at::Tensor received = at::empty(shape, at::TensorOptions().dtype(dtype));
+        auto recv = group.IRecv(received, previous, tag);
+        ASSERT_TRUE(recv.ok()) << recv.status();
+        auto send = group.ISend(payload(rank), next, tag);
+        ASSERT_TRUE(send.ok()) << send.status();
+        ASSERT_TRUE(send->Wait().ok());
+        ASSERT_TRUE(recv->Wait().ok());
+        EXPECT_TRUE(at::equal(received, payload(previous)))
+            << "dtype " << dtype << " shape " << at::IntArrayRef(shape);
+        ++tag;
+      }
+    }
+    // Blocking forms, rank 0 to the last rank.
+    if (rank == 0) {
+      EXPECT_TRUE(group.Send(at::full({3}, 42.0, at::kDouble), world - 1).ok());
+    } else if (rank == world - 1) {
+      at::Tensor t = at::zeros({3}, at::kDouble);
+      EXPECT_TRUE(group.Recv(t, 0).ok());
+      EXPECT_EQ(t[2].item<double>(), 42.0);
+    }
+    EXPECT_EQ(group.Send(at::ones({1}), world).code(), absl::StatusCode::kInvalidArgument);
+    at::Tensor strided = at::zeros({4, 4}).t();
+    EXPECT_THAT(std::string(group.IRecv(strided, previous).status().message()),
+                HasSubstr("needs a contiguous tensor"));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(TwoAndFourRanks, CollectivesTest, ::testing::Values(2, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+}  // namespace
+}  // namespace trident

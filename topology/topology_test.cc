@@ -1,0 +1,130 @@
+#include "topology/topology.h"
+
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/time/clock.h"
+#include "testing/multiprocess.h"
+
+namespace trident {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(TopologyTest, EightRanksGetTheirMeshGroupsByNameAndAlias) {
+  testing::RunOnRanks(8, [](int rank) {
+    auto created = testing::JoinTopology({{"tensor", 2}, {"pipeline", 2}, {"data", 2}});
+    ASSERT_TRUE(created.ok()) << created.status();
+    Topology& topology = **created;
+    EXPECT_EQ(topology.rank(), rank);
+    EXPECT_EQ(topology.world_size(), 8);
+    EXPECT_EQ(topology.backend_name(), "gloo");
+    EXPECT_EQ(topology.world().size(), 8);
+
+    for (const char* axis : {"tensor", "pipeline", "data"}) {
+      auto group = topology.Group(axis);
+      ASSERT_TRUE(group.ok()) << group.status();
+      EXPECT_EQ(*topology.Group(AxisAlias(axis)), *group);
+      EXPECT_EQ(*FindProcessGroup(AxisAlias(axis)), *group);
+      EXPECT_EQ((*group)->global_ranks(), topology.mesh().GroupRanks(axis, rank));
+      // The sum of the members' global ranks proves the group connects exactly them.
+      at::Tensor value = at::full({1}, static_cast<double>(rank), at::kDouble);
+      ASSERT_TRUE((*group)->AllReduce(value).ok());
+      double expected = 0;
+      for (int member : (*group)->global_ranks()) expected += member;
+      EXPECT_EQ(value.item<double>(), expected) << axis;
+    }
+    EXPECT_THAT((*topology.Group("tp"))->global_ranks(),
+                ElementsAre(rank / 2 * 2, rank / 2 * 2 + 1));
+
+    auto tensor_data = topology.GroupSpanning({"tensor", "data"});
+    ASSERT_TRUE(tensor_data.ok()) << tensor_data.status();
+    EXPECT_EQ((*tensor_data)->name(), "tensor+data");
+    EXPECT_EQ((*tensor_data)->size(), 4);
+    at::Tensor ones = at::ones({2});
+    ASSERT_TRUE((*tensor_data)->AllReduce(ones).ok());
+    EXPECT_EQ(ones[0].item<float>(), 4.0f);
+    EXPECT_EQ(*topology.GroupSpanning({"tensor", "data"}), *tensor_data);
+
+    auto missing = topology.Group("expert");
+    EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(std::string(missing.status().message()), HasSubstr("has data, dp, pipeline, pp, tensor"));
+    EXPECT_FALSE(topology.GroupSpanning({"expert"}).ok());
+  });
+}
+
+TEST(TopologyTest, MeshThatDoesNotFitTheWorldFailsBeforeConnecting) {
+  testing::RunOnRanks(2, [](int) {
+    auto created = testing::JoinTopology({{"tensor", 4}});
+    ASSERT_FALSE(created.ok());
+    EXPECT_THAT(std::string(created.status().message()),
+                HasSubstr("has 4 ranks but the world size is 2"));
+  });
+}
+
+TEST(TopologyTest, RankThatNeverArrivesIsNamedWithinTheRendezvousTimeout) {
+  testing::RunOnRanks(3, [](int rank) {
+    if (rank == 2) {
+      absl::SleepFor(absl::Seconds(4));  // never joins
+      return;
+    }
+    TopologyOptions options;
+    options.rendezvous_timeout = absl::Seconds(2);
+    const absl::Time start = absl::Now();
+    auto created = testing::JoinTopology(options);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(6));
+    ASSERT_FALSE(created.ok());
+    EXPECT_EQ(created.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_THAT(std::string(created.status().message()),
+                HasSubstr("rank 2 of 3 never arrived"));
+  });
+}
+
+TEST(TopologyTest, RankThatExitsEarlyIsNamedInItsPeersErrorsFast) {
+  testing::MultiProcessResult result = testing::SpawnRanks(3, [](int rank) {
+    auto created = testing::JoinTopology();
+    ASSERT_TRUE(created.ok()) << created.status();
+    if (rank == 1) _exit(9);
+    absl::SleepFor(absl::Milliseconds(300));
+    const absl::Time start = absl::Now();
+    at::Tensor value = at::ones({1024});
+    absl::Status status = (*created)->world().AllReduce(value);
+    // Far below the 60 s operation timeout: the dead peer is detected, not waited for.
+    EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+    ASSERT_FALSE(status.ok());
+    EXPECT_THAT(std::string(status.message()), HasSubstr("all_reduce on process group"));
+    EXPECT_THAT(std::string(status.message()), HasSubstr("rank 1 has stopped sending heartbeats"));
+  });
+  EXPECT_EQ(result.ranks[1].exit_code, 9);
+  EXPECT_EQ(result.ranks[0].exit_code, 0) << result.ranks[0].output;
+  EXPECT_EQ(result.ranks[2].exit_code, 0) << result.ranks[2].output;
+}
+
+TEST(TopologyTest, LossOfRankZeroIsNamedByTheOthers) {
+  testing::MultiProcessResult result = testing::SpawnRanks(3, [](int rank) {
+    auto created = testing::JoinTopology();
+    ASSERT_TRUE(created.ok()) << created.status();
+    if (rank == 0) _exit(4);
+    absl::SleepFor(absl::Milliseconds(300));
+    at::Tensor value = at::ones({16});
+    absl::Status status = (*created)->world().AllReduce(value);
+    ASSERT_FALSE(status.ok());
+    EXPECT_THAT(std::string(status.message()), HasSubstr("rank 0"));
+  });
+  EXPECT_EQ(result.ranks[0].exit_code, 4);
+  EXPECT_EQ(result.ranks[1].exit_code, 0) << result.ranks[1].output;
+  EXPECT_EQ(result.ranks[2].exit_code, 0) << result.ranks[2].output;
+}
+
+TEST(TopologyTest, FindProcessGroupWithoutATopologyExplains) {
+  auto group = FindProcessGroup("tp");
+  EXPECT_EQ(group.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(group.status().message()), HasSubstr("has no Topology"));
+}
+
+}  // namespace
+}  // namespace trident
