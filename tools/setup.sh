@@ -21,6 +21,12 @@ packages=(
   fortunes-min
 )
 
+# On a machine with a GPU, `bazel test` runs the `gpu`-tagged tests too (see .bazelrc).
+repo_root="$(cd "$(dirname "$0")/.." && pwd)"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo 'test --test_tag_filters=-benchmark' >"$repo_root/gpu.bazelrc"
+fi
+
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then

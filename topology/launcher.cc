@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "topology/distributed_env.h"
 
 extern char** environ;
 
@@ -371,6 +372,15 @@ int PickFreePort() {
   }
   close(fd);
   return port;
+}
+
+std::optional<absl::Status> RunAsLocalJobUnlessLaunched(int nproc, int argc, char** argv) {
+  if (HasDistributedEnv()) return std::nullopt;
+  LaunchOptions options;
+  options.nproc_per_node = nproc;
+  options.command = {"/proc/self/exe"};
+  for (int i = 1; i < argc; ++i) options.command.push_back(argv[i]);
+  return RunLocalGroup(options).status;
 }
 
 LaunchResult RunLocalGroup(const LaunchOptions& options) {

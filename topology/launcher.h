@@ -18,6 +18,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,12 @@ struct LaunchResult {
 // Runs the local ranks to completion (with up to max_restarts restarts).
 // SIGINT and SIGTERM received meanwhile are forwarded to the ranks.
 LaunchResult RunLocalGroup(const LaunchOptions& options);
+
+// For binaries that start their own local job: when this process was not started
+// by a launcher (no RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID), runs `nproc`
+// copies of this program with the same arguments as a local job and returns its
+// status; returns nullopt when this process already is a rank of a job.
+std::optional<absl::Status> RunAsLocalJobUnlessLaunched(int nproc, int argc, char** argv);
 
 // A TCP port on 127.0.0.1 that was free a moment ago.
 int PickFreePort();
