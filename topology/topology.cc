@@ -271,6 +271,9 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv&
     std::string alias = AxisAlias(axis);
     if (!alias.empty()) topology->groups_by_name_[alias] = group;
   }
+  // Return only once every rank has connected all of its groups, so that no rank
+  // starts work (or exits) while another is still connecting.
+  TRIDENT_RETURN_IF_ERROR(topology->world_->Barrier());
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     if (live_topology != nullptr) {
@@ -291,7 +294,7 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
   auto store = c10::make_intrusive<c10d::PrefixStore>(
       absl::StrCat("trident/pg/", name, "/", absl::StrJoin(ranks, ",")), impl.store);
   c10::intrusive_ptr<internal::C10dBackend> backend;
-  TRIDENT_RETURN_IF_ERROR(CatchExceptions(
+  absl::Status connected = CatchExceptions(
       absl::StrCat("connecting process group '", name, "' (global ranks ",
                    absl::StrJoin(ranks, ","), ")"),
       [&] {
@@ -309,8 +312,17 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
               store, group_rank, static_cast<int>(ranks.size()), options);
 #endif
         }
-      }));
+      });
   HeartbeatMonitor* heartbeat = impl.heartbeat.get();
+  if (!connected.ok()) {
+    std::vector<int> peers;
+    for (int r : ranks) {
+      if (r != env_.rank) peers.push_back(r);
+    }
+    const std::string diagnosis = heartbeat->Diagnose(peers);
+    return absl::UnavailableError(
+        diagnosis.empty() ? connected.message() : absl::StrCat(connected.message(), "; ", diagnosis));
+  }
   impl.groups.push_back(std::make_unique<ProcessGroup>(
       name, ranks, group_rank, backend, timeout,
       [heartbeat](const std::vector<int>& peers) { return heartbeat->Diagnose(peers); }));
