@@ -1,0 +1,122 @@
+// GPT-2: pre-LayerNorm blocks, fused qkv projection, exact GELU, tied head.
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "models/internal/architectures.h"
+
+namespace trident {
+namespace internal {
+namespace {
+
+namespace F = torch::nn::functional;
+
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  explicit CausalSelfAttentionImpl(const ModelConfig& c)
+      : n_head_(c.n_head), dropout_(c.dropout) {
+    c_attn = register_module("c_attn", torch::nn::Linear(c.n_embd, 3 * c.n_embd));
+    c_proj = register_module("c_proj", torch::nn::Linear(c.n_embd, c.n_embd));
+    resid_dropout = register_module("resid_dropout", torch::nn::Dropout(c.dropout));
+  }
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+    auto qkv = c_attn(x).view({B, T, 3, n_head_, C / n_head_}).permute({2, 0, 3, 1, 4});
+    torch::Tensor y = CausalAttention(qkv[0], qkv[1], qkv[2], dropout_, is_training());
+    return resid_dropout(c_proj(y.transpose(1, 2).reshape({B, T, C})));
+  }
+
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+  torch::nn::Dropout resid_dropout{nullptr};
+
+ private:
+  int64_t n_head_;
+  double dropout_;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const ModelConfig& c) {
+    c_fc = register_module("c_fc", torch::nn::Linear(c.n_embd, 4 * c.n_embd));
+    c_proj = register_module("c_proj", torch::nn::Linear(4 * c.n_embd, c.n_embd));
+    dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return dropout(c_proj(torch::gelu(c_fc(x))));  // exact (erf) GELU
+  }
+  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+torch::nn::LayerNorm MakeLayerNorm(int64_t width) {
+  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({width}).eps(1e-5));
+}
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const ModelConfig& c) {
+    ln_1 = register_module("ln_1", MakeLayerNorm(c.n_embd));
+    attn = register_module("attn", CausalSelfAttention(c));
+    ln_2 = register_module("ln_2", MakeLayerNorm(c.n_embd));
+    mlp = register_module("mlp", Mlp(c));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn(ln_1(x));
+    return x + mlp(ln_2(x));
+  }
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  explicit TransformerImpl(const ModelConfig& c) {
+    wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
+    wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
+    drop = register_module("drop", torch::nn::Dropout(c.dropout));
+    h = register_module("h", torch::nn::ModuleList());
+    for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(Block(c));
+    ln_f = register_module("ln_f", MakeLayerNorm(c.n_embd));
+  }
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(Transformer);
+
+class Gpt : public LanguageModel {
+ public:
+  explicit Gpt(const ModelConfig& c) : LanguageModel(c) {
+    transformer = register_module("transformer", Transformer(c));
+  }
+
+  at::Tensor Logits(const at::Tensor& tokens) override {
+    const int64_t T = tokens.size(1);
+    auto positions = torch::arange(T, tokens.options().dtype(torch::kLong));
+    torch::Tensor x = transformer->drop(transformer->wte(tokens) + transformer->wpe(positions));
+    for (const auto& block : *transformer->h) x = block->as<Block>()->forward(x);
+    x = transformer->ln_f(x);
+    return F::linear(x, transformer->wte->weight);  // lm_head, tied to wte
+  }
+
+  std::map<std::string, std::string> TiedParameters() const override {
+    return {{"lm_head.weight", "transformer.wte.weight"}};
+  }
+
+  Transformer transformer{nullptr};
+};
+
+}  // namespace
+
+std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config) {
+  return std::make_shared<Gpt>(config);
+}
+
+}  // namespace internal
+}  // namespace trident

@@ -1,0 +1,153 @@
+// Llama: RMSNorm, rotary position embeddings, SwiGLU MLP, no biases, untied
+// head, grouped-query attention when n_kv_head < n_head. Hugging Face names.
+#include <torch/torch.h>
+
+#include "models/internal/architectures.h"
+
+namespace trident {
+namespace internal {
+namespace {
+
+torch::nn::Linear NoBias(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+int64_t IntermediateSize(const ModelConfig& c) {
+  if (c.intermediate_size > 0) return c.intermediate_size;
+  // Llama's rule: 2/3 of 4 * n_embd, rounded up to a multiple of 32.
+  const int64_t size = 8 * c.n_embd / 3;
+  return (size + 31) / 32 * 32;
+}
+
+class RmsNormImpl : public torch::nn::Module {
+ public:
+  explicit RmsNormImpl(int64_t width, double eps = 1e-5) : eps_(eps) {
+    weight = register_parameter("weight", torch::ones({width}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
+  }
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RmsNorm);
+
+// Rotates pairs (x_i, x_{i + d/2}) as Hugging Face's rotate_half does.
+torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
+                          const torch::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  auto rotated = torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const ModelConfig& c)
+      : n_head_(c.n_head),
+        n_kv_head_(c.n_kv_head > 0 ? c.n_kv_head : c.n_head),
+        head_dim_(c.n_embd / c.n_head),
+        dropout_(c.dropout) {
+    q_proj = register_module("q_proj", NoBias(c.n_embd, n_head_ * head_dim_));
+    k_proj = register_module("k_proj", NoBias(c.n_embd, n_kv_head_ * head_dim_));
+    v_proj = register_module("v_proj", NoBias(c.n_embd, n_kv_head_ * head_dim_));
+    o_proj = register_module("o_proj", NoBias(n_head_ * head_dim_, c.n_embd));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    const int64_t B = x.size(0), T = x.size(1);
+    auto q = q_proj(x).view({B, T, n_head_, head_dim_}).transpose(1, 2);
+    auto k = k_proj(x).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
+    auto v = v_proj(x).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
+    q = ApplyRotary(q, cos, sin);
+    k = ApplyRotary(k, cos, sin);
+    auto y = CausalAttention(q, k, v, dropout_, is_training());
+    return o_proj(y.transpose(1, 2).reshape({B, T, n_head_ * head_dim_}));
+  }
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+
+ private:
+  int64_t n_head_, n_kv_head_, head_dim_;
+  double dropout_;
+};
+TORCH_MODULE(Attention);
+
+class SwiGluImpl : public torch::nn::Module {
+ public:
+  explicit SwiGluImpl(const ModelConfig& c) {
+    const int64_t hidden = IntermediateSize(c);
+    gate_proj = register_module("gate_proj", NoBias(c.n_embd, hidden));
+    up_proj = register_module("up_proj", NoBias(c.n_embd, hidden));
+    down_proj = register_module("down_proj", NoBias(hidden, c.n_embd));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+  }
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(SwiGlu);
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  explicit DecoderLayerImpl(const ModelConfig& c) {
+    self_attn = register_module("self_attn", Attention(c));
+    mlp = register_module("mlp", SwiGlu(c));
+    input_layernorm = register_module("input_layernorm", RmsNorm(c.n_embd));
+    post_attention_layernorm = register_module("post_attention_layernorm", RmsNorm(c.n_embd));
+  }
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    x = x + self_attn->forward(input_layernorm(x), cos, sin);
+    return x + mlp(post_attention_layernorm(x));
+  }
+  Attention self_attn{nullptr};
+  SwiGlu mlp{nullptr};
+  RmsNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+class LlamaBodyImpl : public torch::nn::Module {
+ public:
+  explicit LlamaBodyImpl(const ModelConfig& c) {
+    embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.n_embd));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < c.n_layer; ++i) layers->push_back(DecoderLayer(c));
+    norm = register_module("norm", RmsNorm(c.n_embd));
+  }
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  RmsNorm norm{nullptr};
+};
+TORCH_MODULE(LlamaBody);
+
+class Llama : public LanguageModel {
+ public:
+  explicit Llama(const ModelConfig& c) : LanguageModel(c) {
+    model = register_module("model", LlamaBody(c));
+    lm_head = register_module("lm_head", NoBias(c.n_embd, c.vocab_size));
+  }
+
+  at::Tensor Logits(const at::Tensor& tokens) override {
+    const ModelConfig& c = config();
+    const int64_t T = tokens.size(1), head_dim = c.n_embd / c.n_head;
+    auto options = torch::TensorOptions().dtype(torch::kFloat).device(tokens.device());
+    auto inv_freq = 1.0 / torch::pow(c.rope_theta, torch::arange(0, head_dim, 2, options) / head_dim);
+    auto angles = torch::outer(torch::arange(T, options), inv_freq);
+    auto both = torch::cat({angles, angles}, -1);  // [T, head_dim]
+    auto cos = both.cos(), sin = both.sin();
+    torch::Tensor x = model->embed_tokens(tokens);
+    for (const auto& layer : *model->layers) x = layer->as<DecoderLayer>()->forward(x, cos, sin);
+    return lm_head(model->norm(x));
+  }
+
+  LlamaBody model{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+};
+
+}  // namespace
+
+std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config) {
+  return std::make_shared<Llama>(config);
+}
+
+}  // namespace internal
+}  // namespace trident

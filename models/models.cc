@@ -1,0 +1,184 @@
+#include "models/models.h"
+
+#include <cmath>
+#include <limits>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "models/internal/architectures.h"
+
+namespace trident {
+namespace {
+
+struct Preset {
+  const char* model;
+  const char* name;
+  ModelConfig config;
+};
+
+ModelConfig Sizes(const char* model, int64_t layers, int64_t heads, int64_t embd, int64_t block,
+                  int64_t vocab, int64_t kv_heads = 0, int64_t intermediate = 0) {
+  ModelConfig c;
+  c.model = model;
+  c.n_layer = layers;
+  c.n_head = heads;
+  c.n_embd = embd;
+  c.block_size = block;
+  c.vocab_size = vocab;
+  c.n_kv_head = kv_heads;
+  c.intermediate_size = intermediate;
+  return c;
+}
+
+const std::vector<Preset>& Presets() {
+  static const auto* presets = new std::vector<Preset>{
+      {"gpt", "gpt-tiny", Sizes("gpt", 4, 4, 256, 128, 256)},
+      {"gpt", "gpt2-124m", Sizes("gpt", 12, 12, 768, 1024, 50257)},
+      {"gpt", "gpt2-350m", Sizes("gpt", 24, 16, 1024, 1024, 50257)},
+      {"gpt", "gpt2-774m", Sizes("gpt", 36, 20, 1280, 1024, 50257)},
+      {"llama", "llama-tiny", Sizes("llama", 4, 4, 256, 128, 256, 2, 688)},
+      {"llama", "llama-160m", Sizes("llama", 12, 12, 768, 2048, 32000, 4, 2048)},
+      {"llama", "llama-1b", Sizes("llama", 22, 32, 2048, 2048, 32000, 4, 5632)},
+      {"llama", "llama-7b", Sizes("llama", 32, 32, 4096, 2048, 32000, 32, 11008)},
+      {"mlp", "mlp-tiny", Sizes("mlp", 4, 1, 128, 64, 256)},
+      {"mlp", "mlp-small", Sizes("mlp", 8, 1, 256, 128, 256)},
+  };
+  return *presets;
+}
+
+bool IsKnownModel(absl::string_view model) {
+  return model == "gpt" || model == "llama" || model == "mlp";
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> PresetModelConfig(absl::string_view model, absl::string_view preset) {
+  if (!IsKnownModel(model)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown model '", model, "'; choose gpt, llama or mlp"));
+  }
+  for (const Preset& p : Presets()) {
+    if (p.model == model && p.name == preset) return p.config;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown preset '", preset, "' for model '",
+                                                 model, "'; choose one of ",
+                                                 absl::StrJoin(PresetNames(model), ", ")));
+}
+
+std::vector<std::string> PresetNames(absl::string_view model) {
+  std::vector<std::string> names;
+  for (const Preset& p : Presets()) {
+    if (p.model == model) names.push_back(p.name);
+  }
+  return names;
+}
+
+absl::Status ValidateModelConfig(const ModelConfig& c) {
+  if (!IsKnownModel(c.model)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown model '", c.model, "'; choose gpt, llama or mlp"));
+  }
+  for (const auto& [name, value] :
+       std::vector<std::pair<const char*, int64_t>>{{"n_layer", c.n_layer},
+                                                    {"n_head", c.n_head},
+                                                    {"n_embd", c.n_embd},
+                                                    {"block_size", c.block_size},
+                                                    {"vocab_size", c.vocab_size}}) {
+    if (value <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(name, "=", value, " must be positive"));
+    }
+  }
+  if (c.vocab_size > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "vocab_size=", c.vocab_size, " exceeds 65536, the range of uint16 token files"));
+  }
+  if (c.dropout < 0 || c.dropout >= 1) {
+    return absl::InvalidArgumentError(absl::StrCat("dropout=", c.dropout, " must be in [0, 1)"));
+  }
+  if (c.model == "mlp") return absl::OkStatus();
+  if (c.n_embd % c.n_head != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("n_embd=", c.n_embd,
+                                                   " is not divisible by n_head=", c.n_head));
+  }
+  if (c.model == "llama") {
+    const int64_t kv = c.n_kv_head > 0 ? c.n_kv_head : c.n_head;
+    if (c.n_head % kv != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("n_head=", c.n_head,
+                                                     " is not divisible by n_kv_head=", kv));
+    }
+    if ((c.n_embd / c.n_head) % 2 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "head size n_embd/n_head=", c.n_embd / c.n_head, " must be even for rotary embeddings"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+at::Tensor LanguageModel::Loss(const at::Tensor& tokens, const at::Tensor& targets) {
+  at::Tensor logits = Logits(tokens);
+  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
+int64_t LanguageModel::NumParameters() const {
+  int64_t count = 0;
+  for (const auto& p : parameters()) count += p.numel();
+  return count;
+}
+
+namespace internal {
+
+at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           double dropout, bool training) {
+  const int64_t T = q.size(2);
+  at::Tensor keys = k, values = v;
+  if (k.size(1) != q.size(1)) {
+    const int64_t repeat = q.size(1) / k.size(1);
+    keys = k.repeat_interleave(repeat, /*dim=*/1);
+    values = v.repeat_interleave(repeat, /*dim=*/1);
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  auto mask = torch::ones({T, T}, q.options().dtype(torch::kBool)).triu(1);
+  auto scores = torch::matmul(q, keys.transpose(-2, -1)).mul(scale);
+  auto weights = torch::softmax(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+  if (training && dropout > 0) weights = torch::dropout(weights, dropout, /*train=*/true);
+  return torch::matmul(weights, values);
+}
+
+}  // namespace internal
+
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config,
+                                                           uint64_t seed) {
+  TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(config));
+  std::shared_ptr<LanguageModel> model;
+  absl::Status built = CatchExceptions(absl::StrCat("building model '", config.model, "'"), [&] {
+    if (config.model == "gpt") model = internal::BuildGpt(config);
+    if (config.model == "llama") model = internal::BuildLlama(config);
+    if (config.model == "mlp") model = internal::BuildMlp(config);
+    torch::NoGradGuard no_grad;
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+    const double residual_std = 0.02 / std::sqrt(2.0 * config.n_layer);
+    for (auto& item : model->named_parameters()) {
+      const std::string& name = item.key();
+      at::Tensor& p = item.value();
+      if (p.dim() >= 2) {
+        // GPT-2: residual projections get a smaller std.
+        const bool residual = config.model == "gpt" && absl::EndsWith(name, "c_proj.weight");
+        p.normal_(0.0, residual ? residual_std : 0.02, generator);
+      } else if (absl::EndsWith(name, "bias")) {
+        p.zero_();
+      } else {
+        p.fill_(1.0);  // norm scales
+      }
+    }
+  });
+  TRIDENT_RETURN_IF_ERROR(built);
+  return model;
+}
+
+}  // namespace trident

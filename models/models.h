@@ -1,0 +1,78 @@
+// models: the model zoo, built from plain LibTorch modules.
+//
+//   gpt    GPT-2 as the minimal PyTorch reference implementations define it
+//          (parameter names transformer.wte.weight ... lm_head.weight, tied head)
+//   llama  RMSNorm, rotary embeddings, SwiGLU, no biases, untied head, optional GQA
+//          (Hugging Face names model.embed_tokens.weight ... lm_head.weight)
+//   mlp    a deep residual MLP over token embeddings, for fast tests
+//
+//   absl::StatusOr<ModelConfig> config = PresetModelConfig("gpt", "gpt-tiny");
+//   config->n_layer = 2;  // any field may be overridden
+//   absl::StatusOr<std::shared_ptr<LanguageModel>> model = CreateModel(*config, /*seed=*/1);
+//   at::Tensor loss = (*model)->Loss(tokens, targets);  // [B, T] int64 each
+#ifndef TRIDENT_MODELS_MODELS_H_
+#define TRIDENT_MODELS_MODELS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace trident {
+
+// Every architecture's size fields; fields an architecture does not use are ignored.
+struct ModelConfig {
+  std::string model = "gpt";      // "gpt", "llama" or "mlp"
+  int64_t n_layer = 4;            // transformer blocks (mlp: residual blocks)
+  int64_t n_head = 4;             // attention heads
+  int64_t n_embd = 256;           // hidden width
+  int64_t block_size = 128;       // longest sequence (context length)
+  int64_t vocab_size = 256;       // token ids are in [0, vocab_size)
+  double dropout = 0.0;           // dropout probability in training mode
+  int64_t n_kv_head = 0;          // llama: key/value heads (0: n_head, no GQA)
+  int64_t intermediate_size = 0;  // llama: SwiGLU width (0: from n_embd); mlp: 4 * n_embd
+  double rope_theta = 10000.0;    // llama: rotary embedding base
+};
+
+// The named sizes of `model`: gpt-tiny, gpt2-124m, gpt2-350m, gpt2-774m; llama-tiny,
+// llama-160m, llama-1b, llama-7b; mlp-tiny, mlp-small.
+absl::StatusOr<ModelConfig> PresetModelConfig(absl::string_view model, absl::string_view preset);
+std::vector<std::string> PresetNames(absl::string_view model);
+
+// Errors (naming the field) for sizes that cannot build a model.
+absl::Status ValidateModelConfig(const ModelConfig& config);
+
+// A causal language model: tokens [B, T] (int64, T <= block_size) to logits [B, T, vocab].
+class LanguageModel : public torch::nn::Module {
+ public:
+  explicit LanguageModel(ModelConfig config) : config_(std::move(config)) {}
+  virtual at::Tensor Logits(const at::Tensor& tokens) = 0;
+  // Mean token cross-entropy of Logits(tokens) against `targets` [B, T].
+  at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets);
+  // Parameters stored once but known under a second name: alias -> stored name
+  // (gpt: "lm_head.weight" -> "transformer.wte.weight"). named_parameters()
+  // lists each stored tensor once, under its stored name.
+  virtual std::map<std::string, std::string> TiedParameters() const { return {}; }
+  // Number of scalar parameters, tied ones counted once.
+  int64_t NumParameters() const;
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  ModelConfig config_;
+};
+
+// Builds `config`'s model with weights drawn from a generator seeded with `seed`
+// (the same seed gives the same weights on every rank and every run).
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config,
+                                                           uint64_t seed);
+
+}  // namespace trident
+
+#endif  // TRIDENT_MODELS_MODELS_H_

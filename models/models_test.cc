@@ -1,0 +1,171 @@
+#include "models/models.h"
+
+#include <cmath>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace trident {
+namespace {
+
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+std::shared_ptr<LanguageModel> Make(ModelConfig config, uint64_t seed = 1) {
+  auto model = CreateModel(config, seed);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return *model;
+}
+
+std::vector<std::string> NamesAndShapes(const torch::nn::Module& module) {
+  std::vector<std::string> out;
+  for (const auto& p : module.named_parameters()) {
+    std::ostringstream s;
+    s << p.key() << " " << p.value().sizes();
+    out.push_back(s.str());
+  }
+  return out;
+}
+
+TEST(GptTest, ParameterNamesAndLayoutsMatchThePyTorchReference) {
+  ModelConfig c = *PresetModelConfig("gpt", "gpt-tiny");
+  c.n_layer = 1;
+  c.n_embd = 8;
+  c.n_head = 2;
+  c.block_size = 16;
+  c.vocab_size = 32;
+  auto model = Make(c);
+  EXPECT_THAT(NamesAndShapes(*model),
+              ElementsAreArray({"transformer.wte.weight [32, 8]",
+                                "transformer.wpe.weight [16, 8]",
+                                "transformer.h.0.ln_1.weight [8]",
+                                "transformer.h.0.ln_1.bias [8]",
+                                "transformer.h.0.attn.c_attn.weight [24, 8]",
+                                "transformer.h.0.attn.c_attn.bias [24]",
+                                "transformer.h.0.attn.c_proj.weight [8, 8]",
+                                "transformer.h.0.attn.c_proj.bias [8]",
+                                "transformer.h.0.ln_2.weight [8]",
+                                "transformer.h.0.ln_2.bias [8]",
+                                "transformer.h.0.mlp.c_fc.weight [32, 8]",
+                                "transformer.h.0.mlp.c_fc.bias [32]",
+                                "transformer.h.0.mlp.c_proj.weight [8, 32]",
+                                "transformer.h.0.mlp.c_proj.bias [8]",
+                                "transformer.ln_f.weight [8]",
+                                "transformer.ln_f.bias [8]"}));
+  EXPECT_EQ(model->TiedParameters().at("lm_head.weight"), "transformer.wte.weight");
+}
+
+TEST(GptTest, Gpt2SmallHasTheKnownParameterCount) {
+  auto model = Make(*PresetModelConfig("gpt", "gpt2-124m"));
+  EXPECT_EQ(model->NumParameters(), 124439808);  // GPT-2 small, head tied
+}
+
+TEST(GptTest, InitialisationFollowsGpt2) {
+  auto model = Make(*PresetModelConfig("gpt", "gpt-tiny"), 7);
+  auto params = model->named_parameters();
+  const double residual_std = 0.02 / std::sqrt(2.0 * 4);
+  EXPECT_NEAR(params["transformer.h.0.mlp.c_fc.weight"].std().item<double>(), 0.02, 0.001);
+  EXPECT_NEAR(params["transformer.h.0.attn.c_proj.weight"].std().item<double>(), residual_std,
+              0.0005);
+  EXPECT_EQ(params["transformer.h.0.attn.c_attn.bias"].abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(params["transformer.ln_f.weight"].sum().item<double>(), 256.0);
+  // The same seed gives the same weights; another seed does not.
+  auto same = Make(*PresetModelConfig("gpt", "gpt-tiny"), 7);
+  auto other = Make(*PresetModelConfig("gpt", "gpt-tiny"), 8);
+  EXPECT_TRUE(torch::equal(params["transformer.wte.weight"],
+                           same->named_parameters()["transformer.wte.weight"]));
+  EXPECT_FALSE(torch::equal(params["transformer.wte.weight"],
+                            other->named_parameters()["transformer.wte.weight"]));
+}
+
+TEST(LlamaTest, HuggingFaceNamesNoBiasesAndGroupedQueryShapes) {
+  ModelConfig c = *PresetModelConfig("llama", "llama-tiny");
+  c.n_layer = 1;
+  c.n_embd = 16;
+  c.n_head = 4;
+  c.n_kv_head = 2;
+  c.intermediate_size = 24;
+  c.vocab_size = 32;
+  auto model = Make(c);
+  EXPECT_THAT(NamesAndShapes(*model),
+              ElementsAreArray({"model.embed_tokens.weight [32, 16]",
+                                "model.layers.0.self_attn.q_proj.weight [16, 16]",
+                                "model.layers.0.self_attn.k_proj.weight [8, 16]",
+                                "model.layers.0.self_attn.v_proj.weight [8, 16]",
+                                "model.layers.0.self_attn.o_proj.weight [16, 16]",
+                                "model.layers.0.mlp.gate_proj.weight [24, 16]",
+                                "model.layers.0.mlp.up_proj.weight [24, 16]",
+                                "model.layers.0.mlp.down_proj.weight [16, 24]",
+                                "model.layers.0.input_layernorm.weight [16]",
+                                "model.layers.0.post_attention_layernorm.weight [16]",
+                                "model.norm.weight [16]", "lm_head.weight [32, 16]"}));
+  EXPECT_TRUE(model->TiedParameters().empty());
+}
+
+class EveryModelTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(EveryModelTest, InitialLossIsNearUniformAndFutureTokensAreNotSeen) {
+  const std::string preset = GetParam();
+  ModelConfig c = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  c.n_layer = 2;
+  auto model = Make(c);
+  torch::manual_seed(0);
+  auto tokens = torch::randint(c.vocab_size, {2, 16}, torch::kLong);
+  auto targets = torch::randint(c.vocab_size, {2, 16}, torch::kLong);
+  const double loss = model->Loss(tokens, targets).item<double>();
+  EXPECT_NEAR(loss, std::log(static_cast<double>(c.vocab_size)), 0.3);
+  // Changing the last token leaves every earlier position's logits unchanged.
+  auto changed = tokens.clone();
+  changed.index_put_({0, 15}, (tokens[0][15].item<int64_t>() + 1) % c.vocab_size);
+  auto before = model->Logits(tokens).narrow(1, 0, 15);
+  auto after = model->Logits(changed).narrow(1, 0, 15);
+  EXPECT_TRUE(torch::allclose(before, after, 0, 0));
+}
+
+TEST_P(EveryModelTest, LearnsARepeatingSequence) {
+  const std::string preset = GetParam();
+  ModelConfig c = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  c.n_layer = 2;
+  auto model = Make(c);
+  auto sequence = torch::arange(17, torch::kLong).remainder(5).unsqueeze(0);
+  auto tokens = sequence.narrow(1, 0, 16), targets = sequence.narrow(1, 1, 16);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3));
+  double first = 0, last = 0;
+  for (int step = 0; step < 30; ++step) {
+    optimizer.zero_grad();
+    auto loss = model->Loss(tokens, targets);
+    loss.backward();
+    optimizer.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first * 0.3) << "first " << first << " last " << last;
+}
+
+INSTANTIATE_TEST_SUITE_P(Zoo, EveryModelTest,
+                         ::testing::Values("gpt-tiny", "llama-tiny", "mlp-tiny"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           return name.substr(0, name.find('-'));
+                         });
+
+TEST(ModelConfigTest, UnknownNamesAndBadSizesAreClearErrors) {
+  EXPECT_THAT(std::string(PresetModelConfig("bert", "x").status().message()),
+              HasSubstr("unknown model 'bert'; choose gpt, llama or mlp"));
+  EXPECT_THAT(std::string(PresetModelConfig("gpt", "gpt-huge").status().message()),
+              HasSubstr("choose one of gpt-tiny, gpt2-124m"));
+  ModelConfig c = *PresetModelConfig("gpt", "gpt-tiny");
+  c.n_head = 3;
+  EXPECT_THAT(std::string(CreateModel(c, 1).status().message()),
+              HasSubstr("n_embd=256 is not divisible by n_head=3"));
+  c = *PresetModelConfig("llama", "llama-tiny");
+  c.n_kv_head = 3;
+  EXPECT_THAT(std::string(ValidateModelConfig(c).message()),
+              HasSubstr("n_head=4 is not divisible by n_kv_head=3"));
+  c.n_kv_head = 2;
+  c.vocab_size = 70000;
+  EXPECT_THAT(std::string(ValidateModelConfig(c).message()), HasSubstr("exceeds 65536"));
+}
+
+}  // namespace
+}  // namespace trident
