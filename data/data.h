@@ -1,0 +1,132 @@
+// data: token files, the batch rule every parallel layout shares, tokenizers,
+// and corpus preparation.
+//
+// A token file (.bin) is a flat little-endian uint16 array. Sample k of length T
+// is tokens [k*T, k*T + T + 1): T inputs and the T targets shifted by one. Step s
+// of a global batch of B samples uses samples (s*B + j) mod num_samples, j < B,
+// optionally permuted once per epoch by a seeded shuffle; data-parallel rank r
+// takes positions [r*B/dp, (r+1)*B/dp) and cuts them into micro-batches in order.
+// Every layout therefore sees exactly the batches one process sees.
+//
+//   TRIDENT_ASSIGN_OR_RETURN(auto file, TokenFile::Open("train.bin", /*vocab_size=*/256,
+//                                                        /*sample_length=*/128));
+//   BatchSampler sampler(file->num_samples(), /*global_batch_size=*/16, /*seed=*/1,
+//                        /*shuffle=*/true);
+//   std::vector<int64_t> samples = sampler.MicroBatch(step, dp, dp_rank, 4, micro);
+//   at::Tensor inputs, targets;
+//   file->Fill(samples, &inputs, &targets);  // [4, 128] int64 each
+#ifndef TRIDENT_DATA_DATA_H_
+#define TRIDENT_DATA_DATA_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace trident {
+
+// A memory-mapped token file, validated on open.
+class TokenFile {
+ public:
+  // Maps `path` and checks it: an even byte count, at least one sample of
+  // `sample_length` (+1) tokens, and every token below `vocab_size`. Errors name
+  // the file and what is wrong with it.
+  static absl::StatusOr<std::unique_ptr<TokenFile>> Open(const std::string& path,
+                                                         int64_t vocab_size,
+                                                         int64_t sample_length);
+  ~TokenFile();
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  int64_t num_tokens() const { return num_tokens_; }
+  int64_t sample_length() const { return sample_length_; }
+  // (num_tokens - 1) / sample_length.
+  int64_t num_samples() const { return (num_tokens_ - 1) / sample_length_; }
+  const uint16_t* tokens() const { return tokens_; }
+
+  // Inputs and targets ([samples.size(), sample_length], int64) of `samples`.
+  void Fill(const std::vector<int64_t>& samples, at::Tensor* inputs, at::Tensor* targets) const;
+
+ private:
+  TokenFile() = default;
+  std::string path_;
+  const uint16_t* tokens_ = nullptr;
+  int64_t num_tokens_ = 0;
+  int64_t sample_length_ = 0;
+  size_t mapped_bytes_ = 0;
+};
+
+// Writes `tokens` as a token file.
+absl::Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens);
+
+// Which samples each step uses (see the rule at the top of this file).
+class BatchSampler {
+ public:
+  BatchSampler(int64_t num_samples, int64_t global_batch_size, uint64_t seed, bool shuffle);
+
+  // Sample used at position `j` (0 <= j < global_batch_size) of step `step`.
+  int64_t SampleIndex(int64_t step, int64_t j) const;
+  // Samples of micro-batch `micro` (of `micro_batch_size`) of data-parallel rank
+  // `dp_rank` of `dp` at step `step`.
+  std::vector<int64_t> MicroBatch(int64_t step, int dp, int dp_rank, int64_t micro_batch_size,
+                                  int64_t micro) const;
+  // Epoch of the first sample of `step`.
+  int64_t Epoch(int64_t step) const;
+
+ private:
+  int64_t num_samples_, global_batch_size_;
+  uint64_t seed_;
+  bool shuffle_;
+  mutable int64_t cached_epoch_ = -1;
+  mutable std::vector<int64_t> permutation_;
+};
+
+// Byte-level (vocab 256) or byte-pair-encoding tokenizer.
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  virtual std::vector<uint16_t> Encode(absl::string_view text) const = 0;
+  virtual std::string Decode(const std::vector<int64_t>& tokens) const = 0;
+  virtual int vocab_size() const = 0;
+  // Writes the tokenizer to `path` (text: "byte", or "bpe N" and N-256 merges).
+  virtual absl::Status Save(const std::string& path) const = 0;
+};
+
+std::unique_ptr<Tokenizer> MakeByteTokenizer();
+// Learns vocab_size - 256 merges from `text` (vocab_size in [256, 65536]).
+absl::StatusOr<std::unique_ptr<Tokenizer>> TrainBpeTokenizer(absl::string_view text,
+                                                            int vocab_size);
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& path);
+
+// Turns text files into `output_dir`/{train.bin, val.bin, tokenizer.txt}: the
+// concatenated text is tokenized and its last `val_fraction` becomes val.bin.
+struct PrepareOptions {
+  std::vector<std::string> inputs;  // text files; empty: DefaultCorpusFiles()
+  std::string output_dir;
+  std::string tokenizer = "byte";   // "byte" or "bpe"
+  int vocab_size = 512;             // bpe only
+  double val_fraction = 0.1;
+};
+struct PreparedData {
+  std::string train_path, val_path, tokenizer_path;
+  int vocab_size = 0;
+  int64_t train_tokens = 0, val_tokens = 0;
+};
+absl::StatusOr<PreparedData> PrepareTextCorpus(const PrepareOptions& options);
+
+// The text files of Debian's fortunes package (installed by tools/setup.sh).
+absl::StatusOr<std::vector<std::string>> DefaultCorpusFiles();
+
+// Entropy in nats of the token frequencies of `file`: the loss of a model that
+// knows only how often each token occurs.
+double UnigramEntropy(const TokenFile& file);
+
+}  // namespace trident
+
+#endif  // TRIDENT_DATA_DATA_H_
