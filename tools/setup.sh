@@ -17,6 +17,7 @@ packages=(
   libgtest-dev             # GoogleTest
   libgmock-dev             # GoogleMock matchers
   libbenchmark-dev         # Google Benchmark
+  zlib1g-dev               # CRC-32 of checkpoint files
   fortunes                 # default training corpus (real English text)
   fortunes-min
 )

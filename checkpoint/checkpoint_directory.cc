@@ -1,0 +1,198 @@
+#include <zlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <google/protobuf/text_format.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "base/status.h"
+#include "checkpoint/checkpoint.h"
+
+namespace trident {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kManifest[] = "manifest.pbtxt";
+
+std::string StepName(int64_t step) { return absl::StrCat("step_", step); }
+
+// Step directories of `save_dir`, newest first.
+std::vector<std::pair<int64_t, fs::path>> StepDirectories(const std::string& save_dir) {
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(save_dir, error)) {
+    const std::string filename = entry.path().filename().string();
+    absl::string_view name = filename;
+    int64_t step;
+    if (entry.is_directory() && !entry.is_symlink() && absl::ConsumePrefix(&name, "step_") &&
+        absl::SimpleAtoi(name, &step)) {
+      steps.emplace_back(step, entry.path());
+    }
+  }
+  std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return steps;
+}
+
+// Points symlink `link` at `target` (a name relative to the link's directory) atomically.
+absl::Status PointLink(const fs::path& link, const std::string& target) {
+  const fs::path temporary = link.string() + ".new";
+  std::error_code error;
+  fs::remove(temporary, error);
+  fs::create_directory_symlink(target, temporary, error);
+  if (!error) fs::rename(temporary, link, error);
+  if (error) {
+    return absl::InternalError(absl::StrCat("cannot point ", link.string(), " at ", target, ": ",
+                                            error.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CheckpointManifest> ReadManifest(const fs::path& directory) {
+  std::ifstream in(directory / kManifest);
+  if (!in) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", directory.string(), " has no ", kManifest,
+                                            ": it was not completely written"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  CheckpointManifest manifest;
+  if (!google::protobuf::TextFormat::ParseFromString(text.str(), &manifest)) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint manifest ", (directory / kManifest).string(), " is corrupt"));
+  }
+  return manifest;
+}
+
+}  // namespace
+
+absl::StatusOr<std::pair<uint32_t, int64_t>> FileChecksum(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  uLong crc = crc32(0L, Z_NULL, 0);
+  int64_t size = 0;
+  std::vector<char> buffer(1 << 20);
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const std::streamsize n = in.gcount();
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(buffer.data()), static_cast<uInt>(n));
+    size += n;
+  }
+  return std::make_pair(static_cast<uint32_t>(crc), size);
+}
+
+absl::StatusOr<std::string> CheckpointDirectory::StagingPath(int64_t step) const {
+  const fs::path path = fs::path(save_dir_) / absl::StrCat(".", StepName(step), ".staging");
+  std::error_code error;
+  fs::create_directories(path, error);
+  if (error) {
+    return absl::InternalError(absl::StrCat("cannot create checkpoint directory ", path.string(),
+                                            ": ", error.message(), "; check save_dir"));
+  }
+  return path.string();
+}
+
+absl::Status CheckpointDirectory::Commit(int64_t step, int world_size,
+                                         std::optional<double> val_loss, int keep_last_n) const {
+  TRIDENT_ASSIGN_OR_RETURN(const std::string staging, StagingPath(step));
+  CheckpointManifest manifest;
+  manifest.set_step(step);
+  manifest.set_world_size(world_size);
+  if (val_loss) manifest.set_val_loss(*val_loss);
+  std::vector<std::string> names;
+  for (const auto& entry : fs::recursive_directory_iterator(staging)) {
+    if (entry.is_regular_file()) names.push_back(fs::relative(entry.path(), staging).string());
+  }
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    TRIDENT_ASSIGN_OR_RETURN(auto checksum, FileChecksum((fs::path(staging) / name).string()));
+    CheckpointFile* file = manifest.add_files();
+    file->set_name(name);
+    file->set_crc32(checksum.first);
+    file->set_size(checksum.second);
+  }
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(manifest, &text);
+  {
+    std::ofstream out(fs::path(staging) / kManifest);
+    out << text;
+    if (!out) return absl::InternalError(absl::StrCat("cannot write the manifest in ", staging));
+  }
+  const fs::path final_path = fs::path(save_dir_) / StepName(step);
+  std::error_code error;
+  fs::remove_all(final_path, error);
+  fs::rename(staging, final_path, error);
+  if (error) {
+    return absl::InternalError(absl::StrCat("cannot rename ", staging, " to ", final_path.string(),
+                                            ": ", error.message()));
+  }
+  TRIDENT_RETURN_IF_ERROR(PointLink(fs::path(save_dir_) / "last", StepName(step)));
+  if (val_loss) {
+    auto best = ReadManifest(fs::path(save_dir_) / "best");
+    if (!best.ok() || !best->has_val_loss() || *val_loss <= best->val_loss()) {
+      TRIDENT_RETURN_IF_ERROR(PointLink(fs::path(save_dir_) / "best", StepName(step)));
+    }
+  }
+  if (keep_last_n > 0) {
+    const fs::path best_target = fs::read_symlink(fs::path(save_dir_) / "best", error);
+    auto steps = StepDirectories(save_dir_);
+    for (size_t i = keep_last_n; i < steps.size(); ++i) {
+      if (steps[i].second.filename() != best_target) fs::remove_all(steps[i].second, error);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CheckpointManifest> CheckpointDirectory::Validate(const std::string& path) {
+  TRIDENT_ASSIGN_OR_RETURN(CheckpointManifest manifest, ReadManifest(path));
+  for (const CheckpointFile& file : manifest.files()) {
+    const std::string file_path = (fs::path(path) / file.name()).string();
+    auto checksum = FileChecksum(file_path);
+    if (!checksum.ok()) {
+      return absl::DataLossError(absl::StrCat("checkpoint file ", file_path,
+                                              " listed in the manifest is missing"));
+    }
+    if (checksum->second != file.size() || checksum->first != file.crc32()) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint file ", file_path, " is corrupt: ",
+          checksum->second != file.size()
+              ? absl::StrCat("size ", checksum->second, " bytes, manifest says ", file.size())
+              : absl::StrCat("CRC-32 ", checksum->first, ", manifest says ", file.crc32())));
+    }
+  }
+  return manifest;
+}
+
+absl::StatusOr<ResolvedCheckpoint> CheckpointDirectory::Resolve(const std::string& which) const {
+  ResolvedCheckpoint resolved;
+  if (which == "last") {
+    for (const auto& [step, path] : StepDirectories(save_dir_)) {
+      auto manifest = Validate(path.string());
+      if (manifest.ok()) {
+        resolved.path = path.string();
+        resolved.manifest = *std::move(manifest);
+        return resolved;
+      }
+      resolved.skipped.push_back(std::string(manifest.status().message()));
+    }
+    return absl::NotFoundError(absl::StrCat(
+        "no valid checkpoint in ", save_dir_,
+        resolved.skipped.empty() ? "" : absl::StrCat(" (", absl::StrJoin(resolved.skipped, "; "), ")"),
+        "; start without resume_from or point it at a valid step directory"));
+  }
+  std::error_code error;
+  const fs::path path = which == "best" ? fs::canonical(fs::path(save_dir_) / "best", error)
+                                        : fs::path(which);
+  if (error) return absl::NotFoundError(absl::StrCat("no best checkpoint in ", save_dir_));
+  TRIDENT_ASSIGN_OR_RETURN(resolved.manifest, Validate(path.string()));
+  resolved.path = path.string();
+  return resolved;
+}
+
+}  // namespace trident

@@ -1,0 +1,151 @@
+#include "checkpoint/checkpoint.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace trident {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::string TempDir(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  fs::path path = fs::path(dir ? dir : "/tmp") / name;
+  fs::remove_all(path);
+  fs::create_directories(path);
+  return path.string();
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(SafetensorsTest, LayoutFollowsTheFormat) {
+  const std::string path = TempDir("layout") + "/one.safetensors";
+  ASSERT_TRUE(WriteSafetensors(path, {{"a", at::tensor({1.0f, 2.0f})}}).ok());
+  const std::string bytes = ReadAll(path);
+  const std::string header = "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}";
+  const size_t padded = (header.size() + 7) / 8 * 8;
+  ASSERT_EQ(bytes.size(), 8 + padded + 8);
+  EXPECT_EQ(static_cast<unsigned char>(bytes[0]), padded);  // little-endian length
+  EXPECT_EQ(bytes.substr(8, header.size()), header);
+  float values[2];
+  std::memcpy(values, bytes.data() + 8 + padded, 8);
+  EXPECT_EQ(values[1], 2.0f);
+}
+
+TEST(SafetensorsTest, RoundTripsEveryDtypeShapeAndMetadata) {
+  const std::string path = TempDir("roundtrip") + "/all.safetensors";
+  NamedTensors tensors = {
+      {"f32", at::randn({3, 4})},
+      {"f64", at::randn({2}, at::kDouble)},
+      {"bf16", at::randn({5}).to(at::kBFloat16)},
+      {"f16", at::randn({2, 2}).to(at::kHalf)},
+      {"i64", at::arange(6, at::kLong).view({2, 3})},
+      {"u8", at::arange(4, at::kByte)},
+      {"scalar", at::tensor(7.0f).view({})},
+      {"strided", at::randn({4, 3}).t()},
+  };
+  ASSERT_TRUE(WriteSafetensors(path, tensors, {{"format", "pt"}, {"note", "a \"quoted\" value"}}).ok());
+  auto read = ReadSafetensors(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->tensors.size(), tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_EQ(read->tensors[i].first, tensors[i].first);
+    EXPECT_TRUE(at::equal(read->tensors[i].second, tensors[i].second)) << tensors[i].first;
+  }
+  EXPECT_EQ(read->metadata.at("note"), "a \"quoted\" value");
+  EXPECT_THAT(std::string(read->Get("absent").status().message()), HasSubstr("has no tensor 'absent'"));
+}
+
+TEST(SafetensorsTest, MalformedFilesNameTheFile) {
+  const std::string dir = TempDir("malformed");
+  std::ofstream(dir + "/short.safetensors") << "abc";
+  EXPECT_THAT(std::string(ReadSafetensors(dir + "/short.safetensors").status().message()),
+              HasSubstr("short.safetensors is malformed"));
+  const std::string path = dir + "/cut.safetensors";
+  ASSERT_TRUE(WriteSafetensors(path, {{"w", at::randn({16})}}).ok());
+  fs::resize_file(path, fs::file_size(path) - 4);
+  EXPECT_THAT(std::string(ReadSafetensors(path).status().message()),
+              HasSubstr("tensor 'w' has data offsets"));
+}
+
+// Writes step `step` with one file per rank and commits it.
+void SaveStep(const CheckpointDirectory& dir, int64_t step, double val_loss, int keep) {
+  auto staging = dir.StagingPath(step);
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ofstream(*staging + "/rank_" + std::to_string(rank) + ".bin")
+        << "step " << step << " rank " << rank;
+  }
+  ASSERT_TRUE(dir.Commit(step, 2, val_loss, keep).ok());
+}
+
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(CheckpointDirectoryTest, CommitWritesManifestLinksAndPrunes) {
+  const std::string root = TempDir("commit");
+  CheckpointDirectory dir(root);
+  SaveStep(dir, 10, 2.0, 2);
+  SaveStep(dir, 20, 1.5, 2);  // best
+  SaveStep(dir, 30, 1.8, 2);
+  SaveStep(dir, 40, 1.9, 2);  // prunes step_10; step_20 survives as best
+  EXPECT_THAT(Entries(root), ElementsAre("best", "last", "step_20", "step_30", "step_40"));
+  EXPECT_EQ(fs::read_symlink(root + "/last").string(), "step_40");
+  EXPECT_EQ(fs::read_symlink(root + "/best").string(), "step_20");
+  auto manifest = CheckpointDirectory::Validate(root + "/step_40");
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->step(), 40);
+  ASSERT_EQ(manifest->files_size(), 2);
+  EXPECT_EQ(manifest->files(1).name(), "rank_1.bin");
+  auto best = dir.Resolve("best");
+  ASSERT_TRUE(best.ok()) << best.status();
+  EXPECT_EQ(best->manifest.step(), 20);
+}
+
+TEST(CheckpointDirectoryTest, CorruptOrIncompleteCheckpointsAreRefusedByName) {
+  const std::string root = TempDir("corrupt");
+  CheckpointDirectory dir(root);
+  SaveStep(dir, 1, 3.0, 0);
+  SaveStep(dir, 2, 3.0, 0);
+  SaveStep(dir, 3, 3.0, 0);
+  // Flip one byte of step 3, delete a file of step 2.
+  {
+    std::fstream file(root + "/step_3/rank_1.bin", std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(2);
+    file.put('X');
+  }
+  fs::remove(root + "/step_2/rank_0.bin");
+  EXPECT_THAT(std::string(dir.Resolve(root + "/step_3").status().message()),
+              HasSubstr("step_3/rank_1.bin is corrupt: CRC-32"));
+  EXPECT_THAT(std::string(CheckpointDirectory::Validate(root + "/step_2").status().message()),
+              HasSubstr("step_2/rank_0.bin listed in the manifest is missing"));
+  auto last = dir.Resolve("last");
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->manifest.step(), 1);
+  ASSERT_EQ(last->skipped.size(), 2u);
+  EXPECT_THAT(last->skipped[0], HasSubstr("rank_1.bin is corrupt"));
+  // A staging directory never committed has no manifest.
+  ASSERT_TRUE(dir.StagingPath(4).ok());
+  fs::rename(root + "/.step_4.staging", root + "/step_4");
+  EXPECT_THAT(std::string(CheckpointDirectory::Validate(root + "/step_4").status().message()),
+              HasSubstr("has no manifest.pbtxt: it was not completely written"));
+  EXPECT_THAT(std::string(CheckpointDirectory(TempDir("empty")).Resolve("last").status().message()),
+              HasSubstr("no valid checkpoint"));
+}
+
+}  // namespace
+}  // namespace trident
