@@ -16,8 +16,10 @@
 // local launcher with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, waits for
 // them (killing all after `timeout`), and turns each failed rank into a test
 // failure that carries the rank's output. In a rank process it runs `body` and
-// exits: 0 when the body recorded no failure. Code before RunOnRanks in the test
-// runs in every rank too; code after it runs only in the test process.
+// exits: 0 when the body recorded no failure. A rank process runs the test from
+// its start up to its own RunOnRanks call (earlier calls return at once there),
+// so guard side effects between calls, such as deleting or corrupting files,
+// with `if (!IsRankProcess())`.
 #ifndef TRIDENT_TESTING_MULTIPROCESS_H_
 #define TRIDENT_TESTING_MULTIPROCESS_H_
 

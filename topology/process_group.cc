@@ -140,6 +140,17 @@ absl::Status ProcessGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
+  if (!tensor.is_contiguous()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "all_reduce on process group '", name_, "': IAllReduce needs a contiguous tensor"));
+  }
+  std::vector<at::Tensor> tensors = {tensor};
+  c10d::AllreduceOptions options;
+  options.timeout = timeout_;
+  return Start("all_reduce", [&] { return backend_->allreduce(tensors, options); });
+}
+
 absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
   TRIDENT_RETURN_IF_ERROR(CheckPeer(root, "broadcast"));
   std::vector<at::Tensor> tensors = {tensor.is_contiguous() ? tensor : tensor.contiguous()};

@@ -85,6 +85,9 @@ class ProcessGroup {
 
   // In place: `tensor` becomes the reduction of every rank's `tensor`.
   absl::Status AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) const;
+  // Starts a summing all-reduce of contiguous `tensor` in place; the result is
+  // there once the returned work's Wait() succeeds.
+  absl::StatusOr<PendingWork> IAllReduce(at::Tensor& tensor) const;
   // In place: every rank's `tensor` becomes group rank `root`'s.
   absl::Status Broadcast(at::Tensor& tensor, int root) const;
   // Every rank's `input` (same shape and dtype everywhere), concatenated along

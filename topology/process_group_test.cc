@@ -59,6 +59,12 @@ TEST_P(CollectivesTest, AllReduceMatchesHandComputedAnswers) {
     ASSERT_TRUE(group.AllReduce(transposed).ok());
     EXPECT_TRUE(at::equal(matrix, at::arange(6, at::kFloat).view({2, 3}).mul(sum_of_factors)));
 
+    at::Tensor started = at::full({3}, static_cast<float>(rank));
+    auto pending = group.IAllReduce(started);
+    ASSERT_TRUE(pending.ok()) << pending.status();
+    ASSERT_TRUE(pending->Wait().ok());
+    EXPECT_EQ(started[2].item<float>(), world * (world - 1) / 2.0f);
+
     absl::Status bad = group.AllReduce(counts, ReduceOp::kAvg);
     EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(bad.message()), HasSubstr("kAvg needs a floating-point tensor"));

@@ -1,0 +1,121 @@
+#include "trainer/internal/gradient_reducer.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "base/logging.h"
+
+namespace trident {
+namespace internal {
+namespace {
+
+// Runs `callback` after a grad accumulator has added a gradient to .grad.
+class AccumulatedHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit AccumulatedHook(std::function<void()> callback) : callback_(std::move(callback)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    callback_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> callback_;
+};
+
+}  // namespace
+
+GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
+                                 const ProcessGroup* group, int64_t bucket_bytes)
+    : group_(group != nullptr && group->size() > 1 ? group : nullptr) {
+  // Bucket assignment in reverse order: the last layers' gradients come first.
+  std::vector<std::vector<at::Tensor>> members(1);
+  int64_t bytes = 0;
+  for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
+    const int64_t size = it->numel() * it->element_size();
+    if (!members.back().empty() && bytes + size > bucket_bytes) {
+      members.emplace_back();
+      bytes = 0;
+    }
+    members.back().push_back(*it);
+    bytes += size;
+  }
+  buckets_.resize(members.size());
+  for (size_t b = 0; b < members.size(); ++b) {
+    int64_t total = 0;
+    for (const at::Tensor& p : members[b]) total += p.numel();
+    buckets_[b].buffer = at::zeros({total}, members[b].front().options());
+    bucket_sizes_.push_back(static_cast<int>(members[b].size()));
+    int64_t offset = 0;
+    for (const at::Tensor& p : members[b]) {
+      at::Tensor param = p;
+      param.mutable_grad() = buckets_[b].buffer.narrow(0, offset, p.numel()).view(p.sizes());
+      offset += p.numel();
+      if (group_ == nullptr) continue;
+      std::shared_ptr<torch::autograd::Node> accumulator =
+          torch::autograd::impl::grad_accumulator(param);
+      const int index = static_cast<int>(b);
+      accumulator->add_post_hook(
+          std::make_unique<AccumulatedHook>([this, index] { OnGradientReady(index); }));
+      hooks_.push_back(accumulator);
+    }
+  }
+}
+
+GradientReducer::~GradientReducer() {
+  for (auto& hook : hooks_) {
+    static_cast<torch::autograd::Node*>(hook.get())->post_hooks().clear();
+  }
+}
+
+void GradientReducer::ZeroGrad() {
+  for (Bucket& bucket : buckets_) bucket.buffer.zero_();
+}
+
+void GradientReducer::PrepareForBackward(bool last_micro_batch) {
+  sync_ = last_micro_batch && group_ != nullptr;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].pending = bucket_sizes_[b];
+    buckets_[b].launched = false;
+  }
+}
+
+void GradientReducer::OnGradientReady(int bucket) {
+  if (!sync_) return;
+  Bucket& b = buckets_[bucket];
+  if (--b.pending == 0) Launch(b);
+}
+
+void GradientReducer::Launch(Bucket& bucket) {
+  bucket.launched = true;
+  auto work = group_->IAllReduce(bucket.buffer);
+  if (work.ok()) {
+    bucket.work = *std::move(work);
+  } else {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (first_error_.ok()) first_error_ = work.status();
+  }
+}
+
+absl::Status GradientReducer::FinishBackward() {
+  if (group_ == nullptr) return absl::OkStatus();
+  // NOTE: buckets whose parameters got no gradient this step (unused parameters)
+  // are launched here, in bucket order, so every rank issues the same sequence.
+  for (Bucket& bucket : buckets_) {
+    if (!bucket.launched) Launch(bucket);
+  }
+  absl::Status status = first_error_;
+  first_error_ = absl::OkStatus();
+  for (Bucket& bucket : buckets_) {
+    absl::Status waited = bucket.work.Wait();
+    if (status.ok() && !waited.ok()) status = waited;
+  }
+  if (!status.ok()) return status;
+  for (Bucket& bucket : buckets_) bucket.buffer.div_(group_->size());
+  sync_ = false;
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+}  // namespace trident

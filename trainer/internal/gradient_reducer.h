@@ -1,0 +1,62 @@
+// Data-parallel gradient averaging with overlap, in the manner of PyTorch DDP's
+// reducer: parameters are grouped into buckets (in reverse registration order,
+// roughly the order backward produces them); each parameter's .grad is a view
+// into its bucket's flat buffer, so accumulation writes straight into the
+// buffer; and a bucket's all-reduce starts as soon as the last of its
+// gradients is accumulated, while backward continues with earlier layers.
+#ifndef TRIDENT_TRAINER_INTERNAL_GRADIENT_REDUCER_H_
+#define TRIDENT_TRAINER_INTERNAL_GRADIENT_REDUCER_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "topology/topology.h"
+
+namespace trident {
+namespace internal {
+
+class GradientReducer {
+ public:
+  // `group` averages the gradients (nullptr or size 1: no communication);
+  // buckets hold up to `bucket_bytes` each.
+  GradientReducer(const std::vector<at::Tensor>& parameters, const ProcessGroup* group,
+                  int64_t bucket_bytes);
+  ~GradientReducer();
+
+  // Zeroes every gradient (the bucket buffers).
+  void ZeroGrad();
+  // Call before each backward; `last_micro_batch` starts the all-reduces during it.
+  void PrepareForBackward(bool last_micro_batch);
+  // After the last backward: waits for the all-reduces and averages the gradients.
+  absl::Status FinishBackward();
+
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+
+ private:
+  struct Bucket {
+    at::Tensor buffer;
+    int pending = 0;  // gradients not yet accumulated in this backward
+    bool launched = false;
+    PendingWork work;
+  };
+  void OnGradientReady(int bucket);
+  void Launch(Bucket& bucket);
+
+  const ProcessGroup* group_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_sizes_;  // parameters per bucket
+  std::vector<std::shared_ptr<void>> hooks_;  // keeps the grad accumulators alive
+  bool sync_ = false;
+  std::mutex mutex_;
+  absl::Status first_error_;
+};
+
+}  // namespace internal
+}  // namespace trident
+
+#endif  // TRIDENT_TRAINER_INTERNAL_GRADIENT_REDUCER_H_

@@ -1,0 +1,86 @@
+// train: trains a model from the zoo with Trident.
+//
+//   bazel run -c opt //trainer:train                      # gpt-tiny on fortunes, 2 local ranks
+//   bazel run -c opt //trainer:train -- --config=trainer/configs/default.pbtxt --lr=3e-4
+//   launch --nproc_per_node=4 -- train --dp=4             # under a launcher, mpirun or srun
+//
+// Every TrainerConfig field (trainer/config.proto) is a flag of the same name.
+// Started without RANK in the environment, train spawns dp*tp*pp local ranks
+// (or --nproc) itself and exits non-zero if any of them fails.
+#include <gflags/gflags.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+#include "base/status.h"
+#include "topology/topology.h"
+#include "trainer/trainer.h"
+
+DEFINE_string(config, "", "a TrainerConfig text file; flags override its fields");
+DEFINE_int32(nproc, 0, "local ranks to spawn when not started by a launcher (0: dp*tp*pp)");
+
+namespace trident {
+namespace {
+
+absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
+  std::vector<std::string> args(*argv + 1, *argv + *argc);
+  TrainerConfig overrides;
+  TRIDENT_RETURN_IF_ERROR(ApplyConfigFlags(&args, &overrides));
+  // What is left are the binary's own flags, for gflags (which rejects unknown ones).
+  std::vector<char*> rest = {(*argv)[0]};
+  static std::vector<std::string> storage;
+  storage = args;
+  for (std::string& a : storage) rest.push_back(a.data());
+  int rest_count = static_cast<int>(rest.size());
+  char** rest_argv = rest.data();
+  gflags::ParseCommandLineFlags(&rest_count, &rest_argv, /*remove_flags=*/true);
+  if (rest_count > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument '", rest_argv[1], "'; flags are --name=value"));
+  }
+  TrainerConfig config;
+  if (!FLAGS_config.empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(config, LoadTrainerConfig(FLAGS_config));
+  }
+  std::vector<std::string> again(*argv + 1, *argv + *argc);
+  TRIDENT_RETURN_IF_ERROR(ApplyConfigFlags(&again, &config));
+  return config;
+}
+
+absl::Status RunRank(TrainerConfig config) {
+  TRIDENT_ASSIGN_OR_RETURN(DistributedEnv env, DistributedEnvFromEnvironment());
+  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+    at::set_num_threads(static_cast<int>(std::max(1u, cores / env.local_world_size)));
+  }
+  TopologyOptions options;
+  options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, topology.get()));
+  return trainer->Train().status();
+}
+
+absl::Status Run(int argc, char** argv) {
+  TRIDENT_ASSIGN_OR_RETURN(TrainerConfig config, ConfigFromCommandLine(&argc, &argv));
+  if (HasDistributedEnv()) return RunRank(config);
+  const int nproc = FLAGS_nproc > 0 ? FLAGS_nproc : config.dp() * config.tp() * config.pp();
+  // Check the configuration once, here, before any rank starts.
+  TrainerConfig checked = config;
+  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&checked, nproc));
+  if (isatty(STDOUT_FILENO)) setenv("TRIDENT_STDOUT_IS_TTY", "1", /*overwrite=*/0);
+  return *RunAsLocalJobUnlessLaunched(nproc, argc, argv);
+}
+
+}  // namespace
+}  // namespace trident
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("train [--config=FILE] [--FIELD=VALUE ...]; fields: trainer/config.proto");
+  return trident::ExitCodeFor("train", trident::Run(argc, argv));
+}

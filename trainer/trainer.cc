@@ -1,0 +1,528 @@
+#include "trainer/trainer.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <thread>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "checkpoint/checkpoint.h"
+#include "data/data.h"
+#include "trainer/internal/gradient_reducer.h"
+#include "trainer/internal/metrics.h"
+#include "trainer/internal/optimizer.h"
+
+namespace trident {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double PeakResidentMb() {
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
+// Dense matrix-product throughput of this process's threads, in FLOP/s.
+double MeasurePeakFlops() {
+  at::NoGradGuard no_grad;
+  const int64_t n = 512;
+  // Constant inputs: drawing random ones would advance the training RNG.
+  auto a = at::full({n, n}, 0.5), b = at::full({n, n}, 0.25), c = at::empty({n, n});
+  at::mm_out(c, a, b);  // warm up
+  int64_t products = 0;
+  const auto start = Clock::now();
+  while (Seconds(Clock::now() - start) < 0.25) {
+    at::mm_out(c, a, b);
+    ++products;
+  }
+  return 2.0 * n * n * n * products / Seconds(Clock::now() - start);
+}
+
+std::string HumanCount(double value) {
+  if (value >= 1e9) return absl::StrFormat("%.2fG", value / 1e9);
+  if (value >= 1e6) return absl::StrFormat("%.2fM", value / 1e6);
+  if (value >= 1e3) return absl::StrFormat("%.1fk", value / 1e3);
+  return absl::StrFormat("%.0f", value);
+}
+
+std::string DefaultDataDirectory() {
+  const char* home = std::getenv("HOME");
+  return absl::StrCat(home != nullptr ? home : "/tmp", "/.cache/trident/data/fortunes-byte");
+}
+
+}  // namespace
+
+class Trainer::Impl {
+ public:
+  TrainerConfig config;
+  Topology* topology = nullptr;
+  ProcessGroup* dp_group = nullptr;
+  int dp_rank = 0;
+  bool is_rank0 = false;
+  ModelConfig model_config;
+  std::shared_ptr<LanguageModel> model;
+  NamedTensors parameters;  // stored parameters, tied ones once
+  std::vector<at::Tensor> parameter_list;
+  std::unique_ptr<internal::AdamW> optimizer;
+  std::unique_ptr<internal::GradientReducer> reducer;
+  std::unique_ptr<TokenFile> train_data, val_data;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<BatchSampler> sampler;
+  std::vector<std::shared_ptr<TrainerHooks>> hooks;
+  std::unique_ptr<internal::JsonLinesWriter> metrics;
+  std::unique_ptr<internal::TensorBoardWriter> tensorboard;
+  std::optional<double> last_val_loss;
+  int64_t step = 0;
+  double peak_flops = 0;
+  double flops_per_token = 0;
+  bool progress_bar = false;
+
+  TrainerState State() { return TrainerState{config, *model, *topology, step}; }
+
+  template <typename Fn>
+  void ForHooks(Fn&& fn) {
+    for (auto& h : hooks) fn(*h);
+  }
+
+  void Print(const std::string& line) {
+    if (!is_rank0) return;
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  }
+
+  absl::Status OpenData();
+  absl::Status LoadInitialWeights(const std::string& path);
+  absl::Status SaveCheckpoint();
+  absl::Status LoadCheckpoint();
+  absl::StatusOr<double> TrainStep();
+  absl::StatusOr<double> Evaluate();
+  void Report(const StepMetrics& m, int64_t max_steps, double elapsed);
+};
+
+absl::Status Trainer::Impl::OpenData() {
+  std::string dir = config.data();
+  if (dir.empty()) {
+    dir = DefaultDataDirectory();
+    if (is_rank0 && !fs::exists(dir + "/train.bin")) {
+      Print(absl::StrCat("preparing the default corpus (Debian's fortunes, byte tokens) in ", dir));
+      PrepareOptions options;
+      options.output_dir = dir;
+      TRIDENT_RETURN_IF_ERROR(PrepareTextCorpus(options).status());
+    }
+    TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
+  }
+  int vocab = 256;
+  if (fs::exists(dir + "/tokenizer.txt")) {
+    TRIDENT_ASSIGN_OR_RETURN(tokenizer, LoadTokenizer(dir + "/tokenizer.txt"));
+    vocab = tokenizer->vocab_size();
+  }
+  TRIDENT_ASSIGN_OR_RETURN(model_config, ResolveModelConfig(config, vocab));
+  TRIDENT_ASSIGN_OR_RETURN(train_data, TokenFile::Open(dir + "/train.bin", model_config.vocab_size,
+                                                       model_config.block_size));
+  if (fs::exists(dir + "/val.bin")) {
+    TRIDENT_ASSIGN_OR_RETURN(val_data, TokenFile::Open(dir + "/val.bin", model_config.vocab_size,
+                                                       model_config.block_size));
+  }
+  sampler = std::make_unique<BatchSampler>(train_data->num_samples(), config.global_batch_size(),
+                                           config.seed(), config.shuffle());
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Impl::LoadInitialWeights(const std::string& path) {
+  TRIDENT_ASSIGN_OR_RETURN(SafetensorsContents contents, ReadSafetensors(path));
+  at::NoGradGuard no_grad;
+  std::vector<std::string> missing;
+  for (auto& [name, parameter] : parameters) {
+    auto saved = contents.Get(name);
+    if (!saved.ok()) {
+      missing.push_back(name);
+      continue;
+    }
+    if (!saved->sizes().equals(parameter.sizes())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "init_from ", path, ": tensor '", name, "' has shape ", c10::str(saved->sizes()),
+          " but the model's parameter is ", c10::str(parameter.sizes()),
+          "; the file is for another model size"));
+    }
+    parameter.copy_(*saved);
+  }
+  if (!missing.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("init_from ", path, " lacks ", missing.size(),
+                                                   " parameter(s) of the model: ",
+                                                   absl::StrJoin(missing, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Impl::SaveCheckpoint() {
+  CheckpointDirectory directory(config.save_dir());
+  TRIDENT_ASSIGN_OR_RETURN(const std::string staging, directory.StagingPath(step));
+  NamedTensors tensors;
+  for (const auto& [name, p] : parameters) tensors.emplace_back("model/" + name, p);
+  for (auto& [name, t] : optimizer->State()) tensors.emplace_back("optimizer/" + name, t);
+  {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    tensors.emplace_back("rng/cpu", generator.get_state());
+  }
+  TRIDENT_RETURN_IF_ERROR(WriteSafetensors(
+      absl::StrCat(staging, "/rank_", topology->rank(), ".safetensors"), tensors,
+      {{"step", absl::StrCat(step)}, {"rank", absl::StrCat(topology->rank())}}));
+  if (is_rank0) {
+    std::ofstream(staging + "/config.pbtxt") << ConfigToText(config);
+  }
+  TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
+  if (is_rank0) {
+    TRIDENT_RETURN_IF_ERROR(
+        directory.Commit(step, topology->world_size(), last_val_loss, config.keep_last_n()));
+  }
+  TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
+  const std::string path = absl::StrCat(config.save_dir(), "/step_", step);
+  Print(absl::StrCat("saved checkpoint ", path));
+  ForHooks([&](TrainerHooks& h) { h.OnSaveCheckpoint(State(), path); });
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Impl::LoadCheckpoint() {
+  CheckpointDirectory directory(config.save_dir());
+  auto resolved = directory.Resolve(config.resume_from());
+  if (!resolved.ok()) {
+    const bool nothing_saved_yet = config.resume_from() == "last" &&
+                                   absl::IsNotFound(resolved.status()) &&
+                                   !fs::exists(config.save_dir() + "/last");
+    if (!nothing_saved_yet) return resolved.status();
+    Print(absl::StrCat("no checkpoint in ", config.save_dir(), " yet; starting from step 0"));
+    return absl::OkStatus();
+  }
+  for (const std::string& reason : resolved->skipped) {
+    Print(absl::StrCat("resume_from=last: skipping an invalid checkpoint: ", reason));
+  }
+  if (resolved->manifest.world_size() != topology->world_size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", resolved->path, " was written by ", resolved->manifest.world_size(),
+        " ranks but this run has ", topology->world_size(),
+        "; resume with the same layout (resharding across layouts is not available yet)"));
+  }
+  const std::string file = absl::StrCat(resolved->path, "/rank_", topology->rank(), ".safetensors");
+  TRIDENT_ASSIGN_OR_RETURN(SafetensorsContents contents, ReadSafetensors(file));
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [name, parameter] : parameters) {
+      TRIDENT_ASSIGN_OR_RETURN(at::Tensor saved, contents.Get("model/" + name));
+      if (!saved.sizes().equals(parameter.sizes())) {
+        return absl::InvalidArgumentError(absl::StrCat("checkpoint ", file, ": '", name,
+                                                       "' has shape ", c10::str(saved.sizes()),
+                                                       ", the model needs ",
+                                                       c10::str(parameter.sizes())));
+      }
+      parameter.copy_(saved);
+    }
+  }
+  SafetensorsContents optimizer_state;
+  optimizer_state.path = file;
+  for (const auto& [name, t] : contents.tensors) {
+    if (name.rfind("optimizer/", 0) == 0) optimizer_state.tensors.emplace_back(name.substr(10), t);
+  }
+  TRIDENT_RETURN_IF_ERROR(optimizer->LoadState(optimizer_state));
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor rng, contents.Get("rng/cpu"));
+  {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(rng);
+  }
+  step = resolved->manifest.step();
+  if (resolved->manifest.has_val_loss()) last_val_loss = resolved->manifest.val_loss();
+  Print(absl::StrCat("resumed from ", resolved->path, " at step ", step));
+  ForHooks([&](TrainerHooks& h) { h.OnLoadCheckpoint(State(), resolved->path); });
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> Trainer::Impl::TrainStep() {
+  const int64_t accumulation = config.grad_accumulation_steps();
+  reducer->ZeroGrad();
+  double local_loss = 0;
+  at::Tensor inputs, targets;
+  for (int64_t micro = 0; micro < accumulation; ++micro) {
+    train_data->Fill(sampler->MicroBatch(step, config.dp(), dp_rank, config.micro_batch_size(),
+                                         micro),
+                     &inputs, &targets);
+    reducer->PrepareForBackward(micro == accumulation - 1);
+    at::Tensor loss = model->Loss(inputs, targets).div(static_cast<double>(accumulation));
+    loss.backward();
+    local_loss += loss.item<double>();
+  }
+  TRIDENT_RETURN_IF_ERROR(reducer->FinishBackward());
+  at::Tensor loss = at::full({1}, local_loss, at::kDouble);
+  TRIDENT_RETURN_IF_ERROR(dp_group->AllReduce(loss, ReduceOp::kAvg));
+  return loss.item<double>();
+}
+
+absl::StatusOr<double> Trainer::Impl::Evaluate() {
+  if (val_data == nullptr) return absl::NotFoundError("no val.bin in the data directory");
+  model->eval();
+  at::NoGradGuard no_grad;
+  BatchSampler val_sampler(val_data->num_samples(), config.global_batch_size(), config.seed(),
+                           /*shuffle=*/false);
+  double total = 0;
+  at::Tensor inputs, targets;
+  const int64_t accumulation = config.grad_accumulation_steps();
+  for (int64_t s = 0; s < config.eval_steps(); ++s) {
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      val_data->Fill(val_sampler.MicroBatch(s, config.dp(), dp_rank, config.micro_batch_size(), micro),
+                     &inputs, &targets);
+      total += model->Loss(inputs, targets).item<double>();
+    }
+  }
+  model->train();
+  at::Tensor mean = at::full({1}, total / (config.eval_steps() * accumulation), at::kDouble);
+  TRIDENT_RETURN_IF_ERROR(dp_group->AllReduce(mean, ReduceOp::kAvg));
+  last_val_loss = mean.item<double>();
+  ForHooks([&](TrainerHooks& h) { h.OnEvalEnd(State(), *last_val_loss); });
+  return *last_val_loss;
+}
+
+void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps, double elapsed) {
+  const std::vector<std::pair<std::string, double>> values = {
+      {"loss", m.loss},
+      {"lr", m.lr},
+      {"grad_norm", m.grad_norm},
+      {"tokens_per_s", m.tokens_per_s},
+      {"step_time_ms", m.step_time_ms},
+      {"mfu", m.mfu}};
+  if (metrics) metrics->Write(m.step, values);
+  if (tensorboard) tensorboard->Write(m.step, values);
+  if (!is_rank0) return;
+  const double eta = m.step_time_ms / 1000.0 * (max_steps - m.step);
+  if (progress_bar) {
+    const int width = 24, filled = static_cast<int>(width * m.step / max_steps);
+    std::printf("\rstep %lld/%lld [%s%s] loss %.4f | %s tok/s | ETA %s   ",
+                static_cast<long long>(m.step), static_cast<long long>(max_steps),
+                std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(), m.loss,
+                HumanCount(m.tokens_per_s).c_str(), internal::FormatDuration(eta).c_str());
+    if (m.step == max_steps) std::printf("\n");
+    std::fflush(stdout);
+  } else if (m.step % config.log_every() == 0 || m.step == max_steps) {
+    Print(absl::StrFormat(
+        "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.0f ms/step | mfu %.1f%% "
+        "| ETA %s",
+        m.step, max_steps, m.loss, m.lr, m.grad_norm, HumanCount(m.tokens_per_s), m.step_time_ms,
+        100 * m.mfu, internal::FormatDuration(eta)));
+  }
+  (void)elapsed;
+}
+
+Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Trainer::~Trainer() = default;
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, Topology* topology) {
+  auto impl = std::make_unique<Impl>();
+  Impl& t = *impl;
+  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, topology->world_size()));
+  t.config = std::move(config);
+  t.topology = topology;
+  TRIDENT_ASSIGN_OR_RETURN(t.dp_group, topology->Group("dp"));
+  if (t.dp_group->size() != t.config.dp()) {
+    return absl::InvalidArgumentError(absl::StrCat("the topology's data-parallel group has ",
+                                                   t.dp_group->size(), " ranks but dp=",
+                                                   t.config.dp()));
+  }
+  t.dp_rank = t.dp_group->rank();
+  t.is_rank0 = topology->rank() == 0;
+  TRIDENT_RETURN_IF_ERROR(t.OpenData());
+  TRIDENT_ASSIGN_OR_RETURN(t.model, CreateModel(t.model_config, t.config.seed()));
+  // Record the resolved model sizes so the printed and saved config is complete.
+  t.config.set_n_layer(t.model_config.n_layer);
+  t.config.set_n_head(t.model_config.n_head);
+  t.config.set_n_embd(t.model_config.n_embd);
+  t.config.set_block_size(t.model_config.block_size);
+  t.config.set_vocab_size(t.model_config.vocab_size);
+  t.config.set_dropout(t.model_config.dropout);
+  for (const auto& item : t.model->named_parameters()) {
+    t.parameters.emplace_back(item.key(), item.value());
+    t.parameter_list.push_back(item.value());
+  }
+  if (!t.config.init_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadInitialWeights(t.config.init_from()));
+  internal::AdamWOptions adam;
+  adam.beta1 = t.config.adam_beta1();
+  adam.beta2 = t.config.adam_beta2();
+  adam.eps = t.config.adam_eps();
+  adam.weight_decay = t.config.weight_decay();
+  t.reducer = std::make_unique<internal::GradientReducer>(
+      t.parameter_list, t.dp_group, static_cast<int64_t>(t.config.bucket_size_mb() * (1 << 20)));
+  t.optimizer = std::make_unique<internal::AdamW>(t.parameters, adam);
+  torch::manual_seed(t.config.seed() + static_cast<uint64_t>(t.dp_rank));
+  if (!t.config.resume_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadCheckpoint());
+  if (t.is_rank0 && !t.config.metrics_file().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(t.metrics, internal::JsonLinesWriter::Open(t.config.metrics_file()));
+  }
+  if (t.is_rank0 && !t.config.tensorboard_dir().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(t.tensorboard,
+                             internal::TensorBoardWriter::Open(t.config.tensorboard_dir()));
+  }
+  const char* terminal = std::getenv("TRIDENT_STDOUT_IS_TTY");
+  t.progress_bar = t.is_rank0 && t.config.enable_progress_bar() &&
+                   (isatty(STDOUT_FILENO) || (terminal != nullptr && std::string(terminal) == "1"));
+  const int64_t T = t.model_config.block_size;
+  t.flops_per_token = 6.0 * t.model->NumParameters() +
+                      12.0 * t.model_config.n_layer * t.model_config.n_embd * T;
+  t.peak_flops = MeasurePeakFlops();
+  return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
+}
+
+void Trainer::AddHooks(std::shared_ptr<TrainerHooks> hooks) { impl_->hooks.push_back(std::move(hooks)); }
+LanguageModel& Trainer::model() { return *impl_->model; }
+const TrainerConfig& Trainer::config() const { return impl_->config; }
+int64_t Trainer::step() const { return impl_->step; }
+absl::StatusOr<double> Trainer::Evaluate() { return impl_->Evaluate(); }
+
+absl::StatusOr<TrainResult> Trainer::Train() {
+  Impl& t = *impl_;
+  const TrainerConfig& c = t.config;
+  int64_t max_steps = c.max_steps();
+  if (c.max_epochs() > 0) {
+    const int64_t per_epoch =
+        (t.train_data->num_samples() + c.global_batch_size() - 1) / c.global_batch_size();
+    max_steps = std::min(max_steps, per_epoch * c.max_epochs());
+  }
+  TrainResult result;
+  result.first_step = t.step;
+  result.unigram_entropy = UnigramEntropy(*t.train_data);
+  t.Print(absl::StrCat("config:\n", ConfigToText(c)));
+  t.Print(absl::StrFormat(
+      "model %s: %s parameters | data %s: %s tokens, %d samples of %d | %d rank(s), global batch "
+      "%d (micro %d x accumulation %d x dp %d) | peak %.1f GFLOP/s per rank | peak RSS %.0f MB",
+      c.model(), HumanCount(t.model->NumParameters()), t.train_data->path(),
+      HumanCount(t.train_data->num_tokens()), t.train_data->num_samples(),
+      t.model_config.block_size, t.topology->world_size(), c.global_batch_size(),
+      c.micro_batch_size(), c.grad_accumulation_steps(), c.dp(), t.peak_flops / 1e9,
+      PeakResidentMb()));
+  t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
+  const auto start = Clock::now();
+  const double tokens_per_step =
+      static_cast<double>(c.global_batch_size()) * t.model_config.block_size;
+  while (t.step < max_steps) {
+    t.ForHooks([&](TrainerHooks& h) { h.OnStepStart(t.State()); });
+    const auto step_start = Clock::now();
+    TRIDENT_ASSIGN_OR_RETURN(const double loss, t.TrainStep());
+    if (!std::isfinite(loss)) {
+      return absl::InternalError(absl::StrCat("the loss became ", loss, " at step ", t.step + 1,
+                                              "; lower lr or raise warmup_steps"));
+    }
+    StepMetrics m;
+    m.loss = loss;
+    m.grad_norm = internal::ClipGradNorm(t.parameter_list, c.grad_clip());
+    m.lr = internal::LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps,
+                                  t.step);
+    t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
+    t.optimizer->Step(m.lr);
+    ++t.step;
+    t.ForHooks([&](TrainerHooks& h) { h.AfterOptimizerStep(t.State()); });
+    const double seconds = Seconds(Clock::now() - step_start);
+    m.step = t.step;
+    m.step_time_ms = 1000 * seconds;
+    m.tokens_per_s = tokens_per_step / seconds;
+    m.mfu = t.flops_per_token * m.tokens_per_s / t.topology->world_size() / t.peak_flops;
+    result.losses.push_back(loss);
+    t.ForHooks([&](TrainerHooks& h) { h.OnStepEnd(t.State(), m); });
+    t.Report(m, max_steps, Seconds(Clock::now() - start));
+    const bool last = t.step == max_steps;
+    if (c.eval_every() > 0 && t.step % c.eval_every() == 0 && !last && t.val_data) {
+      TRIDENT_ASSIGN_OR_RETURN(const double val_loss, t.Evaluate());
+      t.Print(absl::StrFormat("step %d | val_loss %.4f", t.step, val_loss));
+    }
+    if (!c.save_dir().empty() && ((c.save_every() > 0 && t.step % c.save_every() == 0) || last)) {
+      if (last && t.val_data) {
+        TRIDENT_ASSIGN_OR_RETURN(result.val_loss, t.Evaluate());
+      }
+      TRIDENT_RETURN_IF_ERROR(t.SaveCheckpoint());
+    }
+    if (!c.export_safetensors().empty() && c.export_every() > 0 && t.step % c.export_every() == 0) {
+      TRIDENT_RETURN_IF_ERROR(ExportSafetensors(c.export_safetensors()));
+    }
+  }
+  if (!result.val_loss && t.val_data) {
+    TRIDENT_ASSIGN_OR_RETURN(result.val_loss, t.Evaluate());
+  }
+  if (result.val_loss) {
+    t.Print(absl::StrFormat("validation loss %.4f nats/token (unigram entropy of the data %.4f)",
+                            *result.val_loss, result.unigram_entropy));
+  }
+  if (c.sample_tokens() > 0) {
+    TRIDENT_ASSIGN_OR_RETURN(result.sample, Sample(c.prompt(), c.sample_tokens()));
+    t.Print(absl::StrCat("sample (temperature ", c.temperature(), ", top_k ", c.top_k(), "):\n",
+                         result.sample));
+  }
+  if (!c.export_safetensors().empty()) TRIDENT_RETURN_IF_ERROR(ExportSafetensors(c.export_safetensors()));
+  t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB", t.step - result.first_step,
+                          internal::FormatDuration(Seconds(Clock::now() - start)), PeakResidentMb()));
+  t.ForHooks([&](TrainerHooks& h) { h.OnTrainEnd(t.State()); });
+  return result;
+}
+
+absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t tokens) {
+  Impl& t = *impl_;
+  if (!t.is_rank0) return std::string();
+  std::vector<int64_t> ids;
+  if (t.tokenizer) {
+    for (uint16_t id : t.tokenizer->Encode(prompt)) ids.push_back(id);
+  } else {
+    for (unsigned char ch : prompt) ids.push_back(ch % t.model_config.vocab_size);
+  }
+  if (ids.empty()) ids.push_back(0);
+  const size_t prompt_length = ids.size();
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(t.config.seed());
+  t.model->eval();
+  at::NoGradGuard no_grad;
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t context = std::min<int64_t>(ids.size(), t.model_config.block_size);
+    at::Tensor input = at::tensor(std::vector<int64_t>(ids.end() - context, ids.end()), at::kLong).unsqueeze(0);
+    at::Tensor logits = t.model->Logits(input).select(1, context - 1).squeeze(0) / t.config.temperature();
+    if (t.config.top_k() > 0 && t.config.top_k() < logits.size(0)) {
+      const double threshold = std::get<0>(logits.topk(t.config.top_k()))[-1].item<double>();
+      logits.masked_fill_(logits < threshold, -std::numeric_limits<float>::infinity());
+    }
+    ids.push_back(at::multinomial(at::softmax(logits, -1), 1, false, generator).item<int64_t>());
+  }
+  t.model->train();
+  std::vector<int64_t> generated(ids.begin() + prompt_length, ids.end());
+  if (t.tokenizer) return t.tokenizer->Decode(generated);
+  return MakeByteTokenizer()->Decode(generated);
+}
+
+absl::Status Trainer::ExportSafetensors(const std::string& path) {
+  Impl& t = *impl_;
+  if (t.is_rank0) {
+    NamedTensors tensors = t.parameters;
+    for (const auto& [alias, owner] : t.model->TiedParameters()) {
+      for (const auto& [name, p] : t.parameters) {
+        if (name == owner) tensors.emplace_back(alias, p);
+      }
+    }
+    const auto parent = fs::path(path).parent_path();
+    std::error_code error;
+    if (!parent.empty()) fs::create_directories(parent, error);
+    TRIDENT_RETURN_IF_ERROR(WriteSafetensors(path, tensors, {{"format", "pt"}}));
+    t.Print(absl::StrCat("exported the model to ", path));
+  }
+  return t.topology->world().Barrier();
+}
+
+}  // namespace trident

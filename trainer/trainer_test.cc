@@ -1,0 +1,255 @@
+// Parity of data-parallel training with one process, gradient accumulation,
+// bit-exact resume, refusal of corrupt checkpoints, and export / init_from.
+#include "trainer/trainer.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "checkpoint/checkpoint.h"
+#include "data/data.h"
+#include "testing/multiprocess.h"
+
+namespace trident {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+std::string TestDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+// A small byte-level corpus in TEST_TMPDIR/data, made once per test process.
+std::string DataDir() {
+  const std::string dir = TestDir() + "/data";
+  if (!fs::exists(dir + "/train.bin")) {
+    std::ofstream text(TestDir() + "/corpus.txt");
+    for (int i = 0; i < 300; ++i) {
+      text << "Line " << i << ": the quick brown fox jumps over the lazy dog " << (i * 7919) % 1000
+           << " times.\n";
+    }
+    text.close();
+    PrepareOptions options;
+    options.inputs = {TestDir() + "/corpus.txt"};
+    options.output_dir = dir;
+    EXPECT_TRUE(PrepareTextCorpus(options).ok());
+  }
+  return dir;
+}
+
+TrainerConfig SmallConfig(int dp) {
+  TrainerConfig c;
+  c.set_model("gpt");
+  c.set_preset("gpt-tiny");
+  c.set_n_layer(2);
+  c.set_n_embd(64);
+  c.set_n_head(4);
+  c.set_block_size(32);
+  c.set_data(DataDir());
+  c.set_dp(dp);
+  c.set_micro_batch_size(8 / dp);
+  c.set_global_batch_size(8);
+  c.set_max_steps(20);
+  c.set_lr(3e-3);
+  c.set_warmup_steps(5);
+  c.set_eval_every(0);
+  c.set_sample_tokens(0);
+  c.set_log_every(100);
+  c.set_enable_progress_bar(false);
+  c.set_seed(5);
+  return c;
+}
+
+void WriteLosses(const std::string& path, const std::vector<double>& losses) {
+  std::ofstream out(path);
+  out.precision(17);
+  for (double l : losses) out << l << "\n";
+}
+
+std::vector<double> ReadLosses(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<double> losses;
+  double l;
+  while (in >> l) losses.push_back(l);
+  return losses;
+}
+
+// Trains `config` on config.dp() ranks; rank 0 writes the losses to `tag`.txt.
+std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string& tag) {
+  const std::string path = TestDir() + "/" + tag + ".txt";
+  testing::RunOnRanks(config.dp(), [&](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    auto trainer = Trainer::Create(config, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    auto result = (*trainer)->Train();
+    ASSERT_TRUE(result.ok()) << result.status();
+    if (rank == 0) WriteLosses(path, result->losses);
+  });
+  return ReadLosses(path);
+}
+
+// Compares per-step losses to `relative` tolerance and prints the differences.
+void ExpectSameLosses(const std::vector<double>& expected, const std::vector<double>& actual,
+                      double relative) {
+  ASSERT_EQ(expected.size(), actual.size());
+  double worst = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    worst = std::max(worst, std::abs(actual[i] - expected[i]) / std::abs(expected[i]));
+    EXPECT_NEAR(actual[i], expected[i], relative * std::abs(expected[i])) << "step " << i + 1;
+  }
+  std::printf("largest relative loss difference over %zu steps: %.3g\n", expected.size(), worst);
+}
+
+TEST(TrainerParityTest, DataParallelLossesEqualOneProcess) {
+  const std::vector<double> single = TrainOnRanks(SmallConfig(1), "dp1");
+  ASSERT_EQ(single.size(), 20u);
+  EXPECT_LT(single.back(), single.front() * 0.8) << "the model should learn";
+  for (int dp : {2, 4}) {
+    SCOPED_TRACE("dp=" + std::to_string(dp));
+    ExpectSameLosses(single, TrainOnRanks(SmallConfig(dp), "dp" + std::to_string(dp)), 1e-5);
+  }
+}
+
+TEST(TrainerParityTest, GradientAccumulationEqualsOneLargeMicroBatch) {
+  TrainerConfig large = SmallConfig(1);
+  TrainerConfig accumulated = SmallConfig(1);
+  accumulated.set_micro_batch_size(2);
+  accumulated.clear_global_batch_size();
+  accumulated.set_grad_accumulation_steps(4);
+  ExpectSameLosses(TrainOnRanks(large, "mb8"), TrainOnRanks(accumulated, "mb2x4"), 1e-5);
+}
+
+TEST(TrainerCheckpointTest, ResumeIsBitExactAndCorruptCheckpointsAreRefused) {
+  const std::string save_dir = TestDir() + "/resume";
+  if (!testing::IsRankProcess()) fs::remove_all(save_dir);
+  TrainerConfig straight = SmallConfig(2);
+  straight.set_save_dir(save_dir);
+  straight.set_save_every(10);
+  straight.set_dropout(0.1);  // dropout masks must resume too
+  const std::vector<double> losses = TrainOnRanks(straight, "straight");
+  ASSERT_TRUE(fs::exists(save_dir + "/step_10/manifest.pbtxt"));
+  ASSERT_TRUE(fs::exists(save_dir + "/step_20/rank_1.safetensors"));
+
+  TrainerConfig resumed = straight;
+  resumed.set_resume_from(save_dir + "/step_10");
+  resumed.set_save_dir(TestDir() + "/resume_again");
+  const std::vector<double> tail = TrainOnRanks(resumed, "resumed");
+  ASSERT_EQ(tail.size(), 10u);
+  for (size_t i = 0; i < tail.size(); ++i) EXPECT_EQ(tail[i], losses[10 + i]) << "step " << 11 + i;
+
+  // Flip one byte of step 20: naming it fails; resume_from=last falls back to step 10.
+  if (!testing::IsRankProcess()) {
+    std::fstream file(save_dir + "/step_20/rank_1.safetensors",
+                      std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(-3, std::ios::end);
+    file.put('\x7f');
+  }
+  testing::RunOnRanks(2, [&](int) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok());
+    TrainerConfig bad = straight;
+    bad.set_resume_from(save_dir + "/step_20");
+    auto refused = Trainer::Create(bad, topology->get());
+    ASSERT_FALSE(refused.ok());
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr("step_20/rank_1.safetensors is corrupt"));
+    TrainerConfig last = straight;
+    last.set_resume_from("last");
+    auto fallback = Trainer::Create(last, topology->get());
+    ASSERT_TRUE(fallback.ok()) << fallback.status();
+    EXPECT_EQ((*fallback)->step(), 10);
+  });
+}
+
+TEST(TrainerExportTest, ExportedWeightsCarryTheReferenceNamesAndInitialiseAnotherRun) {
+  const std::string exported = TestDir() + "/export/model.safetensors";
+  TrainerConfig config = SmallConfig(2);
+  config.set_max_steps(3);
+  config.set_export_safetensors(exported);
+  TrainOnRanks(config, "export");
+  auto contents = ReadSafetensors(exported);
+  ASSERT_TRUE(contents.ok()) << contents.status();
+  auto head = contents->Get("lm_head.weight");
+  auto wte = contents->Get("transformer.wte.weight");
+  ASSERT_TRUE(head.ok() && wte.ok());
+  EXPECT_TRUE(at::equal(*head, *wte));
+  EXPECT_TRUE(contents->Get("transformer.h.1.mlp.c_proj.bias").ok());
+
+  // A run initialised from the export starts from exactly the exported weights.
+  TrainerConfig from_export = SmallConfig(1);
+  from_export.set_init_from(exported);
+  testing::RunOnRanks(1, [&](int) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok());
+    auto trainer = Trainer::Create(from_export, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    for (const auto& [name, saved] : contents->tensors) {
+      if (name == "lm_head.weight") continue;  // tied: stored as transformer.wte.weight
+      EXPECT_TRUE(at::equal((*trainer)->model().named_parameters()[name], saved)) << name;
+    }
+  });
+
+  TrainerConfig wrong = SmallConfig(1);
+  wrong.set_n_embd(32);
+  wrong.set_init_from(exported);
+  testing::RunOnRanks(1, [&](int) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok());
+    auto trainer = Trainer::Create(wrong, topology->get());
+    ASSERT_FALSE(trainer.ok());
+    EXPECT_THAT(std::string(trainer.status().message()), HasSubstr("is for another model size"));
+  });
+}
+
+class RecordingHooks : public TrainerHooks {
+ public:
+  void OnTrainStart(const TrainerState&) override { events.push_back("train_start"); }
+  void OnStepStart(const TrainerState& s) override { events.push_back("step_start " + std::to_string(s.step)); }
+  void BeforeOptimizerStep(const TrainerState&) override { events.push_back("before_optimizer"); }
+  void AfterOptimizerStep(const TrainerState& s) override { events.push_back("after_optimizer " + std::to_string(s.step)); }
+  void OnStepEnd(const TrainerState&, const StepMetrics& m) override {
+    events.push_back("step_end " + std::to_string(m.step));
+  }
+  void OnEvalEnd(const TrainerState&, double) override { events.push_back("eval_end"); }
+  void OnSaveCheckpoint(const TrainerState&, const std::string&) override { events.push_back("save"); }
+  void OnTrainEnd(const TrainerState&) override { events.push_back("train_end"); }
+  std::vector<std::string> events;
+};
+
+TEST(TrainerHooksTest, HooksRunInOrder) {
+  testing::RunOnRanks(1, [&](int) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok());
+    TrainerConfig config = SmallConfig(1);
+    config.set_max_steps(2);
+    config.set_save_dir(TestDir() + "/hooks");
+    config.set_metrics_file(TestDir() + "/hooks/metrics.jsonl");
+    config.set_log_every(1);
+    auto trainer = Trainer::Create(config, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    auto hooks = std::make_shared<RecordingHooks>();
+    (*trainer)->AddHooks(hooks);
+    ASSERT_TRUE((*trainer)->Train().ok());
+    EXPECT_EQ(hooks->events,
+              (std::vector<std::string>{"train_start", "step_start 0", "before_optimizer",
+                                        "after_optimizer 1", "step_end 1", "step_start 1",
+                                        "before_optimizer", "after_optimizer 2", "step_end 2",
+                                        "eval_end", "save", "train_end"}));
+    std::ifstream metrics(TestDir() + "/hooks/metrics.jsonl");
+    std::string first;
+    std::getline(metrics, first);
+    EXPECT_THAT(first, HasSubstr("{\"step\": 1, \"loss\": "));
+    EXPECT_THAT(first, HasSubstr("\"tokens_per_s\": "));
+  });
+}
+
+}  // namespace
+}  // namespace trident
