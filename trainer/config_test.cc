@@ -1,0 +1,119 @@
+#include "trainer/config.h"
+
+#include <cstdlib>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace trident {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::string Message(const absl::Status& s) { return std::string(s.message()); }
+
+TEST(ConfigFlagsTest, FlagsOverrideFieldsByNameAndLeaveOthers) {
+  TrainerConfig config;
+  std::vector<std::string> args = {"--lr=3e-4",  "--model", "llama", "--noshuffle",
+                                   "--config=x", "--dp=4",  "--enable_progress_bar",
+                                   "--prompt=Once upon"};
+  ASSERT_TRUE(ApplyConfigFlags(&args, &config).ok());
+  EXPECT_EQ(config.lr(), 3e-4);
+  EXPECT_EQ(config.model(), "llama");
+  EXPECT_FALSE(config.shuffle());
+  EXPECT_EQ(config.dp(), 4);
+  EXPECT_TRUE(config.enable_progress_bar());
+  EXPECT_EQ(config.prompt(), "Once upon");
+  EXPECT_THAT(args, ElementsAre("--config=x"));
+}
+
+TEST(ConfigFlagsTest, ValuesThatDoNotParseNameTheFlag) {
+  TrainerConfig config;
+  std::vector<std::string> args = {"--max_steps=many"};
+  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)),
+              HasSubstr("--max_steps='many' is not a valid int64 value"));
+  args = {"--lr"};
+  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("--lr needs a value"));
+}
+
+TEST(ConfigFileTest, ShippedConfigsParse) {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  ASSERT_NE(srcdir, nullptr);
+  auto config = LoadTrainerConfig(std::string(srcdir) + "/trident/trainer/configs/default.pbtxt");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->preset(), "gpt-tiny");
+  EXPECT_THAT(Message(LoadTrainerConfig("/nonexistent.pbtxt").status()),
+              HasSubstr("cannot read config file /nonexistent.pbtxt"));
+}
+
+TEST(ResolveConfigTest, DerivesTheBatchSizesEitherWay) {
+  TrainerConfig from_global;
+  from_global.set_dp(2);
+  from_global.set_micro_batch_size(4);
+  from_global.set_global_batch_size(32);
+  ASSERT_TRUE(ResolveConfig(&from_global, 2).ok());
+  EXPECT_EQ(from_global.grad_accumulation_steps(), 4);
+
+  TrainerConfig from_accumulation;
+  from_accumulation.set_dp(1);
+  from_accumulation.set_micro_batch_size(2);
+  from_accumulation.set_grad_accumulation_steps(3);
+  ASSERT_TRUE(ResolveConfig(&from_accumulation, 1).ok());
+  EXPECT_EQ(from_accumulation.global_batch_size(), 6);
+  EXPECT_TRUE(ResolveConfig(&from_accumulation, 1).ok()) << "resolving twice is harmless";
+}
+
+TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
+  auto error = [](auto edit, int world) {
+    TrainerConfig c;
+    c.set_dp(world);
+    edit(c);
+    return Message(ResolveConfig(&c, world));
+  };
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_dp(3); }, 2),
+              HasSubstr("dp*tp*pp = 3*1*1 = 3 but 2 ranks were started"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_global_batch_size(10); }, 2),
+              HasSubstr("global_batch_size=10 is not divisible by micro_batch_size*dp = 8*2 = 16"));
+  EXPECT_THAT(error([](TrainerConfig& c) {
+                c.set_global_batch_size(32);
+                c.set_grad_accumulation_steps(3);
+              }, 2),
+              HasSubstr("disagree"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_lr(-1); }, 1), HasSubstr("lr=-1 must be positive"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_lr_scheduler("step"); }, 1),
+              HasSubstr("lr_scheduler='step' is unknown"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_save_every(5); }, 1), HasSubstr("need save_dir"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_dp(1); c.set_tp(2); }, 2),
+              HasSubstr("tensor and pipeline parallelism are not in this build yet"));
+}
+
+TEST(ResolveModelConfigTest, PresetsAndOverrides) {
+  TrainerConfig c;
+  c.set_model("llama");
+  c.set_preset("llama-tiny");
+  c.set_n_layer(3);
+  auto model = ResolveModelConfig(c, 256);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->n_layer, 3);
+  EXPECT_EQ(model->n_kv_head, 2);
+  c.set_model("bert");
+  EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()), HasSubstr("unknown model 'bert'"));
+  c.set_model("gpt");
+  c.set_preset("gpt-tiny");
+  c.set_vocab_size(100);
+  EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()),
+              HasSubstr("vocab_size=100 is smaller than the data's 256-token vocabulary"));
+}
+
+TEST(ConfigToTextTest, PrintsDefaultsToo) {
+  TrainerConfig c;
+  c.set_lr(0.5);
+  const std::string text = ConfigToText(c);
+  EXPECT_THAT(text, HasSubstr("lr: 0.5"));
+  EXPECT_THAT(text, HasSubstr("lr_scheduler: \"cosine\""));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("n_layer")));
+}
+
+}  // namespace
+}  // namespace trident
