@@ -90,7 +90,8 @@ std::string DescribeExit(const RankExit& e) {
 }
 
 void DefaultOutput(int rank, bool is_stderr, absl::string_view line) {
-  std::string text = absl::StrCat("[rank ", rank, "] ", line, "\n");
+  const bool redraw = !line.empty() && line.back() == '\r';
+  std::string text = absl::StrCat("[rank ", rank, "] ", line, redraw ? "" : "\n");
   FILE* out = is_stderr ? stderr : stdout;
   fwrite(text.data(), 1, text.size(), out);
   fflush(out);
@@ -281,10 +282,12 @@ class Attempt {
       ssize_t n = read(s.fd, buffer, sizeof(buffer));
       if (n > 0) {
         s.partial.append(buffer, n);
-        size_t start = 0, newline;
-        while ((newline = s.partial.find('\n', start)) != std::string::npos) {
-          Emit(s.rank, s.is_stderr, absl::string_view(s.partial).substr(start, newline - start));
-          start = newline + 1;
+        // A line ends at '\n', or at '\r' (kept, so progress bars redraw in place).
+        size_t start = 0, end;
+        while ((end = s.partial.find_first_of("\n\r", start)) != std::string::npos) {
+          const size_t length = end - start + (s.partial[end] == '\r' ? 1 : 0);
+          Emit(s.rank, s.is_stderr, absl::string_view(s.partial).substr(start, length));
+          start = end + 1;
         }
         s.partial.erase(0, start);
       } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {

@@ -40,8 +40,9 @@ struct LaunchOptions {
   absl::Duration failure_grace = absl::Seconds(3);  // others' time to exit after a failure
   absl::Duration kill_grace = absl::Seconds(5);     // SIGTERM to SIGKILL
   absl::Duration timeout = absl::InfiniteDuration();  // limit for one attempt
-  // Receives each output line (without '\n') of a local rank; stderr lines have
-  // `is_stderr` set. Default: "[rank R] line" on this process's stdout/stderr.
+  // Receives each output line (without '\n'; a line ended by '\r' keeps it) of a
+  // local rank; stderr lines have `is_stderr` set. Default: "[rank R] line" on
+  // this process's stdout/stderr.
   std::function<void(int rank, bool is_stderr, absl::string_view line)> on_output;
 };
 

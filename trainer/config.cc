@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include <google/protobuf/descriptor.h>
+#include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
 #include "absl/strings/match.h"
@@ -18,6 +19,15 @@ using google::protobuf::FieldDescriptor;
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
+// Keeps the first text-format parse error instead of logging it.
+class FirstError : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    if (text.empty()) text = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
+  }
+  std::string text;
+};
+
 }  // namespace
 
 absl::StatusOr<TrainerConfig> LoadTrainerConfig(const std::string& path) {
@@ -26,10 +36,12 @@ absl::StatusOr<TrainerConfig> LoadTrainerConfig(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   TrainerConfig config;
-  if (!google::protobuf::TextFormat::ParseFromString(text.str(), &config)) {
-    return Invalid(absl::StrCat("config file ", path,
-                                " is not a valid TrainerConfig in text format (see "
-                                "trainer/config.proto; the parse error is printed above)"));
+  FirstError error;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&error);
+  if (!parser.ParseFromString(text.str(), &config)) {
+    return Invalid(absl::StrCat("config file ", path, " is not a valid TrainerConfig (",
+                                error.text, "); the fields are in trainer/config.proto"));
   }
   return config;
 }
@@ -70,7 +82,11 @@ absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* con
     }
     if (field->type() == FieldDescriptor::TYPE_STRING) {
       reflection->SetString(config, field, value);
-    } else if (!google::protobuf::TextFormat::ParseFieldValueFromString(value, field, config)) {
+    } else if (FirstError error; [&] {
+                 google::protobuf::TextFormat::Parser parser;
+                 parser.RecordErrorsTo(&error);
+                 return !parser.ParseFieldValueFromString(value, field, config);
+               }()) {
       return Invalid(absl::StrCat("flag --", name, "='", value, "' is not a valid ",
                                   field->type_name(), " value"));
     }

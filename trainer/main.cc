@@ -17,6 +17,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "topology/topology.h"
 #include "trainer/trainer.h"
@@ -31,7 +32,16 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
   std::vector<std::string> args(*argv + 1, *argv + *argc);
   TrainerConfig overrides;
   TRIDENT_RETURN_IF_ERROR(ApplyConfigFlags(&args, &overrides));
-  // What is left are the binary's own flags, for gflags (which rejects unknown ones).
+  // What is left are the binary's own flags (and gflags' --help family).
+  for (const std::string& arg : args) {
+    const std::string name = arg.substr(0, arg.find('=')).substr(arg.rfind("--", 0) == 0 ? 2 : 0);
+    gflags::CommandLineFlagInfo info;
+    if (arg.rfind("--", 0) == 0 && !gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown flag --", name, "; the flags are the fields of trainer/config.proto, "
+          "--config and --nproc"));
+    }
+  }
   std::vector<char*> rest = {(*argv)[0]};
   static std::vector<std::string> storage;
   storage = args;
@@ -71,8 +81,7 @@ absl::Status Run(int argc, char** argv) {
   if (HasDistributedEnv()) return RunRank(config);
   const int nproc = FLAGS_nproc > 0 ? FLAGS_nproc : config.dp() * config.tp() * config.pp();
   // Check the configuration once, here, before any rank starts.
-  TrainerConfig checked = config;
-  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&checked, nproc));
+  TRIDENT_RETURN_IF_ERROR(Trainer::Preflight(config, nproc));
   if (isatty(STDOUT_FILENO)) setenv("TRIDENT_STDOUT_IS_TTY", "1", /*overwrite=*/0);
   return *RunAsLocalJobUnlessLaunched(nproc, argc, argv);
 }

@@ -329,6 +329,30 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps, double elaps
   (void)elapsed;
 }
 
+absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
+  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, world_size));
+  int vocab = 256;
+  if (!config.data().empty()) {
+    for (const char* file : {"/train.bin"}) {
+      if (!fs::exists(config.data() + file)) {
+        return absl::NotFoundError(absl::StrCat("data directory ", config.data(), " has no ",
+                                                file + 1, "; prepare it with tools/prepare_data"));
+      }
+    }
+    if (fs::exists(config.data() + "/tokenizer.txt")) {
+      TRIDENT_ASSIGN_OR_RETURN(auto tokenizer, LoadTokenizer(config.data() + "/tokenizer.txt"));
+      vocab = tokenizer->vocab_size();
+    }
+  }
+  TRIDENT_RETURN_IF_ERROR(ResolveModelConfig(config, vocab).status());
+  for (const std::string& path : {config.init_from(), config.resume_from()}) {
+    if (!path.empty() && path != "last" && path != "best" && !fs::exists(path)) {
+      return absl::NotFoundError(absl::StrCat(path, " does not exist (init_from / resume_from)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
 

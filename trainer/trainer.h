@@ -81,6 +81,11 @@ class Trainer {
                                                          Topology* topology);
   ~Trainer();
 
+  // The checks Create makes before touching a rank, runnable before ranks are
+  // spawned: the config against `world_size`, the model sizes, and the data
+  // directory's files. Reads no data beyond the tokenizer.
+  static absl::Status Preflight(TrainerConfig config, int world_size);
+
   void AddHooks(std::shared_ptr<TrainerHooks> hooks);
   // Trains until max_steps (or max_epochs), then evaluates, samples and exports.
   absl::StatusOr<TrainResult> Train();
