@@ -22,12 +22,15 @@ def trident_cc_test(name, copts = [], deps = [], gtest_main = True, **kwargs):
         **kwargs
     )
 
-def trident_cc_benchmark(name, copts = [], deps = [], tags = [], **kwargs):
-    """A Google Benchmark binary: built by `bazel test //...`, run only with `bazel run`."""
+def trident_cc_benchmark(name, copts = [], deps = [], tags = [], benchmark_main = True, **kwargs):
+    """A Google Benchmark binary: built by `bazel test //...`, run only with `bazel run`.
+
+    `benchmark_main = False` for binaries with their own main (benchmark::Initialize).
+    """
     native.cc_test(
         name = name,
         copts = TRIDENT_COPTS + copts,
-        deps = deps + ["@benchmark//:benchmark_main"],
+        deps = deps + ["@benchmark//:benchmark_main" if benchmark_main else "@benchmark"],
         tags = tags + ["benchmark"],
         testonly = True,
         **kwargs
@@ -63,6 +66,6 @@ def trident_package_sources(name = "package_sources"):
     """Exports this package's C++ sources so //tools/gpu can check CMakeLists.txt lists them."""
     native.filegroup(
         name = name,
-        srcs = native.glob(["**/*.cc", "**/*.h"], exclude = ["**/testdata/**"]),
+        srcs = native.glob(["**/*.cc", "**/*.h", "**/*.proto"], exclude = ["**/testdata/**"]),
         visibility = ["//tools/gpu:__pkg__"],
     )

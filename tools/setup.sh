@@ -20,6 +20,7 @@ packages=(
   zlib1g-dev               # CRC-32 of checkpoint files
   fortunes                 # default training corpus (real English text)
   fortunes-min
+  python3-torch            # the PyTorch eager peer in benchmarks/peer (same LibTorch build)
 )
 
 # On a machine with a GPU, `bazel test` runs the `gpu`-tagged tests too (see .bazelrc).

@@ -65,10 +65,12 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
 absl::Status RunRank(TrainerConfig config) {
   TRIDENT_ASSIGN_OR_RETURN(DistributedEnv env, DistributedEnvFromEnvironment());
   TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
-    at::set_num_threads(static_cast<int>(std::max(1u, cores / env.local_world_size)));
-  }
+  // Intra-op threads: OMP_NUM_THREADS when set (the launcher sets it), else an
+  // equal share of the cores, so the local ranks together do not oversubscribe.
+  int threads = static_cast<int>(
+      std::max(1u, std::thread::hardware_concurrency() / std::max(1, env.local_world_size)));
+  if (const char* omp = std::getenv("OMP_NUM_THREADS")) threads = std::max(1, std::atoi(omp));
+  at::set_num_threads(threads);
   TopologyOptions options;
   options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));

@@ -432,11 +432,13 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   t.Print(absl::StrCat("config:\n", ConfigToText(c)));
   t.Print(absl::StrFormat(
       "model %s: %s parameters | data %s: %s tokens, %d samples of %d | %d rank(s), global batch "
-      "%d (micro %d x accumulation %d x dp %d) | peak %.1f GFLOP/s per rank | peak RSS %.0f MB",
+      "%d (micro %d x accumulation %d x dp %d) | %d thread(s) per rank, peak %.1f GFLOP/s | "
+      "peak RSS %.0f MB",
       c.model(), HumanCount(t.model->NumParameters()), t.train_data->path(),
       HumanCount(t.train_data->num_tokens()), t.train_data->num_samples(),
       t.model_config.block_size, t.topology->world_size(), c.global_batch_size(),
-      c.micro_batch_size(), c.grad_accumulation_steps(), c.dp(), t.peak_flops / 1e9,
+      c.micro_batch_size(), c.grad_accumulation_steps(), c.dp(), at::get_num_threads(),
+      t.peak_flops / 1e9,
       PeakResidentMb()));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
   const auto start = Clock::now();

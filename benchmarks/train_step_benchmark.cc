@@ -1,0 +1,99 @@
+// Tokens/s and step time of gpt-tiny training at 1 and 2 data-parallel ranks,
+// each rank on one intra-op thread (so 2 ranks on 2 cores measure scaling).
+//
+//   bazel run -c opt //benchmarks:train_step_benchmark
+//
+// Each benchmark run launches the ranks as processes of this binary (through
+// the local launcher); they train warm-up steps, then time `kTimedSteps` steps,
+// and rank 0 reports the mean step time back through a file.
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "topology/topology.h"
+#include "trainer/trainer.h"
+
+namespace trident {
+namespace {
+
+constexpr int kWarmupSteps = 3;
+constexpr int kTimedSteps = 10;
+constexpr char kWorkerFlag[] = "--train_step_worker";
+
+TrainerConfig BenchmarkConfig(int ranks) {
+  TrainerConfig c;
+  c.set_model("gpt");
+  c.set_preset("gpt-tiny");  // n_layer 4, n_head 4, n_embd 256, block 128, vocab 256
+  c.set_dp(ranks);
+  c.set_global_batch_size(16);
+  c.set_micro_batch_size(16 / ranks);
+  c.set_max_steps(kWarmupSteps + kTimedSteps);
+  c.set_eval_every(0);
+  c.set_eval_steps(1);
+  c.set_sample_tokens(0);
+  c.set_enable_progress_bar(false);
+  c.set_log_every(1000);
+  return c;
+}
+
+// Mean step time (ms) of the timed steps, on every rank.
+class StepTimer : public TrainerHooks {
+ public:
+  void OnStepEnd(const TrainerState&, const StepMetrics& m) override {
+    if (m.step > kWarmupSteps) total_ms += m.step_time_ms;
+  }
+  double total_ms = 0;
+};
+
+absl::Status RunWorker(const std::string& result_path) {
+  TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment({}));
+  TRIDENT_ASSIGN_OR_RETURN(auto trainer,
+                           Trainer::Create(BenchmarkConfig(topology->world_size()), topology.get()));
+  auto timer = std::make_shared<StepTimer>();
+  trainer->AddHooks(timer);
+  TRIDENT_RETURN_IF_ERROR(trainer->Train().status());
+  if (topology->rank() == 0) std::ofstream(result_path) << timer->total_ms / kTimedSteps;
+  return absl::OkStatus();
+}
+
+void BM_TrainStep_GptTiny(benchmark::State& state) {
+  const int ranks = static_cast<int>(state.range(0));
+  const std::string result_path = absl::StrCat("/tmp/trident_train_step_", getpid(), ".txt");
+  double step_ms = 0;
+  for (auto _ : state) {
+    LaunchOptions launch;
+    launch.nproc_per_node = ranks;
+    launch.command = {"/proc/self/exe", kWorkerFlag, result_path};
+    launch.env["OMP_NUM_THREADS"] = "1";
+    launch.on_output = [](int, bool, absl::string_view) {};
+    LaunchResult result = RunLocalGroup(launch);
+    if (!result.status.ok()) {
+      state.SkipWithError(std::string(result.status.message()).c_str());
+      return;
+    }
+    std::ifstream(result_path) >> step_ms;
+    state.SetIterationTime(step_ms / 1000.0);
+  }
+  std::remove(result_path.c_str());
+  state.counters["step_ms"] = step_ms;
+  state.counters["tokens_per_s"] = benchmark::Counter(16.0 * 128 / (step_ms / 1000.0));
+}
+BENCHMARK(BM_TrainStep_GptTiny)->Arg(1)->Arg(2)->ArgName("ranks")->UseManualTime()->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace trident
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == trident::kWorkerFlag) {
+    return trident::ExitCodeFor("train_step_worker", trident::RunWorker(argv[2]));
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  return 0;
+}
