@@ -13,6 +13,8 @@
 #include <fstream>
 #include <string>
 
+#include <ATen/Parallel.h>
+
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "topology/topology.h"
@@ -51,6 +53,8 @@ class StepTimer : public TrainerHooks {
 };
 
 absl::Status RunWorker(const std::string& result_path) {
+  TuneAllocatorForTraining();
+  at::set_num_threads(1);
   TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment({}));
   TRIDENT_ASSIGN_OR_RETURN(auto trainer,
                            Trainer::Create(BenchmarkConfig(topology->world_size()), topology.get()));
@@ -70,6 +74,7 @@ void BM_TrainStep_GptTiny(benchmark::State& state) {
     launch.nproc_per_node = ranks;
     launch.command = {"/proc/self/exe", kWorkerFlag, result_path};
     launch.env["OMP_NUM_THREADS"] = "1";
+    launch.env["OPENBLAS_NUM_THREADS"] = "1";
     launch.on_output = [](int, bool, absl::string_view) {};
     LaunchResult result = RunLocalGroup(launch);
     if (!result.status.ok()) {

@@ -135,19 +135,29 @@ namespace internal {
 
 at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            double dropout, bool training) {
-  const int64_t T = q.size(2);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   at::Tensor keys = k, values = v;
-  if (k.size(1) != q.size(1)) {
-    const int64_t repeat = q.size(1) / k.size(1);
+  if (k.size(1) != H) {
+    const int64_t repeat = H / k.size(1);
     keys = k.repeat_interleave(repeat, /*dim=*/1);
     values = v.repeat_interleave(repeat, /*dim=*/1);
   }
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  auto mask = torch::ones({T, T}, q.options().dtype(torch::kBool)).triu(1);
-  auto scores = torch::matmul(q, keys.transpose(-2, -1)).mul(scale);
-  auto weights = torch::softmax(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-  if (training && dropout > 0) weights = torch::dropout(weights, dropout, /*train=*/true);
-  return torch::matmul(weights, values);
+  // NOTE: one batched GEMM computes mask + scale * q k^T (baddbmm), so the
+  // [B*H, T, T] scores are written once instead of three times (matmul, scale,
+  // masked_fill), forward and backward.
+  thread_local at::Tensor mask;  // additive: -inf above the diagonal
+  if (!mask.defined() || mask.size(0) < T || mask.scalar_type() != q.scalar_type() ||
+      mask.device() != q.device()) {
+    mask = at::full({T, T}, -std::numeric_limits<double>::infinity(), q.options()).triu(1);
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  at::Tensor scores = at::baddbmm(mask.narrow(0, 0, T).narrow(1, 0, T).expand({B * H, T, T}),
+                                  q.reshape({B * H, T, D}),
+                                  keys.reshape({B * H, T, D}).transpose(1, 2), /*beta=*/1,
+                                  /*alpha=*/scale);
+  at::Tensor weights = at::softmax(scores, -1);
+  if (training && dropout > 0) weights = at::dropout(weights, dropout, /*train=*/true);
+  return at::bmm(weights, values.reshape({B * H, T, D})).view({B, H, T, D});
 }
 
 }  // namespace internal

@@ -129,9 +129,12 @@ std::vector<std::string> RankEnvironment(const LaunchOptions& o, int local_rank,
     size_t eq = entry.find('=');
     if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
   }
-  if (vars.count("OMP_NUM_THREADS") == 0) {
-    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    vars["OMP_NUM_THREADS"] = absl::StrCat(std::max(1u, cores / o.nproc_per_node));
+  // Each rank gets an equal share of the cores for OpenMP and for OpenBLAS's own
+  // thread pool (which reads its variable once, at load time).
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::string share = absl::StrCat(std::max(1u, cores / o.nproc_per_node));
+  for (const char* name : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"}) {
+    if (vars.count(name) == 0) vars[name] = share;
   }
   for (const auto& [key, value] : o.env) vars[key] = value;
   vars["RANK"] = absl::StrCat(o.node_rank * o.nproc_per_node + local_rank);

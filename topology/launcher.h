@@ -8,8 +8,8 @@
 //   if (!result.status.ok()) std::cerr << result.status.message();
 //
 // Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-// MASTER_ADDR, MASTER_PORT, TRIDENT_RESTART_COUNT (and OMP_NUM_THREADS when
-// unset, so the ranks share the cores). Every output line is prefixed with the
+// MASTER_ADDR, MASTER_PORT, TRIDENT_RESTART_COUNT (and OMP_NUM_THREADS and
+// OPENBLAS_NUM_THREADS when unset, so the ranks share the cores). Every output line is prefixed with the
 // rank. When a rank fails, the others get `failure_grace` to end on their own,
 // then SIGTERM, then SIGKILL after `kill_grace`; children also die with the
 // launcher (PR_SET_PDEATHSIG), so nothing is left behind.

@@ -172,6 +172,7 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
     return Invalid("temperature must be positive; top_k and sample_tokens must not be negative");
   }
   if (!(c->bucket_size_mb() > 0)) return Invalid("bucket_size_mb must be positive");
+  if (c->intra_op_threads() < 0) return Invalid("intra_op_threads must not be negative");
   return absl::OkStatus();
 }
 

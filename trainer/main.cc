@@ -7,6 +7,7 @@
 // Every TrainerConfig field (trainer/config.proto) is a flag of the same name.
 // Started without RANK in the environment, train spawns dp*tp*pp local ranks
 // (or --nproc) itself and exits non-zero if any of them fails.
+#include <dlfcn.h>
 #include <gflags/gflags.h>
 #include <unistd.h>
 
@@ -65,12 +66,19 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
 absl::Status RunRank(TrainerConfig config) {
   TRIDENT_ASSIGN_OR_RETURN(DistributedEnv env, DistributedEnvFromEnvironment());
   TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
-  // Intra-op threads: OMP_NUM_THREADS when set (the launcher sets it), else an
-  // equal share of the cores, so the local ranks together do not oversubscribe.
-  int threads = static_cast<int>(
+  // This rank's share of the cores goes to the BLAS pool (OPENBLAS_NUM_THREADS,
+  // set by the launcher; set here at run time under mpirun or srun) and ATen's
+  // intra-op threads default to 1: measured fastest on CPU (see config.proto).
+  const int share = static_cast<int>(
       std::max(1u, std::thread::hardware_concurrency() / std::max(1, env.local_world_size)));
-  if (const char* omp = std::getenv("OMP_NUM_THREADS")) threads = std::max(1, std::atoi(omp));
-  at::set_num_threads(threads);
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
+    using SetThreads = void (*)(int);
+    if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+      set(share);
+    }
+  }
+  at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : 1);
+  TuneAllocatorForTraining();
   TopologyOptions options;
   options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));

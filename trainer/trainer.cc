@@ -1,5 +1,6 @@
 #include "trainer/trainer.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -327,6 +328,11 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps, double elaps
         100 * m.mfu, internal::FormatDuration(eta)));
   }
   (void)elapsed;
+}
+
+void TuneAllocatorForTraining() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {

@@ -107,6 +107,14 @@ class Trainer {
   std::unique_ptr<Impl> impl_;
 };
 
+// Makes glibc's malloc keep freed memory for reuse instead of unmapping it:
+// every allocation under 32 MiB comes from the heap and the heap is not trimmed
+// below 1 GiB of free space. A training step allocates and frees the same
+// activations every step; returning them to the kernel costs page faults each
+// time (measured: 376 -> 314 ms per gpt-tiny step on one CPU rank). Process-wide;
+// call once at the start of a training process.
+void TuneAllocatorForTraining();
+
 }  // namespace trident
 
 #endif  // TRIDENT_TRAINER_TRAINER_H_

@@ -22,24 +22,26 @@ median_rate() {
 rates=[json.loads(l)["tokens_per_s"] for l in open(sys.argv[1])][10:]
 print(f"{statistics.median(rates):.1f}")' "$1"
 }
-cpp_rate() {  # cpp_rate NAME THREADS FLAGS...
+cpp_rate() {  # cpp_rate NAME THREADS FLAGS...; THREADS "" keeps train's own policy
   local name=$1 threads=$2; shift 2
-  OMP_NUM_THREADS=$threads "$here/trainer/train" --data="$work/data" --global_batch_size=16 \
+  local env=()
+  [ -z "$threads" ] || env=(OMP_NUM_THREADS="$threads" OPENBLAS_NUM_THREADS="$threads")
+  env "${env[@]}" "$here/trainer/train" --data="$work/data" --global_batch_size=16 \
     --max_steps="$steps" --eval_every=0 --eval_steps=1 --sample_tokens=0 --log_every=1000 \
     --enable_progress_bar=false --metrics_file="$work/$name.jsonl" "$@" >/dev/null
   median_rate "$work/$name.jsonl"
 }
 
-cpp=$(cpp_rate cpp 2 --dp=1 --micro_batch_size=16)
+cpp=$(cpp_rate cpp "" --dp=1 --micro_batch_size=16)
 py1=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --threads=1 --steps="$steps" | cut -d' ' -f2)
 py2=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --threads=2 --steps="$steps" | cut -d' ' -f2)
 best=$("$python" -c "print(max($py1, $py2))")
 echo "peer comparison ($steps steps, gpt n_layer 4 n_embd 256 block 128, batch 16, one rank):"
-echo "  trident train (2 threads): $cpp tokens/s"
+echo "  trident train (its default: BLAS pool of 2, 1 intra-op thread): $cpp tokens/s"
 echo "  pytorch eager python:      $py1 tokens/s (1 thread), $py2 tokens/s (2 threads)"
 echo "  ratio trident / best python: $("$python" -c "print(f'{$cpp / $best:.2f}x')")"
 
 one=$(cpp_rate dp1 1 --dp=1 --micro_batch_size=16)
 two=$(cpp_rate dp2 1 --dp=2 --micro_batch_size=8)
-echo "data-parallel scaling, one thread per rank:"
+echo "data-parallel scaling, one thread per rank (OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1):"
 echo "  dp=1: $one tokens/s, dp=2: $two tokens/s, speed-up $("$python" -c "print(f'{$two / $one:.2f}x')")"

@@ -1,6 +1,6 @@
-// AdamW over a fixed list of named parameters, with PyTorch's AdamW arithmetic
-// done by multi-tensor (_foreach) kernels: one pass per operation over all
-// parameters instead of one small kernel per parameter.
+// AdamW over a fixed list of named parameters, with PyTorch's AdamW arithmetic:
+// one fused pass per float32 CPU parameter, multi-tensor (_foreach) kernels for
+// the rest.
 #ifndef TRIDENT_TRAINER_INTERNAL_OPTIMIZER_H_
 #define TRIDENT_TRAINER_INTERNAL_OPTIMIZER_H_
 
@@ -39,7 +39,7 @@ class AdamW {
  private:
   NamedTensors parameters_;
   AdamWOptions options_;
-  std::vector<at::Tensor> params_, decayed_, exp_avg_, exp_avg_sq_;
+  std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_;
   int64_t steps_ = 0;
 };
 

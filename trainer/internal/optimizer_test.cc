@@ -8,11 +8,15 @@ namespace trident {
 namespace internal {
 namespace {
 
-// Our foreach AdamW against LibTorch's AdamW with the same two parameter groups.
-TEST(AdamWTest, MatchesLibTorchAdamWWithDecayOnMatricesOnly) {
+// Our AdamW against LibTorch's AdamW with the same two parameter groups: float32
+// runs the fused kernel, float64 the multi-tensor path.
+class AdamWTest : public ::testing::TestWithParam<torch::ScalarType> {};
+
+TEST_P(AdamWTest, MatchesLibTorchAdamWWithDecayOnMatricesOnly) {
   torch::manual_seed(0);
-  auto matrix = torch::randn({4, 3}, torch::requires_grad());
-  auto bias = torch::randn({3}, torch::requires_grad());
+  auto dtype = torch::TensorOptions().dtype(GetParam());
+  auto matrix = torch::randn({4, 3}, dtype).requires_grad_();
+  auto bias = torch::randn({3}, dtype).requires_grad_();
   auto matrix_ref = matrix.detach().clone().requires_grad_();
   auto bias_ref = bias.detach().clone().requires_grad_();
   AdamWOptions options{0.9, 0.95, 1e-8, 0.1};
@@ -25,7 +29,7 @@ TEST(AdamWTest, MatchesLibTorchAdamWWithDecayOnMatricesOnly) {
                       std::make_unique<torch::optim::AdamWOptions>(
                           torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).eps(1e-8).weight_decay(0)));
   torch::optim::AdamW reference(groups, torch::optim::AdamWOptions(1e-2));
-  auto input = torch::randn({5, 4});
+  auto input = torch::randn({5, 4}, dtype);
   for (int step = 0; step < 5; ++step) {
     for (auto* p : {&matrix, &bias, &matrix_ref, &bias_ref}) {
       if (p->grad().defined()) p->grad().zero_();
@@ -40,7 +44,10 @@ TEST(AdamWTest, MatchesLibTorchAdamWWithDecayOnMatricesOnly) {
   EXPECT_EQ(ours.steps(), 5);
 }
 
-TEST(AdamWTest, StateRoundTrips) {
+INSTANTIATE_TEST_SUITE_P(FusedAndMultiTensor, AdamWTest,
+                         ::testing::Values(torch::kFloat, torch::kDouble));
+
+TEST(AdamWStateTest, StateRoundTrips) {
   auto w = torch::ones({2, 2}, torch::requires_grad());
   AdamW first({{"w", w}}, {});
   w.mutable_grad() = torch::full({2, 2}, 0.5);
