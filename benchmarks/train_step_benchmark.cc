@@ -24,7 +24,7 @@ namespace trident {
 namespace {
 
 constexpr int kWarmupSteps = 3;
-constexpr int kTimedSteps = 10;
+constexpr int kTimedSteps = 20;
 constexpr char kWorkerFlag[] = "--train_step_worker";
 
 TrainerConfig BenchmarkConfig(int ranks) {
