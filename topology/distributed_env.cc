@@ -33,8 +33,7 @@ absl::StatusOr<int> ReadInt(const EnvLookup& lookup, const char* name, int fallb
 }  // namespace
 
 bool HasDistributedEnv(const EnvLookup& lookup) {
-  return lookup("RANK") != nullptr || lookup("OMPI_COMM_WORLD_RANK") != nullptr ||
-         lookup("SLURM_PROCID") != nullptr;
+  return DistributedEnvFrom(lookup).status().code() != absl::StatusCode::kFailedPrecondition;
 }
 
 bool HasDistributedEnv() { return HasDistributedEnv(ProcessEnvironment()); }
@@ -58,35 +57,44 @@ std::string FirstSlurmHost(const std::string& nodelist) {
   return host;
 }
 
+namespace {
+
+// The variables each supported launcher sets, in order of precedence.
+struct LauncherVariables {
+  const char* launcher;
+  const char* rank;
+  const char* world_size;
+  const char* local_rank;
+  const char* local_world_size;
+};
+constexpr LauncherVariables kLaunchers[] = {
+    {"env", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
+};
+
+}  // namespace
+
 absl::StatusOr<DistributedEnv> DistributedEnvFrom(const EnvLookup& lookup) {
-  DistributedEnv env;
-  const char* rank_var;
-  const char* size_var;
-  const char* local_rank_var;
-  const char* local_size_var;
-  if (lookup("RANK") != nullptr) {
-    env.launcher = "env";
-    rank_var = "RANK";
-    size_var = "WORLD_SIZE";
-    local_rank_var = "LOCAL_RANK";
-    local_size_var = "LOCAL_WORLD_SIZE";
-  } else if (lookup("OMPI_COMM_WORLD_RANK") != nullptr) {
-    env.launcher = "mpirun";
-    rank_var = "OMPI_COMM_WORLD_RANK";
-    size_var = "OMPI_COMM_WORLD_SIZE";
-    local_rank_var = "OMPI_COMM_WORLD_LOCAL_RANK";
-    local_size_var = "OMPI_COMM_WORLD_LOCAL_SIZE";
-  } else if (lookup("SLURM_PROCID") != nullptr) {
-    env.launcher = "slurm";
-    rank_var = "SLURM_PROCID";
-    size_var = "SLURM_NTASKS";
-    local_rank_var = "SLURM_LOCALID";
-    local_size_var = "SLURM_NTASKS_PER_NODE";
-  } else {
+  const LauncherVariables* vars = nullptr;
+  for (const LauncherVariables& candidate : kLaunchers) {
+    if (lookup(candidate.rank) != nullptr) {
+      vars = &candidate;
+      break;
+    }
+  }
+  if (vars == nullptr) {
     return absl::FailedPreconditionError(
         "no distributed environment: none of RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID is "
         "set; start the program with tools/launch, mpirun or srun");
   }
+  DistributedEnv env;
+  env.launcher = vars->launcher;
+  const char* rank_var = vars->rank;
+  const char* size_var = vars->world_size;
+  const char* local_rank_var = vars->local_rank;
+  const char* local_size_var = vars->local_world_size;
   auto rank = ReadInt(lookup, rank_var);
   if (!rank.ok()) return rank.status();
   auto world_size = ReadInt(lookup, size_var);

@@ -115,7 +115,7 @@ class Trainer::Impl {
   absl::Status LoadCheckpoint();
   absl::StatusOr<double> TrainStep();
   absl::StatusOr<double> Evaluate();
-  void Report(const StepMetrics& m, int64_t max_steps, double elapsed);
+  void Report(const StepMetrics& m, int64_t max_steps);
 };
 
 absl::Status Trainer::Impl::OpenData() {
@@ -300,7 +300,7 @@ absl::StatusOr<double> Trainer::Impl::Evaluate() {
   return *last_val_loss;
 }
 
-void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps, double elapsed) {
+void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps) {
   const std::vector<std::pair<std::string, double>> values = {
       {"loss", m.loss},
       {"lr", m.lr},
@@ -327,7 +327,6 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps, double elaps
         m.step, max_steps, m.loss, m.lr, m.grad_norm, HumanCount(m.tokens_per_s), m.step_time_ms,
         100 * m.mfu, internal::FormatDuration(eta)));
   }
-  (void)elapsed;
 }
 
 void TuneAllocatorForTraining() {
@@ -474,7 +473,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     m.mfu = t.flops_per_token * m.tokens_per_s / t.topology->world_size() / t.peak_flops;
     result.losses.push_back(loss);
     t.ForHooks([&](TrainerHooks& h) { h.OnStepEnd(t.State(), m); });
-    t.Report(m, max_steps, Seconds(Clock::now() - start));
+    t.Report(m, max_steps);
     const bool last = t.step == max_steps;
     if (c.eval_every() > 0 && t.step % c.eval_every() == 0 && !last && t.val_data) {
       TRIDENT_ASSIGN_OR_RETURN(const double val_loss, t.Evaluate());
