@@ -96,13 +96,36 @@ class Gpt : public LanguageModel {
     transformer = register_module("transformer", Transformer(c));
   }
 
-  at::Tensor Logits(const at::Tensor& tokens) override {
-    const int64_t T = tokens.size(1);
-    auto positions = torch::arange(T, tokens.options().dtype(torch::kLong));
-    torch::Tensor x = transformer->drop(transformer->wte(tokens) + transformer->wpe(positions));
-    for (const auto& block : *transformer->h) x = block->as<Block>()->forward(x);
-    x = transformer->ln_f(x);
-    return F::linear(x, transformer->wte->weight);  // lm_head, tied to wte
+  int64_t NumLayers() const override { return config().n_layer + 2; }
+
+  std::string LayerName(int64_t i) const override {
+    if (i == 0) return "embedding";
+    if (i == NumLayers() - 1) return "head";
+    return "transformer.h." + std::to_string(i - 1);
+  }
+
+  at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
+    if (i == 0) {
+      auto positions = torch::arange(x.size(1), x.options().dtype(torch::kLong));
+      return transformer->drop(transformer->wte(x) + transformer->wpe(positions));
+    }
+    if (i == NumLayers() - 1) {
+      return F::linear(transformer->ln_f(x), transformer->wte->weight);  // lm_head, tied to wte
+    }
+    return transformer->h[i - 1]->as<Block>()->forward(x);
+  }
+
+  std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
+    if (i == 0) {
+      return {{"transformer.wte.weight", transformer->wte->weight},
+              {"transformer.wpe.weight", transformer->wpe->weight}};
+    }
+    if (i == NumLayers() - 1) {
+      return {{"transformer.ln_f.weight", transformer->ln_f->weight},
+              {"transformer.ln_f.bias", transformer->ln_f->bias},
+              {"transformer.wte.weight", transformer->wte->weight}};
+    }
+    return PrefixedParameters(*transformer->h[i - 1], LayerName(i));
   }
 
   std::map<std::string, std::string> TiedParameters() const override {

@@ -126,21 +126,50 @@ class Llama : public LanguageModel {
     lm_head = register_module("lm_head", NoBias(c.n_embd, c.vocab_size));
   }
 
-  at::Tensor Logits(const at::Tensor& tokens) override {
-    const ModelConfig& c = config();
-    const int64_t T = tokens.size(1), head_dim = c.n_embd / c.n_head;
-    auto options = torch::TensorOptions().dtype(torch::kFloat).device(tokens.device());
-    auto inv_freq = 1.0 / torch::pow(c.rope_theta, torch::arange(0, head_dim, 2, options) / head_dim);
-    auto angles = torch::outer(torch::arange(T, options), inv_freq);
-    auto both = torch::cat({angles, angles}, -1);  // [T, head_dim]
-    auto cos = both.cos(), sin = both.sin();
-    torch::Tensor x = model->embed_tokens(tokens);
-    for (const auto& layer : *model->layers) x = layer->as<DecoderLayer>()->forward(x, cos, sin);
-    return lm_head(model->norm(x));
+  int64_t NumLayers() const override { return config().n_layer + 2; }
+
+  std::string LayerName(int64_t i) const override {
+    if (i == 0) return "embedding";
+    if (i == NumLayers() - 1) return "head";
+    return "model.layers." + std::to_string(i - 1);
+  }
+
+  at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
+    if (i == 0) return model->embed_tokens(x);
+    if (i == NumLayers() - 1) return lm_head(model->norm(x));
+    const auto& [cos, sin] = Rotary(x.size(1), x.options());
+    return model->layers[i - 1]->as<DecoderLayer>()->forward(x, cos, sin);
+  }
+
+  std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
+    if (i == 0) return {{"model.embed_tokens.weight", model->embed_tokens->weight}};
+    if (i == NumLayers() - 1) {
+      return {{"model.norm.weight", model->norm->weight}, {"lm_head.weight", lm_head->weight}};
+    }
+    return PrefixedParameters(*model->layers[i - 1], LayerName(i));
   }
 
   LlamaBody model{nullptr};
   torch::nn::Linear lm_head{nullptr};
+
+ private:
+  // cos and sin of the rotary angles for T positions, [T, head_dim], cached.
+  const std::pair<torch::Tensor, torch::Tensor>& Rotary(int64_t T, const torch::TensorOptions& like) {
+    if (rotary_length_ != T || rotary_.first.device() != like.device()) {
+      const ModelConfig& c = config();
+      const int64_t head_dim = c.n_embd / c.n_head;
+      auto options = torch::TensorOptions().dtype(torch::kFloat).device(like.device());
+      auto inv_freq =
+          1.0 / torch::pow(c.rope_theta, torch::arange(0, head_dim, 2, options) / head_dim);
+      auto angles = torch::outer(torch::arange(T, options), inv_freq);
+      auto both = torch::cat({angles, angles}, -1);
+      rotary_ = {both.cos(), both.sin()};
+      rotary_length_ = T;
+    }
+    return rotary_;
+  }
+  int64_t rotary_length_ = -1;
+  std::pair<torch::Tensor, torch::Tensor> rotary_;
 };
 
 }  // namespace

@@ -35,11 +35,30 @@ class Mlp : public LanguageModel {
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
     head = register_module("head", torch::nn::Linear(c.n_embd, c.vocab_size));
   }
-  at::Tensor Logits(const at::Tensor& tokens) override {
-    torch::Tensor x = embed(tokens);
-    for (const auto& block : *blocks) x = block->as<ResidualBlock>()->forward(x);
-    return head(norm(x));
+  int64_t NumLayers() const override { return config().n_layer + 2; }
+
+  std::string LayerName(int64_t i) const override {
+    if (i == 0) return "embedding";
+    if (i == NumLayers() - 1) return "head";
+    return "blocks." + std::to_string(i - 1);
   }
+
+  at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
+    if (i == 0) return embed(x);
+    if (i == NumLayers() - 1) return head(norm(x));
+    return blocks[i - 1]->as<ResidualBlock>()->forward(x);
+  }
+
+  std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
+    if (i == 0) return {{"embed.weight", embed->weight}};
+    if (i == NumLayers() - 1) {
+      auto params = PrefixedParameters(*norm, "norm");
+      for (auto& p : PrefixedParameters(*head, "head")) params.push_back(p);
+      return params;
+    }
+    return PrefixedParameters(*blocks[i - 1], LayerName(i));
+  }
+
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::LayerNorm norm{nullptr};

@@ -119,9 +119,18 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
   return absl::OkStatus();
 }
 
+at::Tensor LanguageModel::Logits(const at::Tensor& tokens) {
+  at::Tensor x = tokens;
+  for (int64_t i = 0; i < NumLayers(); ++i) x = ForwardLayer(i, x);
+  return x;
+}
+
 at::Tensor LanguageModel::Loss(const at::Tensor& tokens, const at::Tensor& targets) {
-  at::Tensor logits = Logits(tokens);
-  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}),
+  return SequenceLoss(Logits(tokens), targets);
+}
+
+at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                                               targets.reshape({-1}));
 }
 
@@ -132,6 +141,15 @@ int64_t LanguageModel::NumParameters() const {
 }
 
 namespace internal {
+
+std::vector<std::pair<std::string, at::Tensor>> PrefixedParameters(const torch::nn::Module& module,
+                                                                   const std::string& prefix) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : module.named_parameters()) {
+    out.emplace_back(prefix + "." + item.key(), item.value());
+  }
+  return out;
+}
 
 at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            double dropout, bool training) {

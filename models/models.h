@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "graph/graph.h"
 
 namespace trident {
 
@@ -49,13 +50,19 @@ std::vector<std::string> PresetNames(absl::string_view model);
 // Errors (naming the field) for sizes that cannot build a model.
 absl::Status ValidateModelConfig(const ModelConfig& config);
 
-// A causal language model: tokens [B, T] (int64, T <= block_size) to logits [B, T, vocab].
-class LanguageModel : public torch::nn::Module {
+// A causal language model: tokens [B, T] (int64, T <= block_size) to logits
+// [B, T, vocab]. Every zoo model is a LayerSequence: an embedding layer
+// ("embedding"), its blocks (named by their parameter prefix, such as
+// "transformer.h.3"), and a head ("head") that produces the logits.
+class LanguageModel : public torch::nn::Module, public LayerSequence {
  public:
   explicit LanguageModel(ModelConfig config) : config_(std::move(config)) {}
-  virtual at::Tensor Logits(const at::Tensor& tokens) = 0;
+  // All layers in order.
+  at::Tensor Logits(const at::Tensor& tokens);
   // Mean token cross-entropy of Logits(tokens) against `targets` [B, T].
   at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets);
+  // Mean token cross-entropy of `logits` against `targets`.
+  at::Tensor SequenceLoss(const at::Tensor& logits, const at::Tensor& targets) override;
   // Parameters stored once but known under a second name: alias -> stored name
   // (gpt: "lm_head.weight" -> "transformer.wte.weight"). named_parameters()
   // lists each stored tensor once, under its stored name.

@@ -169,3 +169,40 @@ TEST(ModelConfigTest, UnknownNamesAndBadSizesAreClearErrors) {
 
 }  // namespace
 }  // namespace trident
+
+namespace trident {
+namespace {
+
+// The layers' parameter lists cover the model's parameters, each once, except a
+// tied parameter, which every layer that reads it lists.
+TEST_P(EveryModelTest, LayersCoverEveryParameterAndChainToTheLogits) {
+  const std::string preset = GetParam();
+  ModelConfig c = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  c.n_layer = 2;
+  auto model = Make(c);
+  EXPECT_EQ(model->NumLayers(), 4);
+  EXPECT_EQ(model->LayerName(0), "embedding");
+  EXPECT_EQ(model->LayerName(3), "head");
+  std::map<std::string, int> readers;
+  for (int64_t i = 0; i < model->NumLayers(); ++i) {
+    for (const auto& [name, tensor] : model->LayerParameters(i)) {
+      ++readers[name];
+      EXPECT_TRUE(tensor.is_same(model->named_parameters()[name])) << name;
+      if (i > 0 && i < model->NumLayers() - 1) {
+        EXPECT_EQ(name.rfind(model->LayerName(i) + ".", 0), 0u) << name;
+      }
+    }
+  }
+  EXPECT_EQ(readers.size(), model->named_parameters().size());
+  for (const auto& [name, count] : readers) {
+    const bool tied = model->TiedParameters().size() == 1 && name == "transformer.wte.weight";
+    EXPECT_EQ(count, tied ? 2 : 1) << name;
+  }
+  auto tokens = torch::randint(c.vocab_size, {2, 8}, torch::kLong);
+  at::Tensor x = tokens;
+  for (int64_t i = 0; i < model->NumLayers(); ++i) x = model->ForwardLayer(i, x);
+  EXPECT_TRUE(torch::equal(x, model->Logits(tokens)));
+}
+
+}  // namespace
+}  // namespace trident

@@ -1,0 +1,63 @@
+// graph: what partitioning needs to know about a model.
+//
+// This first part is the module-level path: a model that declares itself as an
+// ordered list of named layers (a LayerSequence) is cut into pipeline stages at
+// layer boundaries, without tracing, like the reference design's `layer_split`.
+// The zoo's gpt, llama and mlp models are LayerSequences.
+//
+//   LayerSequence& layers = *model;  // e.g. a LanguageModel from //models
+//   std::vector<LayerProfile> profile = ProfileLayers(layers, tokens);
+//   // profile[i].parameters, .forward_flops, .activation_bytes per layer
+//
+// Tracing arbitrary models into an operator graph comes later (see the issue).
+#ifndef TRIDENT_GRAPH_GRAPH_H_
+#define TRIDENT_GRAPH_GRAPH_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+
+namespace trident {
+
+// A model as an ordered list of layers: layer 0 receives the model input, layer
+// i > 0 the output of layer i - 1, and the loss is computed from the last output.
+// Consecutive layers exchange exactly one tensor.
+class LayerSequence {
+ public:
+  virtual ~LayerSequence() = default;
+  virtual int64_t NumLayers() const = 0;
+  // A name for layer i, the prefix of its own parameters where it has one
+  // ("transformer.h.3"); usable as a `layer_split` point.
+  virtual std::string LayerName(int64_t i) const = 0;
+  virtual at::Tensor ForwardLayer(int64_t i, const at::Tensor& input) = 0;
+  // The parameters layer i reads, by their model names. A tied parameter (GPT's
+  // token embedding, read by the first and the last layer) is listed by both.
+  virtual std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) = 0;
+  // The loss of the last layer's output against `targets`.
+  virtual at::Tensor SequenceLoss(const at::Tensor& output, const at::Tensor& targets) = 0;
+};
+
+// What one layer costs, measured on an example input.
+struct LayerProfile {
+  std::string name;
+  int64_t parameters = 0;        // scalars this layer reads (tied ones in each reader)
+  int64_t parameter_bytes = 0;
+  // Estimate: 2 * rows * (scalars of its matrices) for layers fed activations; 0
+  // for a layer fed token ids (its matrices are looked up, not multiplied).
+  double forward_flops = 0;
+  int64_t activation_bytes = 0;  // size of the layer's output for the example input
+  double forward_seconds = 0;    // measured: median of three runs on the example input
+};
+
+// Profiles every layer by running the sequence on `input` (no gradients).
+absl::StatusOr<std::vector<LayerProfile>> ProfileLayers(LayerSequence& layers,
+                                                        const at::Tensor& input);
+
+}  // namespace trident
+
+#endif  // TRIDENT_GRAPH_GRAPH_H_
