@@ -45,6 +45,7 @@ class LayerSequence {
 // What one layer costs, measured on an example input.
 struct LayerProfile {
   std::string name;
+  std::vector<std::string> parameter_names;  // as LayerSequence::LayerParameters lists them
   int64_t parameters = 0;        // scalars this layer reads (tied ones in each reader)
   int64_t parameter_bytes = 0;
   // Estimate: 2 * rows * (scalars of its matrices) for layers fed activations; 0

@@ -19,6 +19,7 @@ absl::StatusOr<std::vector<LayerProfile>> ProfileLayers(LayerSequence& layers,
     p.name = layers.LayerName(i);
     int64_t matrix_scalars = 0;
     for (const auto& [name, tensor] : layers.LayerParameters(i)) {
+      p.parameter_names.push_back(name);
       p.parameters += tensor.numel();
       p.parameter_bytes += tensor.numel() * tensor.element_size();
       if (tensor.dim() >= 2) matrix_scalars += tensor.numel();

@@ -1,0 +1,63 @@
+// partition: cutting a model into S pipeline stages.
+//
+// Module-level path: the layers of a LayerSequence are grouped into contiguous
+// stages by one of the reference design's partition methods, or cut at named
+// layers (`layer_split` with `custom_split_points`). The result is a Plan
+// protobuf that can be saved, edited and loaded.
+//
+//   TRIDENT_ASSIGN_OR_RETURN(auto profile, ProfileLayers(*model, example_tokens));
+//   PartitionOptions options;
+//   options.num_stages = 4;
+//   options.partition_method = "parameters";
+//   TRIDENT_ASSIGN_OR_RETURN(Plan plan, PlanStages(profile, options));
+//   // plan.stages(s).first_layer() .. end_layer(), parameter_names(), ...
+#ifndef TRIDENT_PARTITION_PARTITION_H_
+#define TRIDENT_PARTITION_PARTITION_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "graph/graph.h"
+#include "partition/plan.pb.h"
+
+namespace trident {
+
+// Boundaries b_0 = 0 < b_1 < ... < b_S = weights.size() (stage s holds layers
+// [b_s, b_{s+1})) chosen by `method` from per-layer `weights`:
+//   uniform        layer counts differ by at most one, extra layers on the first stages
+//   uniform_floor  floor(L/S) layers per stage, the remainder on the last stage
+//   parameters     the smallest possible largest stage weight (binary search on
+//                  the bottleneck with a greedy probe); weights are parameter counts
+//   cost           the same objective by the linear-partition dynamic program;
+//                  weights are estimated or measured times
+// Errors when S < 1 or S exceeds the number of layers.
+absl::StatusOr<std::vector<int64_t>> PartitionLayers(absl::string_view method,
+                                                     const std::vector<double>& weights,
+                                                     int num_stages);
+
+struct PartitionOptions {
+  int num_stages = 1;
+  // uniform, uniform_floor, parameters, cost or custom.
+  std::string partition_method = "uniform";
+  // custom: the S + 1 boundaries themselves.
+  std::vector<int64_t> custom_boundaries;
+  // When set, the stages start at these layers (by LayerSequence name), S - 1 of
+  // them in order: the reference design's layer_split with custom_split_points.
+  std::vector<std::string> custom_split_points;
+  // cost: "flops" (the profile's estimate) or "measured" (its forward times).
+  std::string cost_source = "flops";
+};
+
+// The plan for `profile` (see ProfileLayers) under `options`.
+absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
+                                const PartitionOptions& options);
+
+absl::Status SavePlan(const Plan& plan, const std::string& path);
+absl::StatusOr<Plan> LoadPlan(const std::string& path);
+
+}  // namespace trident
+
+#endif  // TRIDENT_PARTITION_PARTITION_H_

@@ -1,0 +1,118 @@
+// Running a plan's stages one after another, each as its own autograd segment
+// joined at the boundary tensor (as pipeline stages are), gives the unsplit
+// model's loss and every parameter's gradient.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "models/models.h"
+#include "partition/partition.h"
+
+namespace trident {
+namespace {
+
+struct Case {
+  const char* preset;
+  const char* method;
+  int stages;
+};
+
+class StageExactnessTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(StageExactnessTest, StagesInSequenceEqualTheUnsplitModel) {
+  const Case c = GetParam();
+  const std::string preset = c.preset;
+  ModelConfig config = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  config.n_layer = 3;
+  auto split = *CreateModel(config, 11);
+  auto whole = *CreateModel(config, 11);
+  torch::manual_seed(3);
+  auto tokens = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+  auto targets = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+
+  auto profile = ProfileLayers(*split, tokens);
+  ASSERT_TRUE(profile.ok()) << profile.status();
+  PartitionOptions options;
+  options.num_stages = c.stages;
+  options.partition_method = c.method;
+  if (options.partition_method == "custom") {
+    options.custom_boundaries = {0};
+    for (int s = 1; s < c.stages; ++s) options.custom_boundaries.push_back(s);
+    options.custom_boundaries.push_back(split->NumLayers());
+  }
+  auto plan = PlanStages(*profile, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+
+  // Forward stage by stage; each stage's input is a fresh leaf, as after a receive.
+  std::vector<at::Tensor> inputs, outputs;
+  at::Tensor x = tokens;
+  for (const StagePlan& stage : plan->stages()) {
+    at::Tensor input = stage.stage() == 0 ? x : x.detach().requires_grad_(true);
+    at::Tensor y = input;
+    for (int64_t i = stage.first_layer(); i < stage.end_layer(); ++i) y = split->ForwardLayer(i, y);
+    inputs.push_back(input);
+    outputs.push_back(y);
+    x = y;
+  }
+  at::Tensor loss = split->SequenceLoss(outputs.back(), targets);
+  loss.backward();
+  for (int s = c.stages - 2; s >= 0; --s) outputs[s].backward(inputs[s + 1].grad());
+
+  at::Tensor reference = whole->Loss(tokens, targets);
+  reference.backward();
+  EXPECT_EQ(loss.item<double>(), reference.item<double>());
+  auto expected = whole->named_parameters();
+  for (const auto& item : split->named_parameters()) {
+    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-7))
+        << item.key();
+  }
+}
+
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  for (const char* preset : {"gpt-tiny", "llama-tiny", "mlp-tiny"}) {
+    for (const char* method : {"uniform", "uniform_floor", "parameters", "cost", "custom"}) {
+      for (int stages = 1; stages <= 4; ++stages) cases.push_back({preset, method, stages});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(ZooMethodsStages, StageExactnessTest, ::testing::ValuesIn(AllCases()),
+                         [](const auto& info) {
+                           std::string name = std::string(info.param.preset) + "_" +
+                                              info.param.method + "_" +
+                                              std::to_string(info.param.stages);
+                           for (char& ch : name) {
+                             if (ch == '-') ch = '_';
+                           }
+                           return name;
+                         });
+
+TEST(BalanceTest, ParametersKeepTwelveGptLayersWithinFifteenPercentOnFourStages) {
+  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+  config.n_layer = 12;
+  auto model = *CreateModel(config, 1);
+  auto profile = ProfileLayers(*model, torch::randint(256, {1, 8}, torch::kLong));
+  ASSERT_TRUE(profile.ok());
+  PartitionOptions options;
+  options.num_stages = 4;
+  options.partition_method = "parameters";
+  auto plan = PlanStages(*profile, options);
+  ASSERT_TRUE(plan.ok());
+  // Embeddings aside: count only the transformer blocks' parameters per stage.
+  std::vector<double> stage_parameters;
+  double total = 0;
+  for (const StagePlan& stage : plan->stages()) {
+    double sum = 0;
+    for (int64_t i = stage.first_layer(); i < stage.end_layer(); ++i) {
+      if ((*profile)[i].name.rfind("transformer.h.", 0) == 0) sum += (*profile)[i].parameters;
+    }
+    stage_parameters.push_back(sum);
+    total += sum;
+  }
+  for (double p : stage_parameters) EXPECT_LE(p, 1.15 * total / 4);
+}
+
+}  // namespace
+}  // namespace trident
