@@ -9,7 +9,8 @@
 //   std::vector<LayerProfile> profile = ProfileLayers(layers, tokens);
 //   // profile[i].parameters, .forward_flops, .activation_bytes per layer
 //
-// Tracing arbitrary models into an operator graph comes later (see the issue).
+// Any model can also be traced into an operator graph (ModelGraph, model_graph.h);
+// splitting traced graphs into stages comes later.
 #ifndef TRIDENT_GRAPH_GRAPH_H_
 #define TRIDENT_GRAPH_GRAPH_H_
 
@@ -21,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "graph/model_graph.h"
 
 namespace trident {
 

@@ -1,0 +1,82 @@
+// ModelGraph: a model traced into an operator graph with LibTorch's JIT tracer,
+// with what partitioning needs per operator. The model's parameters are inputs
+// of the graph (by name), so the graph runs with the live parameters and
+// autograd reaches them.
+//
+//   auto graph = ModelGraph::Trace(*model, {tokens, targets},
+//       [&](const std::vector<at::Tensor>& in) {
+//         return std::vector<at::Tensor>{model->Loss(in[0], in[1])};
+//       });
+//   std::cout << (*graph)->Summary();            // node table and totals
+//   at::Tensor loss = (*graph)->Run({tokens, targets}).value()[0];
+//   loss.backward();                             // gradients in the model's parameters
+#ifndef TRIDENT_GRAPH_MODEL_GRAPH_H_
+#define TRIDENT_GRAPH_MODEL_GRAPH_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
+}  // namespace torch
+
+namespace trident {
+
+// One operator of a traced graph (constants and list plumbing are left out).
+struct GraphNode {
+  std::string kind;                     // "aten::linear"
+  std::vector<std::string> parameters;  // names of the parameters it reads directly
+  std::vector<std::vector<int64_t>> output_shapes;
+  std::vector<std::string> output_dtypes;
+  double forward_flops = 0;      // 2 * multiply-adds for matrix products, else one per output element
+  int64_t parameter_bytes = 0;   // bytes of the parameters it reads
+  int64_t activation_bytes = 0;  // bytes of its outputs
+};
+
+class ModelGraph {
+ public:
+  using Forward = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+  // Traces `forward` of `module` on `example_inputs`. A trace records one
+  // execution: when `check_inputs` (other inputs of the same shapes) are given,
+  // the graph and the eager forward must agree on them too. Fails, naming what
+  // happened and suggesting the LayerSequence path, when the forward cannot be
+  // traced or its control flow depends on tensor values (the check disagrees).
+  static absl::StatusOr<std::unique_ptr<ModelGraph>> Trace(
+      torch::nn::Module& module, const std::vector<at::Tensor>& example_inputs,
+      const Forward& forward, const std::vector<at::Tensor>& check_inputs = {});
+  ~ModelGraph();
+
+  const std::vector<GraphNode>& nodes() const;
+  // Parameter names in the order they follow the inputs in the graph.
+  const std::vector<std::string>& parameter_names() const;
+  // Runs the graph on `inputs` (shaped like the example) with the module's
+  // current parameters.
+  absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs);
+
+  double total_flops() const;
+  int64_t total_parameter_bytes() const;
+  // A table of the nodes (index, kind, output shape, FLOPs, parameter and
+  // activation bytes, parameters) and the totals.
+  std::string Summary() const;
+  // The TorchScript IR of the traced graph.
+  std::string IrText() const;
+
+ private:
+  class Impl;
+  explicit ModelGraph(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace trident
+
+#endif  // TRIDENT_GRAPH_MODEL_GRAPH_H_

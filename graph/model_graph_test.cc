@@ -1,0 +1,125 @@
+#include "graph/model_graph.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "models/models.h"
+
+namespace trident {
+namespace {
+
+using ::testing::HasSubstr;
+
+class TracedZooTest : public ::testing::TestWithParam<const char*> {};
+
+// Running the traced graph gives the eager model's loss and gradients.
+TEST_P(TracedZooTest, TracedGraphReproducesEagerLossAndGradients) {
+  const std::string preset = GetParam();
+  ModelConfig config = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  config.n_layer = 2;
+  auto traced_model = *CreateModel(config, 4);
+  auto eager_model = *CreateModel(config, 4);
+  torch::manual_seed(1);
+  auto tokens = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+  auto targets = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+  // Fresh data through the graph, so nothing was baked in as a constant.
+  auto tokens2 = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+  auto targets2 = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+  auto graph = ModelGraph::Trace(
+      *traced_model, {tokens, targets},
+      [&](const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{traced_model->Loss(in[0], in[1])};
+      },
+      /*check_inputs=*/{tokens2, targets2});
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  EXPECT_EQ((*graph)->parameter_names().size(), traced_model->named_parameters().size());
+  for (auto& p : traced_model->parameters()) p.mutable_grad() = at::Tensor();
+  auto outputs = (*graph)->Run({tokens2, targets2});
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  ASSERT_EQ(outputs->size(), 1u);
+  (*outputs)[0].backward();
+  auto reference = eager_model->Loss(tokens2, targets2);
+  reference.backward();
+  EXPECT_NEAR((*outputs)[0].item<double>(), reference.item<double>(), 1e-6);
+  auto expected = eager_model->named_parameters();
+  for (const auto& item : traced_model->named_parameters()) {
+    ASSERT_TRUE(item.value().grad().defined()) << item.key();
+    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-7))
+        << item.key();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Zoo, TracedZooTest,
+                         ::testing::Values("gpt-tiny", "llama-tiny", "mlp-tiny"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           return name.substr(0, name.find('-'));
+                         });
+
+TEST(ModelGraphTest, NodesCarryParametersShapesAndFlops) {
+  ModelConfig config = *PresetModelConfig("mlp", "mlp-tiny");
+  config.n_layer = 1;
+  config.n_embd = 8;
+  config.vocab_size = 16;
+  auto model = *CreateModel(config, 1);
+  auto tokens = torch::randint(16, {2, 4}, torch::kLong);
+  auto graph = ModelGraph::Trace(*model, {tokens}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{model->Logits(in[0])};
+  });
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  // LibTorch 1.13 records a linear layer on 3-d input as t, matmul and add_.
+  const GraphNode* transpose = nullptr;
+  const GraphNode* product = nullptr;
+  for (const GraphNode& node : (*graph)->nodes()) {
+    if (node.kind == "aten::t" && node.parameters == std::vector<std::string>{"blocks.0.fc1.weight"}) {
+      transpose = &node;
+    }
+    if (node.kind == "aten::matmul" && node.output_shapes[0] == std::vector<int64_t>{2, 4, 32}) {
+      product = &node;
+    }
+  }
+  ASSERT_NE(transpose, nullptr) << (*graph)->IrText();
+  ASSERT_NE(product, nullptr) << (*graph)->IrText();
+  EXPECT_EQ(transpose->parameter_bytes, 32 * 8 * 4);
+  EXPECT_EQ(product->forward_flops, 2.0 * 2 * 4 * 32 * 8);
+  EXPECT_EQ(product->activation_bytes, 2 * 4 * 32 * 4);
+  EXPECT_EQ(product->output_dtypes[0], "Float");
+  EXPECT_THAT((*graph)->Summary(), HasSubstr("aten::matmul"));
+  EXPECT_THAT((*graph)->Summary(), HasSubstr("total: "));
+}
+
+// A forward that branches on a tensor's value cannot be traced faithfully.
+struct DataDependentImpl : torch::nn::Module {
+  DataDependentImpl() { fc = register_module("fc", torch::nn::Linear(4, 4)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = fc(x);
+    return y.sum().item<float>() > 0 ? y * 2 : y * 3;
+  }
+  torch::nn::Linear fc{nullptr};
+};
+
+TEST(ModelGraphTest, DataDependentControlFlowIsAClearError) {
+  DataDependentImpl module;
+  torch::manual_seed(0);
+  auto x = torch::randn({2, 4});
+  auto forward = [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{module.forward(in[0])};
+  };
+  // Find a check input that takes the other branch.
+  const bool positive = module.forward(x).sum().item<float>() > 0;
+  at::Tensor other;
+  for (int attempt = 0; attempt < 100 && !other.defined(); ++attempt) {
+    auto candidate = torch::randn({2, 4}) * 3;
+    if ((module.fc(candidate).sum().item<float>() > 0) != positive) other = candidate;
+  }
+  ASSERT_TRUE(other.defined());
+  auto graph = ModelGraph::Trace(module, {x}, forward, {other});
+  ASSERT_FALSE(graph.ok()) << (*graph)->IrText();
+  EXPECT_THAT(std::string(graph.status().message()),
+              HasSubstr("the traced graph disagrees with the model on check_inputs"));
+  EXPECT_THAT(std::string(graph.status().message()), HasSubstr("Declare the model as a LayerSequence"));
+}
+
+}  // namespace
+}  // namespace trident
