@@ -41,6 +41,16 @@ int64_t Elements(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// A constant, or a list of constants: copied into every stage that uses it.
+bool Cloneable(const torch::jit::Node* node) {
+  if (node->kind() == c10::prim::Constant) return true;
+  if (node->kind() != c10::prim::ListConstruct) return false;
+  for (const torch::jit::Value* input : node->inputs()) {
+    if (input->node()->kind() == c10::prim::Param || !Cloneable(input->node())) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 class ModelGraph::Impl {
@@ -50,8 +60,62 @@ class ModelGraph::Impl {
   std::vector<std::string> parameter_names;
   size_t num_inputs = 0;
   std::vector<GraphNode> nodes;
+  std::vector<torch::jit::Node*> ops;  // the graph's nodes behind `nodes`, in order
+  std::map<const torch::jit::Node*, int64_t> op_index;
+  std::vector<int64_t> output_ids;
+  std::unique_ptr<torch::jit::GraphFunction> function;
+
+  // Index of the op that makes `value`; -1 for graph inputs and cloneable values.
+  int64_t Producer(const torch::jit::Value* value) const {
+    auto it = op_index.find(value->node());
+    return it == op_index.end() ? -1 : it->second;
+  }
+  // Values made by ops before `position` and used at or after it (or returned).
+  std::vector<torch::jit::Value*> Crossing(int64_t position) const {
+    std::vector<torch::jit::Value*> crossing;
+    for (int64_t i = 0; i < position; ++i) {
+      for (torch::jit::Value* output : ops[i]->outputs()) {
+        bool later = false;
+        for (const torch::jit::Use& use : output->uses()) {
+          auto it = op_index.find(use.user);
+          later |= use.user->kind() == c10::prim::Return || (it != op_index.end() && it->second >= position);
+        }
+        if (later) crossing.push_back(output);
+      }
+    }
+    return crossing;
+  }
+};
+
+struct StageGraph::Impl {
+  // Where each graph input comes from: a received tensor, a model input or a parameter.
+  enum class Source { kReceived, kModelInput, kParameter };
+  std::vector<std::pair<Source, size_t>> inputs;
+  std::vector<at::Tensor> parameters;
+  std::shared_ptr<torch::jit::Graph> graph;
   std::unique_ptr<torch::jit::GraphFunction> function;
 };
+
+StageGraph::StageGraph() : impl_(std::make_unique<Impl>()) {}
+StageGraph::~StageGraph() = default;
+
+namespace {
+
+std::vector<at::Tensor> Unpack(const torch::jit::Stack& stack) {
+  std::vector<at::Tensor> outputs;
+  for (const c10::IValue& value : stack) {
+    if (value.isTensor()) {
+      outputs.push_back(value.toTensor());
+    } else if (value.isTuple()) {
+      for (const c10::IValue& element : value.toTupleRef().elements()) {
+        outputs.push_back(element.toTensor());
+      }
+    }
+  }
+  return outputs;
+}
+
+}  // namespace
 
 ModelGraph::ModelGraph(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelGraph::~ModelGraph() = default;
@@ -117,9 +181,11 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   for (size_t i = 0; i < impl->parameters.size(); ++i) {
     parameter_index[impl->graph->inputs()[impl->num_inputs + i]] = i;
   }
-  for (const torch::jit::Node* node : impl->graph->nodes()) {
+  for (torch::jit::Node* node : impl->graph->nodes()) {
     const std::string kind = node->kind().toQualString();
-    if (node->kind().is_prim() || node->outputs().empty()) continue;
+    if (Cloneable(node)) continue;
+    impl->op_index[node] = static_cast<int64_t>(impl->ops.size());
+    impl->ops.push_back(node);
     GraphNode g;
     g.kind = kind;
     for (const torch::jit::Value* input : node->inputs()) {
@@ -149,6 +215,9 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
       g.forward_flops = static_cast<double>(output_elements);
     }
     impl->nodes.push_back(std::move(g));
+  }
+  for (const torch::jit::Value* output : impl->graph->outputs()) {
+    impl->output_ids.push_back(static_cast<int64_t>(output->unique()));
   }
   impl->function = std::make_unique<torch::jit::GraphFunction>("forward", impl->graph, nullptr);
   std::unique_ptr<ModelGraph> model_graph(new ModelGraph(std::move(impl)));
@@ -181,17 +250,126 @@ absl::StatusOr<std::vector<at::Tensor>> ModelGraph::Run(const std::vector<at::Te
   for (const at::Tensor& p : impl_->parameters) stack.emplace_back(p);
   TRIDENT_RETURN_IF_ERROR(
       CatchExceptions("running the traced graph", [&] { impl_->function->run(stack); }));
-  std::vector<at::Tensor> outputs;
-  for (const c10::IValue& value : stack) {
-    if (value.isTensor()) {
-      outputs.push_back(value.toTensor());
-    } else if (value.isTuple()) {
-      for (const c10::IValue& element : value.toTupleRef().elements()) {
-        outputs.push_back(element.toTensor());
-      }
+  return Unpack(stack);
+}
+
+const std::vector<int64_t>& ModelGraph::output_ids() const { return impl_->output_ids; }
+
+std::optional<int> ModelGraph::CrossingTensors(int64_t position) const {
+  int count = 0;
+  for (const torch::jit::Value* value : impl_->Crossing(position)) {
+    if (!value->type()->cast<c10::TensorType>()) return std::nullopt;
+    // A tensor modified in place after the cut (linear's bias add_ on its matmul)
+    // would be a received leaf changed in place: no cut there either.
+    for (const torch::jit::Use& use : value->uses()) {
+      const std::string name = use.user->kind().toUnqualString();
+      if (use.offset == 0 && !name.empty() && name.back() == '_') return std::nullopt;
+    }
+    ++count;
+  }
+  return count;
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> ModelGraph::Split(
+    const std::vector<int64_t>& boundaries) const {
+  const Impl& g = *impl_;
+  const int64_t count = static_cast<int64_t>(g.ops.size());
+  bool valid = boundaries.size() >= 2 && boundaries.front() == 0 && boundaries.back() == count;
+  for (size_t i = 1; valid && i < boundaries.size(); ++i) valid = boundaries[i] > boundaries[i - 1];
+  if (!valid) {
+    return absl::InvalidArgumentError(absl::StrCat("stage boundaries [", absl::StrJoin(boundaries, ", "),
+                                                   "] must rise from 0 to the ", count, " nodes"));
+  }
+  for (size_t i = 1; i + 1 < boundaries.size(); ++i) {
+    if (!CrossingTensors(boundaries[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot cut before node ", boundaries[i], " (", g.nodes[boundaries[i]].kind,
+          "): a value that is not a tensor would cross; choose another boundary"));
     }
   }
-  return outputs;
+  std::vector<std::unique_ptr<StageGraph>> stages;
+  for (size_t s = 0; s + 1 < boundaries.size(); ++s) {
+    const int64_t first = boundaries[s], end = boundaries[s + 1];
+    std::unique_ptr<StageGraph> stage(new StageGraph());
+    StageGraph::Impl& st = *stage->impl_;
+    st.graph = std::make_shared<torch::jit::Graph>();
+    std::map<const torch::jit::Value*, torch::jit::Value*> mapped;
+    std::function<torch::jit::Value*(torch::jit::Value*)> map_value =
+        [&](torch::jit::Value* value) -> torch::jit::Value* {
+      auto it = mapped.find(value);
+      if (it != mapped.end()) return it->second;
+      torch::jit::Value* result;
+      if (value->node()->kind() == c10::prim::Param) {
+        const size_t index = value->offset();
+        result = st.graph->addInput()->copyMetadata(value);
+        if (index < g.num_inputs) {
+          st.inputs.emplace_back(StageGraph::Impl::Source::kModelInput, index);
+        } else {
+          st.inputs.emplace_back(StageGraph::Impl::Source::kParameter, st.parameters.size());
+          st.parameters.push_back(g.parameters[index - g.num_inputs]);
+          stage->parameter_names_.push_back(g.parameter_names[index - g.num_inputs]);
+        }
+      } else if (g.Producer(value) < 0) {  // a constant: copy it here
+        torch::jit::Node* clone = st.graph->appendNode(st.graph->createClone(value->node(), map_value));
+        result = clone->output(value->offset());
+      } else {  // made by an earlier stage
+        result = st.graph->addInput()->copyMetadata(value);
+        st.inputs.emplace_back(StageGraph::Impl::Source::kReceived, stage->received_.size());
+        stage->received_.push_back(static_cast<int64_t>(value->unique()));
+      }
+      mapped[value] = result;
+      return result;
+    };
+    for (int64_t i = first; i < end; ++i) {
+      torch::jit::Node* clone = st.graph->appendNode(st.graph->createClone(g.ops[i], map_value));
+      for (size_t o = 0; o < g.ops[i]->outputs().size(); ++o) {
+        mapped[g.ops[i]->output(o)] = clone->output(o);
+      }
+    }
+    std::vector<torch::jit::Value*> outputs;
+    for (torch::jit::Value* value : g.Crossing(end)) {
+      if (g.Producer(value) < first) continue;
+      outputs.push_back(mapped.at(value));
+      stage->sent_.push_back(static_cast<int64_t>(value->unique()));
+    }
+    // A graph function returns one value: several outputs travel as a tuple.
+    st.graph->registerOutput(outputs.size() == 1
+                                 ? outputs[0]
+                                 : st.graph->insertNode(st.graph->createTuple(outputs))->output());
+    st.function = std::make_unique<torch::jit::GraphFunction>(
+        absl::StrCat("stage", s), st.graph, nullptr);
+    stages.push_back(std::move(stage));
+  }
+  return stages;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> StageGraph::Run(
+    const std::vector<at::Tensor>& received, const std::vector<at::Tensor>& model_inputs) const {
+  if (received.size() != received_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("stage takes ", received_.size(),
+                                                   " received tensors, got ", received.size()));
+  }
+  torch::jit::Stack stack;
+  for (const auto& [source, index] : impl_->inputs) {
+    switch (source) {
+      case Impl::Source::kReceived:
+        stack.emplace_back(received[index]);
+        break;
+      case Impl::Source::kModelInput:
+        if (index >= model_inputs.size()) {
+          return absl::InvalidArgumentError(absl::StrCat("stage reads model input ", index,
+                                                         " but ", model_inputs.size(), " were given"));
+        }
+        stack.emplace_back(model_inputs[index]);
+        break;
+      case Impl::Source::kParameter:
+        stack.emplace_back(impl_->parameters[index]);
+        break;
+    }
+  }
+  TRIDENT_RETURN_IF_ERROR(
+      CatchExceptions("running a pipeline stage", [&] { impl_->function->run(stack); }));
+  return Unpack(stack);
 }
 
 double ModelGraph::total_flops() const {

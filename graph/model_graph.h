@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,7 +32,8 @@ class Module;
 
 namespace trident {
 
-// One operator of a traced graph (constants and list plumbing are left out).
+// One operator of a traced graph (constants, and lists of constants, are left
+// out: a stage that needs them gets its own copy).
 struct GraphNode {
   std::string kind;                     // "aten::linear"
   std::vector<std::string> parameters;  // names of the parameters it reads directly
@@ -40,6 +42,32 @@ struct GraphNode {
   double forward_flops = 0;      // 2 * multiply-adds for matrix products, else one per output element
   int64_t parameter_bytes = 0;   // bytes of the parameters it reads
   int64_t activation_bytes = 0;  // bytes of its outputs
+};
+
+// One pipeline stage of a split ModelGraph: a sub-graph of consecutive
+// operators with explicit inputs and outputs. Tensors are identified across
+// stages by value ids (unique within the traced graph).
+class StageGraph {
+ public:
+  ~StageGraph();
+  // Tensors received from earlier stages, in the order Run takes them.
+  const std::vector<int64_t>& received() const { return received_; }
+  // Tensors produced for later stages or as model outputs, in the order Run returns them.
+  const std::vector<int64_t>& sent() const { return sent_; }
+  // The parameters this stage reads.
+  const std::vector<std::string>& parameter_names() const { return parameter_names_; }
+  // Runs the stage on `received` (in received() order) and the model's inputs
+  // (all of them, as ModelGraph::Run takes them; the stage reads what it needs).
+  absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& received,
+                                              const std::vector<at::Tensor>& model_inputs) const;
+
+ private:
+  friend class ModelGraph;
+  struct Impl;
+  StageGraph();
+  std::unique_ptr<Impl> impl_;
+  std::vector<int64_t> received_, sent_;
+  std::vector<std::string> parameter_names_;
 };
 
 class ModelGraph {
@@ -62,6 +90,18 @@ class ModelGraph {
   // Runs the graph on `inputs` (shaped like the example) with the module's
   // current parameters.
   absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs);
+
+  // Value ids of the model's outputs (what the forward returned).
+  const std::vector<int64_t>& output_ids() const;
+  // Tensors that would cross a cut before node `position` (0 < position <
+  // nodes().size()): values made by earlier nodes and used by later ones or
+  // returned. nullopt where a non-tensor value, or a tensor later modified in
+  // place, would cross: no cut there.
+  std::optional<int> CrossingTensors(int64_t position) const;
+  // Cuts the nodes at `boundaries` (first 0, last nodes().size(), increasing;
+  // every inner one a position where CrossingTensors has a value) into stages.
+  absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> Split(
+      const std::vector<int64_t>& boundaries) const;
 
   double total_flops() const;
   int64_t total_parameter_bytes() const;

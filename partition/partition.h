@@ -55,6 +55,34 @@ struct PartitionOptions {
 absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
                                 const PartitionOptions& options);
 
+// Graph path: a traced ModelGraph is first cut into shards at positions where
+// only tensors cross, then the shards are grouped into stages.
+//   farthest_min_deps  walk the nodes in order and close a shard once it holds its
+//                      share of the parameters, at a cut that carries no more tensors
+//                      than the cheapest seen since the last one (plus one hub tensor,
+//                      such as a mask); otherwise keep growing it (merge back)
+//   nearest_min_deps   start from every possible cut and merge neighbours, dropping
+//                      the cut that carries the most tensors first
+// Returns shard boundaries over graph.nodes().
+absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
+                                                     const std::string& split_method,
+                                                     int shard_count);
+
+struct GraphPartitionOptions {
+  std::string split_method = "farthest_min_deps";
+  // Shards before grouping; the reference design uses about 2 * num_layers + 4, so
+  // attention and MLP land in separate shards and the embeddings in their own.
+  int shard_count = 12;
+  int num_stages = 1;
+  // uniform, uniform_floor, parameters (shard parameter bytes) or cost (shard FLOPs).
+  std::string partition_method = "uniform";
+};
+
+// The plan for a traced graph: stage boundaries over graph.nodes() (the
+// StagePlan first_layer/end_layer fields hold node indices), to be passed to
+// ModelGraph::Split.
+absl::StatusOr<Plan> PlanGraphStages(const ModelGraph& graph, const GraphPartitionOptions& options);
+
 absl::Status SavePlan(const Plan& plan, const std::string& path);
 absl::StatusOr<Plan> LoadPlan(const std::string& path);
 

@@ -1,0 +1,143 @@
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "partition/partition.h"
+
+namespace trident {
+namespace {
+
+// Positions where the graph can be cut, with the number of tensors crossing each.
+std::vector<std::pair<int64_t, int>> CutCandidates(const ModelGraph& graph) {
+  std::vector<std::pair<int64_t, int>> candidates;
+  for (int64_t p = 1; p < static_cast<int64_t>(graph.nodes().size()); ++p) {
+    if (auto crossing = graph.CrossingTensors(p)) candidates.emplace_back(p, *crossing);
+  }
+  return candidates;
+}
+
+std::vector<int64_t> FarthestMinDeps(const ModelGraph& graph, int shard_count) {
+  const auto& nodes = graph.nodes();
+  double total = 0;
+  for (const GraphNode& n : nodes) total += n.parameter_bytes;
+  const double budget = total / shard_count;
+  // Cheapest cut seen so far: a shard closes at the first candidate after its
+  // budget is reached whose crossing count is no larger than the least seen
+  // since the previous cut plus one (a "hub" such as a mask may ride along);
+  // otherwise it grows (merges back) until such a cut comes.
+  std::vector<int64_t> bounds = {0};
+  std::map<int64_t, int> crossing;
+  for (const auto& [p, c] : CutCandidates(graph)) crossing[p] = c;
+  double shard = 0;
+  int least = 1 << 30;
+  for (int64_t p = 1; p < static_cast<int64_t>(nodes.size()); ++p) {
+    shard += nodes[p - 1].parameter_bytes;
+    auto it = crossing.find(p);
+    if (it == crossing.end()) continue;
+    least = std::min(least, it->second);
+    if (shard >= budget && it->second <= least + 1) {
+      bounds.push_back(p);
+      shard = 0;
+      least = 1 << 30;
+    }
+  }
+  bounds.push_back(static_cast<int64_t>(nodes.size()));
+  return bounds;
+}
+
+std::vector<int64_t> NearestMinDeps(const ModelGraph& graph, int shard_count) {
+  const auto& nodes = graph.nodes();
+  std::vector<std::pair<int64_t, int>> cuts = CutCandidates(graph);
+  std::vector<double> prefix(nodes.size() + 1, 0);
+  for (size_t i = 0; i < nodes.size(); ++i) prefix[i + 1] = prefix[i] + nodes[i].parameter_bytes;
+  // Greedy merge: remove the cut carrying the most tensors (ties: the one whose
+  // merged neighbours are lightest) until shard_count shards remain.
+  while (static_cast<int>(cuts.size()) + 1 > shard_count) {
+    size_t worst = 0;
+    int worst_crossing = -1;
+    double worst_weight = 0;
+    for (size_t i = 0; i < cuts.size(); ++i) {
+      const int64_t left = i == 0 ? 0 : cuts[i - 1].first;
+      const int64_t right =
+          i + 1 == cuts.size() ? static_cast<int64_t>(nodes.size()) : cuts[i + 1].first;
+      const double merged = prefix[right] - prefix[left];
+      if (cuts[i].second > worst_crossing ||
+          (cuts[i].second == worst_crossing && merged < worst_weight)) {
+        worst = i;
+        worst_crossing = cuts[i].second;
+        worst_weight = merged;
+      }
+    }
+    cuts.erase(cuts.begin() + static_cast<std::ptrdiff_t>(worst));
+  }
+  std::vector<int64_t> bounds = {0};
+  for (const auto& [p, c] : cuts) bounds.push_back(p);
+  bounds.push_back(static_cast<int64_t>(nodes.size()));
+  return bounds;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
+                                                     const std::string& split_method,
+                                                     int shard_count) {
+  if (shard_count < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("shard_count=", shard_count, " must be positive"));
+  }
+  if (split_method == "farthest_min_deps") return FarthestMinDeps(graph, shard_count);
+  if (split_method == "nearest_min_deps") return NearestMinDeps(graph, shard_count);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown split_method '", split_method,
+      "' for a traced graph; choose farthest_min_deps or nearest_min_deps (layer_split needs a "
+      "LayerSequence model)"));
+}
+
+absl::StatusOr<Plan> PlanGraphStages(const ModelGraph& graph, const GraphPartitionOptions& options) {
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards,
+                           SplitIntoShards(graph, options.split_method, options.shard_count));
+  const auto& nodes = graph.nodes();
+  std::vector<double> weights;
+  for (size_t s = 0; s + 1 < shards.size(); ++s) {
+    double w = 0;
+    for (int64_t i = shards[s]; i < shards[s + 1]; ++i) {
+      w += options.partition_method == "parameters" ? nodes[i].parameter_bytes : nodes[i].forward_flops;
+    }
+    weights.push_back(w);
+  }
+  if (static_cast<int>(weights.size()) < options.num_stages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the graph split into ", weights.size(), " shards, fewer than the ", options.num_stages,
+        " stages asked for; raise shard_count or use fewer stages"));
+  }
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> grouped,
+                           PartitionLayers(options.partition_method, weights, options.num_stages));
+  Plan plan;
+  plan.set_split_method(options.split_method);
+  plan.set_partition_method(options.partition_method);
+  plan.set_num_stages(options.num_stages);
+  for (int64_t g : grouped) plan.add_boundaries(shards[g]);
+  for (int s = 0; s < options.num_stages; ++s) {
+    StagePlan* stage = plan.add_stages();
+    stage->set_stage(s);
+    stage->set_first_layer(shards[grouped[s]]);
+    stage->set_end_layer(shards[grouped[s + 1]]);
+    std::set<std::string> seen;
+    double flops = 0;
+    int64_t bytes = 0;
+    for (int64_t i = stage->first_layer(); i < stage->end_layer(); ++i) {
+      stage->add_layer_names(nodes[i].kind);
+      for (const std::string& p : nodes[i].parameters) {
+        if (seen.insert(p).second) stage->add_parameter_names(p);
+      }
+      flops += nodes[i].forward_flops;
+      bytes += nodes[i].parameter_bytes;
+    }
+    stage->set_forward_flops(flops);
+    stage->set_parameter_bytes(bytes);
+  }
+  return plan;
+}
+
+}  // namespace trident

@@ -1,0 +1,194 @@
+#include <map>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "models/models.h"
+#include "partition/partition.h"
+
+namespace trident {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Runs the stages in sequence, each receiving fresh leaf tensors (as after a
+// receive), then backward stage by stage; returns the loss.
+at::Tensor RunStages(const ModelGraph& graph, const std::vector<std::unique_ptr<StageGraph>>& stages,
+                     const std::vector<at::Tensor>& inputs) {
+  std::map<int64_t, at::Tensor> produced;
+  std::map<int64_t, std::vector<at::Tensor>> consumers;  // leaves made from each sent tensor
+  std::vector<std::vector<at::Tensor>> outputs(stages.size());
+  for (size_t s = 0; s < stages.size(); ++s) {
+    std::vector<at::Tensor> received;
+    for (int64_t id : stages[s]->received()) {
+      at::Tensor leaf = produced.at(id).detach().requires_grad_(true);
+      consumers[id].push_back(leaf);
+      received.push_back(leaf);
+    }
+    auto out = stages[s]->Run(received, inputs);
+    EXPECT_TRUE(out.ok()) << out.status();
+    outputs[s] = *out;
+    for (size_t i = 0; i < out->size(); ++i) produced[stages[s]->sent()[i]] = (*out)[i];
+  }
+  at::Tensor loss = produced.at(graph.output_ids()[0]);
+  loss.backward();
+  for (int s = static_cast<int>(stages.size()) - 2; s >= 0; --s) {
+    std::vector<at::Tensor> tensors, grads;
+    for (size_t i = 0; i < outputs[s].size(); ++i) {
+      at::Tensor grad;
+      for (const at::Tensor& leaf : consumers[stages[s]->sent()[i]]) {
+        if (leaf.grad().defined()) grad = grad.defined() ? grad + leaf.grad() : leaf.grad();
+      }
+      if (grad.defined() && outputs[s][i].requires_grad()) {
+        tensors.push_back(outputs[s][i]);
+        grads.push_back(grad);
+      }
+    }
+    if (!tensors.empty()) torch::autograd::backward(tensors, grads);
+  }
+  return loss;
+}
+
+void ExpectSameGradients(torch::nn::Module& split, torch::nn::Module& whole) {
+  auto expected = whole.named_parameters();
+  for (const auto& item : split.named_parameters()) {
+    ASSERT_TRUE(item.value().grad().defined()) << item.key();
+    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-7))
+        << item.key();
+  }
+}
+
+struct Case {
+  const char* preset;
+  const char* split_method;
+  const char* partition_method;
+  int stages;
+};
+
+class GraphSplitTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GraphSplitTest, StagesOfTheTracedGraphEqualTheEagerModel) {
+  const Case c = GetParam();
+  const std::string preset = c.preset;
+  ModelConfig config = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  config.n_layer = 2;
+  auto traced = *CreateModel(config, 9);
+  auto eager = *CreateModel(config, 9);
+  torch::manual_seed(2);
+  auto tokens = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+  auto targets = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+  auto graph = ModelGraph::Trace(*traced, {tokens, targets}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{traced->Loss(in[0], in[1])};
+  });
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  GraphPartitionOptions options;
+  options.split_method = c.split_method;
+  options.partition_method = c.partition_method;
+  options.shard_count = 2 * config.n_layer + 4;
+  options.num_stages = c.stages;
+  auto plan = PlanGraphStages(**graph, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto stages = (*graph)->Split({plan->boundaries().begin(), plan->boundaries().end()});
+  ASSERT_TRUE(stages.ok()) << stages.status();
+  ASSERT_EQ(stages->size(), static_cast<size_t>(c.stages));
+  at::Tensor loss = RunStages(**graph, *stages, {tokens, targets});
+  at::Tensor reference = eager->Loss(tokens, targets);
+  reference.backward();
+  EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-6);
+  ExpectSameGradients(*traced, *eager);
+}
+
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  for (const char* preset : {"gpt-tiny", "llama-tiny", "mlp-tiny"}) {
+    for (const char* split : {"farthest_min_deps", "nearest_min_deps"}) {
+      for (const char* method : {"uniform", "parameters", "cost"}) {
+        for (int stages = 1; stages <= 4; ++stages) cases.push_back({preset, split, method, stages});
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Zoo, GraphSplitTest, ::testing::ValuesIn(AllCases()), [](const auto& info) {
+  std::string name = std::string(info.param.preset) + "_" + info.param.split_method + "_" +
+                     info.param.partition_method + "_" + std::to_string(info.param.stages);
+  for (char& ch : name) {
+    if (ch == '-') ch = '_';
+  }
+  return name;
+});
+
+// Every layer reads a hub tensor made from the embeddings, and the embeddings
+// also skip to the head, across every stage boundary.
+struct SkipAndHubImpl : torch::nn::Module {
+  SkipAndHubImpl() {
+    embed = register_module("embed", torch::nn::Embedding(32, 16));
+    for (int i = 0; i < 4; ++i) {
+      layers.push_back(register_module("layer" + std::to_string(i), torch::nn::Linear(16, 16)));
+    }
+    head = register_module("head", torch::nn::Linear(16, 32));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& targets) {
+    auto x0 = embed(tokens);
+    auto hub = torch::sigmoid(x0.mean(-1, /*keepdim=*/true));
+    auto h = x0;
+    for (auto& layer : layers) h = torch::tanh(layer(h)) * hub;
+    auto logits = head(h + x0);
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, 32}), targets.reshape({-1}));
+  }
+  torch::nn::Embedding embed{nullptr};
+  std::vector<torch::nn::Linear> layers;
+  torch::nn::Linear head{nullptr};
+};
+
+TEST(GraphSplitHubTest, SkipConnectionsAndHubTensorsCrossSeveralStages) {
+  torch::manual_seed(5);
+  SkipAndHubImpl split_model;
+  SkipAndHubImpl whole_model;
+  torch::NoGradGuard no_grad_copy;
+  for (auto& item : whole_model.named_parameters()) {
+    item.value().copy_(split_model.named_parameters()[item.key()]);
+  }
+  {
+    torch::GradMode::set_enabled(true);
+    auto tokens = torch::randint(32, {2, 8}, torch::kLong);
+    auto targets = torch::randint(32, {2, 8}, torch::kLong);
+    auto graph = ModelGraph::Trace(split_model, {tokens, targets}, [&](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{split_model.forward(in[0], in[1])};
+    });
+    ASSERT_TRUE(graph.ok()) << graph.status();
+    GraphPartitionOptions options;
+    options.shard_count = 6;
+    options.num_stages = 4;
+    options.partition_method = "parameters";
+    auto plan = PlanGraphStages(**graph, options);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    auto stages = (*graph)->Split({plan->boundaries().begin(), plan->boundaries().end()});
+    ASSERT_TRUE(stages.ok()) << stages.status();
+    // The last stage receives the embeddings (the skip) from the first stage.
+    EXPECT_GE(stages->back()->received().size(), 2u);
+    at::Tensor loss = RunStages(**graph, *stages, {tokens, targets});
+    at::Tensor reference = whole_model.forward(tokens, targets);
+    reference.backward();
+    EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-6);
+    ExpectSameGradients(split_model, whole_model);
+  }
+}
+
+TEST(GraphSplitErrorsTest, UnknownSplitMethodAndBadBoundaries) {
+  SkipAndHubImpl model;
+  auto tokens = torch::randint(32, {2, 8}, torch::kLong);
+  auto graph = ModelGraph::Trace(model, {tokens, tokens}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{model.forward(in[0], in[1])};
+  });
+  ASSERT_TRUE(graph.ok());
+  EXPECT_THAT(std::string(SplitIntoShards(**graph, "random", 4).status().message()),
+              HasSubstr("unknown split_method 'random'"));
+  EXPECT_THAT(std::string((*graph)->Split({0, 2, 1}).status().message()),
+              HasSubstr("must rise from 0"));
+}
+
+}  // namespace
+}  // namespace trident
