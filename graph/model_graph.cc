@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/nn/module.h>
@@ -64,6 +65,7 @@ class ModelGraph::Impl {
   std::map<const torch::jit::Node*, int64_t> op_index;
   std::vector<int64_t> output_ids;
   std::unique_ptr<torch::jit::GraphFunction> function;
+  std::shared_ptr<void> keep_alive;  // a loaded TorchScript module that owns the parameters
 
   // Index of the op that makes `value`; -1 for graph inputs and cloneable values.
   int64_t Producer(const torch::jit::Value* value) const {
@@ -121,6 +123,7 @@ ModelGraph::ModelGraph(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelGraph::~ModelGraph() = default;
 const std::vector<GraphNode>& ModelGraph::nodes() const { return impl_->nodes; }
 const std::vector<std::string>& ModelGraph::parameter_names() const { return impl_->parameter_names; }
+const std::vector<at::Tensor>& ModelGraph::parameters() const { return impl_->parameters; }
 
 constexpr char kUseLayerSequence[] =
     "Declare the model as a LayerSequence (graph/graph.h) to split it at layer boundaries "
@@ -129,16 +132,47 @@ constexpr char kUseLayerSequence[] =
 absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
     torch::nn::Module& module, const std::vector<at::Tensor>& example_inputs,
     const Forward& forward, const std::vector<at::Tensor>& check_inputs) {
+  std::vector<std::pair<std::string, at::Tensor>> parameters;
+  for (const auto& item : module.named_parameters()) parameters.emplace_back(item.key(), item.value());
+  return Trace(parameters, example_inputs, forward, check_inputs);
+}
+
+absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::FromTorchScript(
+    const std::string& path, const std::vector<at::Tensor>& example_inputs,
+    const std::vector<at::Tensor>& check_inputs) {
+  auto module = std::make_shared<torch::jit::Module>();
+  TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("loading TorchScript module ", path),
+                                          [&] { *module = torch::jit::load(path); }));
+  std::vector<std::pair<std::string, at::Tensor>> parameters;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    parameters.emplace_back(item.name, item.value);
+  }
+  auto graph = Trace(parameters, example_inputs, [module](const std::vector<at::Tensor>& in) {
+    std::vector<c10::IValue> args(in.begin(), in.end());
+    c10::IValue result = module->forward(args);
+    if (result.isTensor()) return std::vector<at::Tensor>{result.toTensor()};
+    std::vector<at::Tensor> outputs;
+    for (const c10::IValue& element : result.toTupleRef().elements()) outputs.push_back(element.toTensor());
+    return outputs;
+  }, check_inputs);
+  if (graph.ok()) (*graph)->impl_->keep_alive = module;
+  return graph;
+}
+
+absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
+    const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+    const std::vector<at::Tensor>& example_inputs, const Forward& forward,
+    const std::vector<at::Tensor>& check_inputs) {
   auto impl = std::make_unique<Impl>();
   impl->num_inputs = example_inputs.size();
   torch::jit::Stack stack;
   for (const at::Tensor& t : example_inputs) stack.emplace_back(t);
   std::map<const void*, std::string> names;
-  for (const auto& item : module.named_parameters()) {
-    impl->parameters.push_back(item.value());
-    impl->parameter_names.push_back(item.key());
-    names[item.value().unsafeGetTensorImpl()] = item.key();
-    stack.emplace_back(item.value());
+  for (const auto& [name, tensor] : parameters) {
+    impl->parameters.push_back(tensor);
+    impl->parameter_names.push_back(name);
+    names[tensor.unsafeGetTensorImpl()] = name;
+    stack.emplace_back(tensor);
   }
   std::shared_ptr<torch::jit::tracer::TracingState> state;
   torch::jit::tracer::setWarn(ThrowOnTracerWarning);

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -82,11 +83,24 @@ class ModelGraph {
   static absl::StatusOr<std::unique_ptr<ModelGraph>> Trace(
       torch::nn::Module& module, const std::vector<at::Tensor>& example_inputs,
       const Forward& forward, const std::vector<at::Tensor>& check_inputs = {});
+  // The same for a forward that reads `parameters` (name, tensor) directly.
+  static absl::StatusOr<std::unique_ptr<ModelGraph>> Trace(
+      const std::vector<std::pair<std::string, at::Tensor>>& parameters,
+      const std::vector<at::Tensor>& example_inputs, const Forward& forward,
+      const std::vector<at::Tensor>& check_inputs = {});
+  // Loads a TorchScript module saved from Python (torch.jit.save) and traces its
+  // forward on `example_inputs` into a graph of its operators, with the module's
+  // parameters as named inputs. The loaded module stays alive inside the graph.
+  static absl::StatusOr<std::unique_ptr<ModelGraph>> FromTorchScript(
+      const std::string& path, const std::vector<at::Tensor>& example_inputs,
+      const std::vector<at::Tensor>& check_inputs = {});
   ~ModelGraph();
 
   const std::vector<GraphNode>& nodes() const;
-  // Parameter names in the order they follow the inputs in the graph.
+  // Parameter names in the order they follow the inputs in the graph, and the
+  // parameter tensors themselves (the module's own, so gradients land there).
   const std::vector<std::string>& parameter_names() const;
+  const std::vector<at::Tensor>& parameters() const;
   // Runs the graph on `inputs` (shaped like the example) with the module's
   // current parameters.
   absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs);

@@ -123,3 +123,56 @@ TEST(ModelGraphTest, DataDependentControlFlowIsAClearError) {
 
 }  // namespace
 }  // namespace trident
+
+#include <torch/script.h>
+
+namespace trident {
+namespace {
+
+// A TorchScript module (as saved from Python with torch.jit.save) traces into a
+// graph whose parameters are named inputs and whose results and gradients
+// match the scripted module's.
+TEST(ModelGraphTest, TorchScriptModulesFromThePythonEcosystemTrace) {
+  torch::manual_seed(0);
+  torch::jit::Module scripted("TinyNet");
+  scripted.register_parameter("w1", torch::randn({4, 8}).requires_grad_(), false);
+  scripted.register_parameter("b1", torch::zeros({8}).requires_grad_(), false);
+  scripted.register_parameter("w2", torch::randn({8, 3}).requires_grad_(), false);
+  scripted.define(R"(
+    def forward(self, x, target):
+        h = torch.tanh(torch.matmul(x, self.w1) + self.b1)
+        for _ in range(2):
+            h = h * 0.5 + torch.tanh(h)
+        return (torch.matmul(h, self.w2) - target).pow(2).mean()
+  )");
+  const char* dir = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(dir ? dir : "/tmp") + "/tiny_net.pt";
+  scripted.save(path);
+
+  auto x = torch::randn({5, 4}), target = torch::randn({5, 3});
+  auto x2 = torch::randn({5, 4}), target2 = torch::randn({5, 3});
+  auto graph = ModelGraph::FromTorchScript(path, {x, target}, {x2, target2});
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  EXPECT_EQ((*graph)->parameter_names(), (std::vector<std::string>{"w1", "b1", "w2"}));
+  auto loss = (*graph)->Run({x2, target2});
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  (*loss)[0].backward();
+
+  torch::jit::Module reference = torch::jit::load(path);
+  auto expected = reference.forward({x2, target2}).toTensor();
+  expected.backward();
+  EXPECT_NEAR((*loss)[0].item<double>(), expected.item<double>(), 1e-6);
+  size_t i = 0;
+  for (const auto& item : reference.named_parameters()) {
+    ASSERT_LT(i, (*graph)->parameters().size());
+    EXPECT_EQ((*graph)->parameter_names()[i], item.name);
+    EXPECT_TRUE(torch::allclose((*graph)->parameters()[i].grad(), item.value.grad(), 1e-5, 1e-7))
+        << item.name;
+    ++i;
+  }
+  EXPECT_THAT(std::string(ModelGraph::FromTorchScript("/nonexistent.pt", {x}).status().message()),
+              HasSubstr("loading TorchScript module /nonexistent.pt"));
+}
+
+}  // namespace
+}  // namespace trident
