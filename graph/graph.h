@@ -15,6 +15,8 @@
 #define TRIDENT_GRAPH_GRAPH_H_
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,6 +58,16 @@ struct LayerProfile {
   int64_t activation_bytes = 0;  // size of the layer's output for the example input
   double forward_seconds = 0;    // measured: median of three runs on the example input
 };
+
+// Builds a part of a model that materialises (at least) layer `layer`.
+using LayerBuilder = std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(int64_t layer)>;
+
+// Memory-light profiling for models too large to build whole: layer i is
+// profiled on a part that `build(i)` makes, which is freed before layer i + 1 is
+// built; layer i's input is layer i - 1's output. Peak memory: about one layer.
+absl::StatusOr<std::vector<LayerProfile>> ProfileLayersOneByOne(int64_t num_layers,
+                                                                const LayerBuilder& build,
+                                                                const at::Tensor& input);
 
 // Profiles every layer by running the sequence on `input` (no gradients).
 absl::StatusOr<std::vector<LayerProfile>> ProfileLayers(LayerSequence& layers,

@@ -73,30 +73,35 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// Holds what layers [first, end) of the model need, under the reference names.
 class TransformerImpl : public torch::nn::Module {
  public:
-  explicit TransformerImpl(const ModelConfig& c) {
-    wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
-    wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
+  TransformerImpl(const ModelConfig& c, int64_t first, int64_t end) {
+    const int64_t last = c.n_layer + 1;
+    if (first == 0 || end > last) {  // the embedding layer, or the head (tied to wte)
+      wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
+    }
+    if (first == 0) {
+      wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
+    }
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
-    h = register_module("h", torch::nn::ModuleList());
-    for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(Block(c));
-    ln_f = register_module("ln_f", MakeLayerNorm(c.n_embd));
+    h = register_module("h", std::make_shared<torch::nn::Module>());
+    blocks = BuildBlocks<Block>(*h, c.n_layer, first - 1, end - 1, [&] { return Block(c); });
+    if (end > last) ln_f = register_module("ln_f", MakeLayerNorm(c.n_embd));
   }
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
-  torch::nn::ModuleList h{nullptr};
+  std::shared_ptr<torch::nn::Module> h;
+  std::vector<Block> blocks;
   torch::nn::LayerNorm ln_f{nullptr};
 };
 TORCH_MODULE(Transformer);
 
 class Gpt : public LanguageModel {
  public:
-  explicit Gpt(const ModelConfig& c) : LanguageModel(c) {
-    transformer = register_module("transformer", Transformer(c));
+  Gpt(const ModelConfig& c, int64_t first, int64_t end) : LanguageModel(c, first, end) {
+    transformer = register_module("transformer", Transformer(c, first, end));
   }
-
-  int64_t NumLayers() const override { return config().n_layer + 2; }
 
   std::string LayerName(int64_t i) const override {
     if (i == 0) return "embedding";
@@ -105,6 +110,7 @@ class Gpt : public LanguageModel {
   }
 
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
+    CheckLayer(i);
     if (i == 0) {
       auto positions = torch::arange(x.size(1), x.options().dtype(torch::kLong));
       return transformer->drop(transformer->wte(x) + transformer->wpe(positions));
@@ -112,10 +118,11 @@ class Gpt : public LanguageModel {
     if (i == NumLayers() - 1) {
       return F::linear(transformer->ln_f(x), transformer->wte->weight);  // lm_head, tied to wte
     }
-    return transformer->h[i - 1]->as<Block>()->forward(x);
+    return transformer->blocks[i - 1]->forward(x);
   }
 
   std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
+    CheckLayer(i);
     if (i == 0) {
       return {{"transformer.wte.weight", transformer->wte->weight},
               {"transformer.wpe.weight", transformer->wpe->weight}};
@@ -125,7 +132,7 @@ class Gpt : public LanguageModel {
               {"transformer.ln_f.bias", transformer->ln_f->bias},
               {"transformer.wte.weight", transformer->wte->weight}};
     }
-    return PrefixedParameters(*transformer->h[i - 1], LayerName(i));
+    return PrefixedParameters(*transformer->blocks[i - 1], LayerName(i));
   }
 
   std::map<std::string, std::string> TiedParameters() const override {
@@ -137,8 +144,8 @@ class Gpt : public LanguageModel {
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config) {
-  return std::make_shared<Gpt>(config);
+std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, int64_t first, int64_t end) {
+  return std::make_shared<Gpt>(config, first, end);
 }
 
 }  // namespace internal

@@ -107,26 +107,28 @@ TORCH_MODULE(DecoderLayer);
 
 class LlamaBodyImpl : public torch::nn::Module {
  public:
-  explicit LlamaBodyImpl(const ModelConfig& c) {
-    embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.n_embd));
-    layers = register_module("layers", torch::nn::ModuleList());
-    for (int64_t i = 0; i < c.n_layer; ++i) layers->push_back(DecoderLayer(c));
-    norm = register_module("norm", RmsNorm(c.n_embd));
+  LlamaBodyImpl(const ModelConfig& c, int64_t first, int64_t end) {
+    if (first == 0) {
+      embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.n_embd));
+    }
+    layers = register_module("layers", std::make_shared<torch::nn::Module>());
+    blocks = BuildBlocks<DecoderLayer>(*layers, c.n_layer, first - 1, end - 1,
+                                       [&] { return DecoderLayer(c); });
+    if (end > c.n_layer + 1) norm = register_module("norm", RmsNorm(c.n_embd));
   }
   torch::nn::Embedding embed_tokens{nullptr};
-  torch::nn::ModuleList layers{nullptr};
+  std::shared_ptr<torch::nn::Module> layers;
+  std::vector<DecoderLayer> blocks;
   RmsNorm norm{nullptr};
 };
 TORCH_MODULE(LlamaBody);
 
 class Llama : public LanguageModel {
  public:
-  explicit Llama(const ModelConfig& c) : LanguageModel(c) {
-    model = register_module("model", LlamaBody(c));
-    lm_head = register_module("lm_head", NoBias(c.n_embd, c.vocab_size));
+  Llama(const ModelConfig& c, int64_t first, int64_t end) : LanguageModel(c, first, end) {
+    model = register_module("model", LlamaBody(c, first, end));
+    if (end > c.n_layer + 1) lm_head = register_module("lm_head", NoBias(c.n_embd, c.vocab_size));
   }
-
-  int64_t NumLayers() const override { return config().n_layer + 2; }
 
   std::string LayerName(int64_t i) const override {
     if (i == 0) return "embedding";
@@ -135,18 +137,20 @@ class Llama : public LanguageModel {
   }
 
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
+    CheckLayer(i);
     if (i == 0) return model->embed_tokens(x);
     if (i == NumLayers() - 1) return lm_head(model->norm(x));
     const auto& [cos, sin] = Rotary(x.size(1), x.options());
-    return model->layers[i - 1]->as<DecoderLayer>()->forward(x, cos, sin);
+    return model->blocks[i - 1]->forward(x, cos, sin);
   }
 
   std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
+    CheckLayer(i);
     if (i == 0) return {{"model.embed_tokens.weight", model->embed_tokens->weight}};
     if (i == NumLayers() - 1) {
       return {{"model.norm.weight", model->norm->weight}, {"lm_head.weight", lm_head->weight}};
     }
-    return PrefixedParameters(*model->layers[i - 1], LayerName(i));
+    return PrefixedParameters(*model->blocks[i - 1], LayerName(i));
   }
 
   LlamaBody model{nullptr};
@@ -174,8 +178,8 @@ class Llama : public LanguageModel {
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config) {
-  return std::make_shared<Llama>(config);
+std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, int64_t first, int64_t end) {
+  return std::make_shared<Llama>(config, first, end);
 }
 
 }  // namespace internal

@@ -28,14 +28,16 @@ TORCH_MODULE(ResidualBlock);
 
 class Mlp : public LanguageModel {
  public:
-  explicit Mlp(const ModelConfig& c) : LanguageModel(c) {
-    embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.n_embd));
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int64_t i = 0; i < c.n_layer; ++i) blocks->push_back(ResidualBlock(c));
-    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-    head = register_module("head", torch::nn::Linear(c.n_embd, c.vocab_size));
+  Mlp(const ModelConfig& c, int64_t first, int64_t end) : LanguageModel(c, first, end) {
+    if (first == 0) embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.n_embd));
+    blocks_holder = register_module("blocks", std::make_shared<torch::nn::Module>());
+    blocks = BuildBlocks<ResidualBlock>(*blocks_holder, c.n_layer, first - 1, end - 1,
+                                        [&] { return ResidualBlock(c); });
+    if (end > c.n_layer + 1) {
+      norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+      head = register_module("head", torch::nn::Linear(c.n_embd, c.vocab_size));
+    }
   }
-  int64_t NumLayers() const override { return config().n_layer + 2; }
 
   std::string LayerName(int64_t i) const override {
     if (i == 0) return "embedding";
@@ -44,12 +46,14 @@ class Mlp : public LanguageModel {
   }
 
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
+    CheckLayer(i);
     if (i == 0) return embed(x);
     if (i == NumLayers() - 1) return head(norm(x));
-    return blocks[i - 1]->as<ResidualBlock>()->forward(x);
+    return blocks[i - 1]->forward(x);
   }
 
   std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
+    CheckLayer(i);
     if (i == 0) return {{"embed.weight", embed->weight}};
     if (i == NumLayers() - 1) {
       auto params = PrefixedParameters(*norm, "norm");
@@ -60,15 +64,16 @@ class Mlp : public LanguageModel {
   }
 
   torch::nn::Embedding embed{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
+  std::shared_ptr<torch::nn::Module> blocks_holder;
+  std::vector<ResidualBlock> blocks;
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Linear head{nullptr};
 };
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config) {
-  return std::make_shared<Mlp>(config);
+std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, int64_t first, int64_t end) {
+  return std::make_shared<Mlp>(config, first, end);
 }
 
 }  // namespace internal

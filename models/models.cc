@@ -180,16 +180,50 @@ at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace internal
 
+void LanguageModel::CheckLayer(int64_t i) const {
+  if (!HasLayer(i)) {
+    throw std::out_of_range("layer " + std::to_string(i) + " (" + LayerName(i) +
+                            ") is not materialised in this model part (layers " +
+                            std::to_string(first_layer_) + " to " + std::to_string(end_layer_ - 1) +
+                            ")");
+  }
+}
+
+namespace {
+
+// A stable 64-bit mix of the seed and a parameter name (FNV-1a, then splitmix64).
+uint64_t ParameterSeed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config,
                                                            uint64_t seed) {
+  return CreateModelLayers(config, seed, 0, config.n_layer + 2);
+}
+
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
+                                                                 uint64_t seed,
+                                                                 int64_t first_layer,
+                                                                 int64_t end_layer) {
   TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(config));
+  if (first_layer < 0 || end_layer > config.n_layer + 2 || first_layer >= end_layer) {
+    return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", end_layer,
+                                                   ") are not a range of the model's ",
+                                                   config.n_layer + 2, " layers"));
+  }
   std::shared_ptr<LanguageModel> model;
   absl::Status built = CatchExceptions(absl::StrCat("building model '", config.model, "'"), [&] {
-    if (config.model == "gpt") model = internal::BuildGpt(config);
-    if (config.model == "llama") model = internal::BuildLlama(config);
-    if (config.model == "mlp") model = internal::BuildMlp(config);
+    if (config.model == "gpt") model = internal::BuildGpt(config, first_layer, end_layer);
+    if (config.model == "llama") model = internal::BuildLlama(config, first_layer, end_layer);
+    if (config.model == "mlp") model = internal::BuildMlp(config, first_layer, end_layer);
     torch::NoGradGuard no_grad;
-    auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
     const double residual_std = 0.02 / std::sqrt(2.0 * config.n_layer);
     for (auto& item : model->named_parameters()) {
       const std::string& name = item.key();
@@ -197,6 +231,7 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& co
       if (p.dim() >= 2) {
         // GPT-2: residual projections get a smaller std.
         const bool residual = config.model == "gpt" && absl::EndsWith(name, "c_proj.weight");
+        auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, name));
         p.normal_(0.0, residual ? residual_std : 0.02, generator);
       } else if (absl::EndsWith(name, "bias")) {
         p.zero_();

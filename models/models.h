@@ -56,7 +56,15 @@ absl::Status ValidateModelConfig(const ModelConfig& config);
 // "transformer.h.3"), and a head ("head") that produces the logits.
 class LanguageModel : public torch::nn::Module, public LayerSequence {
  public:
-  explicit LanguageModel(ModelConfig config) : config_(std::move(config)) {}
+  // A model of config.n_layer + 2 layers that materialises layers
+  // [first_layer, end_layer) only (all of them by default).
+  explicit LanguageModel(ModelConfig config, int64_t first_layer = 0, int64_t end_layer = -1)
+      : config_(std::move(config)),
+        first_layer_(first_layer),
+        end_layer_(end_layer < 0 ? config_.n_layer + 2 : end_layer) {}
+  int64_t NumLayers() const override { return config_.n_layer + 2; }
+  // Whether layer i is materialised here.
+  bool HasLayer(int64_t i) const { return i >= first_layer_ && i < end_layer_; }
   // All layers in order.
   at::Tensor Logits(const at::Tensor& tokens);
   // Mean token cross-entropy of Logits(tokens) against `targets` [B, T].
@@ -71,14 +79,29 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
   int64_t NumParameters() const;
   const ModelConfig& config() const { return config_; }
 
+ protected:
+  // Throws std::out_of_range naming the layer when it is not materialised here.
+  void CheckLayer(int64_t i) const;
+
  private:
   ModelConfig config_;
+  int64_t first_layer_, end_layer_;
 };
 
-// Builds `config`'s model with weights drawn from a generator seeded with `seed`
-// (the same seed gives the same weights on every rank and every run).
+// Builds `config`'s model. Every parameter is drawn from its own generator,
+// seeded from `seed` and the parameter's name, so the same seed gives the same
+// weights on every rank and every run, whichever layers a process builds.
 absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config,
                                                            uint64_t seed);
+
+// Builds only layers [first_layer, end_layer) of `config`'s model (for a
+// pipeline stage, or one layer at a time for memory-light profiling), with the
+// same weights those layers have in CreateModel's model. GPT's tied token
+// embedding is built by both the first and the last layer.
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
+                                                                 uint64_t seed,
+                                                                 int64_t first_layer,
+                                                                 int64_t end_layer);
 
 }  // namespace trident
 

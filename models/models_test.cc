@@ -206,3 +206,35 @@ TEST_P(EveryModelTest, LayersCoverEveryParameterAndChainToTheLogits) {
 
 }  // namespace
 }  // namespace trident
+
+namespace trident {
+namespace {
+
+// A part built alone holds exactly the weights those layers have in the whole
+// model, under the same names, and refuses layers it does not hold.
+TEST_P(EveryModelTest, PartsBuiltAloneMatchTheWholeModel) {
+  const std::string preset = GetParam();
+  ModelConfig c = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  c.n_layer = 3;
+  auto whole = Make(c, 21);
+  auto whole_params = whole->named_parameters();
+  auto tokens = torch::randint(c.vocab_size, {1, 8}, torch::kLong);
+  at::Tensor x = tokens;
+  for (auto [first, end] : {std::pair<int64_t, int64_t>{0, 2}, {2, 4}, {4, 5}}) {
+    auto part = CreateModelLayers(c, 21, first, end);
+    ASSERT_TRUE(part.ok()) << part.status();
+    for (const auto& item : (*part)->named_parameters()) {
+      ASSERT_TRUE(whole_params.contains(item.key())) << item.key();
+      EXPECT_TRUE(torch::equal(item.value(), whole_params[item.key()])) << item.key();
+    }
+    for (int64_t i = first; i < end; ++i) x = (*part)->ForwardLayer(i, x);
+    const int64_t absent = end < 5 ? end : 0;
+    EXPECT_THROW((*part)->ForwardLayer(absent, x), std::out_of_range);
+  }
+  EXPECT_TRUE(torch::allclose(x, whole->Logits(tokens), 1e-6, 1e-6));
+  EXPECT_THAT(std::string(CreateModelLayers(c, 1, 3, 9).status().message()),
+              HasSubstr("are not a range of the model's 5 layers"));
+}
+
+}  // namespace
+}  // namespace trident

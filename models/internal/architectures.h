@@ -9,10 +9,24 @@
 namespace trident {
 namespace internal {
 
-// Each builds an uninitialised model; CreateModel draws the weights.
-std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config);
-std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config);
-std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config);
+// Each builds layers [first, end) of an uninitialised model; CreateModelLayers
+// draws the weights.
+std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, int64_t first, int64_t end);
+std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, int64_t first, int64_t end);
+std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, int64_t first, int64_t end);
+
+// Registers `blocks` (built for the indices in [first, end)) on `holder` under
+// their index names, so parameter names match the full model's; the returned
+// vector has nullptr for blocks not built.
+template <typename Block, typename Make>
+std::vector<Block> BuildBlocks(torch::nn::Module& holder, int64_t count, int64_t first,
+                               int64_t end, Make make) {
+  std::vector<Block> blocks(count, Block(nullptr));
+  for (int64_t i = std::max<int64_t>(first, 0); i < std::min(end, count); ++i) {
+    blocks[i] = holder.register_module(std::to_string(i), make());
+  }
+  return blocks;
+}
 
 // `module`'s parameters named "<prefix>.<name>".
 std::vector<std::pair<std::string, at::Tensor>> PrefixedParameters(const torch::nn::Module& module,
