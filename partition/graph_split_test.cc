@@ -192,3 +192,77 @@ TEST(GraphSplitErrorsTest, UnknownSplitMethodAndBadBoundaries) {
 
 }  // namespace
 }  // namespace trident
+
+namespace trident {
+namespace {
+
+// A model whose forward branches on a tensor's value: tracing is refused, and
+// the same model declared as a LayerSequence is partitioned at its layers.
+class BranchingLayers : public torch::nn::Module, public LayerSequence {
+ public:
+  BranchingLayers() {
+    for (int i = 0; i < 4; ++i) {
+      layers_.push_back(register_module("layer" + std::to_string(i), torch::nn::Linear(8, 8)));
+    }
+  }
+  int64_t NumLayers() const override { return 4; }
+  std::string LayerName(int64_t i) const override { return "layer" + std::to_string(i); }
+  at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
+    auto y = layers_[i](x);
+    return y.sum().item<float>() > 0 ? torch::relu(y) : torch::tanh(y);
+  }
+  std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
+    return {{LayerName(i) + ".weight", layers_[i]->weight}, {LayerName(i) + ".bias", layers_[i]->bias}};
+  }
+  at::Tensor SequenceLoss(const at::Tensor& output, const at::Tensor&) override {
+    return output.pow(2).mean();
+  }
+  at::Tensor Forward(at::Tensor x) {
+    for (int64_t i = 0; i < NumLayers(); ++i) x = ForwardLayer(i, x);
+    return x;
+  }
+  // Which branch each layer takes on input `x`.
+  std::vector<bool> Branches(at::Tensor x) {
+    torch::NoGradGuard no_grad;
+    std::vector<bool> taken;
+    for (int64_t i = 0; i < NumLayers(); ++i) {
+      taken.push_back(layers_[i](x).sum().item<float>() > 0);
+      x = ForwardLayer(i, x);
+    }
+    return taken;
+  }
+
+ private:
+  std::vector<torch::nn::Linear> layers_;
+};
+
+TEST(UntraceableModelTest, RefusedByTheTracerPartitionedAsALayerSequence) {
+  torch::manual_seed(0);
+  BranchingLayers model;
+  auto forward = [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{model.Forward(in[0])};
+  };
+  auto x = torch::randn({3, 8});
+  // Look for an input that takes another branch somewhere.
+  std::vector<at::Tensor> check;
+  for (int attempt = 0; attempt < 200 && check.empty(); ++attempt) {
+    auto candidate = torch::randn({3, 8}) * 4;
+    if (model.Branches(candidate) != model.Branches(x)) check = {candidate};
+  }
+  ASSERT_FALSE(check.empty());
+  auto traced = ModelGraph::Trace(model, {x}, forward, check);
+  ASSERT_FALSE(traced.ok());
+  EXPECT_THAT(std::string(traced.status().message()), HasSubstr("Declare the model as a LayerSequence"));
+
+  auto profile = ProfileLayers(model, x);
+  ASSERT_TRUE(profile.ok()) << profile.status();
+  PartitionOptions options;
+  options.num_stages = 2;
+  options.partition_method = "uniform";
+  auto plan = PlanStages(*profile, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->stages(1).layer_names(0), "layer2");
+}
+
+}  // namespace
+}  // namespace trident
