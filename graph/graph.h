@@ -9,8 +9,8 @@
 //   std::vector<LayerProfile> profile = ProfileLayers(layers, tokens);
 //   // profile[i].parameters, .forward_flops, .activation_bytes per layer
 //
-// Any model can also be traced into an operator graph (ModelGraph, model_graph.h);
-// splitting traced graphs into stages comes later.
+// Any model can also be traced into an operator graph (ModelGraph,
+// model_graph.h), which //partition cuts into stage sub-graphs.
 #ifndef TRIDENT_GRAPH_GRAPH_H_
 #define TRIDENT_GRAPH_GRAPH_H_
 
