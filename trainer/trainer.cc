@@ -124,9 +124,13 @@ absl::Status Trainer::Impl::OpenData() {
     dir = DefaultDataDirectory();
     if (is_rank0 && !fs::exists(dir + "/train.bin")) {
       Print(absl::StrCat("preparing the default corpus (Debian's fortunes, byte tokens) in ", dir));
+      // Written aside and renamed, so a concurrent run never reads half a file.
       PrepareOptions options;
-      options.output_dir = dir;
+      options.output_dir = absl::StrCat(dir, ".tmp-", getpid());
       TRIDENT_RETURN_IF_ERROR(PrepareTextCorpus(options).status());
+      std::error_code error;
+      fs::rename(options.output_dir, dir, error);
+      if (error) fs::remove_all(options.output_dir, error);  // another run got there first
     }
     TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
   }
