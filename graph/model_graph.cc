@@ -1,6 +1,8 @@
 #include "graph/model_graph.h"
 
+#include <algorithm>
 #include <map>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -375,6 +377,38 @@ absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> ModelGraph::Split(
     stages.push_back(std::move(stage));
   }
   return stages;
+}
+
+std::vector<TensorFlow> ModelGraph::Flows(const std::vector<int64_t>& boundaries) const {
+  const Impl& g = *impl_;
+  auto stage_of = [&](int64_t op) {
+    return static_cast<int>(std::upper_bound(boundaries.begin(), boundaries.end(), op) -
+                            boundaries.begin()) - 1;
+  };
+  std::vector<TensorFlow> flows;
+  for (int64_t i = 0; i < static_cast<int64_t>(g.ops.size()); ++i) {
+    const int from = stage_of(i);
+    for (const torch::jit::Value* output : g.ops[i]->outputs()) {
+      auto type = output->type()->cast<c10::TensorType>();
+      if (!type) continue;
+      std::set<int> readers;
+      for (const torch::jit::Use& use : output->uses()) {
+        auto it = g.op_index.find(use.user);
+        if (it != g.op_index.end() && stage_of(it->second) != from) readers.insert(stage_of(it->second));
+      }
+      if (readers.empty()) continue;
+      TensorFlow flow;
+      flow.value_id = static_cast<int64_t>(output->unique());
+      flow.from_stage = from;
+      flow.to_stages.assign(readers.begin(), readers.end());
+      flow.shape = ShapeOf(output);
+      flow.dtype = type->scalarType() ? c10::toString(*type->scalarType()) : "?";
+      flow.bytes = Elements(flow.shape) *
+                   (type->scalarType() ? static_cast<int64_t>(c10::elementSize(*type->scalarType())) : 4);
+      flows.push_back(std::move(flow));
+    }
+  }
+  return flows;
 }
 
 absl::StatusOr<std::vector<at::Tensor>> StageGraph::Run(

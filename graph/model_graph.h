@@ -71,6 +71,16 @@ class StageGraph {
   std::vector<std::string> parameter_names_;
 };
 
+// A tensor that one stage of a split graph sends to later ones.
+struct TensorFlow {
+  int64_t value_id = 0;         // as in StageGraph::sent() / received()
+  int from_stage = 0;
+  std::vector<int> to_stages;   // every later stage that reads it
+  std::vector<int64_t> shape;   // for the traced example input
+  std::string dtype;
+  int64_t bytes = 0;
+};
+
 class ModelGraph {
  public:
   using Forward = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
@@ -116,6 +126,9 @@ class ModelGraph {
   // every inner one a position where CrossingTensors has a value) into stages.
   absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> Split(
       const std::vector<int64_t>& boundaries) const;
+  // The tensors that cross between the stages `boundaries` makes (see Split),
+  // in the order they are made.
+  std::vector<TensorFlow> Flows(const std::vector<int64_t>& boundaries) const;
 
   double total_flops() const;
   int64_t total_parameter_bytes() const;

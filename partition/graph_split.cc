@@ -137,6 +137,16 @@ absl::StatusOr<Plan> PlanGraphStages(const ModelGraph& graph, const GraphPartiti
     stage->set_forward_flops(flops);
     stage->set_parameter_bytes(bytes);
   }
+  for (const TensorFlow& flow : graph.Flows({plan.boundaries().begin(), plan.boundaries().end()})) {
+    StageTensorFlow* f = plan.add_flows();
+    f->set_value_id(flow.value_id);
+    f->set_from_stage(flow.from_stage);
+    for (int to : flow.to_stages) f->add_to_stages(to);
+    for (int64_t d : flow.shape) f->add_shape(d);
+    f->set_dtype(flow.dtype);
+    StagePlan* sender = plan.mutable_stages(flow.from_stage);
+    sender->set_activation_bytes(sender->activation_bytes() + flow.bytes);
+  }
   return plan;
 }
 

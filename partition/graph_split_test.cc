@@ -167,8 +167,21 @@ TEST(GraphSplitHubTest, SkipConnectionsAndHubTensorsCrossSeveralStages) {
     ASSERT_TRUE(plan.ok()) << plan.status();
     auto stages = (*graph)->Split({plan->boundaries().begin(), plan->boundaries().end()});
     ASSERT_TRUE(stages.ok()) << stages.status();
-    // The last stage receives the embeddings (the skip) from the first stage.
+    // The last stage receives the embeddings (the skip) from the first stage,
+    // and the plan describes that flow, along with the hub read by every stage.
     EXPECT_GE(stages->back()->received().size(), 2u);
+    bool skip_from_first_to_last = false;
+    for (const StageTensorFlow& flow : plan->flows()) {
+      if (flow.from_stage() == 0 && flow.to_stages_size() >= 2 &&
+          flow.to_stages(flow.to_stages_size() - 1) == 3) {
+        skip_from_first_to_last = true;
+        EXPECT_EQ(flow.dtype(), "Float");
+      }
+      EXPECT_TRUE(std::find(stages->at(flow.from_stage())->sent().begin(),
+                            stages->at(flow.from_stage())->sent().end(),
+                            flow.value_id()) != stages->at(flow.from_stage())->sent().end());
+    }
+    EXPECT_TRUE(skip_from_first_to_last) << plan->DebugString();
     at::Tensor loss = RunStages(**graph, *stages, {tokens, targets});
     at::Tensor reference = whole_model.forward(tokens, targets);
     reference.backward();
