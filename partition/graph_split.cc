@@ -32,12 +32,15 @@ std::vector<int64_t> FarthestMinDeps(const ModelGraph& graph, int shard_count) {
   for (const auto& [p, c] : CutCandidates(graph)) crossing[p] = c;
   double shard = 0;
   int least = 1 << 30;
+  bool embedding = false;  // the shard holds an embedding lookup: close it at the next cut
   for (int64_t p = 1; p < static_cast<int64_t>(nodes.size()); ++p) {
     shard += nodes[p - 1].parameter_bytes;
+    embedding |= nodes[p - 1].kind == "aten::embedding";
     auto it = crossing.find(p);
     if (it == crossing.end()) continue;
     least = std::min(least, it->second);
-    if (shard >= budget && it->second <= least + 1) {
+    if (embedding || (shard >= budget && it->second <= least + 1)) {
+      embedding = false;
       bounds.push_back(p);
       shard = 0;
       least = 1 << 30;
@@ -94,9 +97,30 @@ absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
       "LayerSequence model)"));
 }
 
+int DefaultShardCount(const ModelGraph& graph) {
+  // Layers: the distinct numbers that follow a name in the parameter names
+  // ("transformer.h.7.attn.c_attn.weight" -> 7).
+  std::set<std::string> layers;
+  for (const std::string& name : graph.parameter_names()) {
+    size_t start = 0;
+    while (start < name.size()) {
+      size_t end = name.find('.', start);
+      if (end == std::string::npos) end = name.size();
+      const std::string part = name.substr(start, end - start);
+      if (!part.empty() && std::all_of(part.begin(), part.end(), ::isdigit)) {
+        layers.insert(name.substr(0, end));
+        break;
+      }
+      start = end + 1;
+    }
+  }
+  return 2 * static_cast<int>(layers.size()) + 4;
+}
+
 absl::StatusOr<Plan> PlanGraphStages(const ModelGraph& graph, const GraphPartitionOptions& options) {
+  const int shard_count = options.shard_count > 0 ? options.shard_count : DefaultShardCount(graph);
   TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards,
-                           SplitIntoShards(graph, options.split_method, options.shard_count));
+                           SplitIntoShards(graph, options.split_method, shard_count));
   const auto& nodes = graph.nodes();
   std::vector<double> weights;
   for (size_t s = 0; s + 1 < shards.size(); ++s) {

@@ -85,8 +85,7 @@ TEST_P(GraphSplitTest, StagesOfTheTracedGraphEqualTheEagerModel) {
   GraphPartitionOptions options;
   options.split_method = c.split_method;
   options.partition_method = c.partition_method;
-  options.shard_count = 2 * config.n_layer + 4;
-  options.num_stages = c.stages;
+  options.num_stages = c.stages;  // shard_count: the default, 2 * n_layer + 4
   auto plan = PlanGraphStages(**graph, options);
   ASSERT_TRUE(plan.ok()) << plan.status();
   auto stages = (*graph)->Split({plan->boundaries().begin(), plan->boundaries().end()});
@@ -188,6 +187,29 @@ TEST(GraphSplitHubTest, SkipConnectionsAndHubTensorsCrossSeveralStages) {
     EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-6);
     ExpectSameGradients(split_model, whole_model);
   }
+}
+
+TEST(GraphSplitShardsTest, EmbeddingsGetShardsOfTheirOwn) {
+  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+  config.n_layer = 4;
+  auto model = *CreateModel(config, 1);
+  auto tokens = torch::randint(256, {1, 8}, torch::kLong);
+  auto graph = ModelGraph::Trace(*model, {tokens, tokens}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{model->Loss(in[0], in[1])};
+  });
+  ASSERT_TRUE(graph.ok());
+  auto shards = SplitIntoShards(**graph, "farthest_min_deps", 2 * 4 + 4);
+  ASSERT_TRUE(shards.ok());
+  const auto& nodes = (*graph)->nodes();
+  for (size_t s = 0; s + 1 < shards->size(); ++s) {
+    int embeddings = 0, other_parameter_nodes = 0;
+    for (int64_t i = (*shards)[s]; i < (*shards)[s + 1]; ++i) {
+      if (nodes[i].kind == "aten::embedding") ++embeddings;
+      else if (!nodes[i].parameters.empty()) ++other_parameter_nodes;
+    }
+    if (embeddings > 0) EXPECT_EQ(other_parameter_nodes, 0) << "shard " << s;
+  }
+  EXPECT_GE(shards->size(), 8u);
 }
 
 TEST(GraphSplitErrorsTest, UnknownSplitMethodAndBadBoundaries) {

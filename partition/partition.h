@@ -60,7 +60,9 @@ absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
 //   farthest_min_deps  walk the nodes in order and close a shard once it holds its
 //                      share of the parameters, at a cut that carries no more tensors
 //                      than the cheapest seen since the last one (plus one hub tensor,
-//                      such as a mask); otherwise keep growing it (merge back)
+//                      such as a mask); otherwise keep growing it (merge back). An
+//                      embedding lookup closes its shard at the next cut, so
+//                      embeddings get shards of their own.
 //   nearest_min_deps   start from every possible cut and merge neighbours, dropping
 //                      the cut that carries the most tensors first
 // Returns shard boundaries over graph.nodes().
@@ -70,9 +72,10 @@ absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
 
 struct GraphPartitionOptions {
   std::string split_method = "farthest_min_deps";
-  // Shards before grouping; the reference design uses about 2 * num_layers + 4, so
-  // attention and MLP land in separate shards and the embeddings in their own.
-  int shard_count = 12;
+  // Shards before grouping; 0: 2 * num_layers + 4 as in the reference design (so
+  // attention and MLP land in separate shards), num_layers read off the numbered
+  // parameter names ("transformer.h.7.").
+  int shard_count = 0;
   int num_stages = 1;
   // uniform, uniform_floor, parameters (shard parameter bytes) or cost (shard FLOPs).
   std::string partition_method = "uniform";
