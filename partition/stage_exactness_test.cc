@@ -114,5 +114,26 @@ TEST(BalanceTest, ParametersKeepTwelveGptLayersWithinFifteenPercentOnFourStages)
   for (double p : stage_parameters) EXPECT_LE(p, 1.15 * total / 4);
 }
 
+// The cost method evens out the stages' estimated forward FLOPs (the measured
+// times are reported by //partition:partition_benchmark, BM_CostBalance).
+TEST(BalanceTest, CostKeepsTheSlowestOfFourStagesWithinTwentyPercentOfTheMean) {
+  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+  config.n_layer = 12;
+  auto model = *CreateModel(config, 1);
+  auto profile = ProfileLayers(*model, torch::randint(256, {2, 64}, torch::kLong));
+  ASSERT_TRUE(profile.ok());
+  PartitionOptions options;
+  options.num_stages = 4;
+  options.partition_method = "cost";
+  auto plan = PlanStages(*profile, options);
+  ASSERT_TRUE(plan.ok());
+  double total = 0, slowest = 0;
+  for (const StagePlan& stage : plan->stages()) {
+    total += stage.forward_flops();
+    slowest = std::max(slowest, stage.forward_flops());
+  }
+  EXPECT_LE(slowest, 1.2 * total / 4) << plan->DebugString();
+}
+
 }  // namespace
 }  // namespace trident
