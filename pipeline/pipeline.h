@@ -1,0 +1,98 @@
+// pipeline: pipeline-parallel schedules as per-rank instruction lists, a
+// simulator that times them, and timelines (Chrome trace JSON, SVG).
+//
+// This first part holds the schedules and the simulator; the executor that runs
+// the instruction lists on StageGraphs / LayerSequence stages comes next.
+//
+//   auto schedule = MakeSchedule("1f1b");
+//   std::vector<Instruction> program = (*schedule)->Instructions(stage, 4, 8);
+//   SimulationResult r = *Simulate(**schedule, {.num_stages = 4, .num_micro_batches = 8});
+//   // r.bubble_fraction == 3 / 11 for equal stages
+#ifndef TRIDENT_PIPELINE_PIPELINE_H_
+#define TRIDENT_PIPELINE_PIPELINE_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace trident {
+
+enum class Op {
+  kLoadMicroBatch,           // read micro-batch inputs (first stage) or targets (last)
+  kForward,
+  kBackward,
+  kSendActivation,           // to the next stage
+  kRecvActivation,           // from the previous stage
+  kSendGrad,                 // to the previous stage
+  kRecvGrad,                 // from the next stage
+  kSendActivationRecvGrad,   // fused: send micro_batch's activation, receive other's gradient
+  kSendGradRecvActivation,   // fused: send micro_batch's gradient, receive other's activation
+  kReduceTiedGrads,          // sum gradients of parameters shared between stages
+  kReduceDataParallelGrads,  // average gradients over the stage's data-parallel group
+  kOptimizerStep,
+};
+const char* OpName(Op op);
+
+struct Instruction {
+  Op op;
+  int micro_batch = -1;  // the micro-batch the op works on (the one sent, for fused ops)
+  int other = -1;        // fused ops: the micro-batch received
+};
+
+// A schedule generates each stage's instruction list for one training step.
+class PipelineSchedule {
+ public:
+  virtual ~PipelineSchedule() = default;
+  virtual std::string name() const = 0;
+  // An error (before any work) when the schedule cannot run these counts.
+  virtual absl::Status Check(int num_stages, int num_micro_batches) const;
+  virtual std::vector<Instruction> Instructions(int stage, int num_stages,
+                                                int num_micro_batches) const = 0;
+};
+
+// "gpipe" (all forwards, then all backwards) or "1f1b" (warm-up forwards, then
+// one forward one backward with fused send/receive pairs, then cool-down).
+absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name);
+std::vector<std::string> ScheduleNames();
+
+// One timed instruction of a timeline.
+struct TimelineEvent {
+  int stage = 0;
+  Op op = Op::kForward;
+  int micro_batch = -1;
+  double start = 0, end = 0;  // seconds from the step's start
+};
+
+struct SimulationOptions {
+  int num_stages = 2;
+  int num_micro_batches = 4;
+  std::vector<double> forward_seconds = {1.0};   // per stage, or one value for all
+  std::vector<double> backward_seconds = {2.0};  // per stage, or one value for all
+  double comm_seconds = 0.0;                     // a message's flight time
+};
+
+struct SimulationResult {
+  double makespan = 0;         // seconds from the first instruction to the last
+  double bubble_fraction = 0;  // 1 - compute time / (stages * makespan)
+  std::vector<TimelineEvent> events;
+};
+
+// Runs every stage's instruction list against the others: receives wait for
+// the matching send plus comm_seconds; sends do not block. Errors on a
+// schedule that deadlocks or leaves messages unmatched.
+absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
+                                          const SimulationOptions& options);
+
+// The timeline as Chrome trace-event JSON (Perfetto, chrome://tracing): one
+// thread per stage, one complete event per instruction.
+std::string ChromeTraceJson(const std::vector<TimelineEvent>& events);
+// The timeline as an SVG picture: one row per stage, forward, backward and
+// communication in distinct colours, micro-batch numbers in the boxes.
+std::string TimelineSvg(const std::vector<TimelineEvent>& events, const std::string& title);
+
+}  // namespace trident
+
+#endif  // TRIDENT_PIPELINE_PIPELINE_H_
