@@ -1,0 +1,84 @@
+// A pipeline step over 2 and 4 ranks, with each schedule, gives the loss and
+// every parameter gradient of one process running the whole model on the same
+// global batch.
+#include "pipeline/stage_runner.h"
+
+#include <cmath>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "models/models.h"
+#include "partition/partition.h"
+#include "testing/multiprocess.h"
+
+namespace trident {
+namespace {
+
+struct Case {
+  const char* schedule;
+  int stages;
+};
+
+class StageRunnerTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
+  const Case c = GetParam();
+  testing::RunOnRanks(c.stages, [c](int rank) {
+    ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+    config.n_layer = 2;
+    config.n_embd = 64;
+    config.block_size = 16;
+    const int M = 4, mb = 2, T = 16;
+    torch::manual_seed(7);
+    auto tokens = torch::randint(config.vocab_size, {M * mb, T}, torch::kLong);
+    auto targets = torch::randint(config.vocab_size, {M * mb, T}, torch::kLong);
+
+    auto whole = *CreateModel(config, 3);
+    at::Tensor reference = whole->Loss(tokens, targets);
+    reference.backward();
+
+    auto topology = testing::JoinTopology({{"pipeline", c.stages}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& pipeline = **(*topology)->Group("pp");
+    auto bounds = *PartitionLayers("uniform", std::vector<double>(config.n_layer + 2, 1.0), c.stages);
+    auto part = *CreateModelLayers(config, 3, bounds[rank], bounds[rank + 1]);
+    std::vector<std::pair<std::string, at::Tensor>> tied;
+    for (const auto& item : part->named_parameters()) {
+      if (item.key() == "transformer.wte.weight") tied.emplace_back(item.key(), item.value());
+    }
+    auto schedule = *MakeSchedule(c.schedule);
+    StageRunnerOptions options;
+    options.first_layer = bounds[rank];
+    options.end_layer = bounds[rank + 1];
+    options.boundary_shape = {mb, T, config.n_embd};
+    options.reduce_tied_grads = [&] { return ReduceTiedGradients(tied, pipeline); };
+    PipelineStageRunner runner(*part, pipeline, *schedule, options);
+    auto loss = runner.RunStep(tokens.chunk(M), targets.chunk(M));
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    if (rank == c.stages - 1) {
+      EXPECT_NEAR(*loss, reference.item<double>(), 1e-5 * reference.item<double>());
+    } else {
+      EXPECT_TRUE(std::isnan(*loss));
+    }
+    auto expected = whole->named_parameters();
+    for (const auto& item : part->named_parameters()) {
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
+      EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-4, 1e-6))
+          << item.key() << " max diff "
+          << (item.value().grad() - expected[item.key()].grad()).abs().max().item<double>();
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(SchedulesAndStages, StageRunnerTest,
+                         ::testing::Values(Case{"gpipe", 2}, Case{"1f1b", 2}, Case{"gpipe", 4},
+                                           Case{"1f1b", 4}),
+                         [](const auto& info) {
+                           return std::string(info.param.schedule[0] == '1' ? "OneFOneB" : "GPipe") +
+                                  "_" + std::to_string(info.param.stages);
+                         });
+
+}  // namespace
+}  // namespace trident
