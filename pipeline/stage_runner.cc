@@ -141,6 +141,26 @@ absl::StatusOr<double> PipelineStageRunner::RunStep(const std::vector<at::Tensor
   return loss_sum_ / M;
 }
 
+absl::StatusOr<double> PipelineStageRunner::RunForward(const std::vector<at::Tensor>& inputs,
+                                                       const std::vector<at::Tensor>& targets) {
+  at::NoGradGuard no_grad;
+  const int M = static_cast<int>(std::max(inputs.size(), targets.size()));
+  targets_ = targets;
+  loss_sum_ = 0;
+  for (int m = 0; m < M; ++m) {
+    at::Tensor input = stage_ == 0 ? inputs[m]
+                                   : at::empty(options_.boundary_shape,
+                                               at::TensorOptions().dtype(options_.boundary_dtype));
+    if (stage_ > 0) TRIDENT_RETURN_IF_ERROR(pipeline_.Recv(input, stage_ - 1, ActivationTag(m)));
+    TRIDENT_ASSIGN_OR_RETURN(at::Tensor output, Forward(m, input));
+    if (stage_ < stages_ - 1) {
+      TRIDENT_RETURN_IF_ERROR(pipeline_.Send(output, stage_ + 1, ActivationTag(m)));
+    }
+  }
+  if (stage_ != stages_ - 1) return std::numeric_limits<double>::quiet_NaN();
+  return loss_sum_ / M;
+}
+
 absl::Status ReduceTiedGradients(const std::vector<std::pair<std::string, at::Tensor>>& tied,
                                  const ProcessGroup& pipeline) {
   const int stage = pipeline.rank(), last = pipeline.size() - 1;

@@ -41,6 +41,10 @@ class PipelineStageRunner {
   // elsewhere.
   absl::StatusOr<double> RunStep(const std::vector<at::Tensor>& inputs,
                                  const std::vector<at::Tensor>& targets);
+  // Forwards only, without gradients (evaluation): the mean loss on the last
+  // stage, NaN elsewhere.
+  absl::StatusOr<double> RunForward(const std::vector<at::Tensor>& inputs,
+                                    const std::vector<at::Tensor>& targets);
 
  private:
   absl::StatusOr<at::Tensor> Forward(int m, const at::Tensor& input);

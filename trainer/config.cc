@@ -106,10 +106,15 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                                 " ranks were started; make the product equal the number of "
                                 "ranks (or start train without a launcher to spawn dp*tp*pp)"));
   }
-  if (c->tp() > 1 || c->pp() > 1) {
+  if (c->tp() > 1) {
     return absl::UnimplementedError(absl::StrCat(
-        "tp=", c->tp(), " pp=", c->pp(), ": tensor and pipeline parallelism are not in this "
-        "build yet; use tp=1 pp=1 and scale with dp"));
+        "tp=", c->tp(), ": tensor parallelism is not in this build yet; use tp=1 and scale "
+        "with dp and pp"));
+  }
+  if (c->pp() > 1 && !c->export_safetensors().empty()) {
+    return absl::UnimplementedError(
+        "export_safetensors with pp > 1 is not in this build yet (each rank holds one stage); "
+        "export from a pp=1 run or use the per-rank checkpoint files");
   }
   if (c->micro_batch_size() < 1) {
     return Invalid(absl::StrCat("micro_batch_size=", c->micro_batch_size(), " must be at least 1"));

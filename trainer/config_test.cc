@@ -85,7 +85,7 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("lr_scheduler='step' is unknown"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_save_every(5); }, 1), HasSubstr("need save_dir"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_dp(1); c.set_tp(2); }, 2),
-              HasSubstr("tensor and pipeline parallelism are not in this build yet"));
+              HasSubstr("tensor parallelism is not in this build yet"));
 }
 
 TEST(ResolveModelConfigTest, PresetsAndOverrides) {

@@ -23,6 +23,9 @@
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
 #include "data/data.h"
+#include "partition/partition.h"
+#include "pipeline/pipeline.h"
+#include "pipeline/stage_runner.h"
 #include "trainer/internal/gradient_reducer.h"
 #include "trainer/internal/metrics.h"
 #include "trainer/internal/optimizer.h"
@@ -78,6 +81,14 @@ class Trainer::Impl {
   ProcessGroup* dp_group = nullptr;
   int dp_rank = 0;
   bool is_rank0 = false;
+  // Pipeline parallelism (pp > 1): this rank's stage holds layers [first_layer, end_layer).
+  ProcessGroup* pp_group = nullptr;
+  int stage = 0, stages = 1;
+  int64_t first_layer = 0, end_layer = 0;
+  std::unique_ptr<PipelineSchedule> schedule;
+  std::unique_ptr<PipelineStageRunner> runner;
+  NamedTensors tied;                       // parameters the first and last stage both hold
+  std::vector<at::Tensor> counted_parameters;  // for the gradient norm: tied ones once
   ModelConfig model_config;
   std::shared_ptr<LanguageModel> model;
   NamedTensors parameters;  // stored parameters, tied ones once
@@ -110,6 +121,11 @@ class Trainer::Impl {
   }
 
   absl::Status OpenData();
+  absl::Status BuildStage();
+  void StartRunner();
+  void MicroBatches(const TokenFile& file, const BatchSampler& batches, int64_t step,
+                    std::vector<at::Tensor>* inputs, std::vector<at::Tensor>* targets);
+  absl::StatusOr<double> PipelineLoss(double last_stage_loss);
   absl::Status LoadInitialWeights(const std::string& path);
   absl::Status SaveCheckpoint();
   absl::Status LoadCheckpoint();
@@ -260,8 +276,94 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   return absl::OkStatus();
 }
 
+absl::Status Trainer::Impl::BuildStage() {
+  pp_group = *topology->Group("pp");
+  stage = pp_group->rank();
+  stages = pp_group->size();
+  const int64_t layers = model_config.n_layer + 2;
+  PartitionOptions options;
+  options.num_stages = stages;
+  options.partition_method = config.partition_method();
+  std::vector<LayerProfile> profile;
+  if (options.partition_method == "uniform" || options.partition_method == "uniform_floor") {
+    for (int64_t i = 0; i < layers; ++i) profile.push_back({absl::StrCat("layer ", i)});
+  } else {
+    // Memory-light: one layer at a time, on one sample.
+    at::Tensor sample = at::zeros({1, model_config.block_size}, at::kLong);
+    TRIDENT_ASSIGN_OR_RETURN(
+        profile, ProfileLayersOneByOne(
+                     layers,
+                     [&](int64_t i) -> absl::StatusOr<std::shared_ptr<LayerSequence>> {
+                       TRIDENT_ASSIGN_OR_RETURN(auto part,
+                                                CreateModelLayers(model_config, config.seed(), i, i + 1));
+                       return std::shared_ptr<LayerSequence>(part);
+                     },
+                     sample));
+  }
+  TRIDENT_ASSIGN_OR_RETURN(Plan plan, PlanStages(profile, options));
+  first_layer = plan.stages(stage).first_layer();
+  end_layer = plan.stages(stage).end_layer();
+  TRIDENT_ASSIGN_OR_RETURN(model, CreateModelLayers(model_config, config.seed(), first_layer, end_layer));
+  TRIDENT_ASSIGN_OR_RETURN(schedule, MakeSchedule(config.schedule()));
+  return absl::OkStatus();
+}
+
+void Trainer::Impl::StartRunner() {
+  for (const auto& [alias, owner] : model->TiedParameters()) {
+    for (const auto& [name, p] : parameters) {
+      if (name == owner && stages > 1 && (stage == 0 || stage == stages - 1)) tied.emplace_back(name, p);
+    }
+  }
+  for (const auto& [name, p] : parameters) {
+    const bool duplicate = stage == stages - 1 && stages > 1 &&
+                           std::any_of(tied.begin(), tied.end(),
+                                       [&](const auto& t) { return t.first == name; });
+    if (!duplicate) counted_parameters.push_back(p);
+  }
+  if (stages == 1) return;
+  StageRunnerOptions options;
+  options.first_layer = first_layer;
+  options.end_layer = end_layer;
+  options.boundary_shape = {config.micro_batch_size(), model_config.block_size, model_config.n_embd};
+  options.reduce_tied_grads = [this] { return ReduceTiedGradients(tied, *pp_group); };
+  options.reduce_data_parallel_grads = [this] { return reducer->FinishBackward(); };
+  runner = std::make_unique<PipelineStageRunner>(*model, *pp_group, *schedule, options);
+}
+
+// The micro-batches of this data-parallel rank at `step` of `file` (empty on
+// middle pipeline stages, which read no data).
+void Trainer::Impl::MicroBatches(const TokenFile& file, const BatchSampler& batches, int64_t step,
+                                 std::vector<at::Tensor>* inputs, std::vector<at::Tensor>* targets) {
+  inputs->clear();
+  targets->clear();
+  if (stages > 1 && stage != 0 && stage != stages - 1) return;
+  for (int64_t micro = 0; micro < config.grad_accumulation_steps(); ++micro) {
+    at::Tensor x, y;
+    file.Fill(batches.MicroBatch(step, config.dp(), dp_rank, config.micro_batch_size(), micro), &x, &y);
+    inputs->push_back(x);
+    targets->push_back(y);
+  }
+}
+
+// The last stage's loss on every rank of the pipeline, averaged over data parallelism.
+absl::StatusOr<double> Trainer::Impl::PipelineLoss(double last_stage_loss) {
+  at::Tensor loss = at::full({1}, stage == stages - 1 ? last_stage_loss : 0.0, at::kDouble);
+  TRIDENT_RETURN_IF_ERROR(pp_group->Broadcast(loss, stages - 1));
+  TRIDENT_RETURN_IF_ERROR(dp_group->AllReduce(loss, ReduceOp::kAvg));
+  return loss.item<double>();
+}
+
 absl::StatusOr<double> Trainer::Impl::TrainStep() {
   const int64_t accumulation = config.grad_accumulation_steps();
+  if (runner) {
+    std::vector<at::Tensor> inputs, targets;
+    MicroBatches(*train_data, *sampler, step, &inputs, &targets);
+    if (inputs.empty()) inputs.assign(accumulation, at::Tensor());
+    reducer->ZeroGrad();
+    reducer->PrepareForBackward(/*last_micro_batch=*/false);
+    TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunStep(inputs, targets));
+    return PipelineLoss(loss);
+  }
   reducer->ZeroGrad();
   double local_loss = 0;
   at::Tensor inputs, targets;
@@ -289,6 +391,20 @@ absl::StatusOr<double> Trainer::Impl::Evaluate() {
   double total = 0;
   at::Tensor inputs, targets;
   const int64_t accumulation = config.grad_accumulation_steps();
+  if (runner) {
+    for (int64_t s = 0; s < config.eval_steps(); ++s) {
+      std::vector<at::Tensor> micro_inputs, micro_targets;
+      MicroBatches(*val_data, val_sampler, s, &micro_inputs, &micro_targets);
+      if (micro_inputs.empty()) micro_inputs.assign(accumulation, at::Tensor());
+      TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunForward(micro_inputs, micro_targets));
+      total += stage == stages - 1 ? loss * accumulation : 0.0;
+    }
+    model->train();
+    TRIDENT_ASSIGN_OR_RETURN(const double mean, PipelineLoss(total / (config.eval_steps() * accumulation)));
+    last_val_loss = mean;
+    ForHooks([&](TrainerHooks& h) { h.OnEvalEnd(State(), mean); });
+    return mean;
+  }
   for (int64_t s = 0; s < config.eval_steps(); ++s) {
     for (int64_t micro = 0; micro < accumulation; ++micro) {
       val_data->Fill(val_sampler.MicroBatch(s, config.dp(), dp_rank, config.micro_batch_size(), micro),
@@ -380,7 +496,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.dp_rank = t.dp_group->rank();
   t.is_rank0 = topology->rank() == 0;
   TRIDENT_RETURN_IF_ERROR(t.OpenData());
-  TRIDENT_ASSIGN_OR_RETURN(t.model, CreateModel(t.model_config, t.config.seed()));
+  if (t.config.pp() > 1) {
+    TRIDENT_RETURN_IF_ERROR(t.BuildStage());
+  } else {
+    TRIDENT_ASSIGN_OR_RETURN(t.model, CreateModel(t.model_config, t.config.seed()));
+    t.end_layer = t.model->NumLayers();
+  }
   // Record the resolved model sizes so the printed and saved config is complete.
   t.config.set_n_layer(t.model_config.n_layer);
   t.config.set_n_head(t.model_config.n_head);
@@ -401,6 +522,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.reducer = std::make_unique<internal::GradientReducer>(
       t.parameter_list, t.dp_group, static_cast<int64_t>(t.config.bucket_size_mb() * (1 << 20)));
   t.optimizer = std::make_unique<internal::AdamW>(t.parameters, adam);
+  t.StartRunner();
   torch::manual_seed(t.config.seed() + static_cast<uint64_t>(t.dp_rank));
   if (!t.config.resume_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadCheckpoint());
   if (t.is_rank0 && !t.config.metrics_file().empty()) {
@@ -463,7 +585,9 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     }
     StepMetrics m;
     m.loss = loss;
-    m.grad_norm = internal::ClipGradNorm(t.parameter_list, c.grad_clip());
+    TRIDENT_ASSIGN_OR_RETURN(m.grad_norm,
+                             internal::ClipGradNorm(t.counted_parameters, t.parameter_list,
+                                                    c.grad_clip(), t.runner ? t.pp_group : nullptr));
     m.lr = internal::LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps,
                                   t.step);
     t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
@@ -515,6 +639,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
 absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t tokens) {
   Impl& t = *impl_;
   if (!t.is_rank0) return std::string();
+  if (t.runner) return std::string("(sampling needs the whole model on one rank: run with pp=1)");
   std::vector<int64_t> ids;
   if (t.tokenizer) {
     for (uint16_t id : t.tokenizer->Encode(prompt)) ids.push_back(id);

@@ -11,6 +11,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
 #include "data/data.h"
 #include "testing/multiprocess.h"
@@ -81,11 +82,11 @@ std::vector<double> ReadLosses(const std::string& path) {
   return losses;
 }
 
-// Trains `config` on config.dp() ranks; rank 0 writes the losses to `tag`.txt.
+// Trains `config` on dp * pp ranks; rank 0 writes the losses to `tag`.txt.
 std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string& tag) {
   const std::string path = TestDir() + "/" + tag + ".txt";
-  testing::RunOnRanks(config.dp(), [&](int rank) {
-    auto topology = testing::JoinTopology();
+  testing::RunOnRanks(config.dp() * config.pp(), [&](int rank) {
+    auto topology = testing::JoinTopology({{"pipeline", config.pp()}, {"data", config.dp()}});
     ASSERT_TRUE(topology.ok()) << topology.status();
     auto trainer = Trainer::Create(config, topology->get());
     ASSERT_TRUE(trainer.ok()) << trainer.status();
@@ -115,6 +116,26 @@ TEST(TrainerParityTest, DataParallelLossesEqualOneProcess) {
   for (int dp : {2, 4}) {
     SCOPED_TRACE("dp=" + std::to_string(dp));
     ExpectSameLosses(single, TrainOnRanks(SmallConfig(dp), "dp" + std::to_string(dp)), 1e-5);
+  }
+}
+
+// Pipeline parallelism: every schedule, pp = 2 and 4, and dp x pp = 2 x 2 train
+// the same losses as one process on the same global batch.
+TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
+  const std::vector<double> single = TrainOnRanks(SmallConfig(1), "pp_reference");
+  struct Layout {
+    int dp, pp;
+    const char* schedule;
+  };
+  for (const Layout& layout : {Layout{1, 2, "gpipe"}, Layout{1, 2, "1f1b"}, Layout{1, 4, "1f1b"},
+                               Layout{2, 2, "1f1b"}}) {
+    TrainerConfig config = SmallConfig(layout.dp);
+    config.set_pp(layout.pp);
+    config.set_schedule(layout.schedule);
+    config.set_micro_batch_size(2);
+    const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "_", layout.schedule);
+    SCOPED_TRACE(tag);
+    ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }
 }
 

@@ -111,15 +111,27 @@ absl::Status AdamW::LoadState(const SafetensorsContents& contents) {
   return absl::OkStatus();
 }
 
-double ClipGradNorm(const std::vector<at::Tensor>& parameters, double max_norm) {
+absl::StatusOr<double> ClipGradNorm(const std::vector<at::Tensor>& counted,
+                                    const std::vector<at::Tensor>& parameters, double max_norm,
+                                    const ProcessGroup* group) {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (const at::Tensor& p : parameters) {
-    if (p.grad().defined()) grads.push_back(p.grad());
+  auto grads_of = [](const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : tensors) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    return grads;
+  };
+  const std::vector<at::Tensor> counted_grads = grads_of(counted);
+  at::Tensor squares = counted_grads.empty()
+                           ? at::zeros({1}, at::kDouble)
+                           : at::stack(at::_foreach_norm(counted_grads)).to(at::kDouble).pow(2).sum().reshape({1});
+  if (group != nullptr && group->size() > 1) TRIDENT_RETURN_IF_ERROR(group->AllReduce(squares));
+  const double norm = std::sqrt(squares.item<double>());
+  std::vector<at::Tensor> grads = grads_of(parameters);
+  if (max_norm > 0 && norm > max_norm && !grads.empty()) {
+    at::_foreach_mul_(grads, max_norm / (norm + 1e-6));
   }
-  if (grads.empty()) return 0.0;
-  const double norm = at::stack(at::_foreach_norm(grads)).norm().item<double>();
-  if (max_norm > 0 && norm > max_norm) at::_foreach_mul_(grads, max_norm / (norm + 1e-6));
   return norm;
 }
 

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "checkpoint/checkpoint.h"
+#include "topology/topology.h"
 
 namespace trident {
 namespace internal {
@@ -43,9 +44,13 @@ class AdamW {
   int64_t steps_ = 0;
 };
 
-// Global L2 norm of the .grad of `parameters`; when `max_norm` > 0 and the norm
-// exceeds it, scales the gradients down to `max_norm`. Returns the norm before clipping.
-double ClipGradNorm(const std::vector<at::Tensor>& parameters, double max_norm);
+// Global L2 norm of the .grad of `counted` (summed over `group` when given, so
+// pipeline stages each count their own parameters once); when `max_norm` > 0
+// and the norm exceeds it, scales the gradients of `parameters` down to
+// `max_norm`. Returns the norm before clipping.
+absl::StatusOr<double> ClipGradNorm(const std::vector<at::Tensor>& counted,
+                                    const std::vector<at::Tensor>& parameters, double max_norm,
+                                    const ProcessGroup* group = nullptr);
 
 // Learning rate at `step` (0-based): linear warmup over `warmup_steps`, then
 // "constant", "cosine" or "linear" decay to `min_lr` at `max_steps`.
