@@ -3,6 +3,7 @@
 // global batch.
 #include "pipeline/stage_runner.h"
 
+#include <chrono>
 #include <cmath>
 
 #include <gmock/gmock.h>
@@ -79,6 +80,40 @@ INSTANTIATE_TEST_SUITE_P(SchedulesAndStages, StageRunnerTest,
                            return std::string(info.param.schedule[0] == '1' ? "OneFOneB" : "GPipe") +
                                   "_" + std::to_string(info.param.stages);
                          });
+
+}  // namespace
+}  // namespace trident
+
+namespace trident {
+namespace {
+
+// A stage that dies mid-step: its neighbour's step fails with an error naming
+// it, long before the operation timeout.
+TEST(StageRunnerFailureTest, DeadStageIsNamedByItsNeighbour) {
+  testing::MultiProcessResult result = testing::SpawnRanks(2, [](int rank) {
+    ModelConfig config = *PresetModelConfig("mlp", "mlp-tiny");
+    config.n_layer = 2;
+    auto topology = testing::JoinTopology({{"pipeline", 2}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& pipeline = **(*topology)->Group("pp");
+    auto part = *CreateModelLayers(config, 1, rank * 2, rank * 2 + 2);
+    if (rank == 1) _exit(3);
+    auto schedule = *MakeSchedule("1f1b");
+    StageRunnerOptions options;
+    options.first_layer = 0;
+    options.end_layer = 2;
+    options.boundary_shape = {2, 8, config.n_embd};
+    PipelineStageRunner runner(*part, pipeline, *schedule, options);
+    auto tokens = torch::randint(config.vocab_size, {2, 8}, torch::kLong);
+    const auto start = std::chrono::steady_clock::now();
+    auto loss = runner.RunStep({tokens, tokens}, {});
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+    ASSERT_FALSE(loss.ok());
+    EXPECT_THAT(std::string(loss.status().message()), ::testing::HasSubstr("rank 1"));
+  });
+  EXPECT_EQ(result.ranks[1].exit_code, 3);
+  EXPECT_EQ(result.ranks[0].exit_code, 0) << result.ranks[0].output;
+}
 
 }  // namespace
 }  // namespace trident
