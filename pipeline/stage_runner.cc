@@ -1,5 +1,6 @@
 #include "pipeline/stage_runner.h"
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 
@@ -79,8 +80,14 @@ absl::StatusOr<double> PipelineStageRunner::RunStep(const std::vector<at::Tensor
     inputs_[m] = at::Tensor();
     return g.defined() ? g : at::zeros(options_.boundary_shape);
   };
+  timeline_.clear();
+  const auto step_start = std::chrono::steady_clock::now();
+  auto seconds = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+  };
   for (const Instruction& inst : schedule_.Instructions(stage_, stages_, M)) {
     const int m = inst.micro_batch;
+    const double start = seconds();
     switch (inst.op) {
       case Op::kLoadMicroBatch:
         break;  // the micro-batches are in memory already
@@ -136,6 +143,7 @@ absl::StatusOr<double> PipelineStageRunner::RunStep(const std::vector<at::Tensor
         if (options_.optimizer_step) TRIDENT_RETURN_IF_ERROR(options_.optimizer_step());
         break;
     }
+    if (inst.op != Op::kLoadMicroBatch) timeline_.push_back({stage_, inst.op, m, start, seconds()});
   }
   if (stage_ != stages_ - 1) return std::numeric_limits<double>::quiet_NaN();
   return loss_sum_ / M;

@@ -45,6 +45,9 @@ class PipelineStageRunner {
   // stage, NaN elsewhere.
   absl::StatusOr<double> RunForward(const std::vector<at::Tensor>& inputs,
                                     const std::vector<at::Tensor>& targets);
+  // The instructions of the last RunStep with their start and end, in seconds
+  // from the step's start (stage = this stage's index).
+  const std::vector<TimelineEvent>& timeline() const { return timeline_; }
 
  private:
   absl::StatusOr<at::Tensor> Forward(int m, const at::Tensor& input);
@@ -60,6 +63,7 @@ class PipelineStageRunner {
   std::vector<at::Tensor> inputs_, outputs_, grads_, received_activations_;
   std::vector<at::Tensor> targets_;
   double loss_sum_ = 0;
+  std::vector<TimelineEvent> timeline_;
 };
 
 // Sums the gradients of parameters that the first and the last stage both hold

@@ -126,6 +126,7 @@ class Trainer::Impl {
   void MicroBatches(const TokenFile& file, const BatchSampler& batches, int64_t step,
                     std::vector<at::Tensor>* inputs, std::vector<at::Tensor>* targets);
   absl::StatusOr<double> PipelineLoss(double last_stage_loss);
+  absl::Status WriteTrace();
   absl::Status LoadInitialWeights(const std::string& path);
   absl::Status SaveCheckpoint();
   absl::Status LoadCheckpoint();
@@ -345,6 +346,45 @@ void Trainer::Impl::MicroBatches(const TokenFile& file, const BatchSampler& batc
   }
 }
 
+// Every rank writes its timeline beside trace_file; rank 0 merges them into the
+// Chrome trace and the SVG picture, one row per rank.
+absl::Status Trainer::Impl::WriteTrace() {
+  const std::string part = absl::StrCat(config.trace_file(), ".rank", topology->rank());
+  std::error_code error;
+  const fs::path parent = fs::path(config.trace_file()).parent_path();
+  if (!parent.empty()) fs::create_directories(parent, error);
+  {
+    std::ofstream out(part);
+    out.precision(9);
+    for (const TimelineEvent& e : runner->timeline()) {
+      out << static_cast<int>(e.op) << " " << e.micro_batch << " " << e.start << " " << e.end << "\n";
+    }
+  }
+  TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
+  if (is_rank0) {
+    std::vector<TimelineEvent> events;
+    for (int rank = 0; rank < topology->world_size(); ++rank) {
+      const std::string path = absl::StrCat(config.trace_file(), ".rank", rank);
+      std::ifstream in(path);
+      TimelineEvent e;
+      int op;
+      while (in >> op >> e.micro_batch >> e.start >> e.end) {
+        e.stage = rank;
+        e.op = static_cast<Op>(op);
+        events.push_back(e);
+      }
+      fs::remove(path, error);
+    }
+    std::ofstream(config.trace_file()) << ChromeTraceJson(events);
+    std::ofstream(fs::path(config.trace_file()).replace_extension(".svg"))
+        << TimelineSvg(events, absl::StrCat(config.schedule(), ", step ", config.trace_step(), ", ",
+                                            topology->world_size(), " ranks (row = rank)"));
+    Print(absl::StrCat("wrote the timeline of step ", config.trace_step(), " to ",
+                       config.trace_file()));
+  }
+  return topology->world().Barrier();
+}
+
 // The last stage's loss on every rank of the pipeline, averaged over data parallelism.
 absl::StatusOr<double> Trainer::Impl::PipelineLoss(double last_stage_loss) {
   at::Tensor loss = at::full({1}, stage == stages - 1 ? last_stage_loss : 0.0, at::kDouble);
@@ -362,6 +402,9 @@ absl::StatusOr<double> Trainer::Impl::TrainStep() {
     reducer->ZeroGrad();
     reducer->PrepareForBackward(/*last_micro_batch=*/false);
     TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunStep(inputs, targets));
+    if (!config.trace_file().empty() && step + 1 == config.trace_step()) {
+      TRIDENT_RETURN_IF_ERROR(WriteTrace());
+    }
     return PipelineLoss(loss);
   }
   reducer->ZeroGrad();
