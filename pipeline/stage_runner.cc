@@ -5,6 +5,7 @@
 #include <limits>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "absl/strings/str_cat.h"
@@ -31,8 +32,32 @@ PipelineStageRunner::PipelineStageRunner(LayerSequence& layers, const ProcessGro
 
 absl::StatusOr<at::Tensor> PipelineStageRunner::Forward(int m, const at::Tensor& input) {
   at::Tensor x = input;
+  std::vector<Checkpointed>& saved = checkpoints_[m];
+  saved.clear();
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("forward of micro-batch ", m), [&] {
-    for (int64_t i = options_.first_layer; i < options_.end_layer; ++i) x = layers_.ForwardLayer(i, x);
+    for (int64_t first = options_.first_layer; first < options_.end_layer;) {
+      const int64_t end = std::min(first + std::max<int64_t>(1, options_.checkpoint_num_layers),
+                                   options_.end_layer);
+      const bool checkpoint = first < options_.first_layer + options_.checkpointed_layers;
+      if (!checkpoint) {
+        for (int64_t i = first; i < end; ++i) x = layers_.ForwardLayer(i, x);
+      } else {
+        // Keep only the segment's input and the RNG state; rerun it in backward.
+        Checkpointed c{first, std::min(end, options_.first_layer + options_.checkpointed_layers), x,
+                       at::Tensor(), RngState()};
+        at::Tensor out = x;
+        {
+          at::NoGradGuard no_grad;
+          for (int64_t i = c.first; i < c.end; ++i) out = layers_.ForwardLayer(i, out);
+        }
+        c.after = out.requires_grad_(true);
+        x = c.after;
+        first = c.end;
+        saved.push_back(std::move(c));
+        continue;
+      }
+      first = end;
+    }
     if (stage_ == stages_ - 1) {
       at::Tensor loss = layers_.SequenceLoss(x, targets_[m]);
       loss_sum_ += loss.item<double>();
@@ -42,12 +67,40 @@ absl::StatusOr<at::Tensor> PipelineStageRunner::Forward(int m, const at::Tensor&
   return x;
 }
 
+at::Tensor PipelineStageRunner::RngState() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void PipelineStageRunner::SetRngState(const at::Tensor& state) {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
 absl::Status PipelineStageRunner::Backward(int m) {
   return CatchExceptions(absl::StrCat("backward of micro-batch ", m), [&] {
     if (stage_ == stages_ - 1) {
       outputs_[m].backward();
     } else {
       torch::autograd::backward({outputs_[m]}, {grads_[m]});
+    }
+    // Recompute each checkpointed segment, latest first, with the RNG state of its
+    // forward (so dropout masks match), and carry the gradient through it.
+    std::vector<Checkpointed>& saved = checkpoints_[m];
+    if (!saved.empty()) {
+      const at::Tensor state = RngState();
+      for (auto it = saved.rbegin(); it != saved.rend(); ++it) {
+        at::Tensor grad = it->after.grad();
+        if (!grad.defined()) continue;
+        SetRngState(it->rng);
+        at::Tensor out = it->input;
+        for (int64_t i = it->first; i < it->end; ++i) out = layers_.ForwardLayer(i, out);
+        if (out.requires_grad()) torch::autograd::backward({out}, {grad});
+      }
+      SetRngState(state);
+      saved.clear();
     }
     outputs_[m] = at::Tensor();  // free the activations as soon as they are used
     grads_[m] = at::Tensor();
@@ -63,6 +116,7 @@ absl::StatusOr<double> PipelineStageRunner::RunStep(const std::vector<at::Tensor
   outputs_.assign(M, at::Tensor());
   grads_.assign(M, at::Tensor());
   received_activations_.assign(M, at::Tensor());
+  checkpoints_.assign(M, {});
   loss_sum_ = 0;
   auto buffer = [&] {
     return at::empty(options_.boundary_shape, at::TensorOptions().dtype(options_.boundary_dtype));
@@ -155,6 +209,7 @@ absl::StatusOr<double> PipelineStageRunner::RunForward(const std::vector<at::Ten
   const int M = static_cast<int>(std::max(inputs.size(), targets.size()));
   targets_ = targets;
   loss_sum_ = 0;
+  checkpoints_.assign(M, {});
   for (int m = 0; m < M; ++m) {
     at::Tensor input = stage_ == 0 ? inputs[m]
                                    : at::empty(options_.boundary_shape,

@@ -1,6 +1,7 @@
 // Runs one pipeline stage's instruction list for a training step: forwards and
-// backwards of its layers for every micro-batch, and the activations and
-// gradients exchanged with the neighbouring stages over the pipeline group.
+// backwards of its layers for every micro-batch (recomputing checkpointed
+// layers), and the activations and gradients exchanged with the neighbouring
+// stages over the pipeline group.
 // Boundary shapes are fixed up front, so ranks never negotiate shapes.
 #ifndef TRIDENT_PIPELINE_STAGE_RUNNER_H_
 #define TRIDENT_PIPELINE_STAGE_RUNNER_H_
@@ -24,6 +25,11 @@ struct StageRunnerOptions {
   // Shape and dtype of the activation every stage boundary carries for one micro-batch.
   std::vector<int64_t> boundary_shape;
   at::ScalarType boundary_dtype = at::kFloat;
+  // Activation checkpointing: the first `checkpointed_layers` layers of the stage
+  // keep only their input in forward and run again in backward, in segments of
+  // `checkpoint_num_layers` layers (0: none checkpointed).
+  int64_t checkpointed_layers = 0;
+  int64_t checkpoint_num_layers = 1;
   // Called for kReduceTiedGrads, kReduceDataParallelGrads and kOptimizerStep.
   std::function<absl::Status()> reduce_tied_grads, reduce_data_parallel_grads, optimizer_step;
 };
@@ -50,8 +56,16 @@ class PipelineStageRunner {
   const std::vector<TimelineEvent>& timeline() const { return timeline_; }
 
  private:
+  // A checkpointed segment of one micro-batch: layers [first, end) ran on
+  // `input` without gradients; `after` is the leaf later layers saw.
+  struct Checkpointed {
+    int64_t first, end;
+    at::Tensor input, after, rng;
+  };
   absl::StatusOr<at::Tensor> Forward(int m, const at::Tensor& input);
   absl::Status Backward(int m);
+  static at::Tensor RngState();
+  static void SetRngState(const at::Tensor& state);
 
   LayerSequence& layers_;
   const ProcessGroup& pipeline_;
@@ -62,6 +76,7 @@ class PipelineStageRunner {
   // and the received gradient of that output.
   std::vector<at::Tensor> inputs_, outputs_, grads_, received_activations_;
   std::vector<at::Tensor> targets_;
+  std::vector<std::vector<Checkpointed>> checkpoints_;  // per micro-batch
   double loss_sum_ = 0;
   std::vector<TimelineEvent> timeline_;
 };

@@ -20,6 +20,7 @@ namespace {
 struct Case {
   const char* schedule;
   int stages;
+  int checkpointed_layers = 0;  // per stage; -1: all of them
 };
 
 class StageRunnerTest : public ::testing::TestWithParam<Case> {};
@@ -54,6 +55,8 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
     options.first_layer = bounds[rank];
     options.end_layer = bounds[rank + 1];
     options.boundary_shape = {mb, T, config.n_embd};
+    options.checkpointed_layers =
+        c.checkpointed_layers < 0 ? bounds[rank + 1] - bounds[rank] : c.checkpointed_layers;
     options.reduce_tied_grads = [&] { return ReduceTiedGradients(tied, pipeline); };
     PipelineStageRunner runner(*part, pipeline, *schedule, options);
     auto loss = runner.RunStep(tokens.chunk(M), targets.chunk(M));
@@ -75,11 +78,51 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(SchedulesAndStages, StageRunnerTest,
                          ::testing::Values(Case{"gpipe", 2}, Case{"1f1b", 2}, Case{"gpipe", 4},
-                                           Case{"1f1b", 4}),
+                                           Case{"1f1b", 4}, Case{"gpipe", 2, -1},
+                                           Case{"1f1b", 2, -1}, Case{"1f1b", 2, 1}),
                          [](const auto& info) {
+                           const int ckpt = info.param.checkpointed_layers;
                            return std::string(info.param.schedule[0] == '1' ? "OneFOneB" : "GPipe") +
-                                  "_" + std::to_string(info.param.stages);
+                                  "_" + std::to_string(info.param.stages) +
+                                  (ckpt == 0 ? "" : ckpt < 0 ? "_RecomputeAll" : "_RecomputeFirst");
                          });
+
+// Recomputation replays the dropout masks of the forward: with dropout on, a
+// step with every layer checkpointed gives the gradients of a step without (to
+// rounding; without restoring the RNG state they differ by half their size).
+TEST(StageRunnerRecomputeTest, RecomputationRestoresTheRandomState) {
+  testing::RunOnRanks(1, [](int) {
+    ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+    config.n_layer = 2;
+    config.n_embd = 32;
+    config.n_head = 2;
+    config.dropout = 0.2;
+    auto topology = testing::JoinTopology({{"pipeline", 1}});
+    ASSERT_TRUE(topology.ok());
+    const ProcessGroup& pipeline = **(*topology)->Group("pp");
+    auto schedule = *MakeSchedule("1f1b");
+    auto tokens = torch::randint(config.vocab_size, {4, 16}, torch::kLong);
+    std::vector<std::vector<at::Tensor>> grads;
+    for (int checkpointed : {0, 4}) {
+      auto model = *CreateModel(config, 5);
+      StageRunnerOptions options;
+      options.end_layer = 4;
+      options.boundary_shape = {2, 16, 32};
+      options.checkpointed_layers = checkpointed;
+      options.checkpoint_num_layers = 2;
+      PipelineStageRunner runner(*model, pipeline, *schedule, options);
+      torch::manual_seed(11);
+      ASSERT_TRUE(runner.RunStep(tokens.chunk(2), tokens.chunk(2)).ok());
+      grads.emplace_back();
+      for (const auto& p : model->parameters()) grads.back().push_back(p.grad().clone());
+    }
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      EXPECT_TRUE(torch::allclose(grads[0][i], grads[1][i], 1e-5, 1e-7))
+          << i << " max diff " << (grads[0][i] - grads[1][i]).abs().max().item<double>() << " of "
+          << grads[0][i].abs().max().item<double>();
+    }
+  });
+}
 
 }  // namespace
 }  // namespace trident

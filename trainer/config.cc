@@ -178,6 +178,15 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   }
   if (!(c->bucket_size_mb() > 0)) return Invalid("bucket_size_mb must be positive");
   if (c->intra_op_threads() < 0) return Invalid("intra_op_threads must not be negative");
+  if (c->activation_checkpointing() != "none" && c->activation_checkpointing() != "full" &&
+      c->activation_checkpointing() != "stage_aware") {
+    return Invalid(absl::StrCat("activation_checkpointing='", c->activation_checkpointing(),
+                                "' is unknown; choose none, full or stage_aware"));
+  }
+  if (c->checkpoint_num_layers() < 1 || c->activation_checkpoint_ratio() < 0 ||
+      c->activation_checkpoint_ratio() > 1) {
+    return Invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
+  }
   return absl::OkStatus();
 }
 

@@ -321,10 +321,21 @@ void Trainer::Impl::StartRunner() {
                                        [&](const auto& t) { return t.first == name; });
     if (!duplicate) counted_parameters.push_back(p);
   }
-  if (stages == 1) return;
+  if (stages == 1 && config.activation_checkpointing() == "none") return;
   StageRunnerOptions options;
   options.first_layer = first_layer;
   options.end_layer = end_layer;
+  const int64_t stage_layers = end_layer - first_layer;
+  options.checkpoint_num_layers = config.checkpoint_num_layers();
+  if (config.activation_checkpointing() == "full") {
+    options.checkpointed_layers = stage_layers;
+  } else if (config.activation_checkpointing() == "stage_aware" && stage < stages - 1) {
+    const double r0 = config.activation_checkpoint_ratio();
+    const int s = stage + 1;  // 1-based, as the formula is written
+    const double fraction = 1.0 - (1.0 - r0) * (stages - 1) / (stages - s);
+    options.checkpointed_layers =
+        std::clamp<int64_t>(std::llround(fraction * stage_layers), 0, stage_layers);
+  }
   options.boundary_shape = {config.micro_batch_size(), model_config.block_size, model_config.n_embd};
   options.reduce_tied_grads = [this] { return ReduceTiedGradients(tied, *pp_group); };
   options.reduce_data_parallel_grads = [this] { return reducer->FinishBackward(); };
@@ -544,6 +555,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   } else {
     TRIDENT_ASSIGN_OR_RETURN(t.model, CreateModel(t.model_config, t.config.seed()));
     t.end_layer = t.model->NumLayers();
+    if (t.config.activation_checkpointing() != "none") {
+      // One stage: the runner recomputes activations (a pipeline of one).
+      t.pp_group = *topology->Group("pp");
+      TRIDENT_ASSIGN_OR_RETURN(t.schedule, MakeSchedule(t.config.schedule()));
+    }
   }
   // Record the resolved model sizes so the printed and saved config is complete.
   t.config.set_n_layer(t.model_config.n_layer);
@@ -682,7 +698,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
 absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t tokens) {
   Impl& t = *impl_;
   if (!t.is_rank0) return std::string();
-  if (t.runner) return std::string("(sampling needs the whole model on one rank: run with pp=1)");
+  if (t.stages > 1) return std::string("(sampling needs the whole model on one rank: run with pp=1)");
   std::vector<int64_t> ids;
   if (t.tokenizer) {
     for (uint16_t id : t.tokenizer->Encode(prompt)) ids.push_back(id);

@@ -119,21 +119,27 @@ TEST(TrainerParityTest, DataParallelLossesEqualOneProcess) {
   }
 }
 
-// Pipeline parallelism: every schedule, pp = 2 and 4, and dp x pp = 2 x 2 train
-// the same losses as one process on the same global batch.
+// Pipeline parallelism: every schedule, pp = 2 and 4, dp x pp = 2 x 2, with and
+// without (stage-aware) recomputation, trains the losses of one process on the
+// same global batch.
 TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
   const std::vector<double> single = TrainOnRanks(SmallConfig(1), "pp_reference");
   struct Layout {
     int dp, pp;
     const char* schedule;
+    const char* checkpointing = "none";
   };
-  for (const Layout& layout : {Layout{1, 2, "gpipe"}, Layout{1, 2, "1f1b"}, Layout{1, 4, "1f1b"},
-                               Layout{2, 2, "1f1b"}}) {
+  for (const Layout& layout :
+       {Layout{1, 2, "gpipe"}, Layout{1, 2, "1f1b"}, Layout{1, 4, "1f1b"}, Layout{2, 2, "1f1b"},
+        Layout{1, 2, "1f1b", "full"}, Layout{1, 4, "gpipe", "stage_aware"},
+        Layout{1, 1, "1f1b", "full"}}) {
     TrainerConfig config = SmallConfig(layout.dp);
     config.set_pp(layout.pp);
     config.set_schedule(layout.schedule);
     config.set_micro_batch_size(2);
-    const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "_", layout.schedule);
+    config.set_activation_checkpointing(layout.checkpointing);
+    const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "_", layout.schedule,
+                                         "_", layout.checkpointing);
     SCOPED_TRACE(tag);
     ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }
