@@ -1,0 +1,121 @@
+// Step time and measured bubble of each schedule for gpt-tiny (4 layers) at
+// pp = 2 and 4, M = 8 micro-batches of 2 x 128 tokens, one thread per rank; and
+// the step time the simulator predicts from the measured stage times
+// (`vs_simulated` near 1 means communication overlaps as modelled).
+//
+//   bazel run -c opt //pipeline:pipeline_benchmark
+#include <benchmark/benchmark.h>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "models/models.h"
+#include "partition/partition.h"
+#include "pipeline/stage_runner.h"
+
+namespace trident {
+namespace {
+
+constexpr char kWorkerFlag[] = "--pipeline_worker";
+constexpr int kMicroBatches = 8, kSteps = 3;
+
+// One rank: runs kSteps steps and writes, for the last, "step_seconds
+// forward_seconds backward_seconds compute_seconds" to `result`.rank<r>.
+absl::Status RunWorker(const std::string& schedule_name, const std::string& result) {
+  at::set_num_threads(1);
+  TRIDENT_ASSIGN_OR_RETURN(auto env, DistributedEnvFromEnvironment());
+  TopologyOptions options;
+  options.mesh_axes = {{"pipeline", env.world_size}};
+  TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::Create(env, options));
+  const ProcessGroup& pipeline = **topology->Group("pp");
+  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+  const int stages = pipeline.size(), stage = pipeline.rank();
+  TRIDENT_ASSIGN_OR_RETURN(auto bounds, PartitionLayers("uniform",
+                                                        std::vector<double>(config.n_layer + 2, 1.0),
+                                                        stages));
+  TRIDENT_ASSIGN_OR_RETURN(auto part,
+                           CreateModelLayers(config, 1, bounds[stage], bounds[stage + 1]));
+  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(schedule_name));
+  StageRunnerOptions runner_options;
+  runner_options.first_layer = bounds[stage];
+  runner_options.end_layer = bounds[stage + 1];
+  runner_options.boundary_shape = {2, config.block_size, config.n_embd};
+  PipelineStageRunner runner(*part, pipeline, *schedule, runner_options);
+  auto tokens = torch::randint(config.vocab_size, {2 * kMicroBatches, config.block_size}, torch::kLong);
+  for (int step = 0; step < kSteps; ++step) {
+    for (auto& p : part->parameters()) p.mutable_grad() = at::Tensor();
+    TRIDENT_RETURN_IF_ERROR(runner.RunStep(tokens.chunk(kMicroBatches), tokens.chunk(kMicroBatches)).status());
+  }
+  double end = 0, forward = 0, backward = 0;
+  for (const TimelineEvent& e : runner.timeline()) {
+    end = std::max(end, e.end);
+    if (e.op == Op::kForward) forward += e.end - e.start;
+    if (e.op == Op::kBackward) backward += e.end - e.start;
+  }
+  std::ofstream(absl::StrCat(result, ".rank", stage))
+      << end << " " << forward / kMicroBatches << " " << backward / kMicroBatches << " "
+      << forward + backward;
+  return absl::OkStatus();
+}
+
+void BM_PipelineStep(benchmark::State& state, const char* schedule) {
+  const int stages = static_cast<int>(state.range(0));
+  const std::string result = absl::StrCat("/tmp/trident_pipeline_bench_", getpid());
+  double step = 0, compute = 0;
+  SimulationOptions simulated;
+  simulated.num_stages = stages;
+  simulated.num_micro_batches = kMicroBatches;
+  simulated.forward_seconds.clear();
+  simulated.backward_seconds.clear();
+  for (auto _ : state) {
+    LaunchOptions launch;
+    launch.nproc_per_node = stages;
+    launch.command = {"/proc/self/exe", kWorkerFlag, schedule, result};
+    launch.env["OMP_NUM_THREADS"] = "1";
+    launch.env["OPENBLAS_NUM_THREADS"] = "1";
+    launch.on_output = [](int, bool, absl::string_view) {};
+    LaunchResult launched = RunLocalGroup(launch);
+    if (!launched.status.ok()) {
+      state.SkipWithError(std::string(launched.status.message()).c_str());
+      return;
+    }
+    for (int s = 0; s < stages; ++s) {
+      std::ifstream in(absl::StrCat(result, ".rank", s));
+      double end, forward, backward, busy;
+      in >> end >> forward >> backward >> busy;
+      step = std::max(step, end);
+      compute += busy;
+      simulated.forward_seconds.push_back(forward);
+      simulated.backward_seconds.push_back(backward);
+      std::remove(absl::StrCat(result, ".rank", s).c_str());
+    }
+    state.SetIterationTime(step);
+  }
+  auto schedule_object = *MakeSchedule(schedule);
+  auto prediction = Simulate(*schedule_object, simulated);
+  state.counters["step_ms"] = 1000 * step;
+  state.counters["bubble"] = 1.0 - compute / (stages * step);
+  if (prediction.ok()) state.counters["vs_simulated"] = step / prediction->makespan;
+}
+BENCHMARK_CAPTURE(BM_PipelineStep, gpipe, "gpipe")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
+    ->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, one_f_one_b, "1f1b")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
+    ->Iterations(1)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace trident
+
+int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == trident::kWorkerFlag) {
+    return trident::ExitCodeFor("pipeline_worker", trident::RunWorker(argv[2], argv[3]));
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  return 0;
+}
