@@ -118,6 +118,7 @@ absl::StatusOr<double> PipelineStageRunner::RunStep(const std::vector<at::Tensor
   received_activations_.assign(M, at::Tensor());
   checkpoints_.assign(M, {});
   loss_sum_ = 0;
+  peak_live_ = 0;
   auto buffer = [&] {
     return at::empty(options_.boundary_shape, at::TensorOptions().dtype(options_.boundary_dtype));
   };
@@ -153,6 +154,9 @@ absl::StatusOr<double> PipelineStageRunner::RunStep(const std::vector<at::Tensor
         inputs_[m] = input;
         received_activations_[m] = at::Tensor();
         TRIDENT_ASSIGN_OR_RETURN(outputs_[m], Forward(m, input));
+        peak_live_ = std::max<int>(
+            peak_live_, std::count_if(outputs_.begin(), outputs_.end(),
+                                      [](const at::Tensor& t) { return t.defined(); }));
         break;
       }
       case Op::kSendActivation:

@@ -54,6 +54,9 @@ class PipelineStageRunner {
   // The instructions of the last RunStep with their start and end, in seconds
   // from the step's start (stage = this stage's index).
   const std::vector<TimelineEvent>& timeline() const { return timeline_; }
+  // The most micro-batches whose activations were alive at once in the last
+  // RunStep (forward done, backward not yet).
+  int peak_live_activations() const { return peak_live_; }
 
  private:
   // A checkpointed segment of one micro-batch: layers [first, end) ran on
@@ -79,6 +82,7 @@ class PipelineStageRunner {
   std::vector<std::vector<Checkpointed>> checkpoints_;  // per micro-batch
   double loss_sum_ = 0;
   std::vector<TimelineEvent> timeline_;
+  int peak_live_ = 0;
 };
 
 // Sums the gradients of parameters that the first and the last stage both hold

@@ -61,6 +61,9 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
     PipelineStageRunner runner(*part, pipeline, *schedule, options);
     auto loss = runner.RunStep(tokens.chunk(M), targets.chunk(M));
     ASSERT_TRUE(loss.ok()) << loss.status();
+    // 1F1B keeps at most min(M, S - s) micro-batches' activations alive; GPipe all M.
+    EXPECT_EQ(runner.peak_live_activations(),
+              std::string(c.schedule) == "1f1b" ? std::min(M, c.stages - rank) : M);
     if (rank == c.stages - 1) {
       EXPECT_NEAR(*loss, reference.item<double>(), 1e-5 * reference.item<double>());
     } else {
