@@ -81,7 +81,8 @@ class Trainer::Impl {
   ProcessGroup* dp_group = nullptr;
   int dp_rank = 0;
   bool is_rank0 = false;
-  // Pipeline parallelism (pp > 1): this rank's stage holds layers [first_layer, end_layer).
+  // The stage runner, used with pp > 1 or recomputation: this rank's stage holds
+  // layers [first_layer, end_layer) of `stages`.
   ProcessGroup* pp_group = nullptr;
   int stage = 0, stages = 1;
   int64_t first_layer = 0, end_layer = 0;
@@ -406,11 +407,11 @@ absl::StatusOr<double> Trainer::Impl::PipelineLoss(double last_stage_loss) {
 
 absl::StatusOr<double> Trainer::Impl::TrainStep() {
   const int64_t accumulation = config.grad_accumulation_steps();
+  std::vector<at::Tensor> inputs, targets;
+  MicroBatches(*train_data, *sampler, step, &inputs, &targets);
+  reducer->ZeroGrad();
   if (runner) {
-    std::vector<at::Tensor> inputs, targets;
-    MicroBatches(*train_data, *sampler, step, &inputs, &targets);
     if (inputs.empty()) inputs.assign(accumulation, at::Tensor());
-    reducer->ZeroGrad();
     reducer->PrepareForBackward(/*last_micro_batch=*/false);
     TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunStep(inputs, targets));
     if (!config.trace_file().empty() && step + 1 == config.trace_step()) {
@@ -418,15 +419,11 @@ absl::StatusOr<double> Trainer::Impl::TrainStep() {
     }
     return PipelineLoss(loss);
   }
-  reducer->ZeroGrad();
   double local_loss = 0;
-  at::Tensor inputs, targets;
   for (int64_t micro = 0; micro < accumulation; ++micro) {
-    train_data->Fill(sampler->MicroBatch(step, config.dp(), dp_rank, config.micro_batch_size(),
-                                         micro),
-                     &inputs, &targets);
     reducer->PrepareForBackward(micro == accumulation - 1);
-    at::Tensor loss = model->Loss(inputs, targets).div(static_cast<double>(accumulation));
+    at::Tensor loss =
+        model->Loss(inputs[micro], targets[micro]).div(static_cast<double>(accumulation));
     loss.backward();
     local_loss += loss.item<double>();
   }
@@ -442,34 +439,30 @@ absl::StatusOr<double> Trainer::Impl::Evaluate() {
   at::NoGradGuard no_grad;
   BatchSampler val_sampler(val_data->num_samples(), config.global_batch_size(), config.seed(),
                            /*shuffle=*/false);
-  double total = 0;
-  at::Tensor inputs, targets;
   const int64_t accumulation = config.grad_accumulation_steps();
-  if (runner) {
-    for (int64_t s = 0; s < config.eval_steps(); ++s) {
-      std::vector<at::Tensor> micro_inputs, micro_targets;
-      MicroBatches(*val_data, val_sampler, s, &micro_inputs, &micro_targets);
-      if (micro_inputs.empty()) micro_inputs.assign(accumulation, at::Tensor());
-      TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunForward(micro_inputs, micro_targets));
-      total += stage == stages - 1 ? loss * accumulation : 0.0;
-    }
-    model->train();
-    TRIDENT_ASSIGN_OR_RETURN(const double mean, PipelineLoss(total / (config.eval_steps() * accumulation)));
-    last_val_loss = mean;
-    ForHooks([&](TrainerHooks& h) { h.OnEvalEnd(State(), mean); });
-    return mean;
-  }
+  double total = 0;  // sum of micro-batch mean losses (on the last stage with a runner)
   for (int64_t s = 0; s < config.eval_steps(); ++s) {
-    for (int64_t micro = 0; micro < accumulation; ++micro) {
-      val_data->Fill(val_sampler.MicroBatch(s, config.dp(), dp_rank, config.micro_batch_size(), micro),
-                     &inputs, &targets);
-      total += model->Loss(inputs, targets).item<double>();
+    std::vector<at::Tensor> inputs, targets;
+    MicroBatches(*val_data, val_sampler, s, &inputs, &targets);
+    if (runner) {
+      if (inputs.empty()) inputs.assign(accumulation, at::Tensor());
+      TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunForward(inputs, targets));
+      if (stage == stages - 1) total += loss * accumulation;
+    } else {
+      for (int64_t micro = 0; micro < accumulation; ++micro) {
+        total += model->Loss(inputs[micro], targets[micro]).item<double>();
+      }
     }
   }
   model->train();
-  at::Tensor mean = at::full({1}, total / (config.eval_steps() * accumulation), at::kDouble);
-  TRIDENT_RETURN_IF_ERROR(dp_group->AllReduce(mean, ReduceOp::kAvg));
-  last_val_loss = mean.item<double>();
+  const double local_mean = total / (config.eval_steps() * accumulation);
+  if (runner) {
+    TRIDENT_ASSIGN_OR_RETURN(last_val_loss, PipelineLoss(local_mean));
+  } else {
+    at::Tensor mean = at::full({1}, local_mean, at::kDouble);
+    TRIDENT_RETURN_IF_ERROR(dp_group->AllReduce(mean, ReduceOp::kAvg));
+    last_val_loss = mean.item<double>();
+  }
   ForHooks([&](TrainerHooks& h) { h.OnEvalEnd(State(), *last_val_loss); });
   return *last_val_loss;
 }
