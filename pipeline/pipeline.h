@@ -51,10 +51,14 @@ class PipelineSchedule {
   virtual absl::Status Check(int num_stages, int num_micro_batches) const;
   virtual std::vector<Instruction> Instructions(int stage, int num_stages,
                                                 int num_micro_batches) const = 0;
+  // False for schedules whose last stage never recomputes activations (it
+  // consumes them at once), whatever checkpointing the other stages use.
+  virtual bool RecomputesOnLastStage() const { return true; }
 };
 
-// "gpipe" (all forwards, then all backwards) or "1f1b" (warm-up forwards, then
-// one forward one backward with fused send/receive pairs, then cool-down).
+// "gpipe" (all forwards, then all backwards), "1f1b" (warm-up forwards, then
+// one forward one backward with fused send/receive pairs, then cool-down) or
+// "last_no_recompute_1f1b" (1f1b whose last stage never recomputes).
 absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name);
 std::vector<std::string> ScheduleNames();
 

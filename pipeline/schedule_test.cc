@@ -58,11 +58,12 @@ std::vector<Shape> Shapes() {
 
 INSTANTIATE_TEST_SUITE_P(AllShapes, EveryScheduleTest, ::testing::ValuesIn(Shapes()),
                          [](const auto& info) {
-                           return info.param.schedule.substr(0, 1) == "1" ? "OneFOneB_" +
-                                      std::to_string(info.param.stages) + "x" +
-                                      std::to_string(info.param.micro_batches)
-                                  : info.param.schedule + "_" + std::to_string(info.param.stages) +
-                                      "x" + std::to_string(info.param.micro_batches);
+                           std::string name = info.param.schedule;
+                           for (char& ch : name) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return "s" + name + "_" + std::to_string(info.param.stages) + "x" +
+                                  std::to_string(info.param.micro_batches);
                          });
 
 TEST(SimulatorTest, OneFOneBBubbleIsStagesMinusOneOverMicroBatchesPlusStagesMinusOne) {
@@ -138,7 +139,7 @@ TEST(TimelineTest, ChromeTraceAndSvgShowEveryStage) {
 
 TEST(ScheduleTest, UnknownNamesAndEmptyShapesAreClearErrors) {
   EXPECT_THAT(std::string(MakeSchedule("zigzag").status().message()),
-              HasSubstr("unknown schedule 'zigzag'; choose gpipe, 1f1b"));
+              HasSubstr("unknown schedule 'zigzag'; choose gpipe, 1f1b, last_no_recompute_1f1b"));
   auto schedule = MakeSchedule("gpipe");
   SimulationOptions options;
   options.num_micro_batches = 0;

@@ -40,7 +40,10 @@ class GPipe : public PipelineSchedule {
 
 class OneFOneB : public PipelineSchedule {
  public:
-  std::string name() const override { return "1f1b"; }
+  explicit OneFOneB(std::string name = "1f1b", bool last_recomputes = true)
+      : name_(std::move(name)), last_recomputes_(last_recomputes) {}
+  std::string name() const override { return name_; }
+  bool RecomputesOnLastStage() const override { return last_recomputes_; }
   std::vector<Instruction> Instructions(int stage, int stages, int micro) const override {
     std::vector<Instruction> out;
     const bool first = stage == 0, last = stage == stages - 1;
@@ -71,6 +74,10 @@ class OneFOneB : public PipelineSchedule {
     AppendStepEnd(&out);
     return out;
   }
+
+ private:
+  std::string name_;
+  bool last_recomputes_;
 };
 
 }  // namespace
@@ -103,11 +110,14 @@ absl::Status PipelineSchedule::Check(int num_stages, int num_micro_batches) cons
   return absl::OkStatus();
 }
 
-std::vector<std::string> ScheduleNames() { return {"gpipe", "1f1b"}; }
+std::vector<std::string> ScheduleNames() { return {"gpipe", "1f1b", "last_no_recompute_1f1b"}; }
 
 absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name) {
   if (name == "gpipe") return std::unique_ptr<PipelineSchedule>(new GPipe());
   if (name == "1f1b") return std::unique_ptr<PipelineSchedule>(new OneFOneB());
+  if (name == "last_no_recompute_1f1b") {
+    return std::unique_ptr<PipelineSchedule>(new OneFOneB(std::string(name), false));
+  }
   return absl::InvalidArgumentError(absl::StrCat("unknown schedule '", name, "'; choose ",
                                                  absl::StrJoin(ScheduleNames(), ", ")));
 }

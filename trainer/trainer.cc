@@ -337,6 +337,7 @@ void Trainer::Impl::StartRunner() {
     options.checkpointed_layers =
         std::clamp<int64_t>(std::llround(fraction * stage_layers), 0, stage_layers);
   }
+  if (stage == stages - 1 && !schedule->RecomputesOnLastStage()) options.checkpointed_layers = 0;
   options.boundary_shape = {config.micro_batch_size(), model_config.block_size, model_config.n_embd};
   options.reduce_tied_grads = [this] { return ReduceTiedGradients(tied, *pp_group); };
   options.reduce_data_parallel_grads = [this] { return reducer->FinishBackward(); };
