@@ -30,6 +30,10 @@ enum class Op {
   kRecvGrad,                 // from the next stage
   kSendActivationRecvGrad,   // fused: send micro_batch's activation, receive other's gradient
   kSendGradRecvActivation,   // fused: send micro_batch's gradient, receive other's activation
+  kPostSendActivationRecvGrad,  // start sending micro_batch's activation and receiving
+                                // other's gradient; kWaitPosted completes both
+  kWaitPosted,
+  kRecompute,                // rerun micro_batch's checkpointed layers ahead of its backward
   kReduceTiedGrads,          // sum gradients of parameters shared between stages
   kReduceDataParallelGrads,  // average gradients over the stage's data-parallel group
   kOptimizerStep,
@@ -57,8 +61,10 @@ class PipelineSchedule {
 };
 
 // "gpipe" (all forwards, then all backwards), "1f1b" (warm-up forwards, then
-// one forward one backward with fused send/receive pairs, then cool-down) or
-// "last_no_recompute_1f1b" (1f1b whose last stage never recomputes).
+// one forward one backward with fused send/receive pairs, then cool-down),
+// "last_no_recompute_1f1b" (1f1b whose last stage never recomputes) or
+// "pre_recompute_1f1b" (1f1b that recomputes a micro-batch's checkpointed
+// layers while its gradient is on the way).
 absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name);
 std::vector<std::string> ScheduleNames();
 
@@ -76,6 +82,7 @@ struct SimulationOptions {
   std::vector<double> forward_seconds = {1.0};   // per stage, or one value for all
   std::vector<double> backward_seconds = {2.0};  // per stage, or one value for all
   double comm_seconds = 0.0;                     // a message's flight time
+  std::vector<double> recompute_seconds = {0.0};  // per stage, or one value for all
 };
 
 struct SimulationResult {

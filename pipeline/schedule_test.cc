@@ -139,7 +139,8 @@ TEST(TimelineTest, ChromeTraceAndSvgShowEveryStage) {
 
 TEST(ScheduleTest, UnknownNamesAndEmptyShapesAreClearErrors) {
   EXPECT_THAT(std::string(MakeSchedule("zigzag").status().message()),
-              HasSubstr("unknown schedule 'zigzag'; choose gpipe, 1f1b, last_no_recompute_1f1b"));
+              HasSubstr("unknown schedule 'zigzag'; choose gpipe, 1f1b, last_no_recompute_1f1b, "
+                        "pre_recompute_1f1b"));
   auto schedule = MakeSchedule("gpipe");
   SimulationOptions options;
   options.num_micro_batches = 0;

@@ -40,8 +40,9 @@ class GPipe : public PipelineSchedule {
 
 class OneFOneB : public PipelineSchedule {
  public:
-  explicit OneFOneB(std::string name = "1f1b", bool last_recomputes = true)
-      : name_(std::move(name)), last_recomputes_(last_recomputes) {}
+  explicit OneFOneB(std::string name = "1f1b", bool last_recomputes = true,
+                    bool pre_recompute = false)
+      : name_(std::move(name)), last_recomputes_(last_recomputes), pre_recompute_(pre_recompute) {}
   std::string name() const override { return name_; }
   bool RecomputesOnLastStage() const override { return last_recomputes_; }
   std::vector<Instruction> Instructions(int stage, int stages, int micro) const override {
@@ -56,7 +57,15 @@ class OneFOneB : public PipelineSchedule {
     for (int i = 0; i < steady; ++i) {
       const int f = warmup + i;
       AppendForward(&out, stage, stages, f, /*receive=*/i == 0, /*send=*/false);
-      if (!last) out.push_back({Op::kSendActivationRecvGrad, f, i});
+      if (pre_recompute_ && !last) {
+        // Recompute backward i's activations while its gradient travels.
+        out.push_back({Op::kPostSendActivationRecvGrad, f, i});
+        out.push_back({Op::kRecompute, i});
+        out.push_back({Op::kWaitPosted});
+      } else {
+        if (pre_recompute_) out.push_back({Op::kRecompute, i});
+        if (!last) out.push_back({Op::kSendActivationRecvGrad, f, i});
+      }
       out.push_back({Op::kBackward, i});
       if (!first) {
         if (i + 1 < steady) {
@@ -67,6 +76,7 @@ class OneFOneB : public PipelineSchedule {
       }
     }
     for (int i = steady; i < micro; ++i) {
+      if (pre_recompute_) out.push_back({Op::kRecompute, i});
       if (!last) out.push_back({Op::kRecvGrad, i});
       out.push_back({Op::kBackward, i});
       if (!first) out.push_back({Op::kSendGrad, i});
@@ -78,6 +88,7 @@ class OneFOneB : public PipelineSchedule {
  private:
   std::string name_;
   bool last_recomputes_;
+  bool pre_recompute_;
 };
 
 }  // namespace
@@ -93,6 +104,9 @@ const char* OpName(Op op) {
     case Op::kRecvGrad: return "recv_grad";
     case Op::kSendActivationRecvGrad: return "send_activation_recv_grad";
     case Op::kSendGradRecvActivation: return "send_grad_recv_activation";
+    case Op::kPostSendActivationRecvGrad: return "post_send_activation_recv_grad";
+    case Op::kWaitPosted: return "wait_posted";
+    case Op::kRecompute: return "recompute";
     case Op::kReduceTiedGrads: return "reduce_tied_grads";
     case Op::kReduceDataParallelGrads: return "reduce_data_parallel_grads";
     case Op::kOptimizerStep: return "optimizer_step";
@@ -110,13 +124,18 @@ absl::Status PipelineSchedule::Check(int num_stages, int num_micro_batches) cons
   return absl::OkStatus();
 }
 
-std::vector<std::string> ScheduleNames() { return {"gpipe", "1f1b", "last_no_recompute_1f1b"}; }
+std::vector<std::string> ScheduleNames() {
+  return {"gpipe", "1f1b", "last_no_recompute_1f1b", "pre_recompute_1f1b"};
+}
 
 absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name) {
   if (name == "gpipe") return std::unique_ptr<PipelineSchedule>(new GPipe());
   if (name == "1f1b") return std::unique_ptr<PipelineSchedule>(new OneFOneB());
   if (name == "last_no_recompute_1f1b") {
     return std::unique_ptr<PipelineSchedule>(new OneFOneB(std::string(name), false));
+  }
+  if (name == "pre_recompute_1f1b") {
+    return std::unique_ptr<PipelineSchedule>(new OneFOneB(std::string(name), true, true));
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown schedule '", name, "'; choose ",
                                                  absl::StrJoin(ScheduleNames(), ", ")));

@@ -30,6 +30,9 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
                            PerStage(options.forward_seconds, S, "forward_seconds"));
   TRIDENT_ASSIGN_OR_RETURN(std::vector<double> backward,
                            PerStage(options.backward_seconds, S, "backward_seconds"));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> recompute,
+                           PerStage(options.recompute_seconds, S, "recompute_seconds"));
+  std::vector<Instruction> posted(S, Instruction{Op::kWaitPosted});  // receive awaited by kWaitPosted
   std::vector<std::vector<Instruction>> programs;
   for (int s = 0; s < S; ++s) programs.push_back(schedule.Instructions(s, S, M));
   std::vector<size_t> pc(S, 0);
@@ -58,9 +61,21 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
         const Instruction& inst = programs[s][pc[s]];
         bool done = true;
         switch (inst.op) {
+          case Op::kPostSendActivationRecvGrad:
+            send(s, false, s + 1, inst.micro_batch);
+            posted[s] = inst;
+            break;
+          case Op::kWaitPosted:
+            done = posted[s].op != Op::kPostSendActivationRecvGrad ||
+                   receive(s, true, s + 1, posted[s].other);
+            if (done) posted[s] = Instruction{Op::kWaitPosted};
+            break;
           case Op::kForward:
-          case Op::kBackward: {
-            const double duration = inst.op == Op::kForward ? forward[s] : backward[s];
+          case Op::kBackward:
+          case Op::kRecompute: {
+            const double duration = inst.op == Op::kForward    ? forward[s]
+                                    : inst.op == Op::kBackward ? backward[s]
+                                                               : recompute[s];
             result.events.push_back({s, inst.op, inst.micro_batch, clock[s], clock[s] + duration});
             clock[s] += duration;
             compute += duration;

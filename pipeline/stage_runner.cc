@@ -44,7 +44,7 @@ absl::StatusOr<at::Tensor> PipelineStageRunner::Forward(int m, const at::Tensor&
       } else {
         // Keep only the segment's input and the RNG state; rerun it in backward.
         Checkpointed c{first, std::min(end, options_.first_layer + options_.checkpointed_layers), x,
-                       at::Tensor(), RngState()};
+                       at::Tensor(), RngState(), at::Tensor()};
         at::Tensor out = x;
         {
           at::NoGradGuard no_grad;
@@ -79,29 +79,39 @@ void PipelineStageRunner::SetRngState(const at::Tensor& state) {
   generator.set_state(state);
 }
 
+absl::Status PipelineStageRunner::Recompute(int m) {
+  return CatchExceptions(absl::StrCat("recomputation of micro-batch ", m), [&] {
+    std::vector<Checkpointed>& saved = checkpoints_[m];
+    if (saved.empty() || saved.front().recomputed.defined()) return;
+    // Each segment reruns with the RNG state of its forward, so dropout masks match.
+    const at::Tensor state = RngState();
+    for (Checkpointed& c : saved) {
+      SetRngState(c.rng);
+      at::Tensor out = c.input;
+      for (int64_t i = c.first; i < c.end; ++i) out = layers_.ForwardLayer(i, out);
+      c.recomputed = out;
+    }
+    SetRngState(state);
+  });
+}
+
 absl::Status PipelineStageRunner::Backward(int m) {
+  TRIDENT_RETURN_IF_ERROR(Recompute(m));
   return CatchExceptions(absl::StrCat("backward of micro-batch ", m), [&] {
     if (stage_ == stages_ - 1) {
       outputs_[m].backward();
     } else {
       torch::autograd::backward({outputs_[m]}, {grads_[m]});
     }
-    // Recompute each checkpointed segment, latest first, with the RNG state of its
-    // forward (so dropout masks match), and carry the gradient through it.
+    // Carry the gradient through the recomputed segments, latest first.
     std::vector<Checkpointed>& saved = checkpoints_[m];
-    if (!saved.empty()) {
-      const at::Tensor state = RngState();
-      for (auto it = saved.rbegin(); it != saved.rend(); ++it) {
-        at::Tensor grad = it->after.grad();
-        if (!grad.defined()) continue;
-        SetRngState(it->rng);
-        at::Tensor out = it->input;
-        for (int64_t i = it->first; i < it->end; ++i) out = layers_.ForwardLayer(i, out);
-        if (out.requires_grad()) torch::autograd::backward({out}, {grad});
+    for (auto it = saved.rbegin(); it != saved.rend(); ++it) {
+      at::Tensor grad = it->after.grad();
+      if (grad.defined() && it->recomputed.requires_grad()) {
+        torch::autograd::backward({it->recomputed}, {grad});
       }
-      SetRngState(state);
-      saved.clear();
     }
+    saved.clear();
     outputs_[m] = at::Tensor();  // free the activations as soon as they are used
     grads_[m] = at::Tensor();
   });
@@ -189,6 +199,21 @@ absl::StatusOr<double> PipelineStageRunner::RunStep(const std::vector<at::Tensor
         TRIDENT_RETURN_IF_ERROR(recv.Wait());
         break;
       }
+      case Op::kPostSendActivationRecvGrad: {
+        grads_[inst.other] = buffer();
+        TRIDENT_ASSIGN_OR_RETURN(PendingWork recv, pipeline_.IRecv(grads_[inst.other], stage_ + 1, GradTag(inst.other)));
+        TRIDENT_ASSIGN_OR_RETURN(PendingWork send, pipeline_.ISend(outputs_[m].detach(), stage_ + 1, ActivationTag(m)));
+        posted_.push_back(std::move(send));
+        posted_.push_back(std::move(recv));
+        break;
+      }
+      case Op::kWaitPosted:
+        for (PendingWork& work : posted_) TRIDENT_RETURN_IF_ERROR(work.Wait());
+        posted_.clear();
+        break;
+      case Op::kRecompute:
+        TRIDENT_RETURN_IF_ERROR(Recompute(m));
+        break;
       case Op::kReduceTiedGrads:
         if (options_.reduce_tied_grads) TRIDENT_RETURN_IF_ERROR(options_.reduce_tied_grads());
         break;

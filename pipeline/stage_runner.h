@@ -64,8 +64,11 @@ class PipelineStageRunner {
   struct Checkpointed {
     int64_t first, end;
     at::Tensor input, after, rng;
+    at::Tensor recomputed;  // the segment's output rerun with gradients, once recomputed
   };
   absl::StatusOr<at::Tensor> Forward(int m, const at::Tensor& input);
+  // Reruns micro-batch m's checkpointed segments (once; Backward calls it too).
+  absl::Status Recompute(int m);
   absl::Status Backward(int m);
   static at::Tensor RngState();
   static void SetRngState(const at::Tensor& state);
@@ -80,6 +83,7 @@ class PipelineStageRunner {
   std::vector<at::Tensor> inputs_, outputs_, grads_, received_activations_;
   std::vector<at::Tensor> targets_;
   std::vector<std::vector<Checkpointed>> checkpoints_;  // per micro-batch
+  std::vector<PendingWork> posted_;  // started by kPostSendActivationRecvGrad
   double loss_sum_ = 0;
   std::vector<TimelineEvent> timeline_;
   int peak_live_ = 0;

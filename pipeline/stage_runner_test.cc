@@ -63,7 +63,7 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
     ASSERT_TRUE(loss.ok()) << loss.status();
     // 1F1B keeps at most min(M, S - s) micro-batches' activations alive; GPipe all M.
     EXPECT_EQ(runner.peak_live_activations(),
-              std::string(c.schedule) == "1f1b" ? std::min(M, c.stages - rank) : M);
+              std::string(c.schedule) == "gpipe" ? M : std::min(M, c.stages - rank));
     if (rank == c.stages - 1) {
       EXPECT_NEAR(*loss, reference.item<double>(), 1e-5 * reference.item<double>());
     } else {
@@ -82,10 +82,15 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
 INSTANTIATE_TEST_SUITE_P(SchedulesAndStages, StageRunnerTest,
                          ::testing::Values(Case{"gpipe", 2}, Case{"1f1b", 2}, Case{"gpipe", 4},
                                            Case{"1f1b", 4}, Case{"gpipe", 2, -1},
-                                           Case{"1f1b", 2, -1}, Case{"1f1b", 2, 1}),
+                                           Case{"1f1b", 2, -1}, Case{"1f1b", 2, 1},
+                                           Case{"pre_recompute_1f1b", 2, -1},
+                                           Case{"pre_recompute_1f1b", 4, 1}),
                          [](const auto& info) {
                            const int ckpt = info.param.checkpointed_layers;
-                           return std::string(info.param.schedule[0] == '1' ? "OneFOneB" : "GPipe") +
+                           const std::string schedule = info.param.schedule;
+                           return std::string(schedule == "gpipe"  ? "GPipe"
+                                              : schedule == "1f1b" ? "OneFOneB"
+                                                                   : "PreRecompute") +
                                   "_" + std::to_string(info.param.stages) +
                                   (ckpt == 0 ? "" : ckpt < 0 ? "_RecomputeAll" : "_RecomputeFirst");
                          });

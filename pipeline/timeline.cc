@@ -8,13 +8,14 @@ namespace trident {
 namespace {
 
 bool IsCommunication(Op op) {
-  return op != Op::kForward && op != Op::kBackward;
+  return op != Op::kForward && op != Op::kBackward && op != Op::kRecompute;
 }
 
 const char* Colour(Op op) {
   switch (op) {
     case Op::kForward: return "#4e79a7";
     case Op::kBackward: return "#59a14f";
+    case Op::kRecompute: return "#f28e2b";
     default: return "#9c9c9c";
   }
 }
@@ -73,9 +74,10 @@ std::string TimelineSvg(const std::vector<TimelineEvent>& events, const std::str
   absl::StrAppend(&svg, absl::StrFormat(
                             "<text x=\"%.0f\" y=\"%.0f\" fill=\"#4e79a7\">forward</text>"
                             "<text x=\"%.0f\" y=\"%.0f\" fill=\"#59a14f\">backward</text>"
+                            "<text x=\"%.0f\" y=\"%.0f\" fill=\"#f28e2b\">recompute</text>"
                             "<text x=\"%.0f\" y=\"%.0f\" fill=\"#9c9c9c\">communication</text>\n",
                             left, top + stages * row + 18, left + 70, top + stages * row + 18,
-                            left + 150, top + stages * row + 18));
+                            left + 150, top + stages * row + 18, left + 230, top + stages * row + 18));
   return svg + "</svg>\n";
 }
 

@@ -132,7 +132,7 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
   for (const Layout& layout :
        {Layout{1, 2, "gpipe"}, Layout{1, 2, "1f1b"}, Layout{1, 4, "1f1b"}, Layout{2, 2, "1f1b"},
         Layout{1, 2, "1f1b", "full"}, Layout{1, 4, "gpipe", "stage_aware"},
-        Layout{1, 2, "last_no_recompute_1f1b", "full"},
+        Layout{1, 2, "last_no_recompute_1f1b", "full"}, Layout{1, 2, "pre_recompute_1f1b", "full"},
         Layout{1, 1, "1f1b", "full"}}) {
     TrainerConfig config = SmallConfig(layout.dp);
     config.set_pp(layout.pp);
