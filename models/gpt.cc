@@ -103,11 +103,7 @@ class Gpt : public LanguageModel {
     transformer = register_module("transformer", Transformer(c, first, end));
   }
 
-  std::string LayerName(int64_t i) const override {
-    if (i == 0) return "embedding";
-    if (i == NumLayers() - 1) return "head";
-    return "transformer.h." + std::to_string(i - 1);
-  }
+  std::string BlockPrefix() const override { return "transformer.h."; }
 
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
     CheckLayer(i);

@@ -130,11 +130,7 @@ class Llama : public LanguageModel {
     if (end > c.n_layer + 1) lm_head = register_module("lm_head", NoBias(c.n_embd, c.vocab_size));
   }
 
-  std::string LayerName(int64_t i) const override {
-    if (i == 0) return "embedding";
-    if (i == NumLayers() - 1) return "head";
-    return "model.layers." + std::to_string(i - 1);
-  }
+  std::string BlockPrefix() const override { return "model.layers."; }
 
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
     CheckLayer(i);

@@ -39,11 +39,7 @@ class Mlp : public LanguageModel {
     }
   }
 
-  std::string LayerName(int64_t i) const override {
-    if (i == 0) return "embedding";
-    if (i == NumLayers() - 1) return "head";
-    return "blocks." + std::to_string(i - 1);
-  }
+  std::string BlockPrefix() const override { return "blocks."; }
 
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
     CheckLayer(i);

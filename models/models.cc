@@ -180,6 +180,12 @@ at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace internal
 
+std::string LanguageModel::LayerName(int64_t i) const {
+  if (i == 0) return "embedding";
+  if (i == NumLayers() - 1) return "head";
+  return BlockPrefix() + std::to_string(i - 1);
+}
+
 void LanguageModel::CheckLayer(int64_t i) const {
   if (!HasLayer(i)) {
     throw std::out_of_range("layer " + std::to_string(i) + " (" + LayerName(i) +

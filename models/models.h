@@ -65,6 +65,8 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
   int64_t NumLayers() const override { return config_.n_layer + 2; }
   // Whether layer i is materialised here.
   bool HasLayer(int64_t i) const { return i >= first_layer_ && i < end_layer_; }
+  // "embedding", then the blocks as BlockPrefix() + index, then "head".
+  std::string LayerName(int64_t i) const override;
   // All layers in order.
   at::Tensor Logits(const at::Tensor& tokens);
   // Mean token cross-entropy of Logits(tokens) against `targets` [B, T].
@@ -80,6 +82,8 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
   const ModelConfig& config() const { return config_; }
 
  protected:
+  // The parameter prefix of the blocks, such as "transformer.h.".
+  virtual std::string BlockPrefix() const = 0;
   // Throws std::out_of_range naming the layer when it is not materialised here.
   void CheckLayer(int64_t i) const;
 
