@@ -146,12 +146,13 @@ TEST(GraphSplitHubTest, SkipConnectionsAndHubTensorsCrossSeveralStages) {
   torch::manual_seed(5);
   SkipAndHubImpl split_model;
   SkipAndHubImpl whole_model;
-  torch::NoGradGuard no_grad_copy;
-  for (auto& item : whole_model.named_parameters()) {
-    item.value().copy_(split_model.named_parameters()[item.key()]);
+  {
+    torch::NoGradGuard no_grad;  // same weights in both copies
+    for (auto& item : whole_model.named_parameters()) {
+      item.value().copy_(split_model.named_parameters()[item.key()]);
+    }
   }
   {
-    torch::GradMode::set_enabled(true);
     auto tokens = torch::randint(32, {2, 8}, torch::kLong);
     auto targets = torch::randint(32, {2, 8}, torch::kLong);
     auto graph = ModelGraph::Trace(split_model, {tokens, targets}, [&](const std::vector<at::Tensor>& in) {

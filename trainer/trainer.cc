@@ -506,11 +506,9 @@ absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
   TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, world_size));
   int vocab = 256;
   if (!config.data().empty()) {
-    for (const char* file : {"/train.bin"}) {
-      if (!fs::exists(config.data() + file)) {
-        return absl::NotFoundError(absl::StrCat("data directory ", config.data(), " has no ",
-                                                file + 1, "; prepare it with tools/prepare_data"));
-      }
+    if (!fs::exists(config.data() + "/train.bin")) {
+      return absl::NotFoundError(absl::StrCat("data directory ", config.data(),
+                                              " has no train.bin; prepare it with tools/prepare_data"));
     }
     if (fs::exists(config.data() + "/tokenizer.txt")) {
       TRIDENT_ASSIGN_OR_RETURN(auto tokenizer, LoadTokenizer(config.data() + "/tokenizer.txt"));
