@@ -73,21 +73,19 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-// Holds what layers [first, end) of the model need, under the reference names.
+// Holds what the materialised layers of `model` need, under the reference names.
 class TransformerImpl : public torch::nn::Module {
  public:
-  TransformerImpl(const ModelConfig& c, int64_t first, int64_t end) {
-    const int64_t last = c.n_layer + 1;
-    if (first == 0 || end > last) {  // the embedding layer, or the head (tied to wte)
+  TransformerImpl(const ModelConfig& c, const LanguageModel& model) {
+    const bool embedding = model.HasLayer(0), head = model.HasLayer(c.n_layer + 1);
+    if (embedding || head) {  // the head is tied to wte
       wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
     }
-    if (first == 0) {
-      wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
-    }
+    if (embedding) wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
     h = register_module("h", std::make_shared<torch::nn::Module>());
-    blocks = BuildBlocks<Block>(*h, c.n_layer, first - 1, end - 1, [&] { return Block(c); });
-    if (end > last) ln_f = register_module("ln_f", MakeLayerNorm(c.n_embd));
+    blocks = BuildBlocks<Block>(model, *h, c.n_layer, [&] { return Block(c); });
+    if (head) ln_f = register_module("ln_f", MakeLayerNorm(c.n_embd));
   }
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -99,8 +97,8 @@ TORCH_MODULE(Transformer);
 
 class Gpt : public LanguageModel {
  public:
-  Gpt(const ModelConfig& c, int64_t first, int64_t end) : LanguageModel(c, first, end) {
-    transformer = register_module("transformer", Transformer(c, first, end));
+  Gpt(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
+    transformer = register_module("transformer", Transformer(c, *this));
   }
 
   std::string BlockPrefix() const override { return "transformer.h."; }
@@ -140,8 +138,8 @@ class Gpt : public LanguageModel {
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, int64_t first, int64_t end) {
-  return std::make_shared<Gpt>(config, first, end);
+std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, const LayerRanges& ranges) {
+  return std::make_shared<Gpt>(config, ranges);
 }
 
 }  // namespace internal

@@ -107,14 +107,13 @@ TORCH_MODULE(DecoderLayer);
 
 class LlamaBodyImpl : public torch::nn::Module {
  public:
-  LlamaBodyImpl(const ModelConfig& c, int64_t first, int64_t end) {
-    if (first == 0) {
+  LlamaBodyImpl(const ModelConfig& c, const LanguageModel& model) {
+    if (model.HasLayer(0)) {
       embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.n_embd));
     }
     layers = register_module("layers", std::make_shared<torch::nn::Module>());
-    blocks = BuildBlocks<DecoderLayer>(*layers, c.n_layer, first - 1, end - 1,
-                                       [&] { return DecoderLayer(c); });
-    if (end > c.n_layer + 1) norm = register_module("norm", RmsNorm(c.n_embd));
+    blocks = BuildBlocks<DecoderLayer>(model, *layers, c.n_layer, [&] { return DecoderLayer(c); });
+    if (model.HasLayer(c.n_layer + 1)) norm = register_module("norm", RmsNorm(c.n_embd));
   }
   torch::nn::Embedding embed_tokens{nullptr};
   std::shared_ptr<torch::nn::Module> layers;
@@ -125,9 +124,9 @@ TORCH_MODULE(LlamaBody);
 
 class Llama : public LanguageModel {
  public:
-  Llama(const ModelConfig& c, int64_t first, int64_t end) : LanguageModel(c, first, end) {
-    model = register_module("model", LlamaBody(c, first, end));
-    if (end > c.n_layer + 1) lm_head = register_module("lm_head", NoBias(c.n_embd, c.vocab_size));
+  Llama(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
+    model = register_module("model", LlamaBody(c, *this));
+    if (HasLayer(c.n_layer + 1)) lm_head = register_module("lm_head", NoBias(c.n_embd, c.vocab_size));
   }
 
   std::string BlockPrefix() const override { return "model.layers."; }
@@ -174,8 +173,8 @@ class Llama : public LanguageModel {
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, int64_t first, int64_t end) {
-  return std::make_shared<Llama>(config, first, end);
+std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, const LayerRanges& ranges) {
+  return std::make_shared<Llama>(config, ranges);
 }
 
 }  // namespace internal

@@ -28,12 +28,12 @@ TORCH_MODULE(ResidualBlock);
 
 class Mlp : public LanguageModel {
  public:
-  Mlp(const ModelConfig& c, int64_t first, int64_t end) : LanguageModel(c, first, end) {
-    if (first == 0) embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.n_embd));
+  Mlp(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
+    if (HasLayer(0)) embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.n_embd));
     blocks_holder = register_module("blocks", std::make_shared<torch::nn::Module>());
-    blocks = BuildBlocks<ResidualBlock>(*blocks_holder, c.n_layer, first - 1, end - 1,
+    blocks = BuildBlocks<ResidualBlock>(*this, *blocks_holder, c.n_layer,
                                         [&] { return ResidualBlock(c); });
-    if (end > c.n_layer + 1) {
+    if (HasLayer(c.n_layer + 1)) {
       norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
       head = register_module("head", torch::nn::Linear(c.n_embd, c.vocab_size));
     }
@@ -68,8 +68,8 @@ class Mlp : public LanguageModel {
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, int64_t first, int64_t end) {
-  return std::make_shared<Mlp>(config, first, end);
+std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, const LayerRanges& ranges) {
+  return std::make_shared<Mlp>(config, ranges);
 }
 
 }  // namespace internal

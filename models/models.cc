@@ -186,12 +186,23 @@ std::string LanguageModel::LayerName(int64_t i) const {
   return BlockPrefix() + std::to_string(i - 1);
 }
 
+LanguageModel::LanguageModel(ModelConfig config, LayerRanges ranges)
+    : config_(std::move(config)), ranges_(std::move(ranges)) {
+  if (ranges_.empty()) ranges_.emplace_back(0, NumLayers());
+}
+
+bool LanguageModel::HasLayer(int64_t i) const {
+  return std::any_of(ranges_.begin(), ranges_.end(),
+                     [i](const auto& r) { return i >= r.first && i < r.second; });
+}
+
 void LanguageModel::CheckLayer(int64_t i) const {
   if (!HasLayer(i)) {
-    throw std::out_of_range("layer " + std::to_string(i) + " (" + LayerName(i) +
-                            ") is not materialised in this model part (layers " +
-                            std::to_string(first_layer_) + " to " + std::to_string(end_layer_ - 1) +
-                            ")");
+    std::vector<std::string> held;
+    for (const auto& [first, end] : ranges_) held.push_back(absl::StrCat(first, " to ", end - 1));
+    throw std::out_of_range(absl::StrCat("layer ", i, " (", LayerName(i),
+                                         ") is not materialised in this model part (layers ",
+                                         absl::StrJoin(held, ", "), ")"));
   }
 }
 
@@ -218,17 +229,25 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
                                                                  uint64_t seed,
                                                                  int64_t first_layer,
                                                                  int64_t end_layer) {
+  return CreateModelLayers(config, seed, LayerRanges{{first_layer, end_layer}});
+}
+
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
+                                                                 uint64_t seed,
+                                                                 const LayerRanges& ranges) {
   TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(config));
-  if (first_layer < 0 || end_layer > config.n_layer + 2 || first_layer >= end_layer) {
-    return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", end_layer,
-                                                   ") are not a range of the model's ",
-                                                   config.n_layer + 2, " layers"));
+  for (const auto& [first_layer, end_layer] : ranges) {
+    if (first_layer < 0 || end_layer > config.n_layer + 2 || first_layer >= end_layer) {
+      return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", end_layer,
+                                                     ") are not a range of the model's ",
+                                                     config.n_layer + 2, " layers"));
+    }
   }
   std::shared_ptr<LanguageModel> model;
   absl::Status built = CatchExceptions(absl::StrCat("building model '", config.model, "'"), [&] {
-    if (config.model == "gpt") model = internal::BuildGpt(config, first_layer, end_layer);
-    if (config.model == "llama") model = internal::BuildLlama(config, first_layer, end_layer);
-    if (config.model == "mlp") model = internal::BuildMlp(config, first_layer, end_layer);
+    if (config.model == "gpt") model = internal::BuildGpt(config, ranges);
+    if (config.model == "llama") model = internal::BuildLlama(config, ranges);
+    if (config.model == "mlp") model = internal::BuildMlp(config, ranges);
     torch::NoGradGuard no_grad;
     const double residual_std = 0.02 / std::sqrt(2.0 * config.n_layer);
     for (auto& item : model->named_parameters()) {

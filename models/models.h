@@ -50,21 +50,21 @@ std::vector<std::string> PresetNames(absl::string_view model);
 // Errors (naming the field) for sizes that cannot build a model.
 absl::Status ValidateModelConfig(const ModelConfig& config);
 
+// Which layers a part of a model materialises: the union of ranges [first, end).
+using LayerRanges = std::vector<std::pair<int64_t, int64_t>>;
+
 // A causal language model: tokens [B, T] (int64, T <= block_size) to logits
 // [B, T, vocab]. Every zoo model is a LayerSequence: an embedding layer
 // ("embedding"), its blocks (named by their parameter prefix, such as
 // "transformer.h.3"), and a head ("head") that produces the logits.
 class LanguageModel : public torch::nn::Module, public LayerSequence {
  public:
-  // A model of config.n_layer + 2 layers that materialises layers
-  // [first_layer, end_layer) only (all of them by default).
-  explicit LanguageModel(ModelConfig config, int64_t first_layer = 0, int64_t end_layer = -1)
-      : config_(std::move(config)),
-        first_layer_(first_layer),
-        end_layer_(end_layer < 0 ? config_.n_layer + 2 : end_layer) {}
+  // A model of config.n_layer + 2 layers that materialises the layers in
+  // `ranges` only (all of them when empty).
+  explicit LanguageModel(ModelConfig config, LayerRanges ranges = {});
   int64_t NumLayers() const override { return config_.n_layer + 2; }
   // Whether layer i is materialised here.
-  bool HasLayer(int64_t i) const { return i >= first_layer_ && i < end_layer_; }
+  bool HasLayer(int64_t i) const;
   // "embedding", then the blocks as BlockPrefix() + index, then "head".
   std::string LayerName(int64_t i) const override;
   // All layers in order.
@@ -89,7 +89,7 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
 
  private:
   ModelConfig config_;
-  int64_t first_layer_, end_layer_;
+  LayerRanges ranges_;
 };
 
 // Builds `config`'s model. Every parameter is drawn from its own generator,
@@ -106,6 +106,11 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
                                                                  uint64_t seed,
                                                                  int64_t first_layer,
                                                                  int64_t end_layer);
+// The same for several ranges, such as the model chunks of an interleaved
+// pipeline rank (layers [0, 2) and [6, 8) of 12).
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
+                                                                 uint64_t seed,
+                                                                 const LayerRanges& ranges);
 
 }  // namespace trident
 

@@ -234,6 +234,20 @@ TEST_P(EveryModelTest, PartsBuiltAloneMatchTheWholeModel) {
   EXPECT_TRUE(torch::allclose(x, whole->Logits(tokens), 1e-6, 1e-6));
   EXPECT_THAT(std::string(CreateModelLayers(c, 1, 3, 9).status().message()),
               HasSubstr("are not a range of the model's 5 layers"));
+
+  // Several ranges (an interleaved pipeline rank's chunks): layers 0 and 3-4.
+  auto chunks = CreateModelLayers(c, 21, LayerRanges{{0, 1}, {3, 5}});
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  for (const auto& item : (*chunks)->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), whole_params[item.key()])) << item.key();
+  }
+  EXPECT_EQ((*chunks)->LayerParameters(3).size(), whole->LayerParameters(3).size());
+  try {
+    (*chunks)->ForwardLayer(1, x);
+    ADD_FAILURE() << "layer 1 is not materialised";
+  } catch (const std::out_of_range& e) {
+    EXPECT_THAT(e.what(), HasSubstr("(layers 0 to 0, 3 to 4)"));
+  }
 }
 
 }  // namespace

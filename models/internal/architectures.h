@@ -9,21 +9,21 @@
 namespace trident {
 namespace internal {
 
-// Each builds layers [first, end) of an uninitialised model; CreateModelLayers
+// Each builds the layers in `ranges` of an uninitialised model; CreateModelLayers
 // draws the weights.
-std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, int64_t first, int64_t end);
-std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, int64_t first, int64_t end);
-std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, int64_t first, int64_t end);
+std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, const LayerRanges& ranges);
+std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, const LayerRanges& ranges);
+std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, const LayerRanges& ranges);
 
-// Registers `blocks` (built for the indices in [first, end)) on `holder` under
-// their index names, so parameter names match the full model's; the returned
-// vector has nullptr for blocks not built.
+// Registers the blocks of the materialised layers (block b is layer b + 1) on
+// `holder` under their index names, so parameter names match the full model's;
+// the returned vector has nullptr for blocks not built.
 template <typename Block, typename Make>
-std::vector<Block> BuildBlocks(torch::nn::Module& holder, int64_t count, int64_t first,
-                               int64_t end, Make make) {
+std::vector<Block> BuildBlocks(const LanguageModel& model, torch::nn::Module& holder,
+                               int64_t count, Make make) {
   std::vector<Block> blocks(count, Block(nullptr));
-  for (int64_t i = std::max<int64_t>(first, 0); i < std::min(end, count); ++i) {
-    blocks[i] = holder.register_module(std::to_string(i), make());
+  for (int64_t b = 0; b < count; ++b) {
+    if (model.HasLayer(b + 1)) blocks[b] = holder.register_module(std::to_string(b), make());
   }
   return blocks;
 }
