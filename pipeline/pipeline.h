@@ -1,8 +1,7 @@
 // pipeline: pipeline-parallel schedules as per-rank instruction lists, a
 // simulator that times them, and timelines (Chrome trace JSON, SVG).
 //
-// This first part holds the schedules and the simulator; the executor that runs
-// the instruction lists on StageGraphs / LayerSequence stages comes next.
+// The executor that runs the instruction lists is stage_runner.h.
 //
 //   auto schedule = MakeSchedule("1f1b");
 //   std::vector<Instruction> program = (*schedule)->Instructions(stage, 4, 8);
@@ -23,7 +22,9 @@ namespace trident {
 enum class Op {
   kLoadMicroBatch,           // read micro-batch inputs (first stage) or targets (last)
   kForward,
-  kBackward,
+  kBackward,                 // the whole backward: input and weight gradients
+  kBackwardInput,            // split backward: the input gradient only (weight ones deferred)
+  kBackwardWeight,           // split backward: micro_batch's deferred weight gradients
   kSendActivation,           // to the next stage
   kRecvActivation,           // from the previous stage
   kSendGrad,                 // to the previous stage
@@ -44,6 +45,10 @@ struct Instruction {
   Op op;
   int micro_batch = -1;  // the micro-batch the op works on (the one sent, for fused ops)
   int other = -1;        // fused ops: the micro-batch received
+  // The model chunk of this rank the op works on: with C chunks per rank on S
+  // ranks, chunk c of rank s is virtual stage c * S + s of C * S (C = 1 except
+  // for interleaved schedules).
+  int chunk = 0;
 };
 
 // A schedule generates each stage's instruction list for one training step.
@@ -51,6 +56,8 @@ class PipelineSchedule {
  public:
   virtual ~PipelineSchedule() = default;
   virtual std::string name() const = 0;
+  // Model chunks per rank (virtual stages); 1 unless interleaved.
+  virtual int num_chunks() const { return 1; }
   // An error (before any work) when the schedule cannot run these counts.
   virtual absl::Status Check(int num_stages, int num_micro_batches) const;
   virtual std::vector<Instruction> Instructions(int stage, int num_stages,
@@ -62,10 +69,18 @@ class PipelineSchedule {
 
 // "gpipe" (all forwards, then all backwards), "1f1b" (warm-up forwards, then
 // one forward one backward with fused send/receive pairs, then cool-down),
-// "last_no_recompute_1f1b" (1f1b whose last stage never recomputes) or
+// "last_no_recompute_1f1b" (1f1b whose last stage never recomputes),
 // "pre_recompute_1f1b" (1f1b that recomputes a micro-batch's checkpointed
-// layers while its gradient is on the way).
-absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name);
+// layers while its gradient is on the way), "shifted_critical_path"
+// (pre_recompute plus last_no_recompute, and every stage before the last runs
+// one more warm-up forward: on the second-to-last stage the first backward and
+// the third forward swap, so the gradient chain leaves the last stages sooner;
+// needs 4 micro-batches), "interleaved_1f1b" (Megatron's interleaved 1F1B over
+// `virtual_stages` model chunks per rank; micro-batches a multiple of the
+// stages) or "zb_h1" (zero-bubble H1: backward split into the input gradient,
+// sent at once, and the weight gradient, deferred into the bubbles).
+absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name,
+                                                               int virtual_stages = 1);
 std::vector<std::string> ScheduleNames();
 
 // One timed instruction of a timeline.
@@ -73,14 +88,17 @@ struct TimelineEvent {
   int stage = 0;
   Op op = Op::kForward;
   int micro_batch = -1;
+  int chunk = 0;
   double start = 0, end = 0;  // seconds from the step's start
 };
 
 struct SimulationOptions {
   int num_stages = 2;
   int num_micro_batches = 4;
-  std::vector<double> forward_seconds = {1.0};   // per stage, or one value for all
-  std::vector<double> backward_seconds = {2.0};  // per stage, or one value for all
+  // Per stage (rank), or one value for all; a rank's chunk takes its share.
+  std::vector<double> forward_seconds = {1.0};
+  std::vector<double> backward_seconds = {2.0};  // input and weight gradients together
+  double weight_grad_fraction = 0.5;  // of backward_seconds, for schedules that split it
   double comm_seconds = 0.0;                     // a message's flight time
   std::vector<double> recompute_seconds = {0.0};  // per stage, or one value for all
 };

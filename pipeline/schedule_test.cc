@@ -15,32 +15,54 @@ struct Shape {
   std::string schedule;
   int stages;
   int micro_batches;
+  int chunks = 1;
 };
+
+bool IsBackward(Op op) { return op == Op::kBackward || op == Op::kBackwardInput; }
 
 class EveryScheduleTest : public ::testing::TestWithParam<Shape> {};
 
 // Each stage runs every micro-batch's forward and then its backward exactly
-// once, and the stages together neither deadlock nor leave messages behind.
+// once per chunk (and, where backward is split, its weight gradient once after
+// its input gradient), and the stages together neither deadlock nor leave
+// messages behind. Shapes a schedule refuses are refused by the simulator too.
 TEST_P(EveryScheduleTest, RunsEveryMicroBatchOnceWithoutDeadlock) {
   const Shape shape = GetParam();
-  auto schedule = MakeSchedule(shape.schedule);
+  auto schedule = MakeSchedule(shape.schedule, shape.chunks);
   ASSERT_TRUE(schedule.ok());
-  for (int s = 0; s < shape.stages; ++s) {
-    std::map<int, int> forward_at, backward_at;
-    const auto program = (*schedule)->Instructions(s, shape.stages, shape.micro_batches);
-    for (size_t i = 0; i < program.size(); ++i) {
-      if (program[i].op == Op::kForward) EXPECT_TRUE(forward_at.emplace(program[i].micro_batch, i).second);
-      if (program[i].op == Op::kBackward) EXPECT_TRUE(backward_at.emplace(program[i].micro_batch, i).second);
-    }
-    ASSERT_EQ(static_cast<int>(forward_at.size()), shape.micro_batches) << "stage " << s;
-    ASSERT_EQ(static_cast<int>(backward_at.size()), shape.micro_batches) << "stage " << s;
-    for (const auto& [m, at] : backward_at) EXPECT_LT(forward_at[m], at);
-    EXPECT_EQ(program.back().op, Op::kOptimizerStep);
-  }
   SimulationOptions options;
   options.num_stages = shape.stages;
   options.num_micro_batches = shape.micro_batches;
   options.comm_seconds = 0.1;
+  const absl::Status check = (*schedule)->Check(shape.stages, shape.micro_batches);
+  if (!check.ok()) {
+    EXPECT_EQ(Simulate(**schedule, options).status(), check);
+    EXPECT_TRUE((shape.schedule == "shifted_critical_path" && shape.micro_batches < 4) ||
+                (shape.schedule == "interleaved_1f1b" && shape.micro_batches % shape.stages != 0))
+        << check;
+    return;
+  }
+  for (int s = 0; s < shape.stages; ++s) {
+    std::map<std::pair<int, int>, int> forward_at, backward_at, weight_at;
+    const auto program = (*schedule)->Instructions(s, shape.stages, shape.micro_batches);
+    for (size_t i = 0; i < program.size(); ++i) {
+      const std::pair<int, int> key{program[i].chunk, program[i].micro_batch};
+      if (program[i].op == Op::kForward) EXPECT_TRUE(forward_at.emplace(key, i).second);
+      if (IsBackward(program[i].op)) EXPECT_TRUE(backward_at.emplace(key, i).second);
+      if (program[i].op == Op::kBackwardWeight) EXPECT_TRUE(weight_at.emplace(key, i).second);
+    }
+    const int expected = shape.micro_batches * shape.chunks;
+    ASSERT_EQ(static_cast<int>(forward_at.size()), expected) << "stage " << s;
+    ASSERT_EQ(static_cast<int>(backward_at.size()), expected) << "stage " << s;
+    for (const auto& [key, at] : backward_at) EXPECT_LT(forward_at[key], at);
+    if (shape.schedule == "zb_h1") {
+      ASSERT_EQ(static_cast<int>(weight_at.size()), expected) << "stage " << s;
+      for (const auto& [key, at] : weight_at) EXPECT_LT(backward_at[key], at);
+    } else {
+      EXPECT_TRUE(weight_at.empty());
+    }
+    EXPECT_EQ(program.back().op, Op::kOptimizerStep);
+  }
   auto result = Simulate(**schedule, options);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_GT(result->makespan, 0);
@@ -50,7 +72,13 @@ std::vector<Shape> Shapes() {
   std::vector<Shape> shapes;
   for (const std::string& schedule : ScheduleNames()) {
     for (int stages = 1; stages <= 4; ++stages) {
-      for (int micro = 1; micro <= 8; ++micro) shapes.push_back({schedule, stages, micro});
+      for (int micro = 1; micro <= 8; ++micro) {
+        if (schedule != "interleaved_1f1b") {
+          shapes.push_back({schedule, stages, micro});
+          continue;
+        }
+        for (int chunks : {2, 3}) shapes.push_back({schedule, stages, micro, chunks});
+      }
     }
   }
   return shapes;
@@ -63,7 +91,8 @@ INSTANTIATE_TEST_SUITE_P(AllShapes, EveryScheduleTest, ::testing::ValuesIn(Shape
                              if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
                            }
                            return "s" + name + "_" + std::to_string(info.param.stages) + "x" +
-                                  std::to_string(info.param.micro_batches);
+                                  std::to_string(info.param.micro_batches) + "x" +
+                                  std::to_string(info.param.chunks);
                          });
 
 TEST(SimulatorTest, OneFOneBBubbleIsStagesMinusOneOverMicroBatchesPlusStagesMinusOne) {
@@ -86,16 +115,86 @@ TEST(SimulatorTest, OneFOneBBubbleIsStagesMinusOneOverMicroBatchesPlusStagesMinu
 // (0-based); GPipe keeps all M.
 TEST(ScheduleMemoryTest, OneFOneBBoundsLiveActivations) {
   const int stages = 4, micro = 8;
-  for (const char* name : {"1f1b", "gpipe"}) {
+  for (const std::string name : {"1f1b", "zb_h1", "gpipe", "shifted_critical_path"}) {
     auto schedule = MakeSchedule(name);
     for (int s = 0; s < stages; ++s) {
       int live = 0, peak = 0;
       for (const Instruction& inst : (*schedule)->Instructions(s, stages, micro)) {
         if (inst.op == Op::kForward) peak = std::max(peak, ++live);
-        if (inst.op == Op::kBackward) --live;
+        if (IsBackward(inst.op)) --live;
       }
-      EXPECT_EQ(peak, std::string(name) == "1f1b" ? std::min(micro, stages - s) : micro)
-          << name << " stage " << s;
+      // The shifted schedule holds one more on the stages before the last.
+      const int expected = name == "gpipe" ? micro
+                           : name == "shifted_critical_path" && s < stages - 1
+                               ? std::min(micro, stages - s + 1)
+                               : std::min(micro, stages - s);
+      EXPECT_EQ(peak, expected) << name << " stage " << s;
+      // Until its weight gradient runs, a micro-batch holds (part of) its
+      // activations: ZB-H1 still never holds more than 1F1B's largest count, S.
+      if (name == "zb_h1") {
+        int held = 0, most = 0;
+        for (const Instruction& inst : (*schedule)->Instructions(s, stages, micro)) {
+          if (inst.op == Op::kForward) most = std::max(most, ++held);
+          if (inst.op == Op::kBackwardWeight) --held;
+        }
+        EXPECT_LE(most, stages) << "stage " << s;
+      }
+    }
+  }
+}
+
+// Simulated with F = 1, B = 2 (W = 1 of it), no communication time.
+double Makespan(const std::string& name, int stages, int micro, int chunks = 1) {
+  auto schedule = MakeSchedule(name, chunks);
+  SimulationOptions options;
+  options.num_stages = stages;
+  options.num_micro_batches = micro;
+  auto result = Simulate(**schedule, options);
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? result->makespan : 0;
+}
+
+// Interleaving C chunks divides 1F1B's bubble by C: (S - 1)(F + B) / C.
+TEST(SimulatorTest, InterleavingDividesTheBubbleByTheChunks) {
+  for (int stages : {2, 4}) {
+    for (int chunks : {2, 4}) {
+      const int micro = 2 * stages;
+      EXPECT_NEAR(Makespan("interleaved_1f1b", stages, micro, chunks),
+                  micro * 3.0 + (stages - 1) * 3.0 / chunks, 1e-9)
+          << stages << " stages, " << chunks << " chunks";
+    }
+  }
+}
+
+// ZB-H1 shrinks 1F1B's bubble from (S - 1)(F + B) to (S - 1)(F + B_input - W)
+// (the zero-bubble paper's H1 figure).
+TEST(SimulatorTest, ZeroBubbleH1ShrinksTheBubbleByTheWeightGradients) {
+  for (int stages : {2, 4}) {
+    for (int micro : {4, 8, 16}) {
+      EXPECT_NEAR(Makespan("zb_h1", stages, micro), micro * 3.0 + (stages - 1) * 1.0, 1e-9)
+          << stages << " stages, " << micro << " micro-batches";
+    }
+  }
+}
+
+// With recomputation, the shifted critical path finishes before both schedules
+// it combines, with and without message latency.
+TEST(SimulatorTest, ShiftedCriticalPathBeatsPreRecomputeAndLastNoRecompute) {
+  for (int stages : {2, 4}) {
+    for (double comm : {0.0, 0.3}) {
+      SimulationOptions options;
+      options.num_stages = stages;
+      options.num_micro_batches = 8;
+      options.recompute_seconds = {1.0};
+      options.comm_seconds = comm;
+      auto shifted = Simulate(**MakeSchedule("shifted_critical_path"), options);
+      ASSERT_TRUE(shifted.ok());
+      for (const char* other : {"pre_recompute_1f1b", "last_no_recompute_1f1b"}) {
+        auto result = Simulate(**MakeSchedule(other), options);
+        ASSERT_TRUE(result.ok());
+        EXPECT_LT(shifted->makespan, result->makespan)
+            << other << ", " << stages << " stages, comm " << comm;
+      }
     }
   }
 }
@@ -140,7 +239,15 @@ TEST(TimelineTest, ChromeTraceAndSvgShowEveryStage) {
 TEST(ScheduleTest, UnknownNamesAndEmptyShapesAreClearErrors) {
   EXPECT_THAT(std::string(MakeSchedule("zigzag").status().message()),
               HasSubstr("unknown schedule 'zigzag'; choose gpipe, 1f1b, last_no_recompute_1f1b, "
-                        "pre_recompute_1f1b"));
+                        "pre_recompute_1f1b, shifted_critical_path, interleaved_1f1b, zb_h1"));
+  EXPECT_THAT(std::string(MakeSchedule("1f1b", 2).status().message()),
+              HasSubstr("virtual_stages = 2 needs schedule interleaved_1f1b"));
+  EXPECT_THAT(std::string((*MakeSchedule("interleaved_1f1b", 1))->Check(2, 4).message()),
+              HasSubstr("needs virtual_stages >= 2"));
+  EXPECT_THAT(std::string((*MakeSchedule("interleaved_1f1b", 2))->Check(4, 6).message()),
+              HasSubstr("micro-batches per step (6) to be a multiple of the pipeline stages (4)"));
+  EXPECT_THAT(std::string((*MakeSchedule("shifted_critical_path"))->Check(2, 3).message()),
+              HasSubstr("needs at least 4 micro-batches per step; got 3"));
   auto schedule = MakeSchedule("gpipe");
   SimulationOptions options;
   options.num_micro_batches = 0;

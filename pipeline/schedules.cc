@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <deque>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -13,60 +14,109 @@ void AppendStepEnd(std::vector<Instruction>* out) {
   out->push_back({Op::kOptimizerStep});
 }
 
-// Load, receive, forward, send of micro-batch m (as far as `stage` needs each).
-void AppendForward(std::vector<Instruction>* out, int stage, int stages, int m, bool receive,
-                   bool send) {
-  if (stage == 0 || stage == stages - 1) out->push_back({Op::kLoadMicroBatch, m});
-  if (receive && stage > 0) out->push_back({Op::kRecvActivation, m});
-  out->push_back({Op::kForward, m});
-  if (send && stage < stages - 1) out->push_back({Op::kSendActivation, m});
+// Chunk `chunk` of rank `stage` as virtual stage `chunk * stages + stage` of
+// `chunks * stages`, for deciding what it loads, receives and sends.
+struct Place {
+  int stage, stages, chunk = 0, chunks = 1;
+  int virtual_stage() const { return chunk * stages + stage; }
+  bool first() const { return virtual_stage() == 0; }
+  bool last() const { return virtual_stage() == chunks * stages - 1; }
+};
+
+// Load, receive, forward, send of micro-batch m (as far as the place needs each).
+void AppendForward(std::vector<Instruction>* out, const Place& at, int m, bool receive, bool send) {
+  if (at.first() || at.last()) out->push_back({Op::kLoadMicroBatch, m, -1, at.chunk});
+  if (receive && !at.first()) out->push_back({Op::kRecvActivation, m, -1, at.chunk});
+  out->push_back({Op::kForward, m, -1, at.chunk});
+  if (send && !at.last()) out->push_back({Op::kSendActivation, m, -1, at.chunk});
+}
+
+// Receive the gradient, run `backward` (kBackward or kBackwardInput), send the
+// input gradient of micro-batch m.
+void AppendBackward(std::vector<Instruction>* out, const Place& at, int m, Op backward,
+                    bool receive, bool send) {
+  if (receive && !at.last()) out->push_back({Op::kRecvGrad, m, -1, at.chunk});
+  out->push_back({backward, m, -1, at.chunk});
+  if (send && !at.first()) out->push_back({Op::kSendGrad, m, -1, at.chunk});
 }
 
 class GPipe : public PipelineSchedule {
  public:
   std::string name() const override { return "gpipe"; }
   std::vector<Instruction> Instructions(int stage, int stages, int micro) const override {
+    const Place at{stage, stages};
     std::vector<Instruction> out;
-    for (int m = 0; m < micro; ++m) AppendForward(&out, stage, stages, m, true, true);
-    for (int m = 0; m < micro; ++m) {
-      if (stage < stages - 1) out.push_back({Op::kRecvGrad, m});
-      out.push_back({Op::kBackward, m});
-      if (stage > 0) out.push_back({Op::kSendGrad, m});
-    }
+    for (int m = 0; m < micro; ++m) AppendForward(&out, at, m, true, true);
+    for (int m = 0; m < micro; ++m) AppendBackward(&out, at, m, Op::kBackward, true, true);
     AppendStepEnd(&out);
     return out;
   }
 };
 
+// 1F1B and its variants: `warmup` forwards, then one forward and one backward at
+// a time with fused send/receive pairs, then the remaining backwards.
 class OneFOneB : public PipelineSchedule {
  public:
-  explicit OneFOneB(std::string name = "1f1b", bool last_recomputes = true,
-                    bool pre_recompute = false)
-      : name_(std::move(name)), last_recomputes_(last_recomputes), pre_recompute_(pre_recompute) {}
-  std::string name() const override { return name_; }
-  bool RecomputesOnLastStage() const override { return last_recomputes_; }
+  struct Variant {
+    std::string name = "1f1b";
+    bool last_recomputes = true;
+    bool pre_recompute = false;
+    bool extra_warmup = false;  // stages before the last run one more warm-up forward
+    int min_micro_batches = 1;
+    // Split backward into input and weight gradients, deferring the latter (ZB-H1).
+    bool split_backward = false;
+  };
+  explicit OneFOneB(Variant variant) : v_(std::move(variant)) {}
+  std::string name() const override { return v_.name; }
+  bool RecomputesOnLastStage() const override { return v_.last_recomputes; }
+  absl::Status Check(int num_stages, int num_micro_batches) const override {
+    if (num_micro_batches < v_.min_micro_batches && num_stages > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "schedule ", v_.name, " needs at least ", v_.min_micro_batches,
+          " micro-batches per step; got ", num_micro_batches,
+          " (raise grad_accumulation_steps by lowering micro_batch_size)"));
+    }
+    return PipelineSchedule::Check(num_stages, num_micro_batches);
+  }
   std::vector<Instruction> Instructions(int stage, int stages, int micro) const override {
     std::vector<Instruction> out;
-    const bool first = stage == 0, last = stage == stages - 1;
-    const int warmup = std::min(stages - stage - 1, micro);
-    for (int m = 0; m < warmup; ++m) AppendForward(&out, stage, stages, m, true, true);
+    const Place at{stage, stages};
+    const bool first = at.first(), last = at.last();
+    const Op backward = v_.split_backward ? Op::kBackwardInput : Op::kBackward;
+    const bool recomputes = !last || v_.last_recomputes;
+    std::deque<int> deferred;  // micro-batches whose weight gradients wait
+    auto run_weights = [&](size_t keep) {  // until at most `keep` wait
+      for (; deferred.size() > keep; deferred.pop_front()) {
+        out.push_back({Op::kBackwardWeight, deferred.front()});
+      }
+    };
+    auto defer_weights = [&](int m) {
+      if (v_.split_backward) deferred.push_back(m);
+    };
+    // Weight gradients run right after their input gradient, except those of
+    // the last S micro-batches: they wait, so that the step's last gradients
+    // reach the first stage sooner, and fill the cool-down's waits for the next
+    // gradient and the end of the step.
+    auto keep = [&](int i) { return i >= micro - stages ? deferred.size() : 0; };
+    const int warmup = std::min(stages - stage - 1 + (v_.extra_warmup && !last ? 1 : 0), micro);
+    for (int m = 0; m < warmup; ++m) AppendForward(&out, at, m, true, true);
     // Steady state: forward warmup + i, then backward i. The activation of the
     // forward goes out fused with the wait for backward i's gradient, and the
     // gradient of backward i goes out fused with the wait for the next activation.
     const int steady = micro - warmup;
     for (int i = 0; i < steady; ++i) {
       const int f = warmup + i;
-      AppendForward(&out, stage, stages, f, /*receive=*/i == 0, /*send=*/false);
-      if (pre_recompute_ && !last) {
+      AppendForward(&out, at, f, /*receive=*/i == 0, /*send=*/false);
+      if (v_.pre_recompute && !last) {
         // Recompute backward i's activations while its gradient travels.
         out.push_back({Op::kPostSendActivationRecvGrad, f, i});
         out.push_back({Op::kRecompute, i});
         out.push_back({Op::kWaitPosted});
       } else {
-        if (pre_recompute_) out.push_back({Op::kRecompute, i});
+        if (v_.pre_recompute && recomputes) out.push_back({Op::kRecompute, i});
         if (!last) out.push_back({Op::kSendActivationRecvGrad, f, i});
       }
-      out.push_back({Op::kBackward, i});
+      out.push_back({backward, i});
       if (!first) {
         if (i + 1 < steady) {
           out.push_back({Op::kSendGradRecvActivation, i, f + 1});
@@ -74,21 +124,73 @@ class OneFOneB : public PipelineSchedule {
           out.push_back({Op::kSendGrad, i});
         }
       }
+      defer_weights(i);
+      run_weights(keep(i));
     }
     for (int i = steady; i < micro; ++i) {
-      if (pre_recompute_) out.push_back({Op::kRecompute, i});
-      if (!last) out.push_back({Op::kRecvGrad, i});
-      out.push_back({Op::kBackward, i});
-      if (!first) out.push_back({Op::kSendGrad, i});
+      if (!deferred.empty()) run_weights(deferred.size() - 1);
+      if (v_.pre_recompute && recomputes) out.push_back({Op::kRecompute, i});
+      AppendBackward(&out, at, i, backward, true, true);
+      defer_weights(i);
+      run_weights(keep(i));
     }
+    run_weights(0);
     AppendStepEnd(&out);
     return out;
   }
 
  private:
-  std::string name_;
-  bool last_recomputes_;
-  bool pre_recompute_;
+  Variant v_;
+};
+
+// Megatron's interleaved 1F1B: rank s holds chunks c = 0..C-1 (virtual stages
+// c * S + s); forwards run in groups of S micro-batches per chunk, backwards the
+// same with the chunks reversed.
+class Interleaved1F1B : public PipelineSchedule {
+ public:
+  explicit Interleaved1F1B(int chunks) : chunks_(chunks) {}
+  std::string name() const override { return "interleaved_1f1b"; }
+  int num_chunks() const override { return chunks_; }
+  absl::Status Check(int num_stages, int num_micro_batches) const override {
+    if (chunks_ < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "schedule interleaved_1f1b needs virtual_stages >= 2 (model chunks per pipeline "
+          "rank); got ", chunks_, ". Use 1f1b for one chunk per rank"));
+    }
+    if (num_micro_batches % num_stages != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "schedule interleaved_1f1b needs the micro-batches per step (", num_micro_batches,
+          ") to be a multiple of the pipeline stages (", num_stages, ")"));
+    }
+    return PipelineSchedule::Check(num_stages, num_micro_batches);
+  }
+  std::vector<Instruction> Instructions(int stage, int stages, int micro) const override {
+    const int total = micro * chunks_;
+    auto place = [&](int k, bool forward) {
+      const int c = (k / stages) % chunks_;
+      return Place{stage, stages, forward ? c : chunks_ - 1 - c, chunks_};
+    };
+    auto micro_batch = [&](int k) { return (k / (stages * chunks_)) * stages + k % stages; };
+    const int warmup = micro == stages
+                           ? total
+                           : std::min((stages - stage - 1) * 2 + (chunks_ - 1) * stages, total);
+    std::vector<Instruction> out;
+    auto forward = [&](int k) { AppendForward(&out, place(k, true), micro_batch(k), true, true); };
+    auto backward = [&](int k) {
+      AppendBackward(&out, place(k, false), micro_batch(k), Op::kBackward, true, true);
+    };
+    for (int k = 0; k < warmup; ++k) forward(k);
+    for (int i = 0; i < total - warmup; ++i) {
+      forward(warmup + i);
+      backward(i);
+    }
+    for (int i = std::max(total - warmup, 0); i < total; ++i) backward(i);
+    AppendStepEnd(&out);
+    return out;
+  }
+
+ private:
+  int chunks_;
 };
 
 }  // namespace
@@ -98,6 +200,8 @@ const char* OpName(Op op) {
     case Op::kLoadMicroBatch: return "load";
     case Op::kForward: return "forward";
     case Op::kBackward: return "backward";
+    case Op::kBackwardInput: return "backward_input";
+    case Op::kBackwardWeight: return "backward_weight";
     case Op::kSendActivation: return "send_activation";
     case Op::kRecvActivation: return "recv_activation";
     case Op::kSendGrad: return "send_grad";
@@ -125,20 +229,40 @@ absl::Status PipelineSchedule::Check(int num_stages, int num_micro_batches) cons
 }
 
 std::vector<std::string> ScheduleNames() {
-  return {"gpipe", "1f1b", "last_no_recompute_1f1b", "pre_recompute_1f1b"};
+  return {"gpipe",           "1f1b",          "last_no_recompute_1f1b", "pre_recompute_1f1b",
+          "shifted_critical_path", "interleaved_1f1b", "zb_h1"};
 }
 
-absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name) {
-  if (name == "gpipe") return std::unique_ptr<PipelineSchedule>(new GPipe());
-  if (name == "1f1b") return std::unique_ptr<PipelineSchedule>(new OneFOneB());
-  if (name == "last_no_recompute_1f1b") {
-    return std::unique_ptr<PipelineSchedule>(new OneFOneB(std::string(name), false));
+absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name,
+                                                               int virtual_stages) {
+  if (virtual_stages != 1 && name != "interleaved_1f1b") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "virtual_stages = ", virtual_stages, " needs schedule interleaved_1f1b; schedule ", name,
+        " runs one model chunk per pipeline rank"));
   }
-  if (name == "pre_recompute_1f1b") {
-    return std::unique_ptr<PipelineSchedule>(new OneFOneB(std::string(name), true, true));
+  OneFOneB::Variant variant;
+  variant.name = std::string(name);
+  if (name == "last_no_recompute_1f1b") variant.last_recomputes = false;
+  if (name == "pre_recompute_1f1b") variant.pre_recompute = true;
+  if (name == "shifted_critical_path") {
+    variant.last_recomputes = false;
+    variant.pre_recompute = true;
+    variant.extra_warmup = true;
+    variant.min_micro_batches = 4;
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown schedule '", name, "'; choose ",
-                                                 absl::StrJoin(ScheduleNames(), ", ")));
+  if (name == "zb_h1") variant.split_backward = true;
+  std::unique_ptr<PipelineSchedule> schedule;
+  if (name == "gpipe") schedule.reset(new GPipe());
+  if (name == "1f1b" || name == "last_no_recompute_1f1b" || name == "pre_recompute_1f1b" ||
+      name == "shifted_critical_path" || name == "zb_h1") {
+    schedule.reset(new OneFOneB(variant));
+  }
+  if (name == "interleaved_1f1b") schedule.reset(new Interleaved1F1B(virtual_stages));
+  if (schedule == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown schedule '", name, "'; choose ",
+                                                   absl::StrJoin(ScheduleNames(), ", ")));
+  }
+  return schedule;
 }
 
 }  // namespace trident

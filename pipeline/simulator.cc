@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <map>
 #include <tuple>
 
@@ -9,7 +10,7 @@
 namespace trident {
 namespace {
 
-// A message between stages: (is_gradient, from, to, micro-batch).
+// A message between virtual stages: (is_gradient, from, to, micro-batch).
 using Message = std::tuple<bool, int, int, int>;
 
 absl::StatusOr<std::vector<double>> PerStage(const std::vector<double>& values, int stages,
@@ -32,23 +33,36 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
                            PerStage(options.backward_seconds, S, "backward_seconds"));
   TRIDENT_ASSIGN_OR_RETURN(std::vector<double> recompute,
                            PerStage(options.recompute_seconds, S, "recompute_seconds"));
+  const int C = schedule.num_chunks();
   std::vector<Instruction> posted(S, Instruction{Op::kWaitPosted});  // receive awaited by kWaitPosted
   std::vector<std::vector<Instruction>> programs;
-  for (int s = 0; s < S; ++s) programs.push_back(schedule.Instructions(s, S, M));
+  for (int s = 0; s < S; ++s) {
+    programs.push_back(schedule.Instructions(s, S, M));
+    // A schedule without explicit recomputation recomputes inside backward.
+    const bool explicit_recompute =
+        std::any_of(programs[s].begin(), programs[s].end(),
+                    [](const Instruction& inst) { return inst.op == Op::kRecompute; });
+    if (!explicit_recompute && (s < S - 1 || schedule.RecomputesOnLastStage())) {
+      backward[s] += recompute[s];
+    }
+  }
   std::vector<size_t> pc(S, 0);
   std::vector<double> clock(S, 0);
   std::vector<bool> fused_sent(S, false);
   std::map<Message, double> in_flight;  // sent, not yet received: arrival time
   SimulationResult result;
   double compute = 0;
-  auto send = [&](int s, bool gradient, int to, int m) {
-    in_flight[{gradient, s, to, m}] = clock[s] + options.comm_seconds;
-    result.events.push_back({s, gradient ? Op::kSendGrad : Op::kSendActivation, m, clock[s],
-                             clock[s] + options.comm_seconds});
+  // Messages go between virtual stages: chunk c of rank s is c * S + s.
+  auto send = [&](int s, const Instruction& inst, bool gradient) {
+    const int from = inst.chunk * S + s, to = gradient ? from - 1 : from + 1;
+    in_flight[{gradient, from, to, inst.micro_batch}] = clock[s] + options.comm_seconds;
+    result.events.push_back({s, gradient ? Op::kSendGrad : Op::kSendActivation, inst.micro_batch,
+                             inst.chunk, clock[s], clock[s] + options.comm_seconds});
   };
-  // Receives a message if it was sent; false when the stage must wait.
-  auto receive = [&](int s, bool gradient, int from, int m) {
-    auto it = in_flight.find({gradient, from, s, m});
+  // Receives micro-batch m if it was sent; false when the stage must wait.
+  auto receive = [&](int s, const Instruction& inst, bool gradient, int m) {
+    const int to = inst.chunk * S + s, from = gradient ? to + 1 : to - 1;
+    auto it = in_flight.find({gradient, from, to, m});
     if (it == in_flight.end()) return false;
     clock[s] = std::max(clock[s], it->second);
     in_flight.erase(it);
@@ -62,37 +76,44 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
         bool done = true;
         switch (inst.op) {
           case Op::kPostSendActivationRecvGrad:
-            send(s, false, s + 1, inst.micro_batch);
+            send(s, inst, false);
             posted[s] = inst;
             break;
           case Op::kWaitPosted:
             done = posted[s].op != Op::kPostSendActivationRecvGrad ||
-                   receive(s, true, s + 1, posted[s].other);
+                   receive(s, posted[s], true, posted[s].other);
             if (done) posted[s] = Instruction{Op::kWaitPosted};
             break;
           case Op::kForward:
           case Op::kBackward:
+          case Op::kBackwardInput:
+          case Op::kBackwardWeight:
           case Op::kRecompute: {
-            const double duration = inst.op == Op::kForward    ? forward[s]
-                                    : inst.op == Op::kBackward ? backward[s]
+            const double weight = backward[s] * options.weight_grad_fraction;
+            double duration = inst.op == Op::kForward          ? forward[s]
+                              : inst.op == Op::kBackward       ? backward[s]
+                              : inst.op == Op::kBackwardInput  ? backward[s] - weight
+                              : inst.op == Op::kBackwardWeight ? weight
                                                                : recompute[s];
-            result.events.push_back({s, inst.op, inst.micro_batch, clock[s], clock[s] + duration});
+            duration /= C;  // a chunk holds 1/C of the rank's layers
+            result.events.push_back(
+                {s, inst.op, inst.micro_batch, inst.chunk, clock[s], clock[s] + duration});
             clock[s] += duration;
             compute += duration;
             break;
           }
-          case Op::kSendActivation: send(s, false, s + 1, inst.micro_batch); break;
-          case Op::kSendGrad: send(s, true, s - 1, inst.micro_batch); break;
-          case Op::kRecvActivation: done = receive(s, false, s - 1, inst.micro_batch); break;
-          case Op::kRecvGrad: done = receive(s, true, s + 1, inst.micro_batch); break;
+          case Op::kSendActivation: send(s, inst, false); break;
+          case Op::kSendGrad: send(s, inst, true); break;
+          case Op::kRecvActivation: done = receive(s, inst, false, inst.micro_batch); break;
+          case Op::kRecvGrad: done = receive(s, inst, true, inst.micro_batch); break;
           case Op::kSendActivationRecvGrad:
           case Op::kSendGradRecvActivation: {
             const bool gradient_out = inst.op == Op::kSendGradRecvActivation;
             if (!fused_sent[s]) {
-              send(s, gradient_out, gradient_out ? s - 1 : s + 1, inst.micro_batch);
+              send(s, inst, gradient_out);
               fused_sent[s] = true;
             }
-            done = receive(s, !gradient_out, gradient_out ? s - 1 : s + 1, inst.other);
+            done = receive(s, inst, !gradient_out, inst.other);
             if (done) fused_sent[s] = false;
             break;
           }

@@ -4,7 +4,7 @@
 //
 //   pipeline_sim --stages=4 --micro_batches=8 --forward_ms=10 --backward_ms=20 \
 //                --comm_ms=1 --out_dir=/tmp/schedules
-//   pipeline_sim --stages=2 --forward_ms=10,14 --backward_ms=20,30
+//   pipeline_sim --stages=2 --forward_ms=10,14 --backward_ms=20,30 --recompute_ms=10
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -21,7 +21,11 @@ DEFINE_int32(stages, 4, "pipeline stages");
 DEFINE_int32(micro_batches, 8, "micro-batches per step");
 DEFINE_string(forward_ms, "1", "forward time of a micro-batch: one value, or one per stage");
 DEFINE_string(backward_ms, "2", "backward time of a micro-batch: one value, or one per stage");
+DEFINE_string(recompute_ms, "0",
+              "recomputation time of a micro-batch's checkpointed layers: one value, or one per stage");
 DEFINE_double(comm_ms, 0, "time a message between stages takes");
+DEFINE_int32(virtual_stages, 2, "model chunks per rank for interleaved_1f1b");
+DEFINE_double(weight_grad_fraction, 0.5, "share of backward_ms that is weight gradients (zb_h1)");
 DEFINE_string(out_dir, "", "write SCHEDULE.svg and SCHEDULE.json here");
 
 namespace trident {
@@ -46,13 +50,22 @@ absl::Status Run() {
   options.num_micro_batches = FLAGS_micro_batches;
   TRIDENT_ASSIGN_OR_RETURN(options.forward_seconds, Seconds(FLAGS_forward_ms, "forward_ms"));
   TRIDENT_ASSIGN_OR_RETURN(options.backward_seconds, Seconds(FLAGS_backward_ms, "backward_ms"));
+  TRIDENT_ASSIGN_OR_RETURN(options.recompute_seconds, Seconds(FLAGS_recompute_ms, "recompute_ms"));
   options.comm_seconds = FLAGS_comm_ms / 1000;
-  std::printf("%d stages, %d micro-batches\n%-10s %14s %10s\n", FLAGS_stages, FLAGS_micro_batches,
-              "schedule", "step_time_ms", "bubble");
+  options.weight_grad_fraction = FLAGS_weight_grad_fraction;
+  std::printf("%d stages, %d micro-batches\n%-22s %14s %10s\n", FLAGS_stages,
+              FLAGS_micro_batches, "schedule", "step_time_ms", "bubble");
   for (const std::string& name : ScheduleNames()) {
-    TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(name));
-    TRIDENT_ASSIGN_OR_RETURN(SimulationResult result, Simulate(*schedule, options));
-    std::printf("%-10s %14.3f %9.1f%%\n", name.c_str(), result.makespan * 1000,
+    const int chunks = name == "interleaved_1f1b" ? FLAGS_virtual_stages : 1;
+    TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(name, chunks));
+    const std::string label = chunks > 1 ? absl::StrCat(name, " (", chunks, ")") : name;
+    auto simulated = Simulate(*schedule, options);
+    if (!simulated.ok()) {
+      std::printf("%-22s refused: %s\n", label.c_str(), std::string(simulated.status().message()).c_str());
+      continue;
+    }
+    const SimulationResult& result = *simulated;
+    std::printf("%-22s %14.3f %9.1f%%\n", label.c_str(), result.makespan * 1000,
                 100 * result.bubble_fraction);
     if (!FLAGS_out_dir.empty()) {
       std::filesystem::create_directories(FLAGS_out_dir);
