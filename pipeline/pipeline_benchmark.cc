@@ -1,5 +1,6 @@
-// Step time and measured bubble of each schedule for gpt-tiny (4 layers) at
-// pp = 2 and 4, M = 8 micro-batches of 2 x 128 tokens, one thread per rank; and
+// Step time and measured bubble of each schedule for gpt-tiny (4 blocks, 6
+// layers) at pp = 2 and 4 (interleaved: pp = 2 with 2 chunks per rank), M = 8
+// micro-batches of 2 x 128 tokens, one thread per rank; and
 // the step time the simulator predicts from the measured stage times
 // (`vs_simulated` near 1 means communication overlaps as modelled).
 //
@@ -25,8 +26,12 @@ namespace {
 constexpr char kWorkerFlag[] = "--pipeline_worker";
 constexpr int kMicroBatches = 8, kSteps = 3;
 
+// Model chunks per rank for a schedule.
+int Chunks(const std::string& schedule) { return schedule == "interleaved_1f1b" ? 2 : 1; }
+
 // One rank: runs kSteps steps and writes, for the last, "step_seconds
-// forward_seconds backward_seconds compute_seconds" to `result`.rank<r>.
+// forward_seconds backward_seconds compute_seconds weight_grad_seconds" to
+// `result`.rank<r>.
 absl::Status RunWorker(const std::string& schedule_name, const std::string& result) {
   at::set_num_threads(1);
   TRIDENT_ASSIGN_OR_RETURN(auto env, DistributedEnvFromEnvironment());
@@ -35,16 +40,19 @@ absl::Status RunWorker(const std::string& schedule_name, const std::string& resu
   TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::Create(env, options));
   const ProcessGroup& pipeline = **topology->Group("pp");
   ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
-  const int stages = pipeline.size(), stage = pipeline.rank();
+  const int stages = pipeline.size(), stage = pipeline.rank(), chunks = Chunks(schedule_name);
   TRIDENT_ASSIGN_OR_RETURN(auto bounds, PartitionLayers("uniform",
                                                         std::vector<double>(config.n_layer + 2, 1.0),
-                                                        stages));
-  TRIDENT_ASSIGN_OR_RETURN(auto part,
-                           CreateModelLayers(config, 1, bounds[stage], bounds[stage + 1]));
-  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(schedule_name));
+                                                        stages * chunks));
   StageRunnerOptions runner_options;
-  runner_options.first_layer = bounds[stage];
-  runner_options.end_layer = bounds[stage + 1];
+  LayerRanges ranges;
+  for (int c = 0; c < chunks; ++c) {
+    const int v = c * stages + stage;
+    runner_options.chunks.push_back({bounds[v], bounds[v + 1]});
+    ranges.emplace_back(bounds[v], bounds[v + 1]);
+  }
+  TRIDENT_ASSIGN_OR_RETURN(auto part, CreateModelLayers(config, 1, ranges));
+  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(schedule_name, chunks));
   runner_options.boundary_shape = {2, config.block_size, config.n_embd};
   PipelineStageRunner runner(*part, pipeline, *schedule, runner_options);
   auto tokens = torch::randint(config.vocab_size, {2 * kMicroBatches, config.block_size}, torch::kLong);
@@ -52,22 +60,23 @@ absl::Status RunWorker(const std::string& schedule_name, const std::string& resu
     for (auto& p : part->parameters()) p.mutable_grad() = at::Tensor();
     TRIDENT_RETURN_IF_ERROR(runner.RunStep(tokens.chunk(kMicroBatches), tokens.chunk(kMicroBatches)).status());
   }
-  double end = 0, forward = 0, backward = 0;
+  double end = 0, forward = 0, backward = 0, weight = 0;
   for (const TimelineEvent& e : runner.timeline()) {
     end = std::max(end, e.end);
     if (e.op == Op::kForward) forward += e.end - e.start;
-    if (e.op == Op::kBackward) backward += e.end - e.start;
+    if (e.op == Op::kBackward || e.op == Op::kBackwardInput) backward += e.end - e.start;
+    if (e.op == Op::kBackwardWeight) weight += e.end - e.start;
   }
   std::ofstream(absl::StrCat(result, ".rank", stage))
-      << end << " " << forward / kMicroBatches << " " << backward / kMicroBatches << " "
-      << forward + backward;
+      << end << " " << forward / kMicroBatches << " " << (backward + weight) / kMicroBatches
+      << " " << forward + backward + weight << " " << weight / kMicroBatches;
   return absl::OkStatus();
 }
 
 void BM_PipelineStep(benchmark::State& state, const char* schedule) {
   const int stages = static_cast<int>(state.range(0));
   const std::string result = absl::StrCat("/tmp/trident_pipeline_bench_", getpid());
-  double step = 0, compute = 0;
+  double step = 0, compute = 0, weight_share = 0;
   SimulationOptions simulated;
   simulated.num_stages = stages;
   simulated.num_micro_batches = kMicroBatches;
@@ -87,17 +96,20 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule) {
     }
     for (int s = 0; s < stages; ++s) {
       std::ifstream in(absl::StrCat(result, ".rank", s));
-      double end, forward, backward, busy;
-      in >> end >> forward >> backward >> busy;
+      double end, forward, backward, busy, weight;
+      in >> end >> forward >> backward >> busy >> weight;
       step = std::max(step, end);
       compute += busy;
+      weight_share += weight / backward / stages;
       simulated.forward_seconds.push_back(forward);
       simulated.backward_seconds.push_back(backward);
       std::remove(absl::StrCat(result, ".rank", s).c_str());
     }
     state.SetIterationTime(step);
   }
-  auto schedule_object = *MakeSchedule(schedule);
+  // The simulator's stage times are per rank: for C chunks, sum over them.
+  auto schedule_object = *MakeSchedule(schedule, Chunks(schedule));
+  simulated.weight_grad_fraction = weight_share;
   auto prediction = Simulate(*schedule_object, simulated);
   state.counters["step_ms"] = 1000 * step;
   state.counters["bubble"] = 1.0 - compute / (stages * step);
@@ -107,6 +119,10 @@ BENCHMARK_CAPTURE(BM_PipelineStep, gpipe, "gpipe")->Arg(2)->Arg(4)->ArgName("pp"
     ->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_PipelineStep, one_f_one_b, "1f1b")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
     ->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, zb_h1, "zb_h1")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
+    ->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, interleaved_1f1b, "interleaved_1f1b")->Arg(2)->ArgName("pp")
+    ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trident

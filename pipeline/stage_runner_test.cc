@@ -20,8 +20,23 @@ namespace {
 struct Case {
   const char* schedule;
   int stages;
-  int checkpointed_layers = 0;  // per stage; -1: all of them
+  int checkpointed_layers = 0;  // per chunk; -1: all of them
+  int chunks = 1;               // model chunks per rank (interleaved_1f1b)
 };
+
+// The most micro-batches a schedule keeps alive on `rank` (forward done,
+// backward not), with M micro-batches.
+int ExpectedPeakLive(const Case& c, int rank, int M) {
+  const std::string name = c.schedule;
+  const int S = c.stages;
+  if (name == "gpipe") return M;
+  if (name == "interleaved_1f1b") {
+    const int total = M * c.chunks;
+    return M == S ? total : std::min((S - rank - 1) * 2 + (c.chunks - 1) * S + 1, total);
+  }
+  if (name == "shifted_critical_path" && rank < S - 1) return std::min(M, S - rank + 1);
+  return std::min(M, S - rank);
+}
 
 class StageRunnerTest : public ::testing::TestWithParam<Case> {};
 
@@ -29,7 +44,7 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
   const Case c = GetParam();
   testing::RunOnRanks(c.stages, [c](int rank) {
     ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
-    config.n_layer = 2;
+    config.n_layer = std::max(2, c.stages * c.chunks - 2);
     config.n_embd = 64;
     config.block_size = 16;
     const int M = 4, mb = 2, T = 16;
@@ -44,26 +59,35 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
     auto topology = testing::JoinTopology({{"pipeline", c.stages}});
     ASSERT_TRUE(topology.ok()) << topology.status();
     const ProcessGroup& pipeline = **(*topology)->Group("pp");
-    auto bounds = *PartitionLayers("uniform", std::vector<double>(config.n_layer + 2, 1.0), c.stages);
-    auto part = *CreateModelLayers(config, 3, bounds[rank], bounds[rank + 1]);
+    // Chunk k of this rank is virtual stage k * S + rank.
+    const int virtual_stages = c.stages * c.chunks;
+    auto bounds =
+        *PartitionLayers("uniform", std::vector<double>(config.n_layer + 2, 1.0), virtual_stages);
+    StageRunnerOptions options;
+    LayerRanges ranges;
+    for (int k = 0; k < c.chunks; ++k) {
+      const int v = k * c.stages + rank;
+      const int64_t layers = bounds[v + 1] - bounds[v];
+      options.chunks.push_back(
+          {bounds[v], bounds[v + 1], c.checkpointed_layers < 0 ? layers : c.checkpointed_layers});
+      ranges.emplace_back(bounds[v], bounds[v + 1]);
+    }
+    auto part = *CreateModelLayers(config, 3, ranges);
     std::vector<std::pair<std::string, at::Tensor>> tied;
     for (const auto& item : part->named_parameters()) {
       if (item.key() == "transformer.wte.weight") tied.emplace_back(item.key(), item.value());
     }
-    auto schedule = *MakeSchedule(c.schedule);
-    StageRunnerOptions options;
-    options.first_layer = bounds[rank];
-    options.end_layer = bounds[rank + 1];
+    auto schedule = *MakeSchedule(c.schedule, c.chunks);
+    if (!schedule->RecomputesOnLastStage() && rank == c.stages - 1) {
+      options.chunks.back().checkpointed_layers = 0;
+    }
     options.boundary_shape = {mb, T, config.n_embd};
-    options.checkpointed_layers =
-        c.checkpointed_layers < 0 ? bounds[rank + 1] - bounds[rank] : c.checkpointed_layers;
     options.reduce_tied_grads = [&] { return ReduceTiedGradients(tied, pipeline); };
     PipelineStageRunner runner(*part, pipeline, *schedule, options);
     auto loss = runner.RunStep(tokens.chunk(M), targets.chunk(M));
     ASSERT_TRUE(loss.ok()) << loss.status();
     // 1F1B keeps at most min(M, S - s) micro-batches' activations alive; GPipe all M.
-    EXPECT_EQ(runner.peak_live_activations(),
-              std::string(c.schedule) == "gpipe" ? M : std::min(M, c.stages - rank));
+    EXPECT_EQ(runner.peak_live_activations(), ExpectedPeakLive(c, rank, M));
     if (rank == c.stages - 1) {
       EXPECT_NEAR(*loss, reference.item<double>(), 1e-5 * reference.item<double>());
     } else {
@@ -84,14 +108,23 @@ INSTANTIATE_TEST_SUITE_P(SchedulesAndStages, StageRunnerTest,
                                            Case{"1f1b", 4}, Case{"gpipe", 2, -1},
                                            Case{"1f1b", 2, -1}, Case{"1f1b", 2, 1},
                                            Case{"pre_recompute_1f1b", 2, -1},
-                                           Case{"pre_recompute_1f1b", 4, 1}),
+                                           Case{"pre_recompute_1f1b", 4, 1},
+                                           Case{"last_no_recompute_1f1b", 2, -1},
+                                           Case{"shifted_critical_path", 2, -1},
+                                           Case{"shifted_critical_path", 4, 1},
+                                           Case{"zb_h1", 2}, Case{"zb_h1", 4},
+                                           Case{"zb_h1", 2, 1},
+                                           Case{"interleaved_1f1b", 2, 0, 2},
+                                           Case{"interleaved_1f1b", 4, 0, 2},
+                                           Case{"interleaved_1f1b", 2, 1, 3}),
                          [](const auto& info) {
                            const int ckpt = info.param.checkpointed_layers;
-                           const std::string schedule = info.param.schedule;
-                           return std::string(schedule == "gpipe"  ? "GPipe"
-                                              : schedule == "1f1b" ? "OneFOneB"
-                                                                   : "PreRecompute") +
-                                  "_" + std::to_string(info.param.stages) +
+                           std::string name = info.param.schedule;
+                           for (char& ch : name) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return "s" + name + "_" + std::to_string(info.param.stages) + "x" +
+                                  std::to_string(info.param.chunks) +
                                   (ckpt == 0 ? "" : ckpt < 0 ? "_RecomputeAll" : "_RecomputeFirst");
                          });
 
@@ -114,9 +147,8 @@ TEST(StageRunnerRecomputeTest, RecomputationRestoresTheRandomState) {
     for (int checkpointed : {0, 4}) {
       auto model = *CreateModel(config, 5);
       StageRunnerOptions options;
-      options.end_layer = 4;
+      options.chunks = {{0, 4, checkpointed}};
       options.boundary_shape = {2, 16, 32};
-      options.checkpointed_layers = checkpointed;
       options.checkpoint_num_layers = 2;
       PipelineStageRunner runner(*model, pipeline, *schedule, options);
       torch::manual_seed(11);
@@ -151,8 +183,7 @@ TEST(StageRunnerFailureTest, DeadStageIsNamedByItsNeighbour) {
     if (rank == 1) _exit(3);
     auto schedule = *MakeSchedule("1f1b");
     StageRunnerOptions options;
-    options.first_layer = 0;
-    options.end_layer = 2;
+    options.chunks = {{0, 2}};
     options.boundary_shape = {2, 8, config.n_embd};
     PipelineStageRunner runner(*part, pipeline, *schedule, options);
     auto tokens = torch::randint(config.vocab_size, {2, 8}, torch::kLong);

@@ -78,6 +78,8 @@ absl::Status PendingWork::Wait() {
   return absl::OkStatus();
 }
 
+bool PendingWork::IsCompleted() const { return work_ && work_->isCompleted(); }
+
 ProcessGroup::ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
                            c10::intrusive_ptr<internal::C10dBackend> backend,
                            std::chrono::milliseconds timeout, FailureDiagnosis diagnosis)

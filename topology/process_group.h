@@ -53,6 +53,8 @@ class PendingWork {
 
   // Blocks until the operation finished or the group's timeout passed.
   absl::Status Wait();
+  // Whether the operation has finished (Wait() then returns at once).
+  bool IsCompleted() const;
 
  private:
   friend class ProcessGroup;
