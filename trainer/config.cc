@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "base/status.h"
+#include "pipeline/pipeline.h"
 
 namespace trident {
 namespace {
@@ -187,6 +188,15 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
       c->activation_checkpoint_ratio() > 1) {
     return Invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
   }
+  // The schedule must run this many stages and micro-batches (grad_accumulation_steps).
+  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(c->schedule(), c->virtual_stages()));
+  if (c->pp() == 1 && schedule->num_chunks() > 1) {
+    return Invalid(absl::StrCat("schedule ", c->schedule(), " with virtual_stages=",
+                                c->virtual_stages(), " needs pp > 1"));
+  }
+  if (c->pp() > 1) {
+    TRIDENT_RETURN_IF_ERROR(schedule->Check(c->pp(), c->grad_accumulation_steps()));
+  }
   return absl::OkStatus();
 }
 
@@ -206,6 +216,12 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const TrainerConfig& c, int data_
                                 data_vocab_size, "-token vocabulary"));
   }
   TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(model));
+  const int64_t stages = static_cast<int64_t>(c.pp()) * c.virtual_stages();
+  if (c.pp() > 1 && model.n_layer + 2 < stages) {
+    return Invalid(absl::StrCat("pp*virtual_stages = ", stages, " pipeline stages but the model has ",
+                                model.n_layer + 2, " layers (embedding, n_layer=", model.n_layer,
+                                " blocks, head); lower pp or virtual_stages or raise n_layer"));
+  }
   return model;
 }
 

@@ -86,6 +86,26 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_save_every(5); }, 1), HasSubstr("need save_dir"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_dp(1); c.set_tp(2); }, 2),
               HasSubstr("tensor parallelism is not in this build yet"));
+  // Pipeline schedules are checked against pp and the micro-batch count.
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_schedule("zigzag"); }, 1),
+              HasSubstr("unknown schedule 'zigzag'"));
+  EXPECT_THAT(error([](TrainerConfig& c) {
+                c.set_dp(1);
+                c.set_pp(2);
+                c.set_schedule("shifted_critical_path");
+              }, 2),
+              HasSubstr("needs at least 4 micro-batches per step; got 1"));
+  EXPECT_THAT(error([](TrainerConfig& c) {
+                c.set_dp(1);
+                c.set_pp(2);
+                c.set_schedule("interleaved_1f1b");
+                c.set_virtual_stages(2);
+                c.set_micro_batch_size(1);
+                c.set_global_batch_size(3);
+              }, 2),
+              HasSubstr("micro-batches per step (3) to be a multiple of the pipeline stages (2)"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_virtual_stages(2); }, 1),
+              HasSubstr("virtual_stages = 2 needs schedule interleaved_1f1b"));
 }
 
 TEST(ResolveModelConfigTest, PresetsAndOverrides) {
@@ -96,6 +116,12 @@ TEST(ResolveModelConfigTest, PresetsAndOverrides) {
   auto model = ResolveModelConfig(c, 256);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->n_layer, 3);
+  c.set_pp(2);
+  c.set_virtual_stages(3);
+  EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()),
+              HasSubstr("pp*virtual_stages = 6 pipeline stages but the model has 5 layers"));
+  c.set_pp(1);
+  c.set_virtual_stages(1);
   EXPECT_EQ(model->n_kv_head, 2);
   c.set_model("bert");
   EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()), HasSubstr("unknown model 'bert'"));

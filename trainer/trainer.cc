@@ -81,11 +81,12 @@ class Trainer::Impl {
   ProcessGroup* dp_group = nullptr;
   int dp_rank = 0;
   bool is_rank0 = false;
-  // The stage runner, used with pp > 1 or recomputation: this rank's stage holds
-  // layers [first_layer, end_layer) of `stages`.
+  // The stage runner, used with pp > 1 or recomputation: this rank is pipeline
+  // stage `stage` of `stages` and holds the model chunks `chunks` (one, or
+  // virtual_stages for interleaved schedules).
   ProcessGroup* pp_group = nullptr;
   int stage = 0, stages = 1;
-  int64_t first_layer = 0, end_layer = 0;
+  std::vector<StageChunk> chunks;
   std::unique_ptr<PipelineSchedule> schedule;
   std::unique_ptr<PipelineStageRunner> runner;
   NamedTensors tied;                       // parameters the first and last stage both hold
@@ -284,7 +285,7 @@ absl::Status Trainer::Impl::BuildStage() {
   stages = pp_group->size();
   const int64_t layers = model_config.n_layer + 2;
   PartitionOptions options;
-  options.num_stages = stages;
+  options.num_stages = stages * config.virtual_stages();
   options.partition_method = config.partition_method();
   std::vector<LayerProfile> profile;
   if (options.partition_method == "uniform" || options.partition_method == "uniform_floor") {
@@ -303,10 +304,14 @@ absl::Status Trainer::Impl::BuildStage() {
                      sample));
   }
   TRIDENT_ASSIGN_OR_RETURN(Plan plan, PlanStages(profile, options));
-  first_layer = plan.stages(stage).first_layer();
-  end_layer = plan.stages(stage).end_layer();
-  TRIDENT_ASSIGN_OR_RETURN(model, CreateModelLayers(model_config, config.seed(), first_layer, end_layer));
-  TRIDENT_ASSIGN_OR_RETURN(schedule, MakeSchedule(config.schedule()));
+  LayerRanges ranges;
+  for (int c = 0; c < config.virtual_stages(); ++c) {  // chunk c is virtual stage c * pp + stage
+    const auto& planned = plan.stages(c * stages + stage);
+    chunks.push_back({planned.first_layer(), planned.end_layer()});
+    ranges.emplace_back(planned.first_layer(), planned.end_layer());
+  }
+  TRIDENT_ASSIGN_OR_RETURN(model, CreateModelLayers(model_config, config.seed(), ranges));
+  TRIDENT_ASSIGN_OR_RETURN(schedule, MakeSchedule(config.schedule(), config.virtual_stages()));
   return absl::OkStatus();
 }
 
@@ -324,20 +329,24 @@ void Trainer::Impl::StartRunner() {
   }
   if (stages == 1 && config.activation_checkpointing() == "none") return;
   StageRunnerOptions options;
-  options.first_layer = first_layer;
-  options.end_layer = end_layer;
-  const int64_t stage_layers = end_layer - first_layer;
   options.checkpoint_num_layers = config.checkpoint_num_layers();
-  if (config.activation_checkpointing() == "full") {
-    options.checkpointed_layers = stage_layers;
-  } else if (config.activation_checkpointing() == "stage_aware" && stage < stages - 1) {
-    const double r0 = config.activation_checkpoint_ratio();
-    const int s = stage + 1;  // 1-based, as the formula is written
-    const double fraction = 1.0 - (1.0 - r0) * (stages - 1) / (stages - s);
-    options.checkpointed_layers =
-        std::clamp<int64_t>(std::llround(fraction * stage_layers), 0, stage_layers);
+  // Checkpointing per chunk, by its virtual stage v of V = pp * virtual_stages.
+  const int V = stages * static_cast<int>(chunks.size());
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    StageChunk& chunk = chunks[c];
+    const int v = static_cast<int>(c) * stages + stage;
+    const int64_t layers = chunk.end_layer - chunk.first_layer;
+    if (config.activation_checkpointing() == "full") {
+      chunk.checkpointed_layers = layers;
+    } else if (config.activation_checkpointing() == "stage_aware" && v < V - 1) {
+      const double r0 = config.activation_checkpoint_ratio();
+      const int s = v + 1;  // 1-based, as the formula is written
+      const double fraction = 1.0 - (1.0 - r0) * (V - 1) / (V - s);
+      chunk.checkpointed_layers = std::clamp<int64_t>(std::llround(fraction * layers), 0, layers);
+    }
+    if (v == V - 1 && !schedule->RecomputesOnLastStage()) chunk.checkpointed_layers = 0;
   }
-  if (stage == stages - 1 && !schedule->RecomputesOnLastStage()) options.checkpointed_layers = 0;
+  options.chunks = chunks;
   options.boundary_shape = {config.micro_batch_size(), model_config.block_size, model_config.n_embd};
   options.reduce_tied_grads = [this] { return ReduceTiedGradients(tied, *pp_group); };
   options.reduce_data_parallel_grads = [this] { return reducer->FinishBackward(); };
@@ -370,7 +379,8 @@ absl::Status Trainer::Impl::WriteTrace() {
     std::ofstream out(part);
     out.precision(9);
     for (const TimelineEvent& e : runner->timeline()) {
-      out << static_cast<int>(e.op) << " " << e.micro_batch << " " << e.start << " " << e.end << "\n";
+      out << static_cast<int>(e.op) << " " << e.micro_batch << " " << e.chunk << " " << e.start
+          << " " << e.end << "\n";
     }
   }
   TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
@@ -381,7 +391,7 @@ absl::Status Trainer::Impl::WriteTrace() {
       std::ifstream in(path);
       TimelineEvent e;
       int op;
-      while (in >> op >> e.micro_batch >> e.start >> e.end) {
+      while (in >> op >> e.micro_batch >> e.chunk >> e.start >> e.end) {
         e.stage = rank;
         e.op = static_cast<Op>(op);
         events.push_back(e);
@@ -546,7 +556,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
     TRIDENT_RETURN_IF_ERROR(t.BuildStage());
   } else {
     TRIDENT_ASSIGN_OR_RETURN(t.model, CreateModel(t.model_config, t.config.seed()));
-    t.end_layer = t.model->NumLayers();
+    t.chunks = {{0, t.model->NumLayers()}};
     if (t.config.activation_checkpointing() != "none") {
       // One stage: the runner recomputes activations (a pipeline of one).
       t.pp_group = *topology->Group("pp");

@@ -128,19 +128,25 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
     int dp, pp;
     const char* schedule;
     const char* checkpointing = "none";
+    int virtual_stages = 1;
   };
   for (const Layout& layout :
        {Layout{1, 2, "gpipe"}, Layout{1, 2, "1f1b"}, Layout{1, 4, "1f1b"}, Layout{2, 2, "1f1b"},
         Layout{1, 2, "1f1b", "full"}, Layout{1, 4, "gpipe", "stage_aware"},
         Layout{1, 2, "last_no_recompute_1f1b", "full"}, Layout{1, 2, "pre_recompute_1f1b", "full"},
-        Layout{1, 1, "1f1b", "full"}}) {
+        Layout{1, 1, "1f1b", "full"}, Layout{1, 4, "shifted_critical_path", "stage_aware"},
+        Layout{1, 2, "zb_h1"}, Layout{1, 4, "zb_h1", "full"},
+        Layout{1, 2, "interleaved_1f1b", "none", 2},
+        Layout{2, 2, "interleaved_1f1b", "stage_aware", 2}}) {
     TrainerConfig config = SmallConfig(layout.dp);
     config.set_pp(layout.pp);
     config.set_schedule(layout.schedule);
+    config.set_virtual_stages(layout.virtual_stages);
     config.set_micro_batch_size(2);
     config.set_activation_checkpointing(layout.checkpointing);
-    const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "_", layout.schedule,
-                                         "_", layout.checkpointing);
+    const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "x",
+                                         layout.virtual_stages, "_", layout.schedule, "_",
+                                         layout.checkpointing);
     SCOPED_TRACE(tag);
     ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }
