@@ -1,5 +1,6 @@
 #include "trainer/config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -187,6 +188,23 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   if (c->checkpoint_num_layers() < 1 || c->activation_checkpoint_ratio() < 0 ||
       c->activation_checkpoint_ratio() > 1) {
     return Invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
+  }
+  if (c->split_method() != "layer_split") {
+    return Invalid(absl::StrCat(
+        "split_method='", c->split_method(), "': the trainer's models are layer sequences, cut "
+        "at layer boundaries; use layer_split (with custom_split_points to choose the cuts). "
+        "farthest_min_deps and nearest_min_deps cut traced graphs (partition::PlanGraphStages)"));
+  }
+  if (!c->custom_split_points().empty()) {
+    const int64_t points = std::count(c->custom_split_points().begin(),
+                                      c->custom_split_points().end(), ',') + 1;
+    const int64_t stages = static_cast<int64_t>(c->pp()) * c->virtual_stages();
+    if (points != stages - 1) {
+      return Invalid(absl::StrCat("custom_split_points='", c->custom_split_points(), "' names ",
+                                  points, " layer(s) but pp*virtual_stages = ", stages,
+                                  " stages need ", stages - 1, " (the first layer of every stage "
+                                  "after the first)"));
+    }
   }
   // The schedule must run this many stages and micro-batches (grad_accumulation_steps).
   TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(c->schedule(), c->virtual_stages()));

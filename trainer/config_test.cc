@@ -106,6 +106,14 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("micro-batches per step (3) to be a multiple of the pipeline stages (2)"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_virtual_stages(2); }, 1),
               HasSubstr("virtual_stages = 2 needs schedule interleaved_1f1b"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_split_method("farthest_min_deps"); }, 1),
+              HasSubstr("use layer_split"));
+  EXPECT_THAT(error([](TrainerConfig& c) {
+                c.set_dp(1);
+                c.set_pp(2);
+                c.set_custom_split_points("transformer.h.1,transformer.h.2");
+              }, 2),
+              HasSubstr("names 2 layer(s) but pp*virtual_stages = 2 stages need 1"));
 }
 
 TEST(ResolveModelConfigTest, PresetsAndOverrides) {

@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
@@ -287,9 +288,17 @@ absl::Status Trainer::Impl::BuildStage() {
   PartitionOptions options;
   options.num_stages = stages * config.virtual_stages();
   options.partition_method = config.partition_method();
+  if (!config.custom_split_points().empty()) {
+    options.custom_split_points = absl::StrSplit(config.custom_split_points(), ',');
+  }
   std::vector<LayerProfile> profile;
-  if (options.partition_method == "uniform" || options.partition_method == "uniform_floor") {
-    for (int64_t i = 0; i < layers; ++i) profile.push_back({absl::StrCat("layer ", i)});
+  if (options.partition_method == "uniform" || options.partition_method == "uniform_floor" ||
+      !options.custom_split_points.empty()) {
+    // Only the layer names are needed: any one-layer part knows them all.
+    const int64_t probe = std::min<int64_t>(1, layers - 1);  // a block: smaller than the embedding
+    TRIDENT_ASSIGN_OR_RETURN(auto namer,
+                             CreateModelLayers(model_config, config.seed(), probe, probe + 1));
+    for (int64_t i = 0; i < layers; ++i) profile.push_back({namer->LayerName(i)});
   } else {
     // Memory-light: one layer at a time, on one sample.
     at::Tensor sample = at::zeros({1, model_config.block_size}, at::kLong);

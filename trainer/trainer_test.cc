@@ -129,6 +129,7 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
     const char* schedule;
     const char* checkpointing = "none";
     int virtual_stages = 1;
+    const char* split_points = "";
   };
   for (const Layout& layout :
        {Layout{1, 2, "gpipe"}, Layout{1, 2, "1f1b"}, Layout{1, 4, "1f1b"}, Layout{2, 2, "1f1b"},
@@ -137,16 +138,18 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
         Layout{1, 1, "1f1b", "full"}, Layout{1, 4, "shifted_critical_path", "stage_aware"},
         Layout{1, 2, "zb_h1"}, Layout{1, 4, "zb_h1", "full"},
         Layout{1, 2, "interleaved_1f1b", "none", 2},
-        Layout{2, 2, "interleaved_1f1b", "stage_aware", 2}}) {
+        Layout{2, 2, "interleaved_1f1b", "stage_aware", 2},
+        Layout{1, 2, "1f1b", "none", 1, "transformer.h.0"}}) {
     TrainerConfig config = SmallConfig(layout.dp);
     config.set_pp(layout.pp);
     config.set_schedule(layout.schedule);
     config.set_virtual_stages(layout.virtual_stages);
+    config.set_custom_split_points(layout.split_points);
     config.set_micro_batch_size(2);
     config.set_activation_checkpointing(layout.checkpointing);
     const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "x",
                                          layout.virtual_stages, "_", layout.schedule, "_",
-                                         layout.checkpointing);
+                                         layout.checkpointing, "_", layout.split_points);
     SCOPED_TRACE(tag);
     ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }
