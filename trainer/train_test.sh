@@ -38,12 +38,18 @@ grep -aq '^\[rank 0\] sample (temperature 0.8, top_k 40):' "$out" || fail "sampl
 ls "$TEST_TMPDIR"/run/tb/events.out.tfevents.* >/dev/null || fail "tensorboard file"
 [ -f "$TEST_TMPDIR/run/step_6/manifest.pbtxt" ] || fail "checkpoint"
 grep -aq 'name: "rank_1.safetensors"' "$TEST_TMPDIR/run/step_6/manifest.pbtxt" || fail "manifest"
-# Pipeline parallelism end to end, with the timeline of step 2 written out.
-timeout 120 "$train" "${small[@]}" --pp=2 --dp=1 --micro_batch_size=2 --global_batch_size=8 \
-  --max_steps=3 --eval_steps=1 --sample_tokens=0 --trace_file="$TEST_TMPDIR/trace/step.json" \
+# Pipeline parallelism end to end, with the timeline of step 2 written out:
+# interleaved (2 chunks per rank), then zero-bubble.
+timeout 120 "$train" "${small[@]}" --n_layer=2 --pp=2 --dp=1 --micro_batch_size=2 \
+  --global_batch_size=8 --schedule=interleaved_1f1b --virtual_stages=2 --max_steps=3 \
+  --eval_steps=1 --sample_tokens=0 --trace_file="$TEST_TMPDIR/trace/step.json" \
   --trace_step=2 >"$out" 2>&1 || fail "pipeline run exited $?"
 grep -aq '^\[rank 0\] step 3/3 | loss ' "$out" || fail "pipeline step line"
-grep -aq '"name":"backward 3"' "$TEST_TMPDIR/trace/step.json" || fail "trace events"
+grep -aq '"name":"backward 3 (chunk 1)"' "$TEST_TMPDIR/trace/step.json" || fail "trace events"
 grep -aq '"tid":1' "$TEST_TMPDIR/trace/step.json" || fail "trace row of rank 1"
 grep -aq '<svg' "$TEST_TMPDIR/trace/step.svg" || fail "timeline svg"
+timeout 120 "$train" "${small[@]}" --pp=2 --dp=1 --micro_batch_size=2 --global_batch_size=8 \
+  --schedule=zb_h1 --max_steps=2 --eval_steps=1 --sample_tokens=0 \
+  --trace_file="$TEST_TMPDIR/zb/step.json" --trace_step=2 >"$out" 2>&1 || fail "zb_h1 run exited $?"
+grep -aq '"name":"backward_weight 3"' "$TEST_TMPDIR/zb/step.json" || fail "zb_h1 weight gradients"
 echo "train_test: all checks passed"
