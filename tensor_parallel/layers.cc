@@ -1,0 +1,236 @@
+// Tensor-parallel layers, shard specifications and the user-model mapping.
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/linear.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "tensor_parallel/tensor_parallel.h"
+#include "topology/topology.h"
+
+namespace trident {
+namespace {
+
+// Throws std::invalid_argument naming `what` when `size` does not divide by `parts`.
+int64_t Divide(int64_t size, int64_t parts, const std::string& what) {
+  if (parts < 1 || size % parts != 0) {
+    throw std::invalid_argument(absl::StrCat(what, " (", size, ") is not divisible by tp (",
+                                             parts, ")"));
+  }
+  return size / parts;
+}
+
+// The sequence-shard or replicated input of a column-parallel product.
+at::Tensor ColumnInput(const at::Tensor& x, const TensorParallelism& tp) {
+  return tp.sequence_parallel ? GatherFromSequenceParallelRegion(x, tp.group, 1)
+                              : CopyToTensorParallelRegion(x, tp.group);
+}
+
+// The reduced output of a row-parallel product.
+at::Tensor RowOutput(const at::Tensor& y, const TensorParallelism& tp) {
+  return tp.sequence_parallel ? ReduceScatterToSequenceParallelRegion(y, tp.group, 1)
+                              : ReduceFromTensorParallelRegion(y, tp.group);
+}
+
+}  // namespace
+
+at::Tensor ShardSpec::Slice(const at::Tensor& full) const {
+  std::vector<at::Tensor> pieces;
+  for (const at::Tensor& block : full.chunk(blocks, dim)) pieces.push_back(block.chunk(parts, dim)[index]);
+  return at::cat(pieces, dim).contiguous();
+}
+
+at::Tensor ShardSpec::Unslice(const std::vector<at::Tensor>& shards) const {
+  // Shard r holds slice r of every block: regroup by block, then join.
+  std::vector<at::Tensor> pieces;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (const at::Tensor& shard : shards) pieces.push_back(shard.chunk(blocks, dim)[b]);
+  }
+  return at::cat(pieces, dim);
+}
+
+absl::StatusOr<std::vector<int64_t>> ShardSpec::ShardShape(const std::vector<int64_t>& full) const {
+  if (dim < 0 || dim >= static_cast<int64_t>(full.size()) ||
+      full[dim] % (blocks * parts) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a tensor of shape [", absl::StrJoin(full, ", "), "] cannot be split into ", parts,
+        " parts along dimension ", dim, blocks > 1 ? absl::StrCat(" (in ", blocks, " blocks)") : ""));
+  }
+  std::vector<int64_t> shape = full;
+  shape[dim] /= parts;
+  return shape;
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const TensorParallelism& tp, int64_t in_features,
+                                                   int64_t out_features, bool bias,
+                                                   bool gather_output, int64_t blocks)
+    : tp_(tp), gather_output_(gather_output), blocks_(blocks) {
+  const int64_t local = Divide(out_features, tp.size * blocks, "output features") * blocks;
+  weight = register_parameter("weight", at::empty({local, in_features}));
+  if (bias) this->bias = register_parameter("bias", at::zeros({local}));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor y = at::linear(ColumnInput(x, tp_), weight, bias);
+  return gather_output_ ? GatherFromTensorParallelRegion(y, tp_.group) : y;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features,
+                                             int64_t out_features, bool bias,
+                                             bool input_is_parallel)
+    : tp_(tp), input_is_parallel_(input_is_parallel) {
+  weight = register_parameter(
+      "weight", at::empty({out_features, Divide(in_features, tp.size, "input features")}));
+  if (bias) this->bias = register_parameter("bias", at::zeros({out_features}));
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor input = input_is_parallel_ ? x : ScatterToTensorParallelRegion(x, tp_.group);
+  at::Tensor y = RowOutput(at::linear(input, weight), tp_);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const TensorParallelism& tp,
+                                                       int64_t vocab_size, int64_t dim)
+    : tp_(tp) {
+  const int64_t rows = Divide(vocab_size, tp.size, "vocab_size");
+  vocab_start_ = rows * tp.rank;
+  vocab_end_ = vocab_start_ + rows;
+  weight = register_parameter("weight", at::empty({rows, dim}));
+}
+
+at::Tensor VocabParallelEmbeddingImpl::LocalLookup(const at::Tensor& ids) {
+  if (tp_.size == 1) return at::embedding(weight, ids);
+  at::Tensor outside = (ids < vocab_start_).logical_or(ids >= vocab_end_);
+  at::Tensor rows = at::embedding(weight, (ids - vocab_start_).masked_fill(outside, 0));
+  return rows.masked_fill(outside.unsqueeze(-1), 0);
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
+  return RowOutput(LocalLookup(ids), tp_);
+}
+
+absl::Status SequenceParallelGradients(const std::vector<at::Tensor>& parameters,
+                                       const std::string& group) {
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : parameters) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  if (grads.empty()) return absl::OkStatus();
+  TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * tp, FindProcessGroup(group));
+  if (tp->size() == 1) return absl::OkStatus();
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& g : grads) flat.push_back(g.reshape({-1}));
+  at::Tensor sum = at::cat(flat);
+  TRIDENT_RETURN_IF_ERROR(tp->AllReduce(sum));
+  int64_t offset = 0;
+  for (at::Tensor& g : grads) {
+    g.copy_(sum.narrow(0, offset, g.numel()).view_as(g));
+    offset += g.numel();
+  }
+  return absl::OkStatus();
+}
+
+ParallelLinearImpl::ParallelLinearImpl(int64_t in_features, int64_t out_features, bool bias) {
+  weight = register_parameter("weight", at::empty({out_features, in_features}));
+  if (bias) this->bias = register_parameter("bias", at::zeros({out_features}));
+  // The default nn::Linear initialisation.
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  at::NoGradGuard no_grad;
+  weight.uniform_(-bound, bound);
+  if (bias) this->bias.uniform_(-bound, bound);
+}
+
+at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
+  switch (mode_) {
+    case Mode::kPlain:
+      return at::linear(x, weight, bias);
+    case Mode::kColumn:
+      return at::linear(ColumnInput(x, tp_), weight, bias);
+    case Mode::kRow: {
+      at::Tensor y = RowOutput(at::linear(x, weight), tp_);
+      return bias.defined() ? y + bias : y;
+    }
+  }
+  return at::Tensor();
+}
+
+namespace {
+
+// Whether module or buffer `name` is meant by `pattern` (the full name, or a
+// suffix after '.').
+bool Matches(const std::string& name, const std::string& pattern) {
+  return name == pattern || absl::EndsWith(name, "." + pattern);
+}
+
+}  // namespace
+
+absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelLayers& layers,
+                                 const TensorParallelism& tp) {
+  // An error for the first name that matched nothing.
+  auto unused = [](const std::vector<std::string>& patterns, const std::vector<int>& hits,
+                   const char* what, const char* kind) -> absl::Status {
+    for (size_t i = 0; i < patterns.size(); ++i) {
+      if (hits[i] == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor-parallel ", what, " '", patterns[i],
+                                                       "' matches no ", kind, " of the model"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  std::vector<int> column_hits(layers.column.size()), row_hits(layers.row.size()),
+      attribute_hits(layers.attributes.size());
+  at::NoGradGuard no_grad;
+  for (const auto& item : model.named_modules()) {
+    const std::string& name = item.key();
+    auto match = [&](const std::vector<std::string>& patterns, std::vector<int>& hits) {
+      bool any = false;
+      for (size_t i = 0; i < patterns.size(); ++i) {
+        if (Matches(name, patterns[i])) any = ++hits[i] > 0;
+      }
+      return any;
+    };
+    const bool column = match(layers.column, column_hits), row = match(layers.row, row_hits);
+    if (!column && !row) continue;
+    auto* linear = dynamic_cast<ParallelLinearImpl*>(item.value().get());
+    if (linear == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor-parallel layer '", name, "' is not a ParallelLinear; build it with "
+          "trident::ParallelLinear to let ApplyTensorParallel shard it"));
+    }
+    if (column && row) {
+      return absl::InvalidArgumentError(absl::StrCat("layer '", name, "' is named both column- and row-parallel"));
+    }
+    const ShardSpec spec{column ? 0 : 1, tp.size, tp.rank, 1};
+    if (linear->weight.size(spec.dim) % tp.size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer '", name, "': ", column ? "output" : "input", " features (",
+          linear->weight.size(spec.dim), ") are not divisible by tp (", tp.size, ")"));
+    }
+    linear->weight.set_data(spec.Slice(linear->weight));
+    if (column && linear->bias.defined()) linear->bias.set_data(spec.Slice(linear->bias));
+    linear->mode_ = column ? ParallelLinearImpl::Mode::kColumn : ParallelLinearImpl::Mode::kRow;
+    linear->tp_ = tp;
+  }
+  for (auto& item : model.named_buffers()) {
+    for (size_t i = 0; i < layers.attributes.size(); ++i) {
+      if (!Matches(item.key(), layers.attributes[i])) continue;
+      ++attribute_hits[i];
+      at::Tensor& value = item.value();
+      const int64_t v = value.item<int64_t>();
+      if (v % tp.size != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("attribute '", item.key(), "' (", v,
+                                                       ") is not divisible by tp (", tp.size, ")"));
+      }
+      value.fill_(v / tp.size);
+    }
+  }
+  TRIDENT_RETURN_IF_ERROR(unused(layers.column, column_hits, "column layer", "ParallelLinear module"));
+  TRIDENT_RETURN_IF_ERROR(unused(layers.row, row_hits, "row layer", "ParallelLinear module"));
+  return unused(layers.attributes, attribute_hits, "attribute", "buffer");
+}
+
+}  // namespace trident

@@ -1,0 +1,316 @@
+// The tensor-parallel collectives as registered operators with autograd.
+#include <atomic>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "absl/strings/str_cat.h"
+#include "tensor_parallel/tensor_parallel.h"
+#include "topology/topology.h"
+
+namespace trident {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::atomic<int64_t> bytes_communicated{0};
+
+const ProcessGroup& GroupNamed(c10::string_view name) {
+  auto group = FindProcessGroup(std::string(name));
+  TORCH_CHECK(group.ok(), "tensor-parallel operator: ", std::string(group.status().message()));
+  return **group;
+}
+
+void Check(const absl::Status& status) { TORCH_CHECK(status.ok(), std::string(status.message())); }
+
+int64_t Bytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// Normalises a possibly negative dimension.
+int64_t Dim(const at::Tensor& x, int64_t dim) { return dim < 0 ? dim + x.dim() : dim; }
+
+at::Tensor AllReduceSum(const at::Tensor& x, c10::string_view name) {
+  const ProcessGroup& group = GroupNamed(name);
+  at::Tensor out = x.contiguous().clone();
+  if (group.size() == 1) return out;
+  Check(group.AllReduce(out));
+  bytes_communicated += 2 * Bytes(out) * (group.size() - 1) / group.size();
+  return out;
+}
+
+at::Tensor AllGather(const at::Tensor& x, c10::string_view name, int64_t dim) {
+  const ProcessGroup& group = GroupNamed(name);
+  if (group.size() == 1) return x.clone();
+  auto out = group.AllGather(x.contiguous(), Dim(x, dim));
+  Check(out.status());
+  bytes_communicated += Bytes(x) * (group.size() - 1);
+  return *out;
+}
+
+at::Tensor ReduceScatter(const at::Tensor& x, c10::string_view name, int64_t dim) {
+  const ProcessGroup& group = GroupNamed(name);
+  if (group.size() == 1) return x.clone();
+  TORCH_CHECK(x.size(Dim(x, dim)) % group.size() == 0, "reduce-scatter on group '",
+              std::string(name), "': dimension ", dim, " of size ", x.size(Dim(x, dim)),
+              " does not divide into ", group.size(), " parts");
+  auto out = group.ReduceScatter(x.contiguous(), Dim(x, dim));
+  Check(out.status());
+  bytes_communicated += Bytes(x) * (group.size() - 1) / group.size();
+  return *out;
+}
+
+at::Tensor OwnSlice(const at::Tensor& x, c10::string_view name, int64_t dim) {
+  const ProcessGroup& group = GroupNamed(name);
+  const int64_t d = Dim(x, dim);
+  TORCH_CHECK(x.size(d) % group.size() == 0, "splitting over group '", std::string(name),
+              "': dimension ", dim, " of size ", x.size(d), " does not divide into ",
+              group.size(), " parts");
+  return x.chunk(group.size(), d)[group.rank()].contiguous();
+}
+
+// The forward kernels (CPU and CUDA alike: the process group moves the data).
+at::Tensor CopyToKernel(const at::Tensor& x, c10::string_view) { return x.clone(); }
+at::Tensor ReduceFromKernel(const at::Tensor& x, c10::string_view g) { return AllReduceSum(x, g); }
+at::Tensor GatherKernel(const at::Tensor& x, c10::string_view g) { return AllGather(x, g, -1); }
+at::Tensor ScatterKernel(const at::Tensor& x, c10::string_view g) { return OwnSlice(x, g, -1); }
+at::Tensor SequenceGatherKernel(const at::Tensor& x, c10::string_view g, int64_t dim) {
+  return AllGather(x, g, dim);
+}
+at::Tensor SequenceReduceScatterKernel(const at::Tensor& x, c10::string_view g, int64_t dim) {
+  return ReduceScatter(x, g, dim);
+}
+
+// Per-token losses and the local softmax of vocabulary-sharded logits.
+struct CrossEntropyParts {
+  at::Tensor loss, softmax, local_targets, outside;
+};
+
+CrossEntropyParts CrossEntropyForward(const at::Tensor& logits, const at::Tensor& targets,
+                                      c10::string_view name) {
+  const ProcessGroup& group = GroupNamed(name);
+  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && logits.size(0) == targets.size(0),
+              "vocab_parallel_cross_entropy takes logits [N, V / tp] and targets [N]; got ",
+              logits.sizes(), " and ", targets.sizes());
+  const int64_t local_vocab = logits.size(1), start = local_vocab * group.rank();
+  at::Tensor logits32 = logits.to(at::kFloat);
+  at::Tensor max = std::get<0>(logits32.max(-1));
+  if (group.size() > 1) {
+    Check(group.AllReduce(max, ReduceOp::kMax));
+    bytes_communicated += 2 * Bytes(max) * (group.size() - 1) / group.size();
+  }
+  at::Tensor shifted = logits32 - max.unsqueeze(1);
+  CrossEntropyParts parts;
+  parts.outside = (targets < start).logical_or(targets >= start + local_vocab);
+  parts.local_targets = (targets - start).masked_fill(parts.outside, 0);
+  at::Tensor predicted =
+      shifted.gather(1, parts.local_targets.unsqueeze(1)).squeeze(1).masked_fill(parts.outside, 0);
+  at::Tensor exp = shifted.exp();
+  at::Tensor sums = at::stack({predicted, exp.sum(-1)});  // one message for both
+  sums = AllReduceSum(sums, name);
+  parts.loss = sums[1].log() - sums[0];
+  parts.softmax = exp.div_(sums[1].unsqueeze(1));
+  return parts;
+}
+
+at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& targets,
+                              c10::string_view group) {
+  return CrossEntropyForward(logits, targets, group).loss.to(logits.scalar_type());
+}
+
+// Autograd: each forward/backward pair as a custom function.
+struct CopyTo : torch::autograd::Function<CopyTo> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group) {
+    ctx->saved_data["group"] = group;
+    return CopyToKernel(x, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {AllReduceSum(grads[0], ctx->saved_data["group"].toStringRef()), at::Tensor()};
+  }
+};
+
+struct ReduceFrom : torch::autograd::Function<ReduceFrom> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, std::string group) {
+    return AllReduceSum(x, group);
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+struct Gather : torch::autograd::Function<Gather> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group) {
+    ctx->saved_data["group"] = group;
+    return AllGather(x, group, -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {OwnSlice(grads[0], ctx->saved_data["group"].toStringRef(), -1), at::Tensor()};
+  }
+};
+
+struct Scatter : torch::autograd::Function<Scatter> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group) {
+    ctx->saved_data["group"] = group;
+    return OwnSlice(x, group, -1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {AllGather(grads[0], ctx->saved_data["group"].toStringRef(), -1), at::Tensor()};
+  }
+};
+
+struct SequenceGather : torch::autograd::Function<SequenceGather> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group,
+                            int64_t dim) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    return AllGather(x, group, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {ReduceScatter(grads[0], ctx->saved_data["group"].toStringRef(),
+                          ctx->saved_data["dim"].toInt()),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+struct SequenceReduceScatter : torch::autograd::Function<SequenceReduceScatter> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group,
+                            int64_t dim) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    return ReduceScatter(x, group, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {AllGather(grads[0], ctx->saved_data["group"].toStringRef(),
+                      ctx->saved_data["dim"].toInt()),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets, std::string group) {
+    CrossEntropyParts parts = CrossEntropyForward(logits, targets, group);
+    ctx->save_for_backward({parts.softmax, parts.local_targets, parts.outside});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return parts.loss.to(logits.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0].clone();  // softmax - one_hot(target), on this rank's slice
+    grad.scatter_add_(1, saved[1].unsqueeze(1),
+                      saved[2].logical_not().to(grad.scalar_type()).neg().unsqueeze(1));
+    grad.mul_(grads[0].to(grad.scalar_type()).unsqueeze(1));
+    return {grad.to(static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt())), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor CopyToAutograd(const at::Tensor& x, c10::string_view g) {
+  return CopyTo::apply(x, std::string(g));
+}
+at::Tensor ReduceFromAutograd(const at::Tensor& x, c10::string_view g) {
+  return ReduceFrom::apply(x, std::string(g));
+}
+at::Tensor GatherAutograd(const at::Tensor& x, c10::string_view g) {
+  return Gather::apply(x, std::string(g));
+}
+at::Tensor ScatterAutograd(const at::Tensor& x, c10::string_view g) {
+  return Scatter::apply(x, std::string(g));
+}
+at::Tensor SequenceGatherAutograd(const at::Tensor& x, c10::string_view g, int64_t dim) {
+  return SequenceGather::apply(x, std::string(g), dim);
+}
+at::Tensor SequenceReduceScatterAutograd(const at::Tensor& x, c10::string_view g, int64_t dim) {
+  return SequenceReduceScatter::apply(x, std::string(g), dim);
+}
+at::Tensor CrossEntropyAutograd(const at::Tensor& logits, const at::Tensor& targets,
+                                c10::string_view g) {
+  return CrossEntropy::apply(logits, targets, std::string(g));
+}
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> Op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using Unary = at::Tensor(const at::Tensor&, c10::string_view);
+using Sequence = at::Tensor(const at::Tensor&, c10::string_view, int64_t);
+
+}  // namespace
+
+TORCH_LIBRARY(trident, m) {
+  m.def("copy_to_tp_region(Tensor x, str group) -> Tensor");
+  m.def("reduce_from_tp_region(Tensor x, str group) -> Tensor");
+  m.def("gather_from_tp_region(Tensor x, str group) -> Tensor");
+  m.def("scatter_to_tp_region(Tensor x, str group) -> Tensor");
+  m.def("gather_from_sequence_region(Tensor x, str group, int dim) -> Tensor");
+  m.def("reduce_scatter_to_sequence_region(Tensor x, str group, int dim) -> Tensor");
+  m.def("vocab_parallel_cross_entropy(Tensor logits, Tensor targets, str group) -> Tensor");
+}
+
+#define TRIDENT_TP_KERNELS(m)                                                     \
+  m.impl("copy_to_tp_region", CopyToKernel);                                      \
+  m.impl("reduce_from_tp_region", ReduceFromKernel);                              \
+  m.impl("gather_from_tp_region", GatherKernel);                                  \
+  m.impl("scatter_to_tp_region", ScatterKernel);                                  \
+  m.impl("gather_from_sequence_region", SequenceGatherKernel);                    \
+  m.impl("reduce_scatter_to_sequence_region", SequenceReduceScatterKernel);       \
+  m.impl("vocab_parallel_cross_entropy", CrossEntropyKernel)
+
+TORCH_LIBRARY_IMPL(trident, CPU, m) { TRIDENT_TP_KERNELS(m); }
+TORCH_LIBRARY_IMPL(trident, CUDA, m) { TRIDENT_TP_KERNELS(m); }
+
+TORCH_LIBRARY_IMPL(trident, Autograd, m) {
+  m.impl("copy_to_tp_region", CopyToAutograd);
+  m.impl("reduce_from_tp_region", ReduceFromAutograd);
+  m.impl("gather_from_tp_region", GatherAutograd);
+  m.impl("scatter_to_tp_region", ScatterAutograd);
+  m.impl("gather_from_sequence_region", SequenceGatherAutograd);
+  m.impl("reduce_scatter_to_sequence_region", SequenceReduceScatterAutograd);
+  m.impl("vocab_parallel_cross_entropy", CrossEntropyAutograd);
+}
+
+at::Tensor CopyToTensorParallelRegion(const at::Tensor& x, const std::string& group) {
+  static const auto op = Op<Unary>("trident::copy_to_tp_region");
+  return op.call(x, group);
+}
+
+at::Tensor ReduceFromTensorParallelRegion(const at::Tensor& x, const std::string& group) {
+  static const auto op = Op<Unary>("trident::reduce_from_tp_region");
+  return op.call(x, group);
+}
+
+at::Tensor GatherFromTensorParallelRegion(const at::Tensor& x, const std::string& group) {
+  static const auto op = Op<Unary>("trident::gather_from_tp_region");
+  return op.call(x, group);
+}
+
+at::Tensor ScatterToTensorParallelRegion(const at::Tensor& x, const std::string& group) {
+  static const auto op = Op<Unary>("trident::scatter_to_tp_region");
+  return op.call(x, group);
+}
+
+at::Tensor GatherFromSequenceParallelRegion(const at::Tensor& x, const std::string& group,
+                                            int64_t dim) {
+  static const auto op = Op<Sequence>("trident::gather_from_sequence_region");
+  return op.call(x, group, dim);
+}
+
+at::Tensor ReduceScatterToSequenceParallelRegion(const at::Tensor& x, const std::string& group,
+                                                 int64_t dim) {
+  static const auto op = Op<Sequence>("trident::reduce_scatter_to_sequence_region");
+  return op.call(x, group, dim);
+}
+
+at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
+                                     const std::string& group) {
+  static const auto op =
+      Op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>(
+          "trident::vocab_parallel_cross_entropy");
+  return op.call(logits, targets, group);
+}
+
+int64_t TensorParallelBytesCommunicated() { return bytes_communicated.load(); }
+
+}  // namespace trident

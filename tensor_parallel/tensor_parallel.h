@@ -1,0 +1,193 @@
+// tensor_parallel: Megatron-style tensor and sequence parallelism.
+//
+// Collectives with autograd are registered operators (namespace `trident`, CPU,
+// CUDA and Autograd kernels) that take their process group by name, so traced
+// graphs keep them as single nodes:
+//
+//   copy_to_tp_region        identity forward, all-reduce backward
+//   reduce_from_tp_region    all-reduce forward, identity backward
+//   gather_from_tp_region    all-gather of the last dimension forward, own slice backward
+//   scatter_to_tp_region     own slice of the last dimension forward, all-gather backward
+//   gather_from_sequence_region       all-gather along `dim` forward, reduce-scatter backward
+//   reduce_scatter_to_sequence_region reduce-scatter along `dim` forward, all-gather backward
+//   vocab_parallel_cross_entropy      per-token loss of vocabulary-sharded logits
+//
+// Layers built on them: ColumnParallelLinear, RowParallelLinear,
+// VocabParallelEmbedding. Every shard is the slice (ShardSpec) of the weight
+// the single-process model would hold.
+//
+//   TensorParallelism tp{.size = 2, .rank = tp_group.rank(), .group = "tp"};
+//   ColumnParallelLinear fc1(tp, 64, 256);
+//   RowParallelLinear fc2(tp, 256, 64);
+//   at::Tensor y = fc2->forward(at::gelu(fc1->forward(x)));  // == the unsharded MLP
+#ifndef TRIDENT_TENSOR_PARALLEL_TENSOR_PARALLEL_H_
+#define TRIDENT_TENSOR_PARALLEL_TENSOR_PARALLEL_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "absl/status/statusor.h"
+
+namespace trident {
+
+// This process's place in its tensor-parallel group.
+struct TensorParallelism {
+  int64_t size = 1;
+  int64_t rank = 0;
+  std::string group = "tp";  // a name FindProcessGroup knows
+  // Norms, dropout and residuals run on sequence shards [B, T / size, C]
+  // between the parallel layers; their parameters' gradients are partial and
+  // must be summed over the group (see SequenceParallelGradients).
+  bool sequence_parallel = false;
+};
+
+// The operators, called through the dispatcher (so they trace and autograd).
+at::Tensor CopyToTensorParallelRegion(const at::Tensor& x, const std::string& group);
+at::Tensor ReduceFromTensorParallelRegion(const at::Tensor& x, const std::string& group);
+at::Tensor GatherFromTensorParallelRegion(const at::Tensor& x, const std::string& group);
+at::Tensor ScatterToTensorParallelRegion(const at::Tensor& x, const std::string& group);
+at::Tensor GatherFromSequenceParallelRegion(const at::Tensor& x, const std::string& group,
+                                            int64_t dim);
+at::Tensor ReduceScatterToSequenceParallelRegion(const at::Tensor& x, const std::string& group,
+                                                 int64_t dim);
+// Cross-entropy of logits [N, V / size] (this rank's vocabulary slice) against
+// global target ids [N]: the per-token losses [N], equal on every rank. The
+// full logits are never gathered.
+at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
+                                     const std::string& group);
+
+// Bytes this process has sent through the operators above (all-reduce counted
+// as 2 (p-1)/p of the tensor, all-gather and reduce-scatter as (p-1)/p of the
+// full tensor, as ring algorithms move them).
+int64_t TensorParallelBytesCommunicated();
+
+// Which part of a full tensor a rank holds: the full tensor is cut into
+// `blocks` equal pieces along `dim` (3 for a fused q, k, v projection), each
+// piece into `parts` equal slices, and the rank holds slice `index` of every
+// piece, concatenated.
+struct ShardSpec {
+  int64_t dim = 0;
+  int64_t parts = 1;
+  int64_t index = 0;
+  int64_t blocks = 1;
+  // This rank's shard of `full`.
+  at::Tensor Slice(const at::Tensor& full) const;
+  // The full tensor from every rank's shard, in rank order.
+  at::Tensor Unslice(const std::vector<at::Tensor>& shards) const;
+  // The shard's shape for a full shape (errors when a size does not divide).
+  absl::StatusOr<std::vector<int64_t>> ShardShape(const std::vector<int64_t>& full) const;
+};
+
+// Output features split over the group. Input: full (replicated) activations,
+// or with sequence parallelism sequence shards [B, T / size, C] that are
+// gathered first. Output: this rank's features, or all of them with
+// `gather_output`.
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  ColumnParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features,
+                           bool bias = true, bool gather_output = false, int64_t blocks = 1);
+  at::Tensor forward(const at::Tensor& x);
+  // How weight (and bias) shard the full parameter.
+  ShardSpec weight_shard() const { return {0, tp_.size, tp_.rank, blocks_}; }
+  at::Tensor weight, bias;
+
+ private:
+  TensorParallelism tp_;
+  bool gather_output_;
+  int64_t blocks_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+// Input features split over the group. Input: this rank's features (the
+// output of a ColumnParallelLinear), or full features sliced here unless
+// `input_is_parallel`. Output: summed over the group, replicated, or with
+// sequence parallelism reduce-scattered into sequence shards. The bias is
+// replicated and added after the reduction.
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features,
+                        bool bias = true, bool input_is_parallel = true);
+  at::Tensor forward(const at::Tensor& x);
+  ShardSpec weight_shard() const { return {1, tp_.size, tp_.rank, 1}; }
+  at::Tensor weight, bias;
+
+ private:
+  TensorParallelism tp_;
+  bool input_is_parallel_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+// Vocabulary rows split over the group: rank r holds rows [r V / size,
+// (r + 1) V / size). Looks up ids anywhere in the vocabulary; the result is
+// summed over the group (replicated), or with sequence parallelism
+// reduce-scattered into sequence shards.
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  VocabParallelEmbeddingImpl(const TensorParallelism& tp, int64_t vocab_size, int64_t dim);
+  at::Tensor forward(const at::Tensor& ids);
+  // The partial lookup before the reduction (zero rows for ids held elsewhere).
+  at::Tensor LocalLookup(const at::Tensor& ids);
+  ShardSpec weight_shard() const { return {0, tp_.size, tp_.rank, 1}; }
+  at::Tensor weight;
+
+ private:
+  TensorParallelism tp_;
+  int64_t vocab_start_, vocab_end_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// Sums the gradients of `parameters` over the tensor-parallel group in one
+// message (sequence-parallel norms and biases, whose gradients each rank holds
+// for its sequence shard only).
+absl::Status SequenceParallelGradients(const std::vector<at::Tensor>& parameters,
+                                       const std::string& group);
+
+// A user model opts into tensor parallelism by building its linear layers as
+// ParallelLinear and naming them, in the spirit of the reference design's
+// set_tp_layer_lists:
+//   column     ParallelLinear modules (by full module name, or a name suffix
+//              after '.') made column-parallel (output features split)
+//   row        those made row-parallel (input features split; output summed)
+//   attributes integer buffers (registered with register_buffer, by full name
+//              or suffix) divided by the group size, such as a head count
+struct TensorParallelLayers {
+  std::vector<std::string> column;
+  std::vector<std::string> row;
+  std::vector<std::string> attributes;
+};
+
+// A linear layer that is plain until ApplyTensorParallel makes it column- or
+// row-parallel, keeping its slice of the weights it was built with.
+class ParallelLinearImpl : public torch::nn::Module {
+ public:
+  ParallelLinearImpl(int64_t in_features, int64_t out_features, bool bias = true);
+  at::Tensor forward(const at::Tensor& x);
+  enum class Mode { kPlain, kColumn, kRow };
+  Mode mode() const { return mode_; }
+  at::Tensor weight, bias;
+
+ private:
+  friend absl::Status ApplyTensorParallel(torch::nn::Module& model,
+                                          const TensorParallelLayers& layers,
+                                          const TensorParallelism& tp);
+  Mode mode_ = Mode::kPlain;
+  TensorParallelism tp_;
+};
+TORCH_MODULE(ParallelLinear);
+
+// Shards `model` (built whole, with the weights the single-process model has)
+// in place: every ParallelLinear named in `layers` keeps its slice, every
+// attribute buffer named is divided by tp.size. Errors name a layer that is
+// not found or not a ParallelLinear, and a dimension that does not divide.
+absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelLayers& layers,
+                                 const TensorParallelism& tp);
+
+}  // namespace trident
+
+#endif  // TRIDENT_TENSOR_PARALLEL_TENSOR_PARALLEL_H_
