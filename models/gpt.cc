@@ -11,27 +11,32 @@ namespace {
 
 namespace F = torch::nn::functional;
 
+// With tensor parallelism each rank owns n_head / tp whole heads: c_attn's
+// q, k and v blocks are split column-wise, c_proj row-wise.
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   explicit CausalSelfAttentionImpl(const ModelConfig& c)
-      : n_head_(c.n_head), dropout_(c.dropout) {
-    c_attn = register_module("c_attn", torch::nn::Linear(c.n_embd, 3 * c.n_embd));
-    c_proj = register_module("c_proj", torch::nn::Linear(c.n_embd, c.n_embd));
+      : local_heads_(c.n_head / c.tp.size), head_dim_(c.n_embd / c.n_head), dropout_(c.dropout) {
+    c_attn = register_module(
+        "c_attn", ColumnParallelLinear(c.tp, c.n_embd, 3 * c.n_embd, true, false, /*blocks=*/3));
+    c_proj = register_module("c_proj", RowParallelLinear(c.tp, c.n_embd, c.n_embd));
     resid_dropout = register_module("resid_dropout", torch::nn::Dropout(c.dropout));
   }
 
   torch::Tensor forward(const torch::Tensor& x) {
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
-    auto qkv = c_attn(x).view({B, T, 3, n_head_, C / n_head_}).permute({2, 0, 3, 1, 4});
+    torch::Tensor qkv = c_attn(x);  // [B, T, 3 * local width]: T is whole after the column input
+    const int64_t B = qkv.size(0), T = qkv.size(1);
+    qkv = qkv.view({B, T, 3, local_heads_, head_dim_}).permute({2, 0, 3, 1, 4});
     torch::Tensor y = CausalAttention(qkv[0], qkv[1], qkv[2], dropout_, is_training());
-    return resid_dropout(c_proj(y.transpose(1, 2).reshape({B, T, C})));
+    return resid_dropout(c_proj(y.transpose(1, 2).reshape({B, T, local_heads_ * head_dim_})));
   }
 
-  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+  ColumnParallelLinear c_attn{nullptr};
+  RowParallelLinear c_proj{nullptr};
   torch::nn::Dropout resid_dropout{nullptr};
 
  private:
-  int64_t n_head_;
+  int64_t local_heads_, head_dim_;
   double dropout_;
 };
 TORCH_MODULE(CausalSelfAttention);
@@ -39,14 +44,15 @@ TORCH_MODULE(CausalSelfAttention);
 class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const ModelConfig& c) {
-    c_fc = register_module("c_fc", torch::nn::Linear(c.n_embd, 4 * c.n_embd));
-    c_proj = register_module("c_proj", torch::nn::Linear(4 * c.n_embd, c.n_embd));
+    c_fc = register_module("c_fc", ColumnParallelLinear(c.tp, c.n_embd, 4 * c.n_embd));
+    c_proj = register_module("c_proj", RowParallelLinear(c.tp, 4 * c.n_embd, c.n_embd));
     dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     return dropout(c_proj(torch::gelu(c_fc(x))));  // exact (erf) GELU
   }
-  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+  ColumnParallelLinear c_fc{nullptr};
+  RowParallelLinear c_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
 };
 TORCH_MODULE(Mlp);
@@ -79,7 +85,7 @@ class TransformerImpl : public torch::nn::Module {
   TransformerImpl(const ModelConfig& c, const LanguageModel& model) {
     const bool embedding = model.HasLayer(0), head = model.HasLayer(c.n_layer + 1);
     if (embedding || head) {  // the head is tied to wte
-      wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
+      wte = register_module("wte", VocabParallelEmbedding(c.tp, c.vocab_size, c.n_embd));
     }
     if (embedding) wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
@@ -87,7 +93,8 @@ class TransformerImpl : public torch::nn::Module {
     blocks = BuildBlocks<Block>(model, *h, c.n_layer, [&] { return Block(c); });
     if (head) ln_f = register_module("ln_f", MakeLayerNorm(c.n_embd));
   }
-  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  VocabParallelEmbedding wte{nullptr};
+  torch::nn::Embedding wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
   std::shared_ptr<torch::nn::Module> h;
   std::vector<Block> blocks;
@@ -105,12 +112,17 @@ class Gpt : public LanguageModel {
 
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
     CheckLayer(i);
+    const TensorParallelism& tp = config().tp;
     if (i == 0) {
-      auto positions = torch::arange(x.size(1), x.options().dtype(torch::kLong));
-      return transformer->drop(transformer->wte(x) + transformer->wpe(positions));
+      // With sequence parallelism the tokens arrive as this rank's sequence shard.
+      at::Tensor tokens = transformer->wte(x);
+      const int64_t T = tokens.size(1), first = tp.sequence_parallel ? tp.rank * T : 0;
+      auto positions = torch::arange(first, first + T, x.options().dtype(torch::kLong));
+      return transformer->drop(tokens + transformer->wpe(positions));
     }
     if (i == NumLayers() - 1) {
-      return F::linear(transformer->ln_f(x), transformer->wte->weight);  // lm_head, tied to wte
+      // lm_head, tied to wte: this rank's vocabulary slice of the logits.
+      return F::linear(ColumnParallelInput(transformer->ln_f(x), tp), transformer->wte->weight);
     }
     return transformer->blocks[i - 1]->forward(x);
   }

@@ -8,15 +8,12 @@ namespace trident {
 namespace internal {
 namespace {
 
-torch::nn::Linear NoBias(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+ColumnParallelLinear Column(const ModelConfig& c, int64_t in, int64_t out) {
+  return ColumnParallelLinear(c.tp, in, out, /*bias=*/false);
 }
 
-int64_t IntermediateSize(const ModelConfig& c) {
-  if (c.intermediate_size > 0) return c.intermediate_size;
-  // Llama's rule: 2/3 of 4 * n_embd, rounded up to a multiple of 32.
-  const int64_t size = 8 * c.n_embd / 3;
-  return (size + 31) / 32 * 32;
+RowParallelLinear Row(const ModelConfig& c, int64_t in, int64_t out) {
+  return RowParallelLinear(c.tp, in, out, /*bias=*/false);
 }
 
 class RmsNormImpl : public torch::nn::Module {
@@ -42,21 +39,25 @@ torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
   return x * cos + rotated * sin;
 }
 
+// With tensor parallelism each rank owns n_head / tp query heads and
+// n_kv_head / tp key/value heads (q, k, v split column-wise, o_proj row-wise).
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const ModelConfig& c)
-      : n_head_(c.n_head),
-        n_kv_head_(c.n_kv_head > 0 ? c.n_kv_head : c.n_head),
+      : n_head_(c.n_head / c.tp.size),
+        n_kv_head_((c.n_kv_head > 0 ? c.n_kv_head : c.n_head) / c.tp.size),
         head_dim_(c.n_embd / c.n_head),
         dropout_(c.dropout) {
-    q_proj = register_module("q_proj", NoBias(c.n_embd, n_head_ * head_dim_));
-    k_proj = register_module("k_proj", NoBias(c.n_embd, n_kv_head_ * head_dim_));
-    v_proj = register_module("v_proj", NoBias(c.n_embd, n_kv_head_ * head_dim_));
-    o_proj = register_module("o_proj", NoBias(n_head_ * head_dim_, c.n_embd));
+    const int64_t kv_width = n_kv_head_ * c.tp.size * head_dim_;
+    q_proj = register_module("q_proj", Column(c, c.n_embd, c.n_embd));
+    k_proj = register_module("k_proj", Column(c, c.n_embd, kv_width));
+    v_proj = register_module("v_proj", Column(c, c.n_embd, kv_width));
+    o_proj = register_module("o_proj", Row(c, c.n_embd, c.n_embd));
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-    const int64_t B = x.size(0), T = x.size(1);
-    auto q = q_proj(x).view({B, T, n_head_, head_dim_}).transpose(1, 2);
+    auto q = q_proj(x);  // T is whole after the column input
+    const int64_t B = q.size(0), T = q.size(1);
+    q = q.view({B, T, n_head_, head_dim_}).transpose(1, 2);
     auto k = k_proj(x).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
     auto v = v_proj(x).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
     q = ApplyRotary(q, cos, sin);
@@ -64,7 +65,8 @@ class AttentionImpl : public torch::nn::Module {
     auto y = CausalAttention(q, k, v, dropout_, is_training());
     return o_proj(y.transpose(1, 2).reshape({B, T, n_head_ * head_dim_}));
   }
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
+  RowParallelLinear o_proj{nullptr};
 
  private:
   int64_t n_head_, n_kv_head_, head_dim_;
@@ -75,15 +77,16 @@ TORCH_MODULE(Attention);
 class SwiGluImpl : public torch::nn::Module {
  public:
   explicit SwiGluImpl(const ModelConfig& c) {
-    const int64_t hidden = IntermediateSize(c);
-    gate_proj = register_module("gate_proj", NoBias(c.n_embd, hidden));
-    up_proj = register_module("up_proj", NoBias(c.n_embd, hidden));
-    down_proj = register_module("down_proj", NoBias(hidden, c.n_embd));
+    const int64_t hidden = LlamaIntermediateSize(c);
+    gate_proj = register_module("gate_proj", Column(c, c.n_embd, hidden));
+    up_proj = register_module("up_proj", Column(c, c.n_embd, hidden));
+    down_proj = register_module("down_proj", Row(c, hidden, c.n_embd));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
   }
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  ColumnParallelLinear gate_proj{nullptr}, up_proj{nullptr};
+  RowParallelLinear down_proj{nullptr};
 };
 TORCH_MODULE(SwiGlu);
 
@@ -109,13 +112,13 @@ class LlamaBodyImpl : public torch::nn::Module {
  public:
   LlamaBodyImpl(const ModelConfig& c, const LanguageModel& model) {
     if (model.HasLayer(0)) {
-      embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.n_embd));
+      embed_tokens = register_module("embed_tokens", VocabParallelEmbedding(c.tp, c.vocab_size, c.n_embd));
     }
     layers = register_module("layers", std::make_shared<torch::nn::Module>());
     blocks = BuildBlocks<DecoderLayer>(model, *layers, c.n_layer, [&] { return DecoderLayer(c); });
     if (model.HasLayer(c.n_layer + 1)) norm = register_module("norm", RmsNorm(c.n_embd));
   }
-  torch::nn::Embedding embed_tokens{nullptr};
+  VocabParallelEmbedding embed_tokens{nullptr};
   std::shared_ptr<torch::nn::Module> layers;
   std::vector<DecoderLayer> blocks;
   RmsNorm norm{nullptr};
@@ -126,7 +129,7 @@ class Llama : public LanguageModel {
  public:
   Llama(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
     model = register_module("model", LlamaBody(c, *this));
-    if (HasLayer(c.n_layer + 1)) lm_head = register_module("lm_head", NoBias(c.n_embd, c.vocab_size));
+    if (HasLayer(c.n_layer + 1)) lm_head = register_module("lm_head", Column(c, c.n_embd, c.vocab_size));
   }
 
   std::string BlockPrefix() const override { return "model.layers."; }
@@ -134,8 +137,10 @@ class Llama : public LanguageModel {
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
     CheckLayer(i);
     if (i == 0) return model->embed_tokens(x);
-    if (i == NumLayers() - 1) return lm_head(model->norm(x));
-    const auto& [cos, sin] = Rotary(x.size(1), x.options());
+    if (i == NumLayers() - 1) return lm_head(model->norm(x));  // this rank's vocabulary slice
+    // With sequence parallelism x is a sequence shard; the rotation covers all T.
+    const TensorParallelism& tp = config().tp;
+    const auto& [cos, sin] = Rotary(x.size(1) * (tp.sequence_parallel ? tp.size : 1), x.options());
     return model->blocks[i - 1]->forward(x, cos, sin);
   }
 
@@ -149,7 +154,7 @@ class Llama : public LanguageModel {
   }
 
   LlamaBody model{nullptr};
-  torch::nn::Linear lm_head{nullptr};
+  ColumnParallelLinear lm_head{nullptr};
 
  private:
   // cos and sin of the rotary angles for T positions, [T, head_dim], cached.
@@ -172,6 +177,12 @@ class Llama : public LanguageModel {
 };
 
 }  // namespace
+
+int64_t LlamaIntermediateSize(const ModelConfig& c) {
+  if (c.intermediate_size > 0) return c.intermediate_size;
+  const int64_t size = 8 * c.n_embd / 3;
+  return (size + 31) / 32 * 32;
+}
 
 std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, const LayerRanges& ranges) {
   return std::make_shared<Llama>(config, ranges);

@@ -100,7 +100,16 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
   if (c.dropout < 0 || c.dropout >= 1) {
     return absl::InvalidArgumentError(absl::StrCat("dropout=", c.dropout, " must be in [0, 1)"));
   }
-  if (c.model == "mlp") return absl::OkStatus();
+  if (c.tp.size < 1 || c.tp.rank < 0 || c.tp.rank >= c.tp.size) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor-parallel rank ", c.tp.rank,
+                                                   " of size ", c.tp.size, " is not a valid place"));
+  }
+  if (c.model == "mlp") {
+    if (c.tp.size > 1) {
+      return absl::InvalidArgumentError("model 'mlp' has no tensor-parallel form; use gpt or llama, or tp=1");
+    }
+    return absl::OkStatus();
+  }
   if (c.n_embd % c.n_head != 0) {
     return absl::InvalidArgumentError(absl::StrCat("n_embd=", c.n_embd,
                                                    " is not divisible by n_head=", c.n_head));
@@ -114,6 +123,25 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
     if ((c.n_embd / c.n_head) % 2 != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "head size n_embd/n_head=", c.n_embd / c.n_head, " must be even for rotary embeddings"));
+    }
+  }
+  // Tensor parallelism splits heads, the MLP width and the vocabulary.
+  const int64_t tp = c.tp.size;
+  std::vector<std::pair<std::string, int64_t>> split = {{"n_head", c.n_head},
+                                                        {"vocab_size", c.vocab_size}};
+  if (c.model == "gpt") split.emplace_back("the MLP width 4*n_embd", 4 * c.n_embd);
+  if (c.model == "llama") {
+    split.emplace_back("n_kv_head", c.n_kv_head > 0 ? c.n_kv_head : c.n_head);
+    split.emplace_back("intermediate_size", internal::LlamaIntermediateSize(c));
+  }
+  if (c.tp.sequence_parallel) split.emplace_back("block_size (sequence parallelism)", c.block_size);
+  for (const auto& [name, value] : split) {
+    if (value % tp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, "=", value, " is not divisible by tp=", tp,
+          name == "vocab_size" ? "; set vocab_size to a multiple of tp (a padded vocabulary "
+                                 "trains the same)"
+                               : ""));
     }
   }
   return absl::OkStatus();
@@ -130,8 +158,32 @@ at::Tensor LanguageModel::Loss(const at::Tensor& tokens, const at::Tensor& targe
 }
 
 at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tensor& targets) {
+  const TensorParallelism& tp = config_.tp;
+  if (tp.size > 1) {
+    return VocabParallelCrossEntropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
+                                     tp.group)
+        .mean();
+  }
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                                               targets.reshape({-1}));
+}
+
+std::map<std::string, ShardSpec> LanguageModel::ParameterShards() const {
+  std::map<std::string, ShardSpec> shards;
+  for (const auto& item : named_modules()) {
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    const torch::nn::Module* module = item.value().get();
+    if (auto* column = dynamic_cast<const ColumnParallelLinearImpl*>(module)) {
+      shards[prefix + "weight"] = column->weight_shard();
+      if (column->bias.defined()) shards[prefix + "bias"] = column->weight_shard();
+    } else if (auto* row = dynamic_cast<const RowParallelLinearImpl*>(module)) {
+      shards[prefix + "weight"] = row->weight_shard();
+    } else if (auto* embedding = dynamic_cast<const VocabParallelEmbeddingImpl*>(module)) {
+      shards[prefix + "weight"] = embedding->weight_shard();
+    }
+  }
+  if (config_.tp.size == 1) shards.clear();
+  return shards;
 }
 
 int64_t LanguageModel::NumParameters() const {
@@ -250,6 +302,7 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
     if (config.model == "mlp") model = internal::BuildMlp(config, ranges);
     torch::NoGradGuard no_grad;
     const double residual_std = 0.02 / std::sqrt(2.0 * config.n_layer);
+    const std::map<std::string, ShardSpec> shards = model->ParameterShards();
     for (auto& item : model->named_parameters()) {
       const std::string& name = item.key();
       at::Tensor& p = item.value();
@@ -257,7 +310,16 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
         // GPT-2: residual projections get a smaller std.
         const bool residual = config.model == "gpt" && absl::EndsWith(name, "c_proj.weight");
         auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, name));
-        p.normal_(0.0, residual ? residual_std : 0.02, generator);
+        auto shard = shards.find(name);
+        if (shard == shards.end()) {
+          p.normal_(0.0, residual ? residual_std : 0.02, generator);
+          continue;
+        }
+        // A shard is the slice of the weight the single-process model draws.
+        std::vector<int64_t> full = p.sizes().vec();
+        full[shard->second.dim] *= shard->second.parts;
+        p.copy_(shard->second.Slice(at::empty(full).normal_(0.0, residual ? residual_std : 0.02,
+                                                            generator)));
       } else if (absl::EndsWith(name, "bias")) {
         p.zero_();
       } else {

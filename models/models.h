@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "graph/graph.h"
+#include "tensor_parallel/tensor_parallel.h"
 
 namespace trident {
 
@@ -40,6 +41,9 @@ struct ModelConfig {
   int64_t n_kv_head = 0;          // llama: key/value heads (0: n_head, no GQA)
   int64_t intermediate_size = 0;  // llama: SwiGLU width (0: from n_embd); mlp: 4 * n_embd
   double rope_theta = 10000.0;    // llama: rotary embedding base
+  // gpt and llama: the tensor-parallel shard this process builds (heads,
+  // MLP width and vocabulary split tp.size ways; sequence parallelism).
+  TensorParallelism tp;
 };
 
 // The named sizes of `model`: gpt-tiny, gpt2-124m, gpt2-350m, gpt2-774m; llama-tiny,
@@ -67,12 +71,17 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
   bool HasLayer(int64_t i) const;
   // "embedding", then the blocks as BlockPrefix() + index, then "head".
   std::string LayerName(int64_t i) const override;
-  // All layers in order.
+  // All layers in order. With tensor parallelism, this rank's vocabulary
+  // slice of the logits [B, T, vocab / tp].
   at::Tensor Logits(const at::Tensor& tokens);
   // Mean token cross-entropy of Logits(tokens) against `targets` [B, T].
   at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets);
-  // Mean token cross-entropy of `logits` against `targets`.
+  // Mean token cross-entropy of `logits` against `targets` (vocabulary-parallel
+  // with tensor parallelism: the full logits are never gathered).
   at::Tensor SequenceLoss(const at::Tensor& logits, const at::Tensor& targets) override;
+  // The parameters split over the tensor-parallel group, by name, and how each
+  // is a slice of the single-process parameter; the others are replicated.
+  std::map<std::string, ShardSpec> ParameterShards() const;
   // Parameters stored once but known under a second name: alias -> stored name
   // (gpt: "lm_head.weight" -> "transformer.wte.weight"). named_parameters()
   // lists each stored tensor once, under its stored name.

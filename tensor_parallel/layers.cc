@@ -23,19 +23,19 @@ int64_t Divide(int64_t size, int64_t parts, const std::string& what) {
   return size / parts;
 }
 
-// The sequence-shard or replicated input of a column-parallel product.
-at::Tensor ColumnInput(const at::Tensor& x, const TensorParallelism& tp) {
+}  // namespace
+
+at::Tensor ColumnParallelInput(const at::Tensor& x, const TensorParallelism& tp) {
+  if (tp.size == 1) return x;
   return tp.sequence_parallel ? GatherFromSequenceParallelRegion(x, tp.group, 1)
                               : CopyToTensorParallelRegion(x, tp.group);
 }
 
-// The reduced output of a row-parallel product.
-at::Tensor RowOutput(const at::Tensor& y, const TensorParallelism& tp) {
+at::Tensor RowParallelOutput(const at::Tensor& y, const TensorParallelism& tp) {
+  if (tp.size == 1) return y;
   return tp.sequence_parallel ? ReduceScatterToSequenceParallelRegion(y, tp.group, 1)
                               : ReduceFromTensorParallelRegion(y, tp.group);
 }
-
-}  // namespace
 
 at::Tensor ShardSpec::Slice(const at::Tensor& full) const {
   std::vector<at::Tensor> pieces;
@@ -74,8 +74,8 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const TensorParallelism& tp, 
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor y = at::linear(ColumnInput(x, tp_), weight, bias);
-  return gather_output_ ? GatherFromTensorParallelRegion(y, tp_.group) : y;
+  at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, bias);
+  return gather_output_ && tp_.size > 1 ? GatherFromTensorParallelRegion(y, tp_.group) : y;
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features,
@@ -88,8 +88,9 @@ RowParallelLinearImpl::RowParallelLinearImpl(const TensorParallelism& tp, int64_
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor input = input_is_parallel_ ? x : ScatterToTensorParallelRegion(x, tp_.group);
-  at::Tensor y = RowOutput(at::linear(input, weight), tp_);
+  at::Tensor input =
+      input_is_parallel_ || tp_.size == 1 ? x : ScatterToTensorParallelRegion(x, tp_.group);
+  at::Tensor y = RowParallelOutput(at::linear(input, weight), tp_);
   return bias.defined() ? y + bias : y;
 }
 
@@ -110,7 +111,7 @@ at::Tensor VocabParallelEmbeddingImpl::LocalLookup(const at::Tensor& ids) {
 }
 
 at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
-  return RowOutput(LocalLookup(ids), tp_);
+  return RowParallelOutput(LocalLookup(ids), tp_);
 }
 
 absl::Status SequenceParallelGradients(const std::vector<at::Tensor>& parameters,
@@ -149,9 +150,9 @@ at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
     case Mode::kPlain:
       return at::linear(x, weight, bias);
     case Mode::kColumn:
-      return at::linear(ColumnInput(x, tp_), weight, bias);
+      return at::linear(ColumnParallelInput(x, tp_), weight, bias);
     case Mode::kRow: {
-      at::Tensor y = RowOutput(at::linear(x, weight), tp_);
+      at::Tensor y = RowParallelOutput(at::linear(x, weight), tp_);
       return bias.defined() ? y + bias : y;
     }
   }

@@ -62,6 +62,13 @@ at::Tensor ReduceScatterToSequenceParallelRegion(const at::Tensor& x, const std:
 at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
                                      const std::string& group);
 
+// The input of a column-parallel product: `x` copied into the region
+// (replicated input), or gathered from sequence shards; `x` itself at tp = 1.
+at::Tensor ColumnParallelInput(const at::Tensor& x, const TensorParallelism& tp);
+// The output of a row-parallel product: summed over the group, or
+// reduce-scattered into sequence shards; `y` itself at tp = 1.
+at::Tensor RowParallelOutput(const at::Tensor& y, const TensorParallelism& tp);
+
 // Bytes this process has sent through the operators above (all-reduce counted
 // as 2 (p-1)/p of the tensor, all-gather and reduce-scatter as (p-1)/p of the
 // full tensor, as ring algorithms move them).

@@ -15,6 +15,10 @@ std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, const LayerRa
 std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, const LayerRanges& ranges);
 std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, const LayerRanges& ranges);
 
+// Llama's SwiGLU width: intermediate_size, or 2/3 of 4 * n_embd rounded up to
+// a multiple of 32.
+int64_t LlamaIntermediateSize(const ModelConfig& config);
+
 // Registers the blocks of the materialised layers (block b is layer b + 1) on
 // `holder` under their index names, so parameter names match the full model's;
 // the returned vector has nullptr for blocks not built.
