@@ -108,10 +108,8 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                                 " ranks were started; make the product equal the number of "
                                 "ranks (or start train without a launcher to spawn dp*tp*pp)"));
   }
-  if (c->tp() > 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "tp=", c->tp(), ": tensor parallelism is not in this build yet; use tp=1 and scale "
-        "with dp and pp"));
+  if (c->sequence_parallel() && c->tp() == 1) {
+    return Invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
   }
   if (c->pp() > 1 && !c->export_safetensors().empty()) {
     return absl::UnimplementedError(
@@ -233,6 +231,8 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const TrainerConfig& c, int data_
     return Invalid(absl::StrCat("vocab_size=", model.vocab_size, " is smaller than the data's ",
                                 data_vocab_size, "-token vocabulary"));
   }
+  // Checked here with rank 0's place, so bad sizes fail before any rank starts.
+  model.tp = {c.tp(), 0, "tp", c.sequence_parallel()};
   TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(model));
   const int64_t stages = static_cast<int64_t>(c.pp()) * c.virtual_stages();
   if (c.pp() > 1 && model.n_layer + 2 < stages) {

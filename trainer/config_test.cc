@@ -84,8 +84,8 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_lr_scheduler("step"); }, 1),
               HasSubstr("lr_scheduler='step' is unknown"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_save_every(5); }, 1), HasSubstr("need save_dir"));
-  EXPECT_THAT(error([](TrainerConfig& c) { c.set_dp(1); c.set_tp(2); }, 2),
-              HasSubstr("tensor parallelism is not in this build yet"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_sequence_parallel(true); }, 1),
+              HasSubstr("sequence_parallel needs tp > 1"));
   // Pipeline schedules are checked against pp and the micro-batch count.
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_schedule("zigzag"); }, 1),
               HasSubstr("unknown schedule 'zigzag'"));
@@ -130,6 +130,9 @@ TEST(ResolveModelConfigTest, PresetsAndOverrides) {
               HasSubstr("pp*virtual_stages = 6 pipeline stages but the model has 5 layers"));
   c.set_pp(1);
   c.set_virtual_stages(1);
+  c.set_tp(3);  // heads and vocabulary are checked against tp before any rank starts
+  EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()), HasSubstr("is not divisible by tp=3"));
+  c.set_tp(1);
   EXPECT_EQ(model->n_kv_head, 2);
   c.set_model("bert");
   EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()), HasSubstr("unknown model 'bert'"));

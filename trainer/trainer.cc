@@ -91,7 +91,14 @@ class Trainer::Impl {
   std::unique_ptr<PipelineSchedule> schedule;
   std::unique_ptr<PipelineStageRunner> runner;
   NamedTensors tied;                       // parameters the first and last stage both hold
-  std::vector<at::Tensor> counted_parameters;  // for the gradient norm: tied ones once
+  // Tensor parallelism: the group, and the parameters every tp rank holds whole
+  // (with sequence parallelism their gradients are partial until summed).
+  ProcessGroup* tp_group = nullptr;
+  std::vector<at::Tensor> replicated_parameters;
+  // The gradient norm: each stored value counted once (tied copies and tp
+  // replicas excluded), summed over `norm_group` (tensor x pipeline ranks).
+  std::vector<at::Tensor> counted_parameters;
+  ProcessGroup* norm_group = nullptr;
   ModelConfig model_config;
   std::shared_ptr<LanguageModel> model;
   NamedTensors parameters;  // stored parameters, tied ones once
@@ -175,11 +182,19 @@ absl::Status Trainer::Impl::LoadInitialWeights(const std::string& path) {
   TRIDENT_ASSIGN_OR_RETURN(SafetensorsContents contents, ReadSafetensors(path));
   at::NoGradGuard no_grad;
   std::vector<std::string> missing;
+  const auto shards = model->ParameterShards();
   for (auto& [name, parameter] : parameters) {
     auto saved = contents.Get(name);
     if (!saved.ok()) {
       missing.push_back(name);
       continue;
+    }
+    auto shard = shards.find(name);
+    if (shard != shards.end()) {  // the file holds the whole tensor; keep this rank's slice
+      auto shape = shard->second.ShardShape(saved->sizes().vec());
+      if (shape.ok() && at::IntArrayRef(*shape).equals(parameter.sizes())) {
+        saved = shard->second.Slice(*saved);
+      }
     }
     if (!saved->sizes().equals(parameter.sizes())) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -330,11 +345,16 @@ void Trainer::Impl::StartRunner() {
       if (name == owner && stages > 1 && (stage == 0 || stage == stages - 1)) tied.emplace_back(name, p);
     }
   }
+  const auto shards = model->ParameterShards();
   for (const auto& [name, p] : parameters) {
     const bool duplicate = stage == stages - 1 && stages > 1 &&
                            std::any_of(tied.begin(), tied.end(),
                                        [&](const auto& t) { return t.first == name; });
-    if (!duplicate) counted_parameters.push_back(p);
+    const bool replicated = !shards.count(name);
+    if (replicated) replicated_parameters.push_back(p);
+    if (!duplicate && (!replicated || tp_group == nullptr || tp_group->rank() == 0)) {
+      counted_parameters.push_back(p);
+    }
   }
   if (stages == 1 && config.activation_checkpointing() == "none") return;
   StageRunnerOptions options;
@@ -356,7 +376,9 @@ void Trainer::Impl::StartRunner() {
     if (v == V - 1 && !schedule->RecomputesOnLastStage()) chunk.checkpointed_layers = 0;
   }
   options.chunks = chunks;
-  options.boundary_shape = {config.micro_batch_size(), model_config.block_size, model_config.n_embd};
+  // With sequence parallelism stages exchange sequence shards.
+  const int64_t sequence = model_config.block_size / (config.sequence_parallel() ? config.tp() : 1);
+  options.boundary_shape = {config.micro_batch_size(), sequence, model_config.n_embd};
   options.reduce_tied_grads = [this] { return ReduceTiedGradients(tied, *pp_group); };
   options.reduce_data_parallel_grads = [this] { return reducer->FinishBackward(); };
   runner = std::make_unique<PipelineStageRunner>(*model, *pp_group, *schedule, options);
@@ -561,6 +583,22 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.dp_rank = t.dp_group->rank();
   t.is_rank0 = topology->rank() == 0;
   TRIDENT_RETURN_IF_ERROR(t.OpenData());
+  if (t.config.tp() > 1) {
+    TRIDENT_ASSIGN_OR_RETURN(t.tp_group, topology->Group("tp"));
+    if (t.tp_group->size() != t.config.tp()) {
+      return absl::InvalidArgumentError(absl::StrCat("the topology's tensor-parallel group has ",
+                                                     t.tp_group->size(), " ranks but tp=",
+                                                     t.config.tp()));
+    }
+    t.model_config.tp = {t.config.tp(), t.tp_group->rank(), "tp", t.config.sequence_parallel()};
+  }
+  if (t.config.tp() > 1 && t.config.pp() > 1) {
+    TRIDENT_ASSIGN_OR_RETURN(t.norm_group, topology->GroupSpanning({"tensor", "pipeline"}));
+  } else if (t.config.tp() > 1) {
+    t.norm_group = t.tp_group;
+  } else if (t.config.pp() > 1) {
+    TRIDENT_ASSIGN_OR_RETURN(t.norm_group, topology->Group("pp"));
+  }
   if (t.config.pp() > 1) {
     TRIDENT_RETURN_IF_ERROR(t.BuildStage());
   } else {
@@ -649,6 +687,9 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     t.ForHooks([&](TrainerHooks& h) { h.OnStepStart(t.State()); });
     const auto step_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(const double loss, t.TrainStep());
+    if (t.config.sequence_parallel() && t.tp_group != nullptr) {
+      TRIDENT_RETURN_IF_ERROR(SequenceParallelGradients(t.replicated_parameters, "tp"));
+    }
     if (!std::isfinite(loss)) {
       return absl::InternalError(absl::StrCat("the loss became ", loss, " at step ", t.step + 1,
                                               "; lower lr or raise warmup_steps"));
@@ -657,7 +698,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     m.loss = loss;
     TRIDENT_ASSIGN_OR_RETURN(m.grad_norm,
                              internal::ClipGradNorm(t.counted_parameters, t.parameter_list,
-                                                    c.grad_clip(), t.runner ? t.pp_group : nullptr));
+                                                    c.grad_clip(), t.norm_group));
     m.lr = internal::LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps,
                                   t.step);
     t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
@@ -709,7 +750,9 @@ absl::StatusOr<TrainResult> Trainer::Train() {
 absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t tokens) {
   Impl& t = *impl_;
   if (!t.is_rank0) return std::string();
-  if (t.stages > 1) return std::string("(sampling needs the whole model on one rank: run with pp=1)");
+  if (t.stages > 1 || t.config.tp() > 1) {
+    return std::string("(sampling needs the whole model on one rank: run with pp=1 and tp=1)");
+  }
   std::vector<int64_t> ids;
   if (t.tokenizer) {
     for (uint16_t id : t.tokenizer->Encode(prompt)) ids.push_back(id);
@@ -739,11 +782,21 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
 
 absl::Status Trainer::ExportSafetensors(const std::string& path) {
   Impl& t = *impl_;
+  NamedTensors tensors = t.parameters;
+  if (t.tp_group != nullptr) {  // join the shards into the single-process tensors
+    const auto shards = t.model->ParameterShards();
+    for (auto& [name, tensor] : tensors) {
+      auto shard = shards.find(name);
+      if (shard == shards.end()) continue;
+      TRIDENT_ASSIGN_OR_RETURN(at::Tensor gathered, t.tp_group->AllGather(tensor.detach(), shard->second.dim));
+      tensor = shard->second.Unslice(gathered.chunk(t.tp_group->size(), shard->second.dim));
+    }
+  }
   if (t.is_rank0) {
-    NamedTensors tensors = t.parameters;
+    const size_t stored = tensors.size();
     for (const auto& [alias, owner] : t.model->TiedParameters()) {
-      for (const auto& [name, p] : t.parameters) {
-        if (name == owner) tensors.emplace_back(alias, p);
+      for (size_t i = 0; i < stored; ++i) {
+        if (tensors[i].first == owner) tensors.emplace_back(alias, tensors[i].second);
       }
     }
     const auto parent = fs::path(path).parent_path();
