@@ -26,6 +26,8 @@ expect_error "lr=-1 must be positive" --lr=-1
 expect_error "data directory /nonexistent has no train.bin" --data=/nonexistent
 expect_error "flag --max_steps='x' is not a valid int64 value" --max_steps=x
 expect_error "unknown flag --bogus; the flags are the fields of trainer/config.proto" --bogus=1
+expect_error "n_head=2 is not divisible by tp=4" --tp=4 --dp=1
+expect_error "sequence_parallel needs tp > 1" --sequence_parallel
 
 timeout 120 "$train" "${small[@]}" --max_steps=6 --log_every=2 --eval_every=3 --eval_steps=2 \
   --sample_tokens=20 --save_dir="$TEST_TMPDIR/run" --metrics_file="$TEST_TMPDIR/run/metrics.jsonl" \
@@ -52,4 +54,10 @@ timeout 120 "$train" "${small[@]}" --pp=2 --dp=1 --micro_batch_size=2 --global_b
   --schedule=zb_h1 --max_steps=2 --eval_steps=1 --sample_tokens=0 \
   --trace_file="$TEST_TMPDIR/zb/step.json" --trace_step=2 >"$out" 2>&1 || fail "zb_h1 run exited $?"
 grep -aq '"name":"backward_weight 3"' "$TEST_TMPDIR/zb/step.json" || fail "zb_h1 weight gradients"
+# Tensor and sequence parallelism end to end, exported as one model.
+timeout 120 "$train" "${small[@]}" --tp=2 --dp=1 --sequence_parallel --max_steps=2 --eval_steps=1 \
+  --sample_tokens=0 --export_safetensors="$TEST_TMPDIR/tp/model.safetensors" >"$out" 2>&1 ||
+  fail "tensor-parallel run exited $?"
+grep -aq '^\[rank 0\] step 2/2 | loss ' "$out" || fail "tensor-parallel step line"
+grep -aq 'exported the model to' "$out" || fail "tensor-parallel export"
 echo "train_test: all checks passed"

@@ -1,0 +1,96 @@
+// One gpt-tiny transformer block (n_embd 256, 4 heads) at tp = 1, 2 and 4:
+// forward + backward time of a [16, 128, 256] activation and the bytes each
+// rank communicates per forward + backward, with and without sequence
+// parallelism; one thread per rank.
+//
+//   bazel run -c opt //benchmarks:tensor_parallel_benchmark
+#include <benchmark/benchmark.h>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "models/models.h"
+#include "topology/launcher.h"
+#include "topology/topology.h"
+
+namespace trident {
+namespace {
+
+constexpr char kWorkerFlag[] = "--tensor_parallel_worker";
+constexpr int kWarmup = 2, kTimed = 10;
+
+// One rank: times kTimed forward + backward passes of block 0 and writes
+// "milliseconds bytes" per pass to `result` (rank 0).
+absl::Status RunWorker(bool sequence_parallel, const std::string& result) {
+  at::set_num_threads(1);
+  TopologyOptions options;
+  options.mesh_axes = {{"tensor", DeviceMesh::kInferSize}};
+  TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment(options));
+  const int tp = topology->world_size(), rank = topology->rank();
+  TRIDENT_ASSIGN_OR_RETURN(ModelConfig config, PresetModelConfig("gpt", "gpt-tiny"));
+  config.tp = {tp, rank, "tp", sequence_parallel && tp > 1};
+  TRIDENT_ASSIGN_OR_RETURN(auto block, CreateModelLayers(config, 1, 1, 2));
+  const int64_t T = config.block_size / (config.tp.sequence_parallel ? tp : 1);
+  at::Tensor x = at::randn({16, T, config.n_embd}).requires_grad_(true);
+  double seconds = 0;
+  int64_t bytes = 0;
+  for (int i = 0; i < kWarmup + kTimed; ++i) {
+    const int64_t sent = TensorParallelBytesCommunicated();
+    const auto start = std::chrono::steady_clock::now();
+    block->ForwardLayer(1, x).sum().backward();
+    if (i >= kWarmup) {
+      seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      bytes += TensorParallelBytesCommunicated() - sent;
+    }
+  }
+  TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
+  if (rank == 0) std::ofstream(result) << 1000 * seconds / kTimed << " " << bytes / kTimed;
+  return absl::OkStatus();
+}
+
+void BM_TransformerBlock(benchmark::State& state) {
+  const int tp = static_cast<int>(state.range(0));
+  const bool sequence_parallel = state.range(1) != 0;
+  const std::string result = absl::StrCat("/tmp/trident_tp_bench_", getpid(), ".txt");
+  double ms = 0, bytes = 0;
+  for (auto _ : state) {
+    LaunchOptions launch;
+    launch.nproc_per_node = tp;
+    launch.command = {"/proc/self/exe", kWorkerFlag, sequence_parallel ? "1" : "0", result};
+    launch.env["OMP_NUM_THREADS"] = "1";
+    launch.env["OPENBLAS_NUM_THREADS"] = "1";
+    launch.on_output = [](int, bool, absl::string_view) {};
+    LaunchResult launched = RunLocalGroup(launch);
+    if (!launched.status.ok()) {
+      state.SkipWithError(std::string(launched.status.message()).c_str());
+      return;
+    }
+    std::ifstream(result) >> ms >> bytes;
+    state.SetIterationTime(ms / 1000);
+  }
+  std::remove(result.c_str());
+  state.counters["fwd_bwd_ms"] = ms;
+  state.counters["bytes_per_rank"] = bytes;
+}
+BENCHMARK(BM_TransformerBlock)->Args({1, 0})->Args({2, 0})->Args({4, 0})->Args({2, 1})->Args({4, 1})
+    ->ArgNames({"tp", "sp"})->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace trident
+
+int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == trident::kWorkerFlag) {
+    return trident::ExitCodeFor("tensor_parallel_worker",
+                                trident::RunWorker(std::string(argv[2]) == "1", argv[3]));
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  return 0;
+}
