@@ -97,6 +97,10 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat(
         "vocab_size=", c.vocab_size, " exceeds 65536, the range of uint16 token files"));
   }
+  if (!(c.init_method_std > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("init_method_std=", c.init_method_std,
+                                                   " must be positive"));
+  }
   if (c.dropout < 0 || c.dropout >= 1) {
     return absl::InvalidArgumentError(absl::StrCat("dropout=", c.dropout, " must be in [0, 1)"));
   }
@@ -301,7 +305,8 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
     if (config.model == "llama") model = internal::BuildLlama(config, ranges);
     if (config.model == "mlp") model = internal::BuildMlp(config, ranges);
     torch::NoGradGuard no_grad;
-    const double residual_std = 0.02 / std::sqrt(2.0 * config.n_layer);
+    const double std = config.init_method_std;
+    const double residual_std = std / std::sqrt(2.0 * config.n_layer);
     const std::map<std::string, ShardSpec> shards = model->ParameterShards();
     for (auto& item : model->named_parameters()) {
       const std::string& name = item.key();
@@ -312,13 +317,13 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
         auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, name));
         auto shard = shards.find(name);
         if (shard == shards.end()) {
-          p.normal_(0.0, residual ? residual_std : 0.02, generator);
+          p.normal_(0.0, residual ? residual_std : std, generator);
           continue;
         }
         // A shard is the slice of the weight the single-process model draws.
         std::vector<int64_t> full = p.sizes().vec();
         full[shard->second.dim] *= shard->second.parts;
-        p.copy_(shard->second.Slice(at::empty(full).normal_(0.0, residual ? residual_std : 0.02,
+        p.copy_(shard->second.Slice(at::empty(full).normal_(0.0, residual ? residual_std : std,
                                                             generator)));
       } else if (absl::EndsWith(name, "bias")) {
         p.zero_();

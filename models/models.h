@@ -41,6 +41,9 @@ struct ModelConfig {
   int64_t n_kv_head = 0;          // llama: key/value heads (0: n_head, no GQA)
   int64_t intermediate_size = 0;  // llama: SwiGLU width (0: from n_embd); mlp: 4 * n_embd
   double rope_theta = 10000.0;    // llama: rotary embedding base
+  // Standard deviation of the normal initialisation of weight matrices (GPT-2's
+  // residual projections: divided by sqrt(2 n_layer)).
+  double init_method_std = 0.02;
   // gpt and llama: the tensor-parallel shard this process builds (heads,
   // MLP width and vocabulary split tp.size ways; sequence parallelism).
   TensorParallelism tp;

@@ -227,6 +227,7 @@ absl::StatusOr<ModelConfig> ResolveModelConfig(const TrainerConfig& c, int data_
   if (c.has_n_kv_head()) model.n_kv_head = c.n_kv_head();
   if (c.has_intermediate_size()) model.intermediate_size = c.intermediate_size();
   if (c.has_rope_theta()) model.rope_theta = c.rope_theta();
+  model.init_method_std = c.init_method_std();
   if (model.vocab_size < data_vocab_size) {
     return Invalid(absl::StrCat("vocab_size=", model.vocab_size, " is smaller than the data's ",
                                 data_vocab_size, "-token vocabulary"));

@@ -631,7 +631,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
       t.parameter_list, t.dp_group, static_cast<int64_t>(t.config.bucket_size_mb() * (1 << 20)));
   t.optimizer = std::make_unique<internal::AdamW>(t.parameters, adam);
   t.StartRunner();
-  torch::manual_seed(t.config.seed() + static_cast<uint64_t>(t.dp_rank));
+  // Dropout streams: one per data-parallel rank. With sequence parallelism
+  // every dropout acts on this rank's own shard or heads, so tensor-parallel
+  // ranks draw their own masks too; without it, dropout after a row-parallel
+  // layer sees the replicated activation and tp ranks must draw the same mask.
+  const uint64_t tp_stream = t.config.sequence_parallel() ? t.tp_group->rank() : 0;
+  torch::manual_seed(t.config.seed() + static_cast<uint64_t>(t.dp_rank) + 1000003 * tp_stream);
   if (!t.config.resume_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadCheckpoint());
   if (t.is_rank0 && !t.config.metrics_file().empty()) {
     TRIDENT_ASSIGN_OR_RETURN(t.metrics, internal::JsonLinesWriter::Open(t.config.metrics_file()));

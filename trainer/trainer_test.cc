@@ -169,7 +169,8 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
   for (const Layout& layout :
        {Layout{"gpt", 1, 2, 1}, Layout{"gpt", 1, 4, 1}, Layout{"gpt", 1, 2, 1, true},
         Layout{"gpt", 1, 4, 1, true}, Layout{"llama", 1, 2, 1}, Layout{"llama", 1, 4, 1},
-        Layout{"llama", 1, 2, 1, true}, Layout{"gpt", 2, 2, 2, true}}) {
+        Layout{"llama", 1, 2, 1, true}, Layout{"llama", 1, 4, 1, true},
+        Layout{"gpt", 2, 2, 2, true}}) {
     auto configure = [&](int dp, int tp, int pp) {
       TrainerConfig config = SmallConfig(dp);
       config.set_model(layout.model);
