@@ -1,0 +1,303 @@
+#include "zero/zero.h"
+
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize/archive.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/status.h"
+
+namespace trident {
+namespace {
+
+// Runs `callback` after a grad accumulator has added a gradient to .grad.
+class AccumulatedHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit AccumulatedHook(std::function<void()> callback) : callback_(std::move(callback)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    callback_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> callback_;
+};
+
+int64_t Bytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+// State tensors per element of the known element-wise optimizers (-1: unknown).
+int StatePerElement(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return 2;
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) return 2;
+  if (auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+    const auto& options =
+        static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().front().options());
+    return options.momentum() != 0 ? 1 : 0;
+  }
+  return -1;
+}
+
+}  // namespace
+
+struct ZeroOptimizer::Bucket {
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> offsets;
+  int64_t numel = 0;       // padded to a multiple of the group size
+  bool keep_full = false;  // gradients accumulate whole until FinishBackward
+  at::Tensor buffer;       // the parameters' values, flat
+  at::Tensor chunk;        // this rank's chunk of `buffer`: what the optimizer updates
+  at::Tensor chunk_grad;   // the averaged gradient of `chunk`
+  at::Tensor full_grad;    // whole gradients (kept, or stage 2 while the bucket fills)
+  at::Tensor counted;      // 1 where a chunk element belongs to a parameter in the norm
+  int pending = 0;         // stage 2: gradients still to arrive in this round
+};
+
+std::string MemoryReport::ToString() const {
+  return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
+                         parameter_bytes / 1e6, gradient_bytes / 1e6, optimizer_bytes / 1e6);
+}
+
+absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
+    std::vector<std::vector<at::Tensor>> groups, const ProcessGroup* data_parallel,
+    ZeroOptions options, const ShardOptimizerFactory& make_optimizer) {
+  if (options.stage != 1 && options.stage != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "zero_stage=", options.stage, " is not available; choose 1 (optimizer states) or 2 "
+        "(and gradients)"));
+  }
+  if (data_parallel == nullptr) return absl::InvalidArgumentError("ZeRO needs a data-parallel group");
+  std::unique_ptr<ZeroOptimizer> zero(new ZeroOptimizer());
+  zero->group_ = data_parallel;
+  zero->options_ = std::move(options);
+  const ZeroOptions& o = zero->options_;
+  const int64_t parts = data_parallel->size(), rank = data_parallel->rank();
+  std::vector<std::vector<at::Tensor>> shards(groups.size());
+  at::NoGradGuard no_grad;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    // Reverse order: the last layers' gradients come first in backward.
+    std::vector<Bucket> pending(1);
+    int64_t bytes = 0;
+    for (auto it = groups[g].rbegin(); it != groups[g].rend(); ++it) {
+      const bool keep = o.stage == 1 || (o.keep_full_gradient && o.keep_full_gradient(*it));
+      Bucket* bucket = &pending.back();
+      if (!bucket->params.empty() &&
+          (bytes + Bytes(*it) > o.reduce_bucket_bytes || bucket->keep_full != keep)) {
+        pending.emplace_back();
+        bucket = &pending.back();
+        bytes = 0;
+      }
+      bucket->keep_full = keep;
+      bucket->offsets.push_back(bucket->numel);
+      bucket->numel += it->numel();
+      bucket->params.push_back(*it);
+      bytes += Bytes(*it);
+    }
+    for (Bucket& bucket : pending) {
+      if (bucket.params.empty()) continue;
+      bucket.numel = (bucket.numel + parts - 1) / parts * parts;
+      const int64_t chunk = bucket.numel / parts;
+      bucket.buffer = at::zeros({bucket.numel}, bucket.params.front().options());
+      at::Tensor counted = at::zeros({bucket.numel}, bucket.buffer.options());
+      for (size_t i = 0; i < bucket.params.size(); ++i) {
+        at::Tensor param = bucket.params[i];
+        at::Tensor slot = bucket.buffer.narrow(0, bucket.offsets[i], param.numel());
+        slot.copy_(param.reshape({-1}));
+        param.set_data(slot.view(param.sizes()));  // the parameter now lives in the bucket
+        if (!o.counted_in_norm || o.counted_in_norm(param)) {
+          counted.narrow(0, bucket.offsets[i], param.numel()).fill_(1);
+        }
+      }
+      bucket.chunk = bucket.buffer.narrow(0, rank * chunk, chunk);
+      bucket.chunk_grad = at::zeros({chunk}, bucket.buffer.options());
+      bucket.chunk.mutable_grad() = bucket.chunk_grad;
+      bucket.counted = counted.narrow(0, rank * chunk, chunk).clone();
+      if (bucket.keep_full) {
+        bucket.full_grad = at::zeros({bucket.numel}, bucket.buffer.options());
+        for (size_t i = 0; i < bucket.params.size(); ++i) {
+          at::Tensor param = bucket.params[i];
+          param.mutable_grad() =
+              bucket.full_grad.narrow(0, bucket.offsets[i], param.numel()).view(param.sizes());
+        }
+      }
+      shards[g].push_back(bucket.chunk);
+      zero->buckets_.push_back(std::move(bucket));
+    }
+  }
+  // Stage 2: each gradient moves into its bucket as soon as it is accumulated.
+  for (size_t b = 0; b < zero->buckets_.size(); ++b) {
+    Bucket& bucket = zero->buckets_[b];
+    bucket.pending = static_cast<int>(bucket.params.size());
+    if (bucket.keep_full) continue;
+    for (size_t i = 0; i < bucket.params.size(); ++i) {
+      std::shared_ptr<torch::autograd::Node> accumulator =
+          torch::autograd::impl::grad_accumulator(bucket.params[i]);
+      ZeroOptimizer* self = zero.get();
+      const int index = static_cast<int>(b), slot = static_cast<int>(i);
+      accumulator->add_post_hook(std::make_unique<AccumulatedHook>([self, index, slot] {
+        Bucket& bucket = self->buckets_[index];
+        at::Tensor param = bucket.params[slot];
+        if (!bucket.full_grad.defined()) bucket.full_grad = at::zeros({bucket.numel}, bucket.buffer.options());
+        bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(param.grad().reshape({-1}));
+        param.mutable_grad() = at::Tensor();  // the whole gradient is not kept
+        self->OnGradientReady(index);
+      }));
+      zero->hooked_.push_back(accumulator);
+    }
+  }
+  TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the sharded optimizer",
+                                          [&] { zero->optimizer_ = make_optimizer(shards); }));
+  if (StatePerElement(*zero->optimizer_) < 0 && !o.allow_untested_optimizer) {
+    return absl::InvalidArgumentError(
+        "ZeRO shards optimizer state element by element, which is known to be exact for Adam, "
+        "AdamW and SGD only; this optimizer is untested: set zero_allow_untested_optimizer to "
+        "use it anyway");
+  }
+  return zero;
+}
+
+ZeroOptimizer::~ZeroOptimizer() {
+  for (auto& node : hooked_) node->post_hooks().clear();
+}
+
+void ZeroOptimizer::ZeroGrad() {
+  for (Bucket& bucket : buckets_) {
+    bucket.chunk_grad.zero_();
+    if (bucket.keep_full) {
+      bucket.full_grad.zero_();
+    } else {
+      bucket.full_grad = at::Tensor();
+      bucket.pending = static_cast<int>(bucket.params.size());
+    }
+  }
+}
+
+void ZeroOptimizer::PrepareForBackward(bool last_micro_batch) { last_micro_batch_ = last_micro_batch; }
+
+void ZeroOptimizer::OnGradientReady(int index) {
+  Bucket& bucket = buckets_[index];
+  if (--bucket.pending > 0) return;
+  absl::Status status = ReduceScatter(bucket, bucket.full_grad);
+  if (!status.ok() && first_error_.ok()) first_error_ = status;
+  bucket.full_grad = at::Tensor();
+  bucket.pending = static_cast<int>(bucket.params.size());
+}
+
+absl::Status ZeroOptimizer::ReduceScatter(Bucket& bucket, const at::Tensor& full) {
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor mine, group_->ReduceScatter(full, 0));
+  bucket.chunk_grad.add_(mine);
+  return absl::OkStatus();
+}
+
+absl::Status ZeroOptimizer::FinishBackward() {
+  absl::Status status = first_error_;
+  first_error_ = absl::OkStatus();
+  TRIDENT_RETURN_IF_ERROR(status);
+  for (Bucket& bucket : buckets_) {
+    // A stage-2 bucket left partly filled (parameters without a gradient this
+    // round) is reduced here; every rank has the same ones.
+    const bool partial = !bucket.keep_full && bucket.full_grad.defined();
+    if (bucket.keep_full || partial) TRIDENT_RETURN_IF_ERROR(ReduceScatter(bucket, bucket.full_grad));
+    if (partial) {
+      bucket.full_grad = at::Tensor();
+      bucket.pending = static_cast<int>(bucket.params.size());
+    }
+    bucket.chunk_grad.div_(group_->size());
+  }
+  return absl::OkStatus();
+}
+
+double ZeroOptimizer::LocalSquaredGradNorm() const {
+  double sum = 0;
+  for (const Bucket& bucket : buckets_) {
+    sum += (bucket.chunk_grad.to(at::kDouble).square() * bucket.counted).sum().item<double>();
+  }
+  return sum;
+}
+
+void ZeroOptimizer::ScaleGradients(double factor) {
+  for (Bucket& bucket : buckets_) bucket.chunk_grad.mul_(factor);
+}
+
+bool ZeroOptimizer::LocalGradientsNonFinite() const {
+  for (const Bucket& bucket : buckets_) {
+    if (!at::isfinite(bucket.chunk_grad).all().item<bool>()) return true;
+  }
+  return false;
+}
+
+absl::Status ZeroOptimizer::Step(double lr) {
+  TRIDENT_RETURN_IF_ERROR(CatchExceptions("the sharded optimizer step", [&] {
+    for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+    optimizer_->step();
+  }));
+  at::NoGradGuard no_grad;
+  for (Bucket& bucket : buckets_) {
+    TRIDENT_ASSIGN_OR_RETURN(at::Tensor gathered, group_->AllGather(bucket.chunk.contiguous(), 0));
+    bucket.buffer.copy_(gathered);
+  }
+  return absl::OkStatus();
+}
+
+MemoryReport ZeroOptimizer::Memory() const {
+  MemoryReport report;
+  int64_t largest_scratch = 0, chunk_bytes = 0;
+  for (const Bucket& bucket : buckets_) {
+    report.parameter_bytes += Bytes(bucket.buffer);
+    report.gradient_bytes += Bytes(bucket.chunk_grad);
+    if (bucket.keep_full) {
+      report.gradient_bytes += Bytes(bucket.full_grad);
+    } else {
+      largest_scratch = std::max(largest_scratch, Bytes(bucket.buffer));
+    }
+    chunk_bytes += Bytes(bucket.chunk);
+  }
+  report.gradient_bytes += largest_scratch;  // one stage-2 bucket fills at a time
+  int64_t held = 0;
+  for (const auto& item : optimizer_->state()) {
+    const torch::optim::OptimizerParamState* state = item.second.get();
+    if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
+      held += Bytes(adam->exp_avg()) + Bytes(adam->exp_avg_sq()) + Bytes(adam->max_exp_avg_sq());
+    } else if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
+      held += Bytes(adamw->exp_avg()) + Bytes(adamw->exp_avg_sq()) + Bytes(adamw->max_exp_avg_sq());
+    } else if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
+      held += Bytes(sgd->momentum_buffer());
+    }
+  }
+  report.optimizer_bytes =
+      held > 0 ? held : std::max(0, StatePerElement(*optimizer_)) * chunk_bytes;
+  return report;
+}
+
+NamedTensors ZeroOptimizer::State() const {
+  // The optimizer's own serialisation, so any optimizer restores exactly.
+  torch::serialize::OutputArchive archive;
+  optimizer_->save(archive);
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  const std::string data = bytes.str();
+  at::Tensor blob = at::empty({static_cast<int64_t>(data.size())}, at::kByte);
+  std::memcpy(blob.data_ptr(), data.data(), data.size());
+  return {{"zero_optimizer", blob}};
+}
+
+absl::Status ZeroOptimizer::LoadState(const SafetensorsContents& contents) {
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor blob, contents.Get("zero_optimizer"));
+  return CatchExceptions("restoring the sharded optimizer state", [&] {
+    std::istringstream bytes(std::string(static_cast<const char*>(blob.data_ptr()), blob.numel()));
+    torch::serialize::InputArchive archive;
+    archive.load_from(bytes);
+    optimizer_->load(archive);
+  });
+}
+
+}  // namespace trident

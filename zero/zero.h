@@ -1,0 +1,120 @@
+// zero: ZeRO-sharded optimizer states (stage 1) and gradients (stage 2)
+// across a data-parallel group, around any element-wise torch::optim optimizer.
+//
+// Parameters are packed, in reverse order (roughly the order backward produces
+// their gradients), into buckets of at most `reduce_bucket_bytes`; each bucket
+// is one flat buffer the parameters become views of, padded to a multiple of
+// the group size. Rank r owns chunk r of every bucket: its optimizer holds
+// state for those chunks only, its gradients are reduce-scattered into them,
+// and after the update every bucket is all-gathered back.
+//
+//   stage 1  gradients accumulate whole (as in plain data parallelism) and are
+//            reduce-scattered into the chunks after the last backward
+//   stage 2  each gradient is moved into its bucket as soon as backward makes
+//            it; a complete bucket is reduce-scattered at once and only this
+//            rank's chunk is kept (parameters named `keep_full_gradient`, such
+//            as pipeline-tied embeddings that are summed between stages first,
+//            follow stage 1)
+//
+//   auto zero = ZeroOptimizer::Create({decayed, not_decayed}, &dp, options,
+//       [](const std::vector<std::vector<at::Tensor>>& shards) { ...AdamW over them... });
+//   zero->ZeroGrad(); zero->PrepareForBackward(true); loss.backward();
+//   zero->FinishBackward(); zero->Step(lr);
+#ifndef TRIDENT_ZERO_ZERO_H_
+#define TRIDENT_ZERO_ZERO_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include "absl/status/statusor.h"
+#include "checkpoint/checkpoint.h"
+#include "topology/topology.h"
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+namespace trident {
+
+struct ZeroOptions {
+  int stage = 1;  // 1 or 2
+  int64_t reduce_bucket_bytes = 25 << 20;  // zero_reduce_bucket_size
+  // Optimizers other than Adam, AdamW and SGD (element-wise, per-parameter
+  // state) are refused unless this is set (zero_allow_untested_optimizer).
+  bool allow_untested_optimizer = false;
+  // Parameters whose gradients stay whole until FinishBackward (stage 2).
+  std::function<bool(const at::Tensor&)> keep_full_gradient;
+  // Parameters counted in the gradient norm (false: replicas counted elsewhere).
+  std::function<bool(const at::Tensor&)> counted_in_norm;
+};
+
+// Builds the optimizer over this rank's chunks: one list per parameter group
+// given to Create, in the same order (use one torch::optim param group each).
+using ShardOptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
+    const std::vector<std::vector<at::Tensor>>& shards)>;
+
+// Per-rank bytes held for training.
+struct MemoryReport {
+  int64_t parameter_bytes = 0;
+  int64_t gradient_bytes = 0;
+  int64_t optimizer_bytes = 0;
+  int64_t total() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
+  std::string ToString() const;
+};
+
+class ZeroOptimizer {
+ public:
+  // `groups` partition the parameters (for example decayed / not decayed);
+  // `data_parallel` is the group the state is sharded over.
+  static absl::StatusOr<std::unique_ptr<ZeroOptimizer>> Create(
+      std::vector<std::vector<at::Tensor>> groups, const ProcessGroup* data_parallel,
+      ZeroOptions options, const ShardOptimizerFactory& make_optimizer);
+  ~ZeroOptimizer();
+
+  void ZeroGrad();
+  // Call before each backward (stage 2 moves gradients during every backward).
+  void PrepareForBackward(bool last_micro_batch);
+  // After the last backward of a step: every rank's chunk holds the gradient
+  // averaged over the group.
+  absl::Status FinishBackward();
+  // Squared L2 norm of the counted gradients in this rank's chunks.
+  double LocalSquaredGradNorm() const;
+  // Multiplies the chunks' gradients (clipping, loss-scale removal).
+  void ScaleGradients(double factor);
+  // Whether any chunk gradient is inf or NaN on this rank.
+  bool LocalGradientsNonFinite() const;
+  // Updates this rank's chunks with learning rate `lr`, then all-gathers them.
+  absl::Status Step(double lr);
+
+  // Bytes of parameters, gradients and optimizer state on this rank (the state
+  // as the optimizer holds it after its first step, estimated before).
+  MemoryReport Memory() const;
+  // The optimizer's state for this rank's chunks, and its restoration (the same
+  // layout must load it).
+  NamedTensors State() const;
+  absl::Status LoadState(const SafetensorsContents& contents);
+
+ private:
+  struct Bucket;
+  ZeroOptimizer() = default;
+  void OnGradientReady(int bucket);
+  absl::Status ReduceScatter(Bucket& bucket, const at::Tensor& full);
+
+  const ProcessGroup* group_ = nullptr;
+  ZeroOptions options_;
+  std::vector<Bucket> buckets_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> hooked_;
+  bool last_micro_batch_ = false;
+  absl::Status first_error_;
+};
+
+}  // namespace trident
+
+#endif  // TRIDENT_ZERO_ZERO_H_

@@ -1,0 +1,170 @@
+// ZeRO stages 1 and 2 take the steps plain data parallelism takes, with each
+// rank holding its share of the optimizer state (and gradients).
+#include "zero/zero.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "models/models.h"
+#include "testing/multiprocess.h"
+
+namespace trident {
+namespace {
+
+using ::testing::HasSubstr;
+
+// llama: no biases. (GPT's key bias has an exactly zero gradient, so Adam
+// turns its rounding noise into lr-sized steps of random sign: no layout can
+// match another there.)
+ModelConfig TinyModel() {
+  ModelConfig c = *PresetModelConfig("llama", "llama-tiny");
+  c.n_layer = 2;
+  c.n_embd = 32;
+  c.n_head = 2;
+  c.n_kv_head = 2;
+  c.block_size = 8;
+  c.vocab_size = 64;
+  return c;
+}
+
+// Decayed (matrices) and not decayed parameters, as the trainer groups them.
+std::vector<std::vector<at::Tensor>> Groups(torch::nn::Module& model) {
+  std::vector<std::vector<at::Tensor>> groups(2);
+  for (const auto& p : model.parameters()) groups[p.dim() >= 2 ? 0 : 1].push_back(p);
+  return groups;
+}
+
+std::unique_ptr<torch::optim::Optimizer> MakeAdamW(const std::vector<std::vector<at::Tensor>>& groups) {
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto options = std::make_unique<torch::optim::AdamWOptions>(1e-3);
+    options->weight_decay(g == 0 ? 0.1 : 0.0);
+    param_groups.emplace_back(groups[g], std::move(options));
+  }
+  return std::make_unique<torch::optim::AdamW>(param_groups);
+}
+
+struct Case {
+  int stage, ranks, accumulation;
+};
+
+class ZeroParityTest : public ::testing::TestWithParam<Case> {};
+
+// Each rank trains on its share of the batch; plain data parallelism averages
+// whole gradients, ZeRO reduce-scatters them into chunks. Both take the same
+// steps (to rounding: the sums add in another order, and Adam's normalisation
+// turns that into weight differences of about 1e-6 at lr 1e-3) for 5 steps.
+TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
+  const Case c = GetParam();
+  testing::RunOnRanks(c.ranks, [c](int rank) {
+    auto topology = testing::JoinTopology({{"data", c.ranks}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& dp = **(*topology)->Group("dp");
+    auto plain = *CreateModel(TinyModel(), 5);
+    auto sharded = *CreateModel(TinyModel(), 5);
+    auto plain_optimizer = MakeAdamW(Groups(*plain));
+    ZeroOptions options;
+    options.stage = c.stage;
+    options.reduce_bucket_bytes = 16 << 10;  // several buckets
+    auto zero = ZeroOptimizer::Create(Groups(*sharded), &dp, options, MakeAdamW);
+    ASSERT_TRUE(zero.ok()) << zero.status();
+    for (int step = 0; step < 5; ++step) {
+      torch::manual_seed(100 + step);
+      auto tokens = torch::randint(64, {c.ranks * c.accumulation * 2, 8}, torch::kLong);
+      auto mine = tokens.chunk(c.ranks)[rank].chunk(c.accumulation);
+      plain_optimizer->zero_grad();
+      (*zero)->ZeroGrad();
+      for (int m = 0; m < c.accumulation; ++m) {
+        (plain->Loss(mine[m], mine[m]) / c.accumulation).backward();
+        (*zero)->PrepareForBackward(m == c.accumulation - 1);
+        (sharded->Loss(mine[m], mine[m]) / c.accumulation).backward();
+      }
+      for (auto& p : plain->parameters()) ASSERT_TRUE(dp.AllReduce(p.mutable_grad(), ReduceOp::kAvg).ok());
+      plain_optimizer->step();
+      ASSERT_TRUE((*zero)->FinishBackward().ok());
+      ASSERT_TRUE((*zero)->Step(1e-3).ok());
+    }
+    auto expected = plain->named_parameters();
+    for (const auto& item : sharded->named_parameters()) {
+      const double diff = (item.value() - expected[item.key()]).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5) << item.key();
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(StagesAndRanks, ZeroParityTest,
+                         ::testing::Values(Case{1, 2, 1}, Case{2, 2, 1}, Case{1, 4, 1},
+                                           Case{2, 4, 1}, Case{2, 2, 3}),
+                         [](const auto& info) {
+                           return "stage" + std::to_string(info.param.stage) + "_dp" +
+                                  std::to_string(info.param.ranks) + "_accumulation" +
+                                  std::to_string(info.param.accumulation);
+                         });
+
+// At dp = 4 each rank holds a quarter of the optimizer state (stage 1) and of
+// the gradients too (stage 2, plus one bucket being filled).
+TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
+  testing::RunOnRanks(4, [](int) {
+    auto topology = testing::JoinTopology({{"data", 4}});
+    ASSERT_TRUE(topology.ok());
+    const ProcessGroup& dp = **(*topology)->Group("dp");
+    int64_t parameter_bytes = 0, largest = 0;
+    {
+      auto model = *CreateModel(TinyModel(), 5);
+      for (const auto& p : model->parameters()) {
+        parameter_bytes += p.numel() * 4;
+        largest = std::max<int64_t>(largest, p.numel() * 4);
+      }
+    }
+    std::vector<MemoryReport> reports;
+    for (int stage : {1, 2}) {
+      auto model = *CreateModel(TinyModel(), 5);
+      ZeroOptions options;
+      options.stage = stage;
+      options.reduce_bucket_bytes = 8 << 10;
+      auto zero = *ZeroOptimizer::Create(Groups(*model), &dp, options, MakeAdamW);
+      model->Loss(torch::zeros({2, 8}, torch::kLong), torch::zeros({2, 8}, torch::kLong)).backward();
+      ASSERT_TRUE(zero->FinishBackward().ok());
+      ASSERT_TRUE(zero->Step(1e-3).ok());  // the optimizer state now exists
+      reports.push_back(zero->Memory());
+      std::printf("stage %d: %s (plain: parameters, gradients %.1f MB each, state %.1f MB)\n",
+                  stage, reports.back().ToString().c_str(), parameter_bytes / 1e6,
+                  2 * parameter_bytes / 1e6);
+    }
+    // Padding adds at most a few elements per bucket.
+    EXPECT_NEAR(reports[0].optimizer_bytes, 2 * parameter_bytes / 4.0, 0.01 * parameter_bytes);
+    EXPECT_GE(reports[0].gradient_bytes, parameter_bytes);  // stage 1 keeps whole gradients
+    EXPECT_NEAR(reports[1].optimizer_bytes, reports[0].optimizer_bytes, 0);
+    // Stage 2: a quarter of the gradients, plus the one bucket being filled (at
+    // most the bucket size, or one parameter larger than it).
+    EXPECT_LE(reports[1].gradient_bytes, 1.01 * parameter_bytes / 4 + std::max<int64_t>(8 << 10, largest));
+  });
+}
+
+TEST(ZeroOptimizerTest, UntestedOptimizersAreRefusedUnlessAllowed) {
+  testing::RunOnRanks(2, [](int) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    const ProcessGroup& dp = **(*topology)->Group("dp");
+    auto rmsprop = [](const std::vector<std::vector<at::Tensor>>& groups) {
+      std::vector<at::Tensor> all;
+      for (const auto& g : groups) all.insert(all.end(), g.begin(), g.end());
+      return std::unique_ptr<torch::optim::Optimizer>(new torch::optim::RMSprop(all));
+    };
+    auto model = *CreateModel(TinyModel(), 5);
+    ZeroOptions options;
+    EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*model), &dp, options, rmsprop).status().message()),
+                HasSubstr("set zero_allow_untested_optimizer"));
+    options.allow_untested_optimizer = true;
+    auto other = *CreateModel(TinyModel(), 5);
+    EXPECT_TRUE(ZeroOptimizer::Create(Groups(*other), &dp, options, rmsprop).ok());
+    options.stage = 3;
+    auto third = *CreateModel(TinyModel(), 5);
+    EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*third), &dp, options, rmsprop).status().message()),
+                HasSubstr("zero_stage=3 is not available"));
+  });
+}
+
+}  // namespace
+}  // namespace trident
