@@ -108,6 +108,16 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                                 " ranks were started; make the product equal the number of "
                                 "ranks (or start train without a launcher to spawn dp*tp*pp)"));
   }
+  if (c->zero_stage() == 3) {
+    return absl::UnimplementedError(
+        "zero_stage=3 (sharded parameters) is not in this build yet; use zero_stage=1 or 2");
+  }
+  if (c->zero_stage() < 0 || c->zero_stage() > 3) {
+    return Invalid(absl::StrCat("zero_stage=", c->zero_stage(), " is unknown; choose 0, 1 or 2"));
+  }
+  if (c->zero_reduce_bucket_size() < 1 || c->zero_allgather_bucket_size() < 1) {
+    return Invalid("zero_reduce_bucket_size and zero_allgather_bucket_size must be positive");
+  }
   if (c->sequence_parallel() && c->tp() == 1) {
     return Invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
   }

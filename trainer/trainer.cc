@@ -27,9 +27,9 @@
 #include "partition/partition.h"
 #include "pipeline/pipeline.h"
 #include "pipeline/stage_runner.h"
-#include "trainer/internal/gradient_reducer.h"
 #include "trainer/internal/metrics.h"
 #include "trainer/internal/optimizer.h"
+#include "trainer/internal/parameter_update.h"
 
 namespace trident {
 namespace {
@@ -102,9 +102,7 @@ class Trainer::Impl {
   ModelConfig model_config;
   std::shared_ptr<LanguageModel> model;
   NamedTensors parameters;  // stored parameters, tied ones once
-  std::vector<at::Tensor> parameter_list;
-  std::unique_ptr<internal::AdamW> optimizer;
-  std::unique_ptr<internal::GradientReducer> reducer;
+  std::unique_ptr<internal::ParameterUpdate> update;  // data-parallel reduction and optimizer
   std::unique_ptr<TokenFile> train_data, val_data;
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<BatchSampler> sampler;
@@ -132,6 +130,8 @@ class Trainer::Impl {
 
   absl::Status OpenData();
   absl::Status BuildStage();
+  // Tied parameters, tensor-parallel replicas and what the gradient norm counts.
+  void ClassifyParameters();
   void StartRunner();
   void MicroBatches(const TokenFile& file, const BatchSampler& batches, int64_t step,
                     std::vector<at::Tensor>* inputs, std::vector<at::Tensor>* targets);
@@ -217,7 +217,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   TRIDENT_ASSIGN_OR_RETURN(const std::string staging, directory.StagingPath(step));
   NamedTensors tensors;
   for (const auto& [name, p] : parameters) tensors.emplace_back("model/" + name, p);
-  for (auto& [name, t] : optimizer->State()) tensors.emplace_back("optimizer/" + name, t);
+  for (auto& [name, t] : update->State()) tensors.emplace_back("optimizer/" + name, t);
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -281,7 +281,7 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   for (const auto& [name, t] : contents.tensors) {
     if (name.rfind("optimizer/", 0) == 0) optimizer_state.tensors.emplace_back(name.substr(10), t);
   }
-  TRIDENT_RETURN_IF_ERROR(optimizer->LoadState(optimizer_state));
+  TRIDENT_RETURN_IF_ERROR(update->LoadState(optimizer_state));
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor rng, contents.Get("rng/cpu"));
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
@@ -339,7 +339,7 @@ absl::Status Trainer::Impl::BuildStage() {
   return absl::OkStatus();
 }
 
-void Trainer::Impl::StartRunner() {
+void Trainer::Impl::ClassifyParameters() {
   for (const auto& [alias, owner] : model->TiedParameters()) {
     for (const auto& [name, p] : parameters) {
       if (name == owner && stages > 1 && (stage == 0 || stage == stages - 1)) tied.emplace_back(name, p);
@@ -356,6 +356,9 @@ void Trainer::Impl::StartRunner() {
       counted_parameters.push_back(p);
     }
   }
+}
+
+void Trainer::Impl::StartRunner() {
   if (stages == 1 && config.activation_checkpointing() == "none") return;
   StageRunnerOptions options;
   options.checkpoint_num_layers = config.checkpoint_num_layers();
@@ -380,7 +383,7 @@ void Trainer::Impl::StartRunner() {
   const int64_t sequence = model_config.block_size / (config.sequence_parallel() ? config.tp() : 1);
   options.boundary_shape = {config.micro_batch_size(), sequence, model_config.n_embd};
   options.reduce_tied_grads = [this] { return ReduceTiedGradients(tied, *pp_group); };
-  options.reduce_data_parallel_grads = [this] { return reducer->FinishBackward(); };
+  options.reduce_data_parallel_grads = [this] { return update->FinishBackward(); };
   runner = std::make_unique<PipelineStageRunner>(*model, *pp_group, *schedule, options);
 }
 
@@ -451,10 +454,10 @@ absl::StatusOr<double> Trainer::Impl::TrainStep() {
   const int64_t accumulation = config.grad_accumulation_steps();
   std::vector<at::Tensor> inputs, targets;
   MicroBatches(*train_data, *sampler, step, &inputs, &targets);
-  reducer->ZeroGrad();
+  update->ZeroGrad();
   if (runner) {
     if (inputs.empty()) inputs.assign(accumulation, at::Tensor());
-    reducer->PrepareForBackward(/*last_micro_batch=*/false);
+    update->PrepareForBackward(/*last_micro_batch=*/false);
     TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunStep(inputs, targets));
     if (!config.trace_file().empty() && step + 1 == config.trace_step()) {
       TRIDENT_RETURN_IF_ERROR(WriteTrace());
@@ -463,13 +466,13 @@ absl::StatusOr<double> Trainer::Impl::TrainStep() {
   }
   double local_loss = 0;
   for (int64_t micro = 0; micro < accumulation; ++micro) {
-    reducer->PrepareForBackward(micro == accumulation - 1);
+    update->PrepareForBackward(micro == accumulation - 1);
     at::Tensor loss =
         model->Loss(inputs[micro], targets[micro]).div(static_cast<double>(accumulation));
     loss.backward();
     local_loss += loss.item<double>();
   }
-  TRIDENT_RETURN_IF_ERROR(reducer->FinishBackward());
+  TRIDENT_RETURN_IF_ERROR(update->FinishBackward());
   at::Tensor loss = at::full({1}, local_loss, at::kDouble);
   TRIDENT_RETURN_IF_ERROR(dp_group->AllReduce(loss, ReduceOp::kAvg));
   return loss.item<double>();
@@ -619,17 +622,29 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.config.set_dropout(t.model_config.dropout);
   for (const auto& item : t.model->named_parameters()) {
     t.parameters.emplace_back(item.key(), item.value());
-    t.parameter_list.push_back(item.value());
   }
   if (!t.config.init_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadInitialWeights(t.config.init_from()));
-  internal::AdamWOptions adam;
-  adam.beta1 = t.config.adam_beta1();
-  adam.beta2 = t.config.adam_beta2();
-  adam.eps = t.config.adam_eps();
-  adam.weight_decay = t.config.weight_decay();
-  t.reducer = std::make_unique<internal::GradientReducer>(
-      t.parameter_list, t.dp_group, static_cast<int64_t>(t.config.bucket_size_mb() * (1 << 20)));
-  t.optimizer = std::make_unique<internal::AdamW>(t.parameters, adam);
+  t.ClassifyParameters();
+  internal::ParameterUpdateOptions update;
+  update.parameters = t.parameters;
+  update.counted = t.counted_parameters;
+  for (const auto& [name, p] : t.tied) update.keep_full_gradient.push_back(p);
+  update.data_parallel = t.dp_group;
+  update.norm_group = t.norm_group;
+  update.world = &topology->world();
+  update.adam.beta1 = t.config.adam_beta1();
+  update.adam.beta2 = t.config.adam_beta2();
+  update.adam.eps = t.config.adam_eps();
+  update.adam.weight_decay = t.config.weight_decay();
+  update.zero_stage = t.config.zero_stage();
+  update.zero_allow_untested_optimizer = t.config.zero_allow_untested_optimizer();
+  if (t.config.zero_stage() > 0) {
+    update.bucket_bytes = t.config.zero_reduce_bucket_size() * 4;  // elements of fp32
+    update.zero_allgather_bucket_bytes = t.config.zero_allgather_bucket_size() * 4;
+  } else {
+    update.bucket_bytes = static_cast<int64_t>(t.config.bucket_size_mb() * (1 << 20));
+  }
+  TRIDENT_ASSIGN_OR_RETURN(t.update, internal::MakeParameterUpdate(std::move(update)));
   t.StartRunner();
   // Dropout streams: one per data-parallel rank. With sequence parallelism
   // every dropout acts on this rank's own shard or heads, so tensor-parallel
@@ -674,6 +689,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   result.first_step = t.step;
   result.unigram_entropy = UnigramEntropy(*t.train_data);
   t.Print(absl::StrCat("config:\n", ConfigToText(c)));
+  t.Print(absl::StrCat("per rank: ", t.update->MemoryReport()));
   t.Print(absl::StrFormat(
       "model %s: %s parameters | data %s: %s tokens, %d samples of %d | %d rank(s), global batch "
       "%d (micro %d x accumulation %d x dp %d) | %d thread(s) per rank, peak %.1f GFLOP/s | "
@@ -702,12 +718,11 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     StepMetrics m;
     m.loss = loss;
     TRIDENT_ASSIGN_OR_RETURN(m.grad_norm,
-                             internal::ClipGradNorm(t.counted_parameters, t.parameter_list,
-                                                    c.grad_clip(), t.norm_group));
+                             t.update->ClipGradNorm(c.grad_clip()));
     m.lr = internal::LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps,
                                   t.step);
     t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
-    t.optimizer->Step(m.lr);
+    TRIDENT_RETURN_IF_ERROR(t.update->Step(m.lr));
     ++t.step;
     t.ForHooks([&](TrainerHooks& h) { h.AfterOptimizerStep(t.State()); });
     const double seconds = Seconds(Clock::now() - step_start);

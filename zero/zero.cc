@@ -241,9 +241,26 @@ absl::Status ZeroOptimizer::Step(double lr) {
     optimizer_->step();
   }));
   at::NoGradGuard no_grad;
-  for (Bucket& bucket : buckets_) {
-    TRIDENT_ASSIGN_OR_RETURN(at::Tensor gathered, group_->AllGather(bucket.chunk.contiguous(), 0));
-    bucket.buffer.copy_(gathered);
+  const int64_t parts = group_->size();
+  for (size_t first = 0; first < buckets_.size();) {
+    // Buckets [first, end) go in one message; rank r's row holds its chunks.
+    size_t end = first + 1;
+    int64_t bytes = Bytes(buckets_[first].chunk);
+    while (end < buckets_.size() &&
+           bytes + Bytes(buckets_[end].chunk) <= options_.allgather_bucket_bytes) {
+      bytes += Bytes(buckets_[end++].chunk);
+    }
+    std::vector<at::Tensor> chunks;
+    for (size_t b = first; b < end; ++b) chunks.push_back(buckets_[b].chunk);
+    TRIDENT_ASSIGN_OR_RETURN(at::Tensor gathered, group_->AllGather(at::cat(chunks), 0));
+    gathered = gathered.view({parts, -1});
+    int64_t offset = 0;
+    for (size_t b = first; b < end; ++b) {
+      const int64_t n = buckets_[b].chunk.numel();
+      buckets_[b].buffer.view({parts, n}).copy_(gathered.narrow(1, offset, n));
+      offset += n;
+    }
+    first = end;
   }
   return absl::OkStatus();
 }

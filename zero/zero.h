@@ -45,6 +45,9 @@ namespace trident {
 struct ZeroOptions {
   int stage = 1;  // 1 or 2
   int64_t reduce_bucket_bytes = 25 << 20;  // zero_reduce_bucket_size
+  // The updated chunks are all-gathered several buckets per message, up to
+  // this many bytes of chunks (zero_allgather_bucket_size).
+  int64_t allgather_bucket_bytes = 25 << 20;
   // Optimizers other than Adam, AdamW and SGD (element-wise, per-parameter
   // state) are refused unless this is set (zero_allow_untested_optimizer).
   bool allow_untested_optimizer = false;

@@ -67,6 +67,7 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
     ZeroOptions options;
     options.stage = c.stage;
     options.reduce_bucket_bytes = 16 << 10;  // several buckets
+    options.allgather_bucket_bytes = 8 << 10;  // gathered a few at a time
     auto zero = ZeroOptimizer::Create(Groups(*sharded), &dp, options, MakeAdamW);
     ASSERT_TRUE(zero.ok()) << zero.status();
     for (int step = 0; step < 5; ++step) {

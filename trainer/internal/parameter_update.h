@@ -1,0 +1,61 @@
+// How a step turns gradients into new weights: plain data parallelism (bucketed
+// all-reduce, fused AdamW) or ZeRO (sharded gradients and optimizer state).
+// The trainer and the pipeline runner drive both the same way.
+#ifndef TRIDENT_TRAINER_INTERNAL_PARAMETER_UPDATE_H_
+#define TRIDENT_TRAINER_INTERNAL_PARAMETER_UPDATE_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "checkpoint/checkpoint.h"
+#include "topology/topology.h"
+#include "trainer/internal/optimizer.h"
+
+namespace trident {
+namespace internal {
+
+class ParameterUpdate {
+ public:
+  virtual ~ParameterUpdate() = default;
+  virtual void ZeroGrad() = 0;
+  // Before each backward; `last_micro_batch` lets reductions overlap it.
+  virtual void PrepareForBackward(bool last_micro_batch) = 0;
+  // After the step's last backward: gradients averaged over data parallelism.
+  virtual absl::Status FinishBackward() = 0;
+  // Whether this rank holds an inf or NaN gradient (callers agree over ranks).
+  virtual bool LocalGradientsNonFinite() const = 0;
+  virtual void ScaleGradients(double factor) = 0;
+  // The global gradient norm, counting every stored value once; when
+  // `max_norm` > 0 and the norm exceeds it, gradients are scaled down to it.
+  virtual absl::StatusOr<double> ClipGradNorm(double max_norm) = 0;
+  virtual absl::Status Step(double lr) = 0;
+  virtual NamedTensors State() const = 0;
+  virtual absl::Status LoadState(const SafetensorsContents& contents) = 0;
+  // Per-rank bytes of parameters, gradients and optimizer state, for the log.
+  virtual std::string MemoryReport() const = 0;
+};
+
+struct ParameterUpdateOptions {
+  NamedTensors parameters;                 // stored once each
+  std::vector<at::Tensor> counted;         // in the gradient norm (tied copies, tp replicas once)
+  std::vector<at::Tensor> keep_full_gradient;  // ZeRO-2: summed between pipeline stages first
+  const ProcessGroup* data_parallel = nullptr;
+  const ProcessGroup* norm_group = nullptr;    // tensor x pipeline ranks (nullptr: none)
+  const ProcessGroup* world = nullptr;         // every rank (ZeRO's norm spans dp too)
+  int64_t bucket_bytes = 25 << 20;
+  AdamWOptions adam;
+  int zero_stage = 0;  // 0: plain data parallelism
+  bool zero_allow_untested_optimizer = false;
+  int64_t zero_allgather_bucket_bytes = 0;
+};
+
+absl::StatusOr<std::unique_ptr<ParameterUpdate>> MakeParameterUpdate(ParameterUpdateOptions options);
+
+}  // namespace internal
+}  // namespace trident
+
+#endif  // TRIDENT_TRAINER_INTERNAL_PARAMETER_UPDATE_H_
