@@ -125,7 +125,9 @@ absl::StatusOr<at::Tensor> PipelineStageRunner::Impl::Forward(int chunk, int m,
     if (LastVirtual(chunk)) {
       at::Tensor loss = layers_.SequenceLoss(x, targets_[m]);
       loss_sum_ += loss.item<double>();
+      const double scale = options_.loss_scale ? options_.loss_scale() : 1.0;
       x = loss / static_cast<double>(micro_);
+      if (scale != 1.0) x = x * scale;
     }
   }));
   return x;

@@ -40,6 +40,9 @@ struct StageRunnerOptions {
   at::ScalarType boundary_dtype = at::kFloat;
   // Checkpointed layers rerun in segments of this many layers.
   int64_t checkpoint_num_layers = 1;
+  // Multiplies the loss before backward (mixed-precision loss scaling); the
+  // returned losses are unscaled. Unset: 1.
+  std::function<double()> loss_scale;
   // Called for kReduceTiedGrads, kReduceDataParallelGrads and kOptimizerStep.
   std::function<absl::Status()> reduce_tied_grads, reduce_data_parallel_grads, optimizer_step;
 };

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "base/status.h"
+#include "amp/amp.h"
 #include "pipeline/pipeline.h"
 
 namespace trident {
@@ -108,6 +109,14 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                                 " ranks were started; make the product equal the number of "
                                 "ranks (or start train without a launcher to spawn dp*tp*pp)"));
   }
+  TRIDENT_RETURN_IF_ERROR(MakePrecisionPolicy(c->precision(), c->precision_table()).status());
+  if (c->loss_scale() < 0 || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
+      !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 ||
+      c->initial_scale_power() > 100) {
+    return Invalid("loss_scale must not be negative, loss_scale_window and hysteresis must be at "
+                   "least 1, min_loss_scale positive and initial_scale_power in [0, 100]");
+  }
+  if (!(c->gradient_predivide_factor() > 0)) return Invalid("gradient_predivide_factor must be positive");
   if (c->zero_stage() == 3) {
     return absl::UnimplementedError(
         "zero_stage=3 (sharded parameters) is not in this build yet; use zero_stage=1 or 2");

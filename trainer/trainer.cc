@@ -30,6 +30,7 @@
 #include "trainer/internal/metrics.h"
 #include "trainer/internal/optimizer.h"
 #include "trainer/internal/parameter_update.h"
+#include "amp/amp.h"
 
 namespace trident {
 namespace {
@@ -103,6 +104,8 @@ class Trainer::Impl {
   std::shared_ptr<LanguageModel> model;
   NamedTensors parameters;  // stored parameters, tied ones once
   std::unique_ptr<internal::ParameterUpdate> update;  // data-parallel reduction and optimizer
+  PrecisionPolicy precision;
+  std::optional<LossScaler> scaler;  // with loss scaling
   std::unique_ptr<TokenFile> train_data, val_data;
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<BatchSampler> sampler;
@@ -141,6 +144,8 @@ class Trainer::Impl {
   absl::Status SaveCheckpoint();
   absl::Status LoadCheckpoint();
   absl::StatusOr<double> TrainStep();
+  // Whether any rank's gradients hold inf or NaN (every rank gets the same answer).
+  absl::StatusOr<bool> GradientsOverflowed();
   absl::StatusOr<double> Evaluate();
   void Report(const StepMetrics& m, int64_t max_steps);
 };
@@ -218,6 +223,9 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   NamedTensors tensors;
   for (const auto& [name, p] : parameters) tensors.emplace_back("model/" + name, p);
   for (auto& [name, t] : update->State()) tensors.emplace_back("optimizer/" + name, t);
+  if (scaler) {
+    for (auto& item : scaler->State()) tensors.push_back(item);
+  }
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -282,6 +290,7 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
     if (name.rfind("optimizer/", 0) == 0) optimizer_state.tensors.emplace_back(name.substr(10), t);
   }
   TRIDENT_RETURN_IF_ERROR(update->LoadState(optimizer_state));
+  if (scaler) TRIDENT_RETURN_IF_ERROR(scaler->LoadState(contents));
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor rng, contents.Get("rng/cpu"));
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
@@ -384,6 +393,7 @@ void Trainer::Impl::StartRunner() {
   options.boundary_shape = {config.micro_batch_size(), sequence, model_config.n_embd};
   options.reduce_tied_grads = [this] { return ReduceTiedGradients(tied, *pp_group); };
   options.reduce_data_parallel_grads = [this] { return update->FinishBackward(); };
+  options.loss_scale = [this] { return scaler ? scaler->scale() : 1.0; };
   runner = std::make_unique<PipelineStageRunner>(*model, *pp_group, *schedule, options);
 }
 
@@ -458,6 +468,7 @@ absl::StatusOr<double> Trainer::Impl::TrainStep() {
   if (runner) {
     if (inputs.empty()) inputs.assign(accumulation, at::Tensor());
     update->PrepareForBackward(/*last_micro_batch=*/false);
+    AutocastScope autocast(precision, c10::DeviceType::CPU);
     TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunStep(inputs, targets));
     if (!config.trace_file().empty() && step + 1 == config.trace_step()) {
       TRIDENT_RETURN_IF_ERROR(WriteTrace());
@@ -467,15 +478,24 @@ absl::StatusOr<double> Trainer::Impl::TrainStep() {
   double local_loss = 0;
   for (int64_t micro = 0; micro < accumulation; ++micro) {
     update->PrepareForBackward(micro == accumulation - 1);
-    at::Tensor loss =
-        model->Loss(inputs[micro], targets[micro]).div(static_cast<double>(accumulation));
-    loss.backward();
+    at::Tensor loss;
+    {
+      AutocastScope autocast(precision, c10::DeviceType::CPU);
+      loss = model->Loss(inputs[micro], targets[micro]).div(static_cast<double>(accumulation));
+    }
+    (scaler ? loss * scaler->scale() : loss).backward();
     local_loss += loss.item<double>();
   }
   TRIDENT_RETURN_IF_ERROR(update->FinishBackward());
   at::Tensor loss = at::full({1}, local_loss, at::kDouble);
   TRIDENT_RETURN_IF_ERROR(dp_group->AllReduce(loss, ReduceOp::kAvg));
   return loss.item<double>();
+}
+
+absl::StatusOr<bool> Trainer::Impl::GradientsOverflowed() {
+  at::Tensor flag = at::full({1}, update->LocalGradientsNonFinite() ? 1.0 : 0.0, at::kFloat);
+  TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(flag, ReduceOp::kMax));
+  return flag.item<float>() > 0;
 }
 
 absl::StatusOr<double> Trainer::Impl::Evaluate() {
@@ -486,6 +506,7 @@ absl::StatusOr<double> Trainer::Impl::Evaluate() {
                            /*shuffle=*/false);
   const int64_t accumulation = config.grad_accumulation_steps();
   double total = 0;  // sum of micro-batch mean losses (on the last stage with a runner)
+  AutocastScope autocast(precision, c10::DeviceType::CPU);
   for (int64_t s = 0; s < config.eval_steps(); ++s) {
     std::vector<at::Tensor> inputs, targets;
     MicroBatches(*val_data, val_sampler, s, &inputs, &targets);
@@ -513,13 +534,17 @@ absl::StatusOr<double> Trainer::Impl::Evaluate() {
 }
 
 void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps) {
-  const std::vector<std::pair<std::string, double>> values = {
+  std::vector<std::pair<std::string, double>> values = {
       {"loss", m.loss},
       {"lr", m.lr},
       {"grad_norm", m.grad_norm},
       {"tokens_per_s", m.tokens_per_s},
       {"step_time_ms", m.step_time_ms},
       {"mfu", m.mfu}};
+  if (scaler) {
+    values.emplace_back("loss_scale", m.loss_scale);
+    values.emplace_back("skipped", m.skipped ? 1 : 0);
+  }
   if (metrics) metrics->Write(m.step, values);
   if (tensorboard) tensorboard->Write(m.step, values);
   if (!is_rank0) return;
@@ -613,6 +638,18 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
       TRIDENT_ASSIGN_OR_RETURN(t.schedule, MakeSchedule(t.config.schedule()));
     }
   }
+  TRIDENT_ASSIGN_OR_RETURN(t.precision,
+                           MakePrecisionPolicy(t.config.precision(), t.config.precision_table()));
+  ApplyPrecision(*t.model, t.precision);
+  if (t.precision.loss_scaling || t.config.has_loss_scale()) {
+    LossScalerOptions scaling;
+    scaling.loss_scale = t.config.loss_scale();
+    scaling.initial_scale_power = t.config.initial_scale_power();
+    scaling.loss_scale_window = t.config.loss_scale_window();
+    scaling.hysteresis = t.config.hysteresis();
+    scaling.min_loss_scale = t.config.min_loss_scale();
+    t.scaler.emplace(scaling);
+  }
   // Record the resolved model sizes so the printed and saved config is complete.
   t.config.set_n_layer(t.model_config.n_layer);
   t.config.set_n_head(t.model_config.n_head);
@@ -638,6 +675,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   update.adam.weight_decay = t.config.weight_decay();
   update.zero_stage = t.config.zero_stage();
   update.zero_allow_untested_optimizer = t.config.zero_allow_untested_optimizer();
+  if (t.config.prescale_gradients()) {
+    update.gradient_predivide_factor = t.config.gradient_predivide_factor();
+  }
   if (t.config.zero_stage() > 0) {
     update.bucket_bytes = t.config.zero_reduce_bucket_size() * 4;  // elements of fp32
     update.zero_allgather_bucket_bytes = t.config.zero_allgather_bucket_size() * 4;
@@ -715,14 +755,31 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       return absl::InternalError(absl::StrCat("the loss became ", loss, " at step ", t.step + 1,
                                               "; lower lr or raise warmup_steps"));
     }
+    t.ForHooks([&](TrainerHooks& h) { h.AfterBackward(t.State()); });
     StepMetrics m;
     m.loss = loss;
-    TRIDENT_ASSIGN_OR_RETURN(m.grad_norm,
-                             t.update->ClipGradNorm(c.grad_clip()));
     m.lr = internal::LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps,
                                   t.step);
-    t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
-    TRIDENT_RETURN_IF_ERROR(t.update->Step(m.lr));
+    if (t.scaler) {
+      m.loss_scale = t.scaler->scale();
+      TRIDENT_ASSIGN_OR_RETURN(m.skipped, t.GradientsOverflowed());
+    }
+    if (m.skipped) {
+      // Every rank skips: the weights and optimizer state stay as they were.
+      t.scaler->Update(true);
+      m.grad_norm = std::numeric_limits<double>::quiet_NaN();
+      t.Print(absl::StrFormat("step %d: inf or NaN gradients on some rank; skipped the update, "
+                              "loss scale %g -> %g",
+                              t.step + 1, m.loss_scale, t.scaler->scale()));
+    } else {
+      if (t.scaler) {
+        if (m.loss_scale != 1.0) t.update->ScaleGradients(1.0 / m.loss_scale);
+        t.scaler->Update(false);
+      }
+      TRIDENT_ASSIGN_OR_RETURN(m.grad_norm, t.update->ClipGradNorm(c.grad_clip()));
+      t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
+      TRIDENT_RETURN_IF_ERROR(t.update->Step(m.lr));
+    }
     ++t.step;
     t.ForHooks([&](TrainerHooks& h) { h.AfterOptimizerStep(t.State()); });
     const double seconds = Seconds(Clock::now() - step_start);

@@ -35,6 +35,8 @@ struct StepMetrics {
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;     // before clipping
+  double loss_scale = 1;    // with loss scaling: the scale this step's backward used
+  bool skipped = false;     // gradients held inf or NaN on some rank: no update
   double tokens_per_s = 0;  // all ranks together
   double step_time_ms = 0;
   double mfu = 0;           // model FLOPs per second over the measured peak
@@ -58,6 +60,9 @@ class TrainerHooks {
   virtual void OnStepStart(const TrainerState&) {}
   virtual void OnStepEnd(const TrainerState&, const StepMetrics&) {}
   virtual void OnEvalEnd(const TrainerState&, double /*val_loss*/) {}
+  // After the step's backward and gradient reduction, before the inf/NaN check,
+  // clipping and the update (gradients may be read or changed here).
+  virtual void AfterBackward(const TrainerState&) {}
   virtual void BeforeOptimizerStep(const TrainerState&) {}
   virtual void AfterOptimizerStep(const TrainerState&) {}
   virtual void OnSaveCheckpoint(const TrainerState&, const std::string& /*path*/) {}

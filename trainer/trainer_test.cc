@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -233,6 +234,93 @@ TEST(TrainerCheckpointTest, ZeroResumeIsBitExact) {
   resumed.set_resume_from(save_dir + "/step_10");
   resumed.set_save_dir(TestDir() + "/zero_resume_again");
   const std::vector<double> tail = TrainOnRanks(resumed, "zero_resumed");
+  ASSERT_EQ(tail.size(), 10u);
+  for (size_t i = 0; i < tail.size(); ++i) EXPECT_EQ(tail[i], losses[10 + i]) << "step " << 11 + i;
+}
+
+// bf16 compute (fp32 master weights) tracks the fp32 loss curve: within 2% at
+// each of steps 191-200.
+TEST(TrainerPrecisionTest, Bf16TracksFp32) {
+  TrainerConfig fp32 = SmallConfig(1);
+  fp32.set_max_steps(200);
+  TrainerConfig bf16 = fp32;
+  bf16.set_precision("bf16");
+  const std::vector<double> reference = TrainOnRanks(fp32, "fp32_200");
+  const std::vector<double> mixed = TrainOnRanks(bf16, "bf16_200");
+  ASSERT_EQ(mixed.size(), 200u);
+  double worst = 0;
+  for (size_t i = 190; i < 200; ++i) {
+    const double relative = std::abs(mixed[i] - reference[i]) / reference[i];
+    worst = std::max(worst, relative);
+    EXPECT_LT(relative, 0.02) << "step " << i + 1;
+  }
+  EXPECT_LT(reference[199], reference[0] * 0.7) << "the model should learn";
+  std::printf("bf16 vs fp32 over steps 191-200: largest relative difference %.3g\n", worst);
+}
+
+// An inf gradient injected on one rank: every rank skips that update (weights
+// unchanged), the dynamic loss scale halves, and training goes on.
+class InjectInf : public TrainerHooks {
+ public:
+  explicit InjectInf(int rank) : rank_(rank) {}
+  void AfterBackward(const TrainerState& state) override {
+    if (state.step != 4 || rank_ != 1) return;  // the 5th step, on rank 1 only
+    auto params = state.model.parameters();
+    params.front().grad().view({-1})[0] = std::numeric_limits<float>::infinity();
+  }
+  void OnStepEnd(const TrainerState& state, const StepMetrics& m) override {
+    metrics.push_back(m);
+    snapshots.push_back(state.model.parameters().front().detach().clone());
+  }
+  int rank_;
+  std::vector<StepMetrics> metrics;
+  std::vector<at::Tensor> snapshots;
+};
+
+TEST(TrainerPrecisionTest, InfOnOneRankSkipsTheStepEverywhereAndHalvesTheScale) {
+  TrainerConfig config = SmallConfig(2);
+  config.set_precision("bf16");
+  config.set_loss_scale(0);  // dynamic loss scaling, asked for explicitly
+  config.set_initial_scale_power(16);
+  config.set_hysteresis(1);
+  config.set_max_steps(10);
+  testing::RunOnRanks(2, [&](int rank) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    auto trainer = Trainer::Create(config, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    auto hooks = std::make_shared<InjectInf>(rank);
+    (*trainer)->AddHooks(hooks);
+    auto result = (*trainer)->Train();
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(hooks->metrics.size(), 10u);
+    for (int i = 0; i < 10; ++i) EXPECT_EQ(hooks->metrics[i].skipped, i == 4) << "step " << i + 1;
+    EXPECT_EQ(hooks->metrics[4].loss_scale, 65536);
+    EXPECT_EQ(hooks->metrics[5].loss_scale, 32768);
+    EXPECT_TRUE(at::equal(hooks->snapshots[4], hooks->snapshots[3])) << "skipped: no update";
+    EXPECT_FALSE(at::equal(hooks->snapshots[5], hooks->snapshots[4])) << "training goes on";
+    EXPECT_TRUE(std::isfinite(result->losses.back()));
+  });
+}
+
+// Checkpoints under ZeRO and mixed precision (with the loss scaler's state)
+// resume bit-exactly.
+TEST(TrainerCheckpointTest, MixedPrecisionZeroResumeIsBitExact) {
+  const std::string save_dir = TestDir() + "/amp_resume";
+  if (!testing::IsRankProcess()) fs::remove_all(save_dir);
+  TrainerConfig straight = SmallConfig(2);
+  straight.set_precision("bf16");
+  straight.set_loss_scale(0);
+  straight.set_initial_scale_power(8);
+  straight.set_loss_scale_window(3);  // the scale changes between the checkpoints
+  straight.set_zero_stage(1);
+  straight.set_save_dir(save_dir);
+  straight.set_save_every(10);
+  const std::vector<double> losses = TrainOnRanks(straight, "amp_straight");
+  TrainerConfig resumed = straight;
+  resumed.set_resume_from(save_dir + "/step_10");
+  resumed.set_save_dir(TestDir() + "/amp_resume_again");
+  const std::vector<double> tail = TrainOnRanks(resumed, "amp_resumed");
   ASSERT_EQ(tail.size(), 10u);
   for (size_t i = 0; i < tail.size(); ++i) EXPECT_EQ(tail[i], losses[10 + i]) << "step " << 11 + i;
 }

@@ -193,7 +193,8 @@ void ZeroOptimizer::OnGradientReady(int index) {
 }
 
 absl::Status ZeroOptimizer::ReduceScatter(Bucket& bucket, const at::Tensor& full) {
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor mine, group_->ReduceScatter(full, 0));
+  const double f = options_.gradient_predivide_factor;
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor mine, group_->ReduceScatter(f == 1.0 ? full : full / f, 0));
   bucket.chunk_grad.add_(mine);
   return absl::OkStatus();
 }
@@ -211,7 +212,12 @@ absl::Status ZeroOptimizer::FinishBackward() {
       bucket.full_grad = at::Tensor();
       bucket.pending = static_cast<int>(bucket.params.size());
     }
-    bucket.chunk_grad.div_(group_->size());
+    const double f = options_.gradient_predivide_factor;
+    if (f == 1.0) {
+      bucket.chunk_grad.div_(group_->size());
+    } else {
+      bucket.chunk_grad.mul_(f / group_->size());
+    }
   }
   return absl::OkStatus();
 }

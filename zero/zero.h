@@ -51,6 +51,9 @@ struct ZeroOptions {
   // Optimizers other than Adam, AdamW and SGD (element-wise, per-parameter
   // state) are refused unless this is set (zero_allow_untested_optimizer).
   bool allow_untested_optimizer = false;
+  // Gradients are divided by this before the reduction and multiplied by it
+  // (over the group size) after (prescale_gradients).
+  double gradient_predivide_factor = 1.0;
   // Parameters whose gradients stay whole until FinishBackward (stage 2).
   std::function<bool(const at::Tensor&)> keep_full_gradient;
   // Parameters counted in the gradient norm (false: replicas counted elsewhere).

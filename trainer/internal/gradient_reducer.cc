@@ -27,8 +27,10 @@ class AccumulatedHook : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
-                                 const ProcessGroup* group, int64_t bucket_bytes)
-    : group_(group != nullptr && group->size() > 1 ? group : nullptr) {
+                                 const ProcessGroup* group, int64_t bucket_bytes,
+                                 double predivide_factor)
+    : group_(group != nullptr && group->size() > 1 ? group : nullptr),
+      predivide_factor_(predivide_factor) {
   // Bucket assignment in reverse order: the last layers' gradients come first.
   std::vector<std::vector<at::Tensor>> members(1);
   int64_t bytes = 0;
@@ -89,6 +91,7 @@ void GradientReducer::OnGradientReady(int bucket) {
 
 void GradientReducer::Launch(Bucket& bucket) {
   bucket.launched = true;
+  if (predivide_factor_ != 1.0) bucket.buffer.div_(predivide_factor_);
   auto work = group_->IAllReduce(bucket.buffer);
   if (work.ok()) {
     bucket.work = *std::move(work);
@@ -112,7 +115,13 @@ absl::Status GradientReducer::FinishBackward() {
     if (status.ok() && !waited.ok()) status = waited;
   }
   if (!status.ok()) return status;
-  for (Bucket& bucket : buckets_) bucket.buffer.div_(group_->size());
+  for (Bucket& bucket : buckets_) {
+    if (predivide_factor_ == 1.0) {
+      bucket.buffer.div_(group_->size());
+    } else {
+      bucket.buffer.mul_(predivide_factor_ / group_->size());
+    }
+  }
   sync_ = false;
   return absl::OkStatus();
 }

@@ -23,9 +23,10 @@ namespace internal {
 class GradientReducer {
  public:
   // `group` averages the gradients (nullptr or size 1: no communication);
-  // buckets hold up to `bucket_bytes` each.
+  // buckets hold up to `bucket_bytes` each. With `predivide_factor` f != 1 the
+  // gradients are divided by f before the sum and multiplied by f / size after.
   GradientReducer(const std::vector<at::Tensor>& parameters, const ProcessGroup* group,
-                  int64_t bucket_bytes);
+                  int64_t bucket_bytes, double predivide_factor = 1.0);
   ~GradientReducer();
 
   // Zeroes every gradient (the bucket buffers).
@@ -48,6 +49,7 @@ class GradientReducer {
   void Launch(Bucket& bucket);
 
   const ProcessGroup* group_;
+  double predivide_factor_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_sizes_;  // parameters per bucket
   std::vector<std::shared_ptr<void>> hooks_;  // keeps the grad accumulators alive

@@ -22,7 +22,8 @@ class PlainDataParallel : public ParameterUpdate {
   explicit PlainDataParallel(ParameterUpdateOptions o)
       : options_(std::move(o)), optimizer_(options_.parameters, options_.adam) {
     for (const auto& [name, p] : options_.parameters) list_.push_back(p);
-    reducer_ = std::make_unique<GradientReducer>(list_, options_.data_parallel, options_.bucket_bytes);
+    reducer_ = std::make_unique<GradientReducer>(list_, options_.data_parallel, options_.bucket_bytes,
+                                                 options_.gradient_predivide_factor);
   }
   void ZeroGrad() override { reducer_->ZeroGrad(); }
   void PrepareForBackward(bool last) override { reducer_->PrepareForBackward(last); }
@@ -80,6 +81,7 @@ class Zero : public ParameterUpdate {
     zero_options.reduce_bucket_bytes = options.bucket_bytes;
     zero_options.allgather_bucket_bytes = options.zero_allgather_bucket_bytes;
     zero_options.allow_untested_optimizer = options.zero_allow_untested_optimizer;
+    zero_options.gradient_predivide_factor = options.gradient_predivide_factor;
     zero_options.keep_full_gradient = [keep](const at::Tensor& p) {
       return keep.count(p.unsafeGetTensorImpl()) > 0;
     };

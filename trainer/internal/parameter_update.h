@@ -47,6 +47,7 @@ struct ParameterUpdateOptions {
   const ProcessGroup* norm_group = nullptr;    // tensor x pipeline ranks (nullptr: none)
   const ProcessGroup* world = nullptr;         // every rank (ZeRO's norm spans dp too)
   int64_t bucket_bytes = 25 << 20;
+  double gradient_predivide_factor = 1.0;  // prescale_gradients
   AdamWOptions adam;
   int zero_stage = 0;  // 0: plain data parallelism
   bool zero_allow_untested_optimizer = false;
