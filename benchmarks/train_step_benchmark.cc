@@ -1,6 +1,7 @@
-// Tokens/s and step time of gpt-tiny training on one rank, on 2 data-parallel
-// ranks and on 2 tensor-parallel ranks, each rank on one intra-op thread (so 2
-// ranks on 2 cores measure scaling).
+// Tokens/s, step time and peak memory of gpt-tiny training: one rank, 2
+// data-parallel ranks, 2 tensor-parallel ranks, ZeRO stages 1 and 2 at dp = 2
+// and 4, and bf16 against fp32; each rank on one intra-op thread (so 2 ranks on
+// 2 cores measure scaling; 4 ranks oversubscribe them).
 //
 //   bazel run -c opt //benchmarks:train_step_benchmark
 //
@@ -8,6 +9,8 @@
 // the local launcher); they train warm-up steps, then time `kTimedSteps` steps,
 // and rank 0 reports the mean step time back through a file.
 #include <benchmark/benchmark.h>
+
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -28,8 +31,11 @@ constexpr int kWarmupSteps = 3;
 constexpr int kTimedSteps = 20;
 constexpr char kWorkerFlag[] = "--train_step_worker";
 
-TrainerConfig BenchmarkConfig(int dp, int tp) {
+TrainerConfig BenchmarkConfig(int dp, int tp, int zero_stage, bool bf16) {
   TrainerConfig c;
+  c.set_zero_stage(zero_stage);
+  c.set_zero_reduce_bucket_size(1 << 20);
+  if (bf16) c.set_precision("bf16");
   c.set_model("gpt");
   c.set_preset("gpt-tiny");  // n_layer 4, n_head 4, n_embd 256, block 128, vocab 256
   c.set_dp(dp);
@@ -54,7 +60,7 @@ class StepTimer : public TrainerHooks {
   double total_ms = 0;
 };
 
-absl::Status RunWorker(int tp, const std::string& result_path) {
+absl::Status RunWorker(int tp, int zero_stage, bool bf16, const std::string& result_path) {
   TuneAllocatorForTraining();
   at::set_num_threads(1);
   TopologyOptions options;
@@ -62,22 +68,30 @@ absl::Status RunWorker(int tp, const std::string& result_path) {
   TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment(options));
   TRIDENT_ASSIGN_OR_RETURN(
       auto trainer,
-      Trainer::Create(BenchmarkConfig(topology->world_size() / tp, tp), topology.get()));
+      Trainer::Create(BenchmarkConfig(topology->world_size() / tp, tp, zero_stage, bf16),
+                      topology.get()));
   auto timer = std::make_shared<StepTimer>();
   trainer->AddHooks(timer);
   TRIDENT_RETURN_IF_ERROR(trainer->Train().status());
-  if (topology->rank() == 0) std::ofstream(result_path) << timer->total_ms / kTimedSteps;
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  if (topology->rank() == 0) {
+    std::ofstream(result_path) << timer->total_ms / kTimedSteps << " " << usage.ru_maxrss / 1024.0;
+  }
   return absl::OkStatus();
 }
 
 void BM_TrainStep_GptTiny(benchmark::State& state) {
   const int dp = static_cast<int>(state.range(0)), tp = static_cast<int>(state.range(1));
+  const int zero_stage = static_cast<int>(state.range(2));
+  const bool bf16 = state.range(3) != 0;
   const std::string result_path = absl::StrCat("/tmp/trident_train_step_", getpid(), ".txt");
-  double step_ms = 0;
+  double step_ms = 0, peak_mb = 0;
   for (auto _ : state) {
     LaunchOptions launch;
     launch.nproc_per_node = dp * tp;
-    launch.command = {"/proc/self/exe", kWorkerFlag, std::to_string(tp), result_path};
+    launch.command = {"/proc/self/exe", kWorkerFlag, std::to_string(tp),
+                      std::to_string(zero_stage), bf16 ? "1" : "0", result_path};
     launch.env["OMP_NUM_THREADS"] = "1";
     launch.env["OPENBLAS_NUM_THREADS"] = "1";
     launch.on_output = [](int, bool, absl::string_view) {};
@@ -86,22 +100,30 @@ void BM_TrainStep_GptTiny(benchmark::State& state) {
       state.SkipWithError(std::string(result.status.message()).c_str());
       return;
     }
-    std::ifstream(result_path) >> step_ms;
+    std::ifstream(result_path) >> step_ms >> peak_mb;
     state.SetIterationTime(step_ms / 1000.0);
   }
   std::remove(result_path.c_str());
   state.counters["step_ms"] = step_ms;
+  state.counters["peak_rss_mb_rank0"] = peak_mb;
   state.counters["tokens_per_s"] = benchmark::Counter(16.0 * 128 / (step_ms / 1000.0));
 }
-BENCHMARK(BM_TrainStep_GptTiny)->Args({1, 1})->Args({2, 1})->Args({1, 2})->ArgNames({"dp", "tp"})
-    ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_TrainStep_GptTiny)
+    ->Args({1, 1, 0, 0})->Args({2, 1, 0, 0})->Args({1, 2, 0, 0})  // dp, tp scaling
+    ->Args({2, 1, 1, 0})->Args({2, 1, 2, 0})->Args({4, 1, 0, 0})->Args({4, 1, 1, 0})
+    ->Args({4, 1, 2, 0})                                          // ZeRO stages
+    ->Args({1, 1, 0, 1})                                          // bf16
+    ->ArgNames({"dp", "tp", "zero", "bf16"})->UseManualTime()->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trident
 
 int main(int argc, char** argv) {
-  if (argc == 4 && std::string(argv[1]) == trident::kWorkerFlag) {
-    return trident::ExitCodeFor("train_step_worker", trident::RunWorker(std::atoi(argv[2]), argv[3]));
+  if (argc == 6 && std::string(argv[1]) == trident::kWorkerFlag) {
+    return trident::ExitCodeFor("train_step_worker",
+                                trident::RunWorker(std::atoi(argv[2]), std::atoi(argv[3]),
+                                                   std::string(argv[4]) == "1", argv[5]));
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
