@@ -1,5 +1,5 @@
 // Tokens/s, step time and peak memory of gpt-tiny training: one rank, 2
-// data-parallel ranks, 2 tensor-parallel ranks, ZeRO stages 1 and 2 at dp = 2
+// data-parallel ranks, 2 tensor-parallel ranks, ZeRO stages 1 to 3 at dp = 2
 // and 4, and bf16 against fp32; each rank on one intra-op thread (so 2 ranks on
 // 2 cores measure scaling; 4 ranks oversubscribe them).
 //
@@ -110,8 +110,8 @@ void BM_TrainStep_GptTiny(benchmark::State& state) {
 }
 BENCHMARK(BM_TrainStep_GptTiny)
     ->Args({1, 1, 0, 0})->Args({2, 1, 0, 0})->Args({1, 2, 0, 0})  // dp, tp scaling
-    ->Args({2, 1, 1, 0})->Args({2, 1, 2, 0})->Args({4, 1, 0, 0})->Args({4, 1, 1, 0})
-    ->Args({4, 1, 2, 0})                                          // ZeRO stages
+    ->Args({2, 1, 1, 0})->Args({2, 1, 2, 0})->Args({2, 1, 3, 0})->Args({4, 1, 0, 0})
+    ->Args({4, 1, 1, 0})->Args({4, 1, 2, 0})->Args({4, 1, 3, 0})  // ZeRO stages
     ->Args({1, 1, 0, 1})                                          // bf16
     ->ArgNames({"dp", "tp", "zero", "bf16"})->UseManualTime()->Iterations(1)
     ->Unit(benchmark::kMillisecond);

@@ -28,12 +28,32 @@
 
 namespace trident {
 
+// Watches layers run (ZeRO stage 3 gathers a layer's parameters before it runs
+// and releases them after).
+class LayerObserver {
+ public:
+  virtual ~LayerObserver() = default;
+  virtual void BeforeLayer(int64_t layer) = 0;
+  // `output` is the layer's result (it may register gradient hooks on it).
+  virtual void AfterLayer(int64_t layer, const at::Tensor& output) = 0;
+};
+
 // A model as an ordered list of layers: layer 0 receives the model input, layer
 // i > 0 the output of layer i - 1, and the loss is computed from the last output.
 // Consecutive layers exchange exactly one tensor.
 class LayerSequence {
  public:
   virtual ~LayerSequence() = default;
+  // Runs layer i under the observer, if any: how callers run layers.
+  at::Tensor RunLayer(int64_t i, const at::Tensor& input) {
+    if (observer_ == nullptr) return ForwardLayer(i, input);
+    observer_->BeforeLayer(i);
+    at::Tensor output = ForwardLayer(i, input);
+    observer_->AfterLayer(i, output);
+    return output;
+  }
+  // Not owned; nullptr removes it.
+  void SetObserver(LayerObserver* observer) { observer_ = observer; }
   virtual int64_t NumLayers() const = 0;
   // A name for layer i, the prefix of its own parameters where it has one
   // ("transformer.h.3"); usable as a `layer_split` point.
@@ -44,6 +64,9 @@ class LayerSequence {
   virtual std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) = 0;
   // The loss of the last layer's output against `targets`.
   virtual at::Tensor SequenceLoss(const at::Tensor& output, const at::Tensor& targets) = 0;
+
+ private:
+  LayerObserver* observer_ = nullptr;
 };
 
 // What one layer costs, measured on an example input.

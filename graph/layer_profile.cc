@@ -32,7 +32,7 @@ absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, cons
   absl::Status ran = CatchExceptions(absl::StrCat("profiling layer ", i, " (", p.name, ")"), [&] {
     for (int run = 0; run < 3; ++run) {
       const auto start = std::chrono::steady_clock::now();
-      *output = layers.ForwardLayer(i, x);
+      *output = layers.RunLayer(i, x);
       seconds.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }

@@ -153,7 +153,7 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
 
 at::Tensor LanguageModel::Logits(const at::Tensor& tokens) {
   at::Tensor x = tokens;
-  for (int64_t i = 0; i < NumLayers(); ++i) x = ForwardLayer(i, x);
+  for (int64_t i = 0; i < NumLayers(); ++i) x = RunLayer(i, x);
   return x;
 }
 

@@ -105,7 +105,7 @@ absl::StatusOr<at::Tensor> PipelineStageRunner::Impl::Forward(int chunk, int m,
       const int64_t end =
           std::min(first + std::max<int64_t>(1, options_.checkpoint_num_layers), c.end_layer);
       if (first >= checkpoint_end) {
-        for (int64_t i = first; i < end; ++i) x = layers_.ForwardLayer(i, x);
+        for (int64_t i = first; i < end; ++i) x = layers_.RunLayer(i, x);
         first = end;
         continue;
       }
@@ -115,7 +115,7 @@ absl::StatusOr<at::Tensor> PipelineStageRunner::Impl::Forward(int chunk, int m,
       at::Tensor out = x;
       {
         at::NoGradGuard no_grad;
-        for (int64_t i = segment.first; i < segment.end; ++i) out = layers_.ForwardLayer(i, out);
+        for (int64_t i = segment.first; i < segment.end; ++i) out = layers_.RunLayer(i, out);
       }
       segment.after = out.requires_grad_(at::GradMode::is_enabled());
       x = segment.after;
@@ -154,7 +154,7 @@ absl::Status PipelineStageRunner::Impl::Recompute(int chunk, int m) {
     for (Checkpointed& c : saved) {
       SetRngState(c.rng);
       at::Tensor out = c.input;
-      for (int64_t i = c.first; i < c.end; ++i) out = layers_.ForwardLayer(i, out);
+      for (int64_t i = c.first; i < c.end; ++i) out = layers_.RunLayer(i, out);
       c.recomputed = out;
     }
     SetRngState(state);

@@ -176,6 +176,24 @@ absl::StatusOr<at::Tensor> ProcessGroup::AllGather(const at::Tensor& input, int6
   return at::cat(outputs[0], dim);
 }
 
+absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
+                                                     at::Tensor& output) const {
+  if (!input.is_contiguous() || !output.is_contiguous() ||
+      output.numel() != input.numel() * size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "all_gather on process group '", name_, "': IAllGather needs contiguous tensors and an "
+        "output of size() times the input's elements"));
+  }
+  std::vector<at::Tensor> inputs = {input};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (const at::Tensor& part : output.view({size(), -1}).unbind(0)) {
+    outputs[0].push_back(part.view(input.sizes()));
+  }
+  c10d::AllgatherOptions options;
+  options.timeout = timeout_;
+  return Start("all_gather", [&] { return backend_->allgather(outputs, inputs, options); });
+}
+
 absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, int64_t dim,
                                                        ReduceOp op) const {
   TRIDENT_RETURN_IF_ERROR(CheckAverageable(input, op));

@@ -95,6 +95,10 @@ class ProcessGroup {
   // Every rank's `input` (same shape and dtype everywhere), concatenated along
   // `dim` in group-rank order.
   absl::StatusOr<at::Tensor> AllGather(const at::Tensor& input, int64_t dim = 0) const;
+  // Starts gathering every rank's `input` (contiguous) into `output`, whose
+  // first dimension is size() times input's, in rank order; `output` is
+  // complete once the returned work's Wait() succeeds.
+  absl::StatusOr<PendingWork> IAllGather(const at::Tensor& input, at::Tensor& output) const;
   // Reduces `input` across ranks and returns this rank's chunk: `input` is split
   // into size() equal chunks along `dim` and rank r gets the reduced chunk r.
   absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& input, int64_t dim = 0,

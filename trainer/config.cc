@@ -117,12 +117,12 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                    "least 1, min_loss_scale positive and initial_scale_power in [0, 100]");
   }
   if (!(c->gradient_predivide_factor() > 0)) return Invalid("gradient_predivide_factor must be positive");
-  if (c->zero_stage() == 3) {
-    return absl::UnimplementedError(
-        "zero_stage=3 (sharded parameters) is not in this build yet; use zero_stage=1 or 2");
-  }
   if (c->zero_stage() < 0 || c->zero_stage() > 3) {
-    return Invalid(absl::StrCat("zero_stage=", c->zero_stage(), " is unknown; choose 0, 1 or 2"));
+    return Invalid(absl::StrCat("zero_stage=", c->zero_stage(), " is unknown; choose 0, 1, 2 or 3"));
+  }
+  if (c->zero_stage() == 3 && c->pp() > 1 && c->schedule() == "zb_h1") {
+    return Invalid("zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
+                   "has released the layer's parameters; use zero_stage <= 2 or another schedule");
   }
   if (c->zero_reduce_bucket_size() < 1 || c->zero_allgather_bucket_size() < 1) {
     return Invalid("zero_reduce_bucket_size and zero_allgather_bucket_size must be positive");

@@ -116,6 +116,7 @@ class Trainer::Impl {
   int64_t step = 0;
   double peak_flops = 0;
   double flops_per_token = 0;
+  int64_t num_parameters = 0;  // this rank's, tied ones once
   bool progress_bar = false;
 
   TrainerState State() { return TrainerState{config, *model, *topology, step}; }
@@ -221,6 +222,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   CheckpointDirectory directory(config.save_dir());
   TRIDENT_ASSIGN_OR_RETURN(const std::string staging, directory.StagingPath(step));
   NamedTensors tensors;
+  TRIDENT_RETURN_IF_ERROR(update->GatherFullParameters());
   for (const auto& [name, p] : parameters) tensors.emplace_back("model/" + name, p);
   for (auto& [name, t] : update->State()) tensors.emplace_back("optimizer/" + name, t);
   if (scaler) {
@@ -234,6 +236,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   TRIDENT_RETURN_IF_ERROR(WriteSafetensors(
       absl::StrCat(staging, "/rank_", topology->rank(), ".safetensors"), tensors,
       {{"step", absl::StrCat(step)}, {"rank", absl::StrCat(topology->rank())}}));
+  TRIDENT_RETURN_IF_ERROR(update->ReleaseFullParameters(/*keep_changes=*/false));
   if (is_rank0) {
     std::ofstream(staging + "/config.pbtxt") << ConfigToText(config);
   }
@@ -271,6 +274,7 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   }
   const std::string file = absl::StrCat(resolved->path, "/rank_", topology->rank(), ".safetensors");
   TRIDENT_ASSIGN_OR_RETURN(SafetensorsContents contents, ReadSafetensors(file));
+  TRIDENT_RETURN_IF_ERROR(update->GatherFullParameters());
   {
     at::NoGradGuard no_grad;
     for (auto& [name, parameter] : parameters) {
@@ -284,6 +288,7 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
       parameter.copy_(saved);
     }
   }
+  TRIDENT_RETURN_IF_ERROR(update->ReleaseFullParameters(/*keep_changes=*/true));
   SafetensorsContents optimizer_state;
   optimizer_state.path = file;
   for (const auto& [name, t] : contents.tensors) {
@@ -662,6 +667,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   }
   if (!t.config.init_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadInitialWeights(t.config.init_from()));
   t.ClassifyParameters();
+  t.num_parameters = t.model->NumParameters();  // before ZeRO stage 3 shards them
   internal::ParameterUpdateOptions update;
   update.parameters = t.parameters;
   update.counted = t.counted_parameters;
@@ -674,6 +680,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   update.adam.eps = t.config.adam_eps();
   update.adam.weight_decay = t.config.weight_decay();
   update.zero_stage = t.config.zero_stage();
+  update.layers = t.model.get();
+  for (const StageChunk& chunk : t.chunks) {
+    for (int64_t i = chunk.first_layer; i < chunk.end_layer; ++i) update.layer_indices.push_back(i);
+  }
   update.zero_allow_untested_optimizer = t.config.zero_allow_untested_optimizer();
   if (t.config.prescale_gradients()) {
     update.gradient_predivide_factor = t.config.gradient_predivide_factor();
@@ -704,7 +714,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.progress_bar = t.is_rank0 && t.config.enable_progress_bar() &&
                    (isatty(STDOUT_FILENO) || (terminal != nullptr && std::string(terminal) == "1"));
   const int64_t T = t.model_config.block_size;
-  t.flops_per_token = 6.0 * t.model->NumParameters() +
+  t.flops_per_token = 6.0 * t.num_parameters +
                       12.0 * t.model_config.n_layer * t.model_config.n_embd * T;
   t.peak_flops = MeasurePeakFlops();
   return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
@@ -734,7 +744,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       "model %s: %s parameters | data %s: %s tokens, %d samples of %d | %d rank(s), global batch "
       "%d (micro %d x accumulation %d x dp %d) | %d thread(s) per rank, peak %.1f GFLOP/s | "
       "peak RSS %.0f MB",
-      c.model(), HumanCount(t.model->NumParameters()), t.train_data->path(),
+      c.model(), HumanCount(t.num_parameters), t.train_data->path(),
       HumanCount(t.train_data->num_tokens()), t.train_data->num_samples(),
       t.model_config.block_size, t.topology->world_size(), c.global_batch_size(),
       c.micro_batch_size(), c.grad_accumulation_steps(), c.dp(), at::get_num_threads(),
@@ -859,7 +869,10 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
 
 absl::Status Trainer::ExportSafetensors(const std::string& path) {
   Impl& t = *impl_;
-  NamedTensors tensors = t.parameters;
+  TRIDENT_RETURN_IF_ERROR(t.update->GatherFullParameters());
+  NamedTensors tensors;
+  for (const auto& [name, p] : t.parameters) tensors.emplace_back(name, p.detach().clone());
+  TRIDENT_RETURN_IF_ERROR(t.update->ReleaseFullParameters(/*keep_changes=*/false));
   if (t.tp_group != nullptr) {  // join the shards into the single-process tensors
     const auto shards = t.model->ParameterShards();
     for (auto& [name, tensor] : tensors) {

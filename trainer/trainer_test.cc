@@ -194,7 +194,7 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
   }
 }
 
-// ZeRO stages 1 and 2 at dp = 2 and 4, and inside dp x tp and dp x pp layouts
+// ZeRO stages 1, 2 and 3 at dp = 2 and 4, and inside dp x tp and dp x pp layouts
 // (the pipeline's tied embedding keeps whole gradients), train the losses of
 // plain data parallelism (equal to one process's).
 TEST(TrainerParityTest, ZeroLossesEqualPlainDataParallelism) {
@@ -204,7 +204,8 @@ TEST(TrainerParityTest, ZeroLossesEqualPlainDataParallelism) {
   };
   for (const Layout& layout : {Layout{1, 2, 1, 1}, Layout{2, 2, 1, 1}, Layout{1, 4, 1, 1},
                                Layout{2, 4, 1, 1}, Layout{2, 2, 2, 1}, Layout{2, 2, 1, 2},
-                               Layout{1, 2, 1, 2}}) {
+                               Layout{1, 2, 1, 2}, Layout{3, 2, 1, 1}, Layout{3, 4, 1, 1},
+                               Layout{3, 2, 2, 1}, Layout{3, 2, 1, 2}}) {
     TrainerConfig config = SmallConfig(layout.dp);
     config.set_tp(layout.tp);
     config.set_pp(layout.pp);
@@ -225,7 +226,7 @@ TEST(TrainerCheckpointTest, ZeroResumeIsBitExact) {
   const std::string save_dir = TestDir() + "/zero_resume";
   if (!testing::IsRankProcess()) fs::remove_all(save_dir);
   TrainerConfig straight = SmallConfig(2);
-  straight.set_zero_stage(2);
+  straight.set_zero_stage(3);
   straight.set_zero_reduce_bucket_size(4096);
   straight.set_save_dir(save_dir);
   straight.set_save_every(10);

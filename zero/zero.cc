@@ -1,6 +1,8 @@
 #include "zero/zero.h"
 
+#include <optional>
 #include <sstream>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
@@ -60,6 +62,13 @@ struct ZeroOptimizer::Bucket {
   at::Tensor full_grad;    // whole gradients (kept, or stage 2 while the bucket fills)
   at::Tensor counted;      // 1 where a chunk element belongs to a parameter in the norm
   int pending = 0;         // stage 2: gradients still to arrive in this round
+  // Stage 3: the parameters are released at rest (`buffer` undefined, `chunk`
+  // a tensor of its own), gathered while `holders` > 0.
+  bool sharded = false;
+  std::vector<std::vector<int64_t>> shapes;  // the parameters' shapes
+  int holders = 0;
+  std::optional<PendingWork> prefetch;  // an all-gather into `incoming` under way
+  at::Tensor incoming;
 };
 
 std::string MemoryReport::ToString() const {
@@ -70,10 +79,13 @@ std::string MemoryReport::ToString() const {
 absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     std::vector<std::vector<at::Tensor>> groups, const ProcessGroup* data_parallel,
     ZeroOptions options, const ShardOptimizerFactory& make_optimizer) {
-  if (options.stage != 1 && options.stage != 2) {
+  if (options.stage < 1 || options.stage > 3) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "zero_stage=", options.stage, " is not available; choose 1 (optimizer states) or 2 "
-        "(and gradients)"));
+        "zero_stage=", options.stage, " is not available; choose 1 (optimizer states), 2 "
+        "(and gradients) or 3 (and parameters)"));
+  }
+  if (options.stage == 3 && (options.layers == nullptr || options.layer_indices.empty())) {
+    return absl::InvalidArgumentError("ZeRO stage 3 needs the model's layers (ZeroOptions::layers)");
   }
   if (data_parallel == nullptr) return absl::InvalidArgumentError("ZeRO needs a data-parallel group");
   std::unique_ptr<ZeroOptimizer> zero(new ZeroOptimizer());
@@ -83,55 +95,111 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   const int64_t parts = data_parallel->size(), rank = data_parallel->rank();
   std::vector<std::vector<at::Tensor>> shards(groups.size());
   at::NoGradGuard no_grad;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    // Reverse order: the last layers' gradients come first in backward.
-    std::vector<Bucket> pending(1);
-    int64_t bytes = 0;
-    for (auto it = groups[g].rbegin(); it != groups[g].rend(); ++it) {
-      const bool keep = o.stage == 1 || (o.keep_full_gradient && o.keep_full_gradient(*it));
-      Bucket* bucket = &pending.back();
-      if (!bucket->params.empty() &&
-          (bytes + Bytes(*it) > o.reduce_bucket_bytes || bucket->keep_full != keep)) {
-        pending.emplace_back();
-        bucket = &pending.back();
-        bytes = 0;
+  auto keep_full = [&](const at::Tensor& p) {
+    return o.stage == 1 || (o.keep_full_gradient && o.keep_full_gradient(p));
+  };
+  // Bucket membership, each bucket of one group and one gradient kind.
+  std::vector<std::vector<at::Tensor>> members;
+  std::vector<size_t> member_group;
+  if (o.stage < 3) {
+    for (size_t g = 0; g < groups.size(); ++g) {
+      // Reverse order: the last layers' gradients come first in backward.
+      int64_t bytes = 0;
+      bool open = false, open_keep = false;
+      for (auto it = groups[g].rbegin(); it != groups[g].rend(); ++it) {
+        const bool keep = keep_full(*it);
+        if (!open || bytes + Bytes(*it) > o.reduce_bucket_bytes || open_keep != keep) {
+          members.emplace_back();
+          member_group.push_back(g);
+          bytes = 0;
+          open = true;
+          open_keep = keep;
+        }
+        members.back().push_back(*it);
+        bytes += Bytes(*it);
       }
-      bucket->keep_full = keep;
-      bucket->offsets.push_back(bucket->numel);
-      bucket->numel += it->numel();
-      bucket->params.push_back(*it);
-      bytes += Bytes(*it);
     }
-    for (Bucket& bucket : pending) {
-      if (bucket.params.empty()) continue;
-      bucket.numel = (bucket.numel + parts - 1) / parts * parts;
-      const int64_t chunk = bucket.numel / parts;
-      bucket.buffer = at::zeros({bucket.numel}, bucket.params.front().options());
-      at::Tensor counted = at::zeros({bucket.numel}, bucket.buffer.options());
+  } else {
+    // Stage 3: a layer's parameters (each in the first layer that reads it).
+    std::unordered_map<const c10::TensorImpl*, size_t> group_of;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (const at::Tensor& p : groups[g]) group_of[p.unsafeGetTensorImpl()] = g;
+    }
+    std::unordered_map<const c10::TensorImpl*, int> bucket_of;
+    std::vector<std::pair<int64_t, const c10::TensorImpl*>> reads;  // (layer, parameter)
+    TRIDENT_RETURN_IF_ERROR(CatchExceptions("listing the layers' parameters", [&] {
+      for (int64_t layer : o.layer_indices) {
+        std::map<std::pair<size_t, bool>, int> opened;  // (group, keep) -> bucket
+        for (const auto& [name, p] : o.layers->LayerParameters(layer)) {
+          const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+          reads.emplace_back(layer, impl);
+          if (!group_of.count(impl) || bucket_of.count(impl)) continue;
+          const auto key = std::make_pair(group_of[impl], keep_full(p));
+          if (!opened.count(key)) {
+            opened[key] = static_cast<int>(members.size());
+            members.emplace_back();
+            member_group.push_back(key.first);
+          }
+          bucket_of[impl] = opened[key];
+          members[opened[key]].push_back(p);
+        }
+      }
+    }));
+    for (const auto& group : groups) {
+      for (const at::Tensor& p : group) {
+        if (!bucket_of.count(p.unsafeGetTensorImpl())) {
+          return absl::InvalidArgumentError(
+              "ZeRO stage 3: a parameter is read by none of the given layers");
+        }
+      }
+    }
+    for (const auto& [layer, impl] : reads) {
+      auto found = bucket_of.find(impl);
+      if (found == bucket_of.end()) continue;
+      std::vector<int>& needed = zero->layer_buckets_[layer];
+      if (std::find(needed.begin(), needed.end(), found->second) == needed.end()) {
+        needed.push_back(found->second);
+      }
+    }
+  }
+  for (size_t m = 0; m < members.size(); ++m) {
+    Bucket bucket;
+    bucket.params = members[m];
+    bucket.keep_full = keep_full(bucket.params.front());
+    bucket.sharded = o.stage == 3 && !bucket.keep_full;
+    for (const at::Tensor& p : bucket.params) {
+      bucket.offsets.push_back(bucket.numel);
+      bucket.shapes.push_back(p.sizes().vec());
+      bucket.numel += p.numel();
+    }
+    bucket.numel = (bucket.numel + parts - 1) / parts * parts;
+    const int64_t chunk = bucket.numel / parts;
+    bucket.buffer = at::zeros({bucket.numel}, bucket.params.front().options());
+    at::Tensor counted = at::zeros({bucket.numel}, bucket.buffer.options());
+    for (size_t i = 0; i < bucket.params.size(); ++i) {
+      at::Tensor param = bucket.params[i];
+      at::Tensor slot = bucket.buffer.narrow(0, bucket.offsets[i], param.numel());
+      slot.copy_(param.reshape({-1}));
+      param.set_data(slot.view(param.sizes()));  // the parameter now lives in the bucket
+      if (!o.counted_in_norm || o.counted_in_norm(param)) {
+        counted.narrow(0, bucket.offsets[i], param.numel()).fill_(1);
+      }
+    }
+    bucket.chunk = bucket.buffer.narrow(0, rank * chunk, chunk);
+    if (bucket.sharded) bucket.chunk = bucket.chunk.clone();  // the buffer is released below
+    bucket.chunk_grad = at::zeros({chunk}, bucket.buffer.options());
+    bucket.chunk.mutable_grad() = bucket.chunk_grad;
+    bucket.counted = counted.narrow(0, rank * chunk, chunk).clone();
+    if (bucket.keep_full) {
+      bucket.full_grad = at::zeros({bucket.numel}, bucket.buffer.options());
       for (size_t i = 0; i < bucket.params.size(); ++i) {
         at::Tensor param = bucket.params[i];
-        at::Tensor slot = bucket.buffer.narrow(0, bucket.offsets[i], param.numel());
-        slot.copy_(param.reshape({-1}));
-        param.set_data(slot.view(param.sizes()));  // the parameter now lives in the bucket
-        if (!o.counted_in_norm || o.counted_in_norm(param)) {
-          counted.narrow(0, bucket.offsets[i], param.numel()).fill_(1);
-        }
+        param.mutable_grad() =
+            bucket.full_grad.narrow(0, bucket.offsets[i], param.numel()).view(param.sizes());
       }
-      bucket.chunk = bucket.buffer.narrow(0, rank * chunk, chunk);
-      bucket.chunk_grad = at::zeros({chunk}, bucket.buffer.options());
-      bucket.chunk.mutable_grad() = bucket.chunk_grad;
-      bucket.counted = counted.narrow(0, rank * chunk, chunk).clone();
-      if (bucket.keep_full) {
-        bucket.full_grad = at::zeros({bucket.numel}, bucket.buffer.options());
-        for (size_t i = 0; i < bucket.params.size(); ++i) {
-          at::Tensor param = bucket.params[i];
-          param.mutable_grad() =
-              bucket.full_grad.narrow(0, bucket.offsets[i], param.numel()).view(param.sizes());
-        }
-      }
-      shards[g].push_back(bucket.chunk);
-      zero->buckets_.push_back(std::move(bucket));
     }
+    shards[member_group[m]].push_back(bucket.chunk);
+    zero->buckets_.push_back(std::move(bucket));
   }
   // Stage 2: each gradient moves into its bucket as soon as it is accumulated.
   for (size_t b = 0; b < zero->buckets_.size(); ++b) {
@@ -146,7 +214,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
       accumulator->add_post_hook(std::make_unique<AccumulatedHook>([self, index, slot] {
         Bucket& bucket = self->buckets_[index];
         at::Tensor param = bucket.params[slot];
-        if (!bucket.full_grad.defined()) bucket.full_grad = at::zeros({bucket.numel}, bucket.buffer.options());
+        if (!bucket.full_grad.defined()) bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
         bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(param.grad().reshape({-1}));
         param.mutable_grad() = at::Tensor();  // the whole gradient is not kept
         self->OnGradientReady(index);
@@ -154,6 +222,14 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
       zero->hooked_.push_back(accumulator);
     }
   }
+  // Stage 3: release the parameters (after their grad accumulators exist: an
+  // accumulator records its parameter's shape when it is made).
+  for (Bucket& bucket : zero->buckets_) {
+    if (!bucket.sharded) continue;
+    bucket.holders = 1;
+    zero->Release(bucket);
+  }
+  if (o.stage == 3) o.layers->SetObserver(zero.get());
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the sharded optimizer",
                                           [&] { zero->optimizer_ = make_optimizer(shards); }));
   if (StatePerElement(*zero->optimizer_) < 0 && !o.allow_untested_optimizer) {
@@ -167,6 +243,94 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
 
 ZeroOptimizer::~ZeroOptimizer() {
   for (auto& node : hooked_) node->post_hooks().clear();
+  if (options_.stage == 3) options_.layers->SetObserver(nullptr);
+}
+
+absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
+  if (!bucket.sharded || bucket.holders++ > 0) return absl::OkStatus();
+  if (!bucket.prefetch) {
+    bucket.incoming = at::empty({bucket.numel}, bucket.chunk.options());
+    TRIDENT_ASSIGN_OR_RETURN(bucket.prefetch, group_->IAllGather(bucket.chunk, bucket.incoming));
+  }
+  absl::Status waited = bucket.prefetch->Wait();
+  bucket.prefetch.reset();
+  TRIDENT_RETURN_IF_ERROR(waited);
+  bucket.buffer = std::move(bucket.incoming);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < bucket.params.size(); ++i) {
+    at::Tensor param = bucket.params[i];
+    const int64_t n = c10::multiply_integers(bucket.shapes[i]);
+    param.set_data(bucket.buffer.narrow(0, bucket.offsets[i], n).view(bucket.shapes[i]));
+  }
+  return absl::OkStatus();
+}
+
+void ZeroOptimizer::Release(Bucket& bucket) {
+  if (!bucket.sharded || --bucket.holders > 0) return;
+  at::NoGradGuard no_grad;
+  for (at::Tensor param : bucket.params) param.set_data(at::empty({0}, bucket.chunk.options()));
+  bucket.buffer = at::Tensor();
+}
+
+// Gathers a layer's buckets and starts the all-gathers of the next layer's.
+void ZeroOptimizer::GatherLayer(int64_t layer) {
+  for (int b : layer_buckets_[layer]) {
+    absl::Status status = Gather(buckets_[b]);
+    if (!status.ok() && first_error_.ok()) first_error_ = status;
+    TORCH_CHECK(status.ok(), std::string(status.message()));
+  }
+}
+
+void ZeroOptimizer::BeforeLayer(int64_t layer) {
+  GatherLayer(layer);
+  // Prefetch: the next layer's chunks travel while this one computes.
+  auto next = layer_buckets_.upper_bound(layer);
+  if (next == layer_buckets_.end()) return;
+  for (int b : next->second) {
+    Bucket& bucket = buckets_[b];
+    if (!bucket.sharded || bucket.holders > 0 || bucket.prefetch) continue;
+    bucket.incoming = at::empty({bucket.numel}, bucket.chunk.options());
+    auto started = group_->IAllGather(bucket.chunk, bucket.incoming);
+    TORCH_CHECK(started.ok(), std::string(started.status().message()));
+    bucket.prefetch = *std::move(started);
+  }
+}
+
+void ZeroOptimizer::AfterLayer(int64_t layer, const at::Tensor& output) {
+  if (output.requires_grad()) {
+    // Backward of this layer starts when the output's gradient is ready.
+    output.register_hook([this, layer](const at::Tensor& grad) {
+      BackwardReached(layer);
+      return grad;
+    });
+  }
+  for (int b : layer_buckets_[layer]) Release(buckets_[b]);
+}
+
+void ZeroOptimizer::BackwardReached(int64_t layer) {
+  if (backward_held_.insert(layer).second) GatherLayer(layer);
+  // Layers two or more above are done with backward: release them.
+  for (auto it = backward_held_.upper_bound(layer + 1); it != backward_held_.end();) {
+    for (int b : layer_buckets_[*it]) Release(buckets_[b]);
+    it = backward_held_.erase(it);
+  }
+}
+
+absl::Status ZeroOptimizer::GatherAllParameters() {
+  for (Bucket& bucket : buckets_) TRIDENT_RETURN_IF_ERROR(Gather(bucket));
+  return absl::OkStatus();
+}
+
+absl::Status ZeroOptimizer::ReleaseAllParameters(bool keep_changes) {
+  const int64_t rank = group_->rank();
+  for (Bucket& bucket : buckets_) {
+    if (!bucket.sharded) continue;
+    if (keep_changes && bucket.buffer.defined()) {
+      bucket.chunk.detach().copy_(bucket.buffer.narrow(0, rank * bucket.chunk.numel(), bucket.chunk.numel()));
+    }
+    Release(bucket);
+  }
+  return absl::OkStatus();
 }
 
 void ZeroOptimizer::ZeroGrad() {
@@ -200,6 +364,17 @@ absl::Status ZeroOptimizer::ReduceScatter(Bucket& bucket, const at::Tensor& full
 }
 
 absl::Status ZeroOptimizer::FinishBackward() {
+  for (int64_t layer : backward_held_) {
+    for (int b : layer_buckets_[layer]) Release(buckets_[b]);
+  }
+  backward_held_.clear();
+  for (Bucket& bucket : buckets_) {
+    if (!bucket.prefetch) continue;  // prefetched for a layer that did not run
+    absl::Status waited = bucket.prefetch->Wait();
+    bucket.prefetch.reset();
+    bucket.incoming = at::Tensor();
+    if (!waited.ok() && first_error_.ok()) first_error_ = waited;
+  }
   absl::Status status = first_error_;
   first_error_ = absl::OkStatus();
   TRIDENT_RETURN_IF_ERROR(status);
@@ -248,22 +423,25 @@ absl::Status ZeroOptimizer::Step(double lr) {
   }));
   at::NoGradGuard no_grad;
   const int64_t parts = group_->size();
-  for (size_t first = 0; first < buckets_.size();) {
+  std::vector<Bucket*> whole;  // stage 3 gathers its buckets when layers run
+  for (Bucket& bucket : buckets_) {
+    if (!bucket.sharded) whole.push_back(&bucket);
+  }
+  for (size_t first = 0; first < whole.size();) {
     // Buckets [first, end) go in one message; rank r's row holds its chunks.
     size_t end = first + 1;
-    int64_t bytes = Bytes(buckets_[first].chunk);
-    while (end < buckets_.size() &&
-           bytes + Bytes(buckets_[end].chunk) <= options_.allgather_bucket_bytes) {
-      bytes += Bytes(buckets_[end++].chunk);
+    int64_t bytes = Bytes(whole[first]->chunk);
+    while (end < whole.size() && bytes + Bytes(whole[end]->chunk) <= options_.allgather_bucket_bytes) {
+      bytes += Bytes(whole[end++]->chunk);
     }
     std::vector<at::Tensor> chunks;
-    for (size_t b = first; b < end; ++b) chunks.push_back(buckets_[b].chunk);
+    for (size_t b = first; b < end; ++b) chunks.push_back(whole[b]->chunk);
     TRIDENT_ASSIGN_OR_RETURN(at::Tensor gathered, group_->AllGather(at::cat(chunks), 0));
     gathered = gathered.view({parts, -1});
     int64_t offset = 0;
     for (size_t b = first; b < end; ++b) {
-      const int64_t n = buckets_[b].chunk.numel();
-      buckets_[b].buffer.view({parts, n}).copy_(gathered.narrow(1, offset, n));
+      const int64_t n = whole[b]->chunk.numel();
+      whole[b]->buffer.view({parts, n}).copy_(gathered.narrow(1, offset, n));
       offset += n;
     }
     first = end;
@@ -275,12 +453,12 @@ MemoryReport ZeroOptimizer::Memory() const {
   MemoryReport report;
   int64_t largest_scratch = 0, chunk_bytes = 0;
   for (const Bucket& bucket : buckets_) {
-    report.parameter_bytes += Bytes(bucket.buffer);
+    report.parameter_bytes += bucket.sharded ? Bytes(bucket.chunk) : Bytes(bucket.buffer);
     report.gradient_bytes += Bytes(bucket.chunk_grad);
     if (bucket.keep_full) {
       report.gradient_bytes += Bytes(bucket.full_grad);
     } else {
-      largest_scratch = std::max(largest_scratch, Bytes(bucket.buffer));
+      largest_scratch = std::max(largest_scratch, bucket.numel * bucket.chunk.element_size());
     }
     chunk_bytes += Bytes(bucket.chunk);
   }

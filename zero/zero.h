@@ -1,5 +1,6 @@
-// zero: ZeRO-sharded optimizer states (stage 1) and gradients (stage 2)
-// across a data-parallel group, around any element-wise torch::optim optimizer.
+// zero: ZeRO-sharded optimizer states (stage 1), gradients (stage 2) and
+// parameters (stage 3) across a data-parallel group, around any element-wise
+// torch::optim optimizer.
 //
 // Parameters are packed, in reverse order (roughly the order backward produces
 // their gradients), into buckets of at most `reduce_bucket_bytes`; each bucket
@@ -15,6 +16,13 @@
 //            rank's chunk is kept (parameters named `keep_full_gradient`, such
 //            as pipeline-tied embeddings that are summed between stages first,
 //            follow stage 1)
+//   stage 3  buckets are a layer's parameters, and at rest each rank holds only
+//            its chunks: a layer's buckets are all-gathered just before it runs
+//            (the next layer's too, as prefetch) and released after, gathered
+//            again when backward reaches the layer and released two layers
+//            later; gradients as in stage 2, no all-gather after the update.
+//            (Tensors autograd saves from a layer's weights, such as a
+//            transposed matrix, keep that memory until the layer's backward.)
 //
 //   auto zero = ZeroOptimizer::Create({decayed, not_decayed}, &dp, options,
 //       [](const std::vector<std::vector<at::Tensor>>& shards) { ...AdamW over them... });
@@ -25,6 +33,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +44,7 @@
 
 #include "absl/status/statusor.h"
 #include "checkpoint/checkpoint.h"
+#include "graph/graph.h"
 #include "topology/topology.h"
 
 namespace torch::autograd {
@@ -43,7 +54,7 @@ struct Node;
 namespace trident {
 
 struct ZeroOptions {
-  int stage = 1;  // 1 or 2
+  int stage = 1;  // 1, 2 or 3
   int64_t reduce_bucket_bytes = 25 << 20;  // zero_reduce_bucket_size
   // The updated chunks are all-gathered several buckets per message, up to
   // this many bytes of chunks (zero_allgather_bucket_size).
@@ -58,6 +69,10 @@ struct ZeroOptions {
   std::function<bool(const at::Tensor&)> keep_full_gradient;
   // Parameters counted in the gradient norm (false: replicas counted elsewhere).
   std::function<bool(const at::Tensor&)> counted_in_norm;
+  // Stage 3: the model, whose layers then gather their parameters as they
+  // run, and the layers of it this rank holds (in order).
+  LayerSequence* layers = nullptr;
+  std::vector<int64_t> layer_indices;
 };
 
 // Builds the optimizer over this rank's chunks: one list per parameter group
@@ -74,7 +89,7 @@ struct MemoryReport {
   std::string ToString() const;
 };
 
-class ZeroOptimizer {
+class ZeroOptimizer : private LayerObserver {
  public:
   // `groups` partition the parameters (for example decayed / not decayed);
   // `data_parallel` is the group the state is sharded over.
@@ -95,8 +110,14 @@ class ZeroOptimizer {
   void ScaleGradients(double factor);
   // Whether any chunk gradient is inf or NaN on this rank.
   bool LocalGradientsNonFinite() const;
-  // Updates this rank's chunks with learning rate `lr`, then all-gathers them.
+  // Updates this rank's chunks with learning rate `lr`, then all-gathers them
+  // (stages 1 and 2).
   absl::Status Step(double lr);
+  // Stage 3: gives every parameter its full value (to save, load or export),
+  // and back to the chunks; `keep_changes` first copies the (possibly
+  // overwritten) full values into the chunks. No-ops for stages 1 and 2.
+  absl::Status GatherAllParameters();
+  absl::Status ReleaseAllParameters(bool keep_changes);
 
   // Bytes of parameters, gradients and optimizer state on this rank (the state
   // as the optimizer holds it after its first step, estimated before).
@@ -111,12 +132,21 @@ class ZeroOptimizer {
   ZeroOptimizer() = default;
   void OnGradientReady(int bucket);
   absl::Status ReduceScatter(Bucket& bucket, const at::Tensor& full);
+  // Stage 3: reference-counted gathering and releasing of a bucket.
+  absl::Status Gather(Bucket& bucket);
+  void Release(Bucket& bucket);
+  void GatherLayer(int64_t layer);
+  void BeforeLayer(int64_t layer) override;
+  void AfterLayer(int64_t layer, const at::Tensor& output) override;
+  void BackwardReached(int64_t layer);
 
   const ProcessGroup* group_ = nullptr;
   ZeroOptions options_;
   std::vector<Bucket> buckets_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::vector<std::shared_ptr<torch::autograd::Node>> hooked_;
+  std::map<int64_t, std::vector<int>> layer_buckets_;  // stage 3: the buckets a layer reads
+  std::set<int64_t> backward_held_;  // stage 3: layers gathered for backward
   bool last_micro_batch_ = false;
   absl::Status first_error_;
 };

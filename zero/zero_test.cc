@@ -66,6 +66,8 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
     auto plain_optimizer = MakeAdamW(Groups(*plain));
     ZeroOptions options;
     options.stage = c.stage;
+    options.layers = sharded.get();
+    for (int64_t i = 0; i < sharded->NumLayers(); ++i) options.layer_indices.push_back(i);
     options.reduce_bucket_bytes = 16 << 10;  // several buckets
     options.allgather_bucket_bytes = 8 << 10;  // gathered a few at a time
     auto zero = ZeroOptimizer::Create(Groups(*sharded), &dp, options, MakeAdamW);
@@ -86,6 +88,7 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
       ASSERT_TRUE((*zero)->FinishBackward().ok());
       ASSERT_TRUE((*zero)->Step(1e-3).ok());
     }
+    ASSERT_TRUE((*zero)->GatherAllParameters().ok());
     auto expected = plain->named_parameters();
     for (const auto& item : sharded->named_parameters()) {
       const double diff = (item.value() - expected[item.key()]).abs().max().item<double>();
@@ -96,7 +99,8 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
 
 INSTANTIATE_TEST_SUITE_P(StagesAndRanks, ZeroParityTest,
                          ::testing::Values(Case{1, 2, 1}, Case{2, 2, 1}, Case{1, 4, 1},
-                                           Case{2, 4, 1}, Case{2, 2, 3}),
+                                           Case{2, 4, 1}, Case{2, 2, 3}, Case{3, 2, 1},
+                                           Case{3, 4, 1}, Case{3, 2, 3}),
                          [](const auto& info) {
                            return "stage" + std::to_string(info.param.stage) + "_dp" +
                                   std::to_string(info.param.ranks) + "_accumulation" +
@@ -119,10 +123,12 @@ TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
       }
     }
     std::vector<MemoryReport> reports;
-    for (int stage : {1, 2}) {
+    for (int stage : {1, 2, 3}) {
       auto model = *CreateModel(TinyModel(), 5);
       ZeroOptions options;
       options.stage = stage;
+      options.layers = model.get();
+      for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
       options.reduce_bucket_bytes = 8 << 10;
       auto zero = *ZeroOptimizer::Create(Groups(*model), &dp, options, MakeAdamW);
       model->Loss(torch::zeros({2, 8}, torch::kLong), torch::zeros({2, 8}, torch::kLong)).backward();
@@ -140,6 +146,9 @@ TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
     // Stage 2: a quarter of the gradients, plus the one bucket being filled (at
     // most the bucket size, or one parameter larger than it).
     EXPECT_LE(reports[1].gradient_bytes, 1.01 * parameter_bytes / 4 + std::max<int64_t>(8 << 10, largest));
+    // Stage 3: a quarter of the parameters at rest too.
+    EXPECT_NEAR(reports[2].parameter_bytes, parameter_bytes / 4.0, 0.01 * parameter_bytes);
+    EXPECT_NEAR(reports[1].parameter_bytes, parameter_bytes, 0.01 * parameter_bytes);
   });
 }
 
@@ -160,10 +169,13 @@ TEST(ZeroOptimizerTest, UntestedOptimizersAreRefusedUnlessAllowed) {
     options.allow_untested_optimizer = true;
     auto other = *CreateModel(TinyModel(), 5);
     EXPECT_TRUE(ZeroOptimizer::Create(Groups(*other), &dp, options, rmsprop).ok());
+    options.stage = 4;
+    auto fourth = *CreateModel(TinyModel(), 5);
+    EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*fourth), &dp, options, rmsprop).status().message()),
+                HasSubstr("zero_stage=4 is not available"));
     options.stage = 3;
-    auto third = *CreateModel(TinyModel(), 5);
-    EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*third), &dp, options, rmsprop).status().message()),
-                HasSubstr("zero_stage=3 is not available"));
+    EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*fourth), &dp, options, rmsprop).status().message()),
+                HasSubstr("needs the model's layers"));
   });
 }
 

@@ -82,6 +82,8 @@ class Zero : public ParameterUpdate {
     zero_options.allgather_bucket_bytes = options.zero_allgather_bucket_bytes;
     zero_options.allow_untested_optimizer = options.zero_allow_untested_optimizer;
     zero_options.gradient_predivide_factor = options.gradient_predivide_factor;
+    zero_options.layers = options.layers;
+    zero_options.layer_indices = options.layer_indices;
     zero_options.keep_full_gradient = [keep](const at::Tensor& p) {
       return keep.count(p.unsafeGetTensorImpl()) > 0;
     };
@@ -124,6 +126,10 @@ class Zero : public ParameterUpdate {
     return zero_->LoadState(contents);
   }
   std::string MemoryReport() const override { return zero_->Memory().ToString(); }
+  absl::Status GatherFullParameters() override { return zero_->GatherAllParameters(); }
+  absl::Status ReleaseFullParameters(bool keep_changes) override {
+    return zero_->ReleaseAllParameters(keep_changes);
+  }
 
  private:
   Zero() = default;

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "checkpoint/checkpoint.h"
+#include "graph/graph.h"
 #include "topology/topology.h"
 #include "trainer/internal/optimizer.h"
 
@@ -37,6 +38,11 @@ class ParameterUpdate {
   virtual absl::Status LoadState(const SafetensorsContents& contents) = 0;
   // Per-rank bytes of parameters, gradients and optimizer state, for the log.
   virtual std::string MemoryReport() const = 0;
+  // ZeRO stage 3 keeps parameters sharded: these give them their full values
+  // (to save or export) and shard them again, `keep_changes` keeping values
+  // written meanwhile (a load). No-ops otherwise.
+  virtual absl::Status GatherFullParameters() { return absl::OkStatus(); }
+  virtual absl::Status ReleaseFullParameters(bool /*keep_changes*/) { return absl::OkStatus(); }
 };
 
 struct ParameterUpdateOptions {
@@ -50,6 +56,8 @@ struct ParameterUpdateOptions {
   double gradient_predivide_factor = 1.0;  // prescale_gradients
   AdamWOptions adam;
   int zero_stage = 0;  // 0: plain data parallelism
+  LayerSequence* layers = nullptr;     // ZeRO stage 3: the model and the layers held
+  std::vector<int64_t> layer_indices;
   bool zero_allow_untested_optimizer = false;
   int64_t zero_allgather_bucket_bytes = 0;
 };
