@@ -109,7 +109,14 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                                 " ranks were started; make the product equal the number of "
                                 "ranks (or start train without a launcher to spawn dp*tp*pp)"));
   }
-  TRIDENT_RETURN_IF_ERROR(MakePrecisionPolicy(c->precision(), c->precision_table()).status());
+  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision,
+                           MakePrecisionPolicy(c->precision(), c->precision_table()));
+  if (precision.compute == at::kHalf || precision.param == at::kHalf) {
+    return absl::UnimplementedError(absl::StrCat(
+        "precision=", c->precision(), " computes or stores float16, which needs a GPU; the "
+        "trainer runs on CPU, whose kernels lack float16 (LayerNorm, matrix products): use bf16 "
+        "or pure_bf16"));
+  }
   if (c->loss_scale() < 0 || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
       !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 ||
       c->initial_scale_power() > 100) {

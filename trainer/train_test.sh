@@ -28,6 +28,8 @@ expect_error "flag --max_steps='x' is not a valid int64 value" --max_steps=x
 expect_error "unknown flag --bogus; the flags are the fields of trainer/config.proto" --bogus=1
 expect_error "n_head=2 is not divisible by tp=4" --tp=4 --dp=1
 expect_error "sequence_parallel needs tp > 1" --sequence_parallel
+expect_error "precision=pure_fp16 computes or stores float16, which needs a GPU" --precision=pure_fp16
+expect_error "zero_stage=5 is unknown" --zero_stage=5
 
 timeout 120 "$train" "${small[@]}" --max_steps=6 --log_every=2 --eval_every=3 --eval_steps=2 \
   --sample_tokens=20 --save_dir="$TEST_TMPDIR/run" --metrics_file="$TEST_TMPDIR/run/metrics.jsonl" \

@@ -483,13 +483,15 @@ absl::StatusOr<double> Trainer::Impl::TrainStep() {
   double local_loss = 0;
   for (int64_t micro = 0; micro < accumulation; ++micro) {
     update->PrepareForBackward(micro == accumulation - 1);
-    at::Tensor loss;
-    {
-      AutocastScope autocast(precision, c10::DeviceType::CPU);
-      loss = model->Loss(inputs[micro], targets[micro]).div(static_cast<double>(accumulation));
-    }
-    (scaler ? loss * scaler->scale() : loss).backward();
-    local_loss += loss.item<double>();
+    TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("step ", step + 1), [&] {
+      at::Tensor loss;
+      {
+        AutocastScope autocast(precision, c10::DeviceType::CPU);
+        loss = model->Loss(inputs[micro], targets[micro]).div(static_cast<double>(accumulation));
+      }
+      (scaler ? loss * scaler->scale() : loss).backward();
+      local_loss += loss.item<double>();
+    }));
   }
   TRIDENT_RETURN_IF_ERROR(update->FinishBackward());
   at::Tensor loss = at::full({1}, local_loss, at::kDouble);
@@ -520,9 +522,11 @@ absl::StatusOr<double> Trainer::Impl::Evaluate() {
       TRIDENT_ASSIGN_OR_RETURN(const double loss, runner->RunForward(inputs, targets));
       if (stage == stages - 1) total += loss * accumulation;
     } else {
-      for (int64_t micro = 0; micro < accumulation; ++micro) {
-        total += model->Loss(inputs[micro], targets[micro]).item<double>();
-      }
+      TRIDENT_RETURN_IF_ERROR(CatchExceptions("evaluation", [&] {
+        for (int64_t micro = 0; micro < accumulation; ++micro) {
+          total += model->Loss(inputs[micro], targets[micro]).item<double>();
+        }
+      }));
     }
   }
   model->train();
