@@ -86,6 +86,22 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_save_every(5); }, 1), HasSubstr("need save_dir"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_sequence_parallel(true); }, 1),
               HasSubstr("sequence_parallel needs tp > 1"));
+  EXPECT_THAT(error([](TrainerConfig& c) {
+                c.set_dp(1);
+                c.set_tp(2);
+                c.set_sequence_parallel(true);
+                c.set_zero_stage(1);
+              }, 2),
+              HasSubstr("sequence_parallel with zero_stage > 0 is not in this build yet"));
+  EXPECT_THAT(error([](TrainerConfig& c) {
+                c.set_dp(1);
+                c.set_pp(2);
+                c.set_micro_batch_size(2);
+                c.set_global_batch_size(8);
+                c.set_schedule("zb_h1");
+                c.set_zero_stage(3);
+              }, 2),
+              HasSubstr("zero_stage=3 with schedule zb_h1"));
   // Pipeline schedules are checked against pp and the micro-batch count.
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_schedule("zigzag"); }, 1),
               HasSubstr("unknown schedule 'zigzag'"));
