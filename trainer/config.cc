@@ -127,11 +127,6 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   if (c->zero_stage() < 0 || c->zero_stage() > 3) {
     return Invalid(absl::StrCat("zero_stage=", c->zero_stage(), " is unknown; choose 0, 1, 2 or 3"));
   }
-  if (c->zero_stage() > 0 && c->sequence_parallel()) {
-    return Invalid("sequence_parallel with zero_stage > 0 is not in this build yet (the "
-                   "sequence-parallel gradient sum would have to act on ZeRO's chunks); use "
-                   "zero_stage=0 with sequence_parallel, or ZeRO with tp alone");
-  }
   if (c->zero_stage() == 3 && c->pp() > 1 && c->schedule() == "zb_h1") {
     return Invalid("zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
                    "has released the layer's parameters; use zero_stage <= 2 or another schedule");

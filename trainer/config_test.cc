@@ -88,13 +88,6 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("sequence_parallel needs tp > 1"));
   EXPECT_THAT(error([](TrainerConfig& c) {
                 c.set_dp(1);
-                c.set_tp(2);
-                c.set_sequence_parallel(true);
-                c.set_zero_stage(1);
-              }, 2),
-              HasSubstr("sequence_parallel with zero_stage > 0 is not in this build yet"));
-  EXPECT_THAT(error([](TrainerConfig& c) {
-                c.set_dp(1);
                 c.set_pp(2);
                 c.set_micro_batch_size(2);
                 c.set_global_batch_size(8);

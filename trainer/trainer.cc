@@ -677,6 +677,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   update.counted = t.counted_parameters;
   for (const auto& [name, p] : t.tied) update.keep_full_gradient.push_back(p);
   update.data_parallel = t.dp_group;
+  update.tensor_parallel = t.tp_group;
   update.norm_group = t.norm_group;
   update.world = &topology->world();
   update.adam.beta1 = t.config.adam_beta1();
@@ -762,8 +763,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     t.ForHooks([&](TrainerHooks& h) { h.OnStepStart(t.State()); });
     const auto step_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(const double loss, t.TrainStep());
-    if (t.config.sequence_parallel() && t.tp_group != nullptr) {
-      TRIDENT_RETURN_IF_ERROR(SequenceParallelGradients(t.replicated_parameters, "tp"));
+    if (t.config.sequence_parallel()) {
+      TRIDENT_RETURN_IF_ERROR(t.update->SumOverTensorParallel(t.replicated_parameters));
     }
     if (!std::isfinite(loss)) {
       return absl::InternalError(absl::StrCat("the loss became ", loss, " at step ", t.step + 1,

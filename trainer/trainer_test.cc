@@ -201,20 +201,23 @@ TEST(TrainerParityTest, ZeroLossesEqualPlainDataParallelism) {
   const std::vector<double> single = TrainOnRanks(SmallConfig(1), "zero_reference");
   struct Layout {
     int stage, dp, tp, pp;
+    bool sequence_parallel = false;
   };
   for (const Layout& layout : {Layout{1, 2, 1, 1}, Layout{2, 2, 1, 1}, Layout{1, 4, 1, 1},
                                Layout{2, 4, 1, 1}, Layout{2, 2, 2, 1}, Layout{2, 2, 1, 2},
                                Layout{1, 2, 1, 2}, Layout{3, 2, 1, 1}, Layout{3, 4, 1, 1},
-                               Layout{3, 2, 2, 1}, Layout{3, 2, 1, 2}}) {
+                               Layout{3, 2, 2, 1}, Layout{3, 2, 1, 2}, Layout{1, 2, 2, 1, true},
+                               Layout{2, 2, 2, 1, true}, Layout{3, 2, 2, 1, true}}) {
     TrainerConfig config = SmallConfig(layout.dp);
     config.set_tp(layout.tp);
     config.set_pp(layout.pp);
     if (layout.pp > 1) config.set_micro_batch_size(2);
     config.set_zero_stage(layout.stage);
+    config.set_sequence_parallel(layout.sequence_parallel);
     config.set_zero_reduce_bucket_size(4096);  // several buckets
     config.set_zero_allgather_bucket_size(8192);
     const std::string tag = absl::StrCat("zero", layout.stage, "_dp", layout.dp, "_tp", layout.tp,
-                                         "_pp", layout.pp);
+                                         "_pp", layout.pp, layout.sequence_parallel ? "_sp" : "");
     SCOPED_TRACE(tag);
     ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }

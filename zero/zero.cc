@@ -397,6 +397,33 @@ absl::Status ZeroOptimizer::FinishBackward() {
   return absl::OkStatus();
 }
 
+absl::Status ZeroOptimizer::SumGradientsOver(const ProcessGroup& group,
+                                             const std::vector<at::Tensor>& parameters) {
+  if (group.size() == 1) return absl::OkStatus();
+  std::unordered_set<const c10::TensorImpl*> wanted;
+  for (const at::Tensor& p : parameters) wanted.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> masks, parts;
+  for (Bucket& bucket : buckets_) {
+    at::Tensor mask = at::zeros({bucket.numel}, bucket.chunk_grad.options());
+    for (size_t i = 0; i < bucket.params.size(); ++i) {
+      if (!wanted.count(bucket.params[i].unsafeGetTensorImpl())) continue;
+      mask.narrow(0, bucket.offsets[i], c10::multiply_integers(bucket.shapes[i])).fill_(1);
+    }
+    const int64_t chunk = bucket.chunk_grad.numel();
+    masks.push_back(mask.narrow(0, group_->rank() * chunk, chunk));
+    parts.push_back(bucket.chunk_grad * masks.back());
+  }
+  at::Tensor sum = at::cat(parts);
+  TRIDENT_RETURN_IF_ERROR(group.AllReduce(sum));
+  int64_t offset = 0;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    at::Tensor& grad = buckets_[b].chunk_grad;
+    grad.mul_(1 - masks[b]).add_(sum.narrow(0, offset, grad.numel()));
+    offset += grad.numel();
+  }
+  return absl::OkStatus();
+}
+
 double ZeroOptimizer::LocalSquaredGradNorm() const {
   double sum = 0;
   for (const Bucket& bucket : buckets_) {

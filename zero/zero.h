@@ -106,6 +106,10 @@ class ZeroOptimizer : private LayerObserver {
   absl::Status FinishBackward();
   // Squared L2 norm of the counted gradients in this rank's chunks.
   double LocalSquaredGradNorm() const;
+  // Sums the chunks' gradients of `parameters` over `group` (another group with
+  // the same bucket layout on every rank, such as the tensor-parallel ranks for
+  // sequence-parallel norms, whose gradients each rank holds in part).
+  absl::Status SumGradientsOver(const ProcessGroup& group, const std::vector<at::Tensor>& parameters);
   // Multiplies the chunks' gradients (clipping, loss-scale removal).
   void ScaleGradients(double factor);
   // Whether any chunk gradient is inf or NaN on this rank.

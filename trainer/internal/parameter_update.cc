@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "base/status.h"
+#include "tensor_parallel/tensor_parallel.h"
 #include "trainer/internal/gradient_reducer.h"
 #include "zero/zero.h"
 
@@ -41,6 +42,10 @@ class PlainDataParallel : public ParameterUpdate {
   }
   absl::StatusOr<double> ClipGradNorm(double max_norm) override {
     return internal::ClipGradNorm(options_.counted, list_, max_norm, options_.norm_group);
+  }
+  absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) override {
+    if (options_.tensor_parallel == nullptr) return absl::OkStatus();
+    return SequenceParallelGradients(parameters, "tp");
   }
   absl::Status Step(double lr) override {
     optimizer_.Step(lr);
@@ -112,6 +117,10 @@ class Zero : public ParameterUpdate {
   absl::Status FinishBackward() override { return zero_->FinishBackward(); }
   bool LocalGradientsNonFinite() const override { return zero_->LocalGradientsNonFinite(); }
   void ScaleGradients(double factor) override { zero_->ScaleGradients(factor); }
+  absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) override {
+    if (options_.tensor_parallel == nullptr) return absl::OkStatus();
+    return zero_->SumGradientsOver(*options_.tensor_parallel, parameters);
+  }
   absl::StatusOr<double> ClipGradNorm(double max_norm) override {
     // Each rank holds its chunk of every gradient: the sum runs over all ranks.
     at::Tensor squares = at::full({1}, zero_->LocalSquaredGradNorm(), at::kDouble);

@@ -30,6 +30,9 @@ class ParameterUpdate {
   // Whether this rank holds an inf or NaN gradient (callers agree over ranks).
   virtual bool LocalGradientsNonFinite() const = 0;
   virtual void ScaleGradients(double factor) = 0;
+  // Sums the gradients of `parameters` over the tensor-parallel group
+  // (sequence parallelism leaves each rank a part of replicated ones).
+  virtual absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) = 0;
   // The global gradient norm, counting every stored value once; when
   // `max_norm` > 0 and the norm exceeds it, gradients are scaled down to it.
   virtual absl::StatusOr<double> ClipGradNorm(double max_norm) = 0;
@@ -50,6 +53,7 @@ struct ParameterUpdateOptions {
   std::vector<at::Tensor> counted;         // in the gradient norm (tied copies, tp replicas once)
   std::vector<at::Tensor> keep_full_gradient;  // ZeRO-2: summed between pipeline stages first
   const ProcessGroup* data_parallel = nullptr;
+  const ProcessGroup* tensor_parallel = nullptr;  // registered as "tp" (nullptr: tp = 1)
   const ProcessGroup* norm_group = nullptr;    // tensor x pipeline ranks (nullptr: none)
   const ProcessGroup* world = nullptr;         // every rank (ZeRO's norm spans dp too)
   int64_t bucket_bytes = 25 << 20;
