@@ -149,10 +149,17 @@ NamedTensors LossScaler::State() const {
           {"amp/clean_steps", at::full({1}, clean_steps_, at::kLong)}};
 }
 
-absl::Status LossScaler::LoadState(const SafetensorsContents& contents) {
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor scale, contents.Get("amp/loss_scale"));
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor hysteresis, contents.Get("amp/hysteresis_left"));
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor clean, contents.Get("amp/clean_steps"));
+absl::Status LossScaler::LoadState(const NamedTensors& state) {
+  auto get = [&](const std::string& name) -> absl::StatusOr<at::Tensor> {
+    for (const auto& [key, tensor] : state) {
+      if (key == name) return tensor;
+    }
+    return absl::NotFoundError(absl::StrCat("the loss scaler's state lacks '", name,
+                                            "' (saved without loss scaling?)"));
+  };
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor scale, get("amp/loss_scale"));
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor hysteresis, get("amp/hysteresis_left"));
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor clean, get("amp/clean_steps"));
   scale_ = scale.item<double>();
   hysteresis_left_ = static_cast<int>(hysteresis.item<int64_t>());
   clean_steps_ = clean.item<int64_t>();

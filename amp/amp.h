@@ -17,15 +17,19 @@
 #define TRIDENT_AMP_AMP_H_
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 #include <torch/nn/module.h>
 
 #include "absl/status/statusor.h"
-#include "checkpoint/checkpoint.h"
 
 namespace trident {
+
+// Tensors by name, as checkpoints store them.
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct PrecisionPolicy {
   std::string mode = "fp32";
@@ -78,7 +82,7 @@ class LossScaler {
   void Update(bool overflow);
   // The scale and its counters, for checkpoints ("amp/..." names).
   NamedTensors State() const;
-  absl::Status LoadState(const SafetensorsContents& contents);
+  absl::Status LoadState(const NamedTensors& state);
 
  private:
   LossScalerOptions options_;

@@ -70,10 +70,8 @@ TEST(LossScalerTest, DynamicScaleFollowsHysteresisAndWindow) {
   for (int i = 0; i < 3; ++i) scaler.Update(false);
   EXPECT_EQ(scaler.scale(), 8) << "doubled after loss_scale_window clean steps";
 
-  SafetensorsContents saved;
-  saved.tensors = scaler.State();
   LossScaler restored(options);
-  ASSERT_TRUE(restored.LoadState(saved).ok());
+  ASSERT_TRUE(restored.LoadState(scaler.State()).ok());
   EXPECT_EQ(restored.scale(), 8);
   restored.Update(true);
   scaler.Update(true);

@@ -295,7 +295,7 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
     if (name.rfind("optimizer/", 0) == 0) optimizer_state.tensors.emplace_back(name.substr(10), t);
   }
   TRIDENT_RETURN_IF_ERROR(update->LoadState(optimizer_state));
-  if (scaler) TRIDENT_RETURN_IF_ERROR(scaler->LoadState(contents));
+  if (scaler) TRIDENT_RETURN_IF_ERROR(scaler->LoadState(contents.tensors));
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor rng, contents.Get("rng/cpu"));
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();

@@ -281,12 +281,8 @@ void ZeroOptimizer::GatherLayer(int64_t layer) {
   }
 }
 
-void ZeroOptimizer::BeforeLayer(int64_t layer) {
-  GatherLayer(layer);
-  // Prefetch: the next layer's chunks travel while this one computes.
-  auto next = layer_buckets_.upper_bound(layer);
-  if (next == layer_buckets_.end()) return;
-  for (int b : next->second) {
+void ZeroOptimizer::Prefetch(int64_t layer) {
+  for (int b : layer_buckets_[layer]) {
     Bucket& bucket = buckets_[b];
     if (!bucket.sharded || bucket.holders > 0 || bucket.prefetch) continue;
     bucket.incoming = at::empty({bucket.numel}, bucket.chunk.options());
@@ -294,6 +290,13 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
     TORCH_CHECK(started.ok(), std::string(started.status().message()));
     bucket.prefetch = *std::move(started);
   }
+}
+
+void ZeroOptimizer::BeforeLayer(int64_t layer) {
+  GatherLayer(layer);
+  // The next layer's chunks travel while this one computes.
+  auto next = layer_buckets_.upper_bound(layer);
+  if (next != layer_buckets_.end()) Prefetch(next->first);
 }
 
 void ZeroOptimizer::AfterLayer(int64_t layer, const at::Tensor& output) {
@@ -309,6 +312,9 @@ void ZeroOptimizer::AfterLayer(int64_t layer, const at::Tensor& output) {
 
 void ZeroOptimizer::BackwardReached(int64_t layer) {
   if (backward_held_.insert(layer).second) GatherLayer(layer);
+  // Backward goes down the layers: prefetch the one below.
+  auto below = layer_buckets_.lower_bound(layer);
+  if (below != layer_buckets_.begin()) Prefetch(std::prev(below)->first);
   // Layers two or more above are done with backward: release them.
   for (auto it = backward_held_.upper_bound(layer + 1); it != backward_held_.end();) {
     for (int b : layer_buckets_[*it]) Release(buckets_[b]);
@@ -518,8 +524,13 @@ NamedTensors ZeroOptimizer::State() const {
   return {{"zero_optimizer", blob}};
 }
 
-absl::Status ZeroOptimizer::LoadState(const SafetensorsContents& contents) {
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor blob, contents.Get("zero_optimizer"));
+absl::Status ZeroOptimizer::LoadState(const NamedTensors& state) {
+  auto found = std::find_if(state.begin(), state.end(),
+                            [](const auto& item) { return item.first == "zero_optimizer"; });
+  if (found == state.end()) {
+    return absl::NotFoundError("the ZeRO optimizer state ('zero_optimizer') is missing");
+  }
+  const at::Tensor& blob = found->second;
   return CatchExceptions("restoring the sharded optimizer state", [&] {
     std::istringstream bytes(std::string(static_cast<const char*>(blob.data_ptr()), blob.numel()));
     torch::serialize::InputArchive archive;

@@ -18,9 +18,10 @@
 //            follow stage 1)
 //   stage 3  buckets are a layer's parameters, and at rest each rank holds only
 //            its chunks: a layer's buckets are all-gathered just before it runs
-//            (the next layer's too, as prefetch) and released after, gathered
-//            again when backward reaches the layer and released two layers
-//            later; gradients as in stage 2, no all-gather after the update.
+//            and released after, gathered again when backward reaches the layer
+//            and released two layers later; the next layer's all-gathers start
+//            early (prefetch) in both directions. Gradients as in stage 2, no
+//            all-gather after the update.
 //            (Tensors autograd saves from a layer's weights, such as a
 //            transposed matrix, keep that memory until the layer's backward.)
 //
@@ -37,13 +38,13 @@
 #include <set>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
 #include "absl/status/statusor.h"
-#include "checkpoint/checkpoint.h"
 #include "graph/graph.h"
 #include "topology/topology.h"
 
@@ -52,6 +53,9 @@ struct Node;
 }  // namespace torch::autograd
 
 namespace trident {
+
+// Tensors by name, as checkpoints store them.
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct ZeroOptions {
   int stage = 1;  // 1, 2 or 3
@@ -129,7 +133,7 @@ class ZeroOptimizer : private LayerObserver {
   // The optimizer's state for this rank's chunks, and its restoration (the same
   // layout must load it).
   NamedTensors State() const;
-  absl::Status LoadState(const SafetensorsContents& contents);
+  absl::Status LoadState(const NamedTensors& state);
 
  private:
   struct Bucket;
@@ -140,6 +144,7 @@ class ZeroOptimizer : private LayerObserver {
   absl::Status Gather(Bucket& bucket);
   void Release(Bucket& bucket);
   void GatherLayer(int64_t layer);
+  void Prefetch(int64_t layer);  // starts the all-gathers of a layer's buckets
   void BeforeLayer(int64_t layer) override;
   void AfterLayer(int64_t layer, const at::Tensor& output) override;
   void BackwardReached(int64_t layer);

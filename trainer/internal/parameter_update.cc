@@ -132,7 +132,7 @@ class Zero : public ParameterUpdate {
   absl::Status Step(double lr) override { return zero_->Step(lr); }
   NamedTensors State() const override { return zero_->State(); }
   absl::Status LoadState(const SafetensorsContents& contents) override {
-    return zero_->LoadState(contents);
+    return zero_->LoadState(contents.tensors);
   }
   std::string MemoryReport() const override { return zero_->Memory().ToString(); }
   absl::Status GatherFullParameters() override { return zero_->GatherAllParameters(); }
