@@ -137,11 +137,6 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   if (c->sequence_parallel() && c->tp() == 1) {
     return Invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
   }
-  if (c->pp() > 1 && !c->export_safetensors().empty()) {
-    return absl::UnimplementedError(
-        "export_safetensors with pp > 1 is not in this build yet (each rank holds one stage); "
-        "export from a pp=1 run or use the per-rank checkpoint files");
-  }
   if (c->micro_batch_size() < 1) {
     return Invalid(absl::StrCat("micro_batch_size=", c->micro_batch_size(), " must be at least 1"));
   }

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -887,6 +888,31 @@ absl::Status Trainer::ExportSafetensors(const std::string& path) {
       tensor = shard->second.Unslice(gathered.chunk(t.tp_group->size(), shard->second.dim));
     }
   }
+  const auto parent = fs::path(path).parent_path();
+  std::error_code error;
+  if (!parent.empty() && t.is_rank0) fs::create_directories(parent, error);
+  if (t.stages > 1) {
+    // Every stage's first data- and tensor-parallel rank writes its tensors
+    // beside `path` (a shared filesystem, as for checkpoints); rank 0 joins them.
+    TRIDENT_RETURN_IF_ERROR(t.topology->world().Barrier());
+    const bool writer = t.dp_rank == 0 && (t.tp_group == nullptr || t.tp_group->rank() == 0);
+    if (writer) {
+      TRIDENT_RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(path, ".stage", t.stage), tensors, {}));
+    }
+    TRIDENT_RETURN_IF_ERROR(t.topology->world().Barrier());
+    if (t.is_rank0) {
+      tensors.clear();
+      std::set<std::string> seen;
+      for (int s = 0; s < t.stages; ++s) {
+        const std::string part = absl::StrCat(path, ".stage", s);
+        TRIDENT_ASSIGN_OR_RETURN(SafetensorsContents contents, ReadSafetensors(part));
+        for (auto& [name, tensor] : contents.tensors) {
+          if (seen.insert(name).second) tensors.emplace_back(name, tensor);  // tied: stage 0's
+        }
+        fs::remove(part, error);
+      }
+    }
+  }
   if (t.is_rank0) {
     const size_t stored = tensors.size();
     for (const auto& [alias, owner] : t.model->TiedParameters()) {
@@ -894,9 +920,6 @@ absl::Status Trainer::ExportSafetensors(const std::string& path) {
         if (tensors[i].first == owner) tensors.emplace_back(alias, tensors[i].second);
       }
     }
-    const auto parent = fs::path(path).parent_path();
-    std::error_code error;
-    if (!parent.empty()) fs::create_directories(parent, error);
     TRIDENT_RETURN_IF_ERROR(WriteSafetensors(path, tensors, {{"format", "pt"}}));
     t.Print(absl::StrCat("exported the model to ", path));
   }

@@ -339,34 +339,43 @@ TEST(TrainerParityTest, PrescaledGradientsEqualOneProcess) {
   }
 }
 
-// A tp = 2 run exports the same model as a tp = 1 run: shards joined under the
-// single-process names. After 5 AdamW steps the weights agree to 1e-5
-// (absolute; Adam's normalisation turns rounding-level differences of tiny
-// gradients into weight differences of about 1e-6, printed below).
-TEST(TrainerExportTest, TensorParallelExportEqualsOneProcess) {
-  std::vector<SafetensorsContents> exported;
-  for (int tp : {1, 2}) {
-    const std::string path = absl::StrCat(TestDir(), "/export_tp", tp, "/model.safetensors");
+// tp = 2, pp = 2 and tp x pp = 2 x 2 runs export the same model as a one-rank
+// run: shards joined and stages merged under the single-process names. After 5
+// AdamW steps the weights agree to 1e-5 (absolute; Adam's normalisation turns
+// rounding-level differences of tiny gradients into weight differences of
+// about 1e-6, printed below).
+TEST(TrainerExportTest, ParallelExportsEqualOneProcess) {
+  auto export_run = [](int tp, int pp) -> SafetensorsContents {
+    const std::string tag = absl::StrCat("export_tp", tp, "_pp", pp);
+    const std::string path = absl::StrCat(TestDir(), "/", tag, "/model.safetensors");
     TrainerConfig config = SmallConfig(1);
     config.set_tp(tp);
+    config.set_pp(pp);
+    config.set_micro_batch_size(2);
     config.set_max_steps(5);
     config.set_export_safetensors(path);
-    TrainOnRanks(config, absl::StrCat("export_tp", tp));
+    TrainOnRanks(config, tag);
     auto contents = ReadSafetensors(path);
-    ASSERT_TRUE(contents.ok()) << contents.status();
-    exported.push_back(*contents);
+    EXPECT_TRUE(contents.ok()) << contents.status();
+    return contents.ok() ? *contents : SafetensorsContents();
+  };
+  const SafetensorsContents reference = export_run(1, 1);
+  ASSERT_FALSE(reference.tensors.empty());
+  for (const auto& [tp, pp] : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}, {2, 2}}) {
+    SCOPED_TRACE(absl::StrCat("tp=", tp, " pp=", pp));
+    const SafetensorsContents exported = export_run(tp, pp);
+    ASSERT_EQ(exported.tensors.size(), reference.tensors.size());
+    double worst = 0;
+    for (const auto& [name, expected] : reference.tensors) {
+      auto other = exported.Get(name);
+      ASSERT_TRUE(other.ok()) << name;
+      ASSERT_EQ(other->sizes(), expected.sizes()) << name;
+      const double diff = (*other - expected).abs().max().item<double>();
+      worst = std::max(worst, diff);
+      EXPECT_LE(diff, 1e-5) << name;
+    }
+    std::printf("largest weight difference against one rank, tp=%d pp=%d: %.3g\n", tp, pp, worst);
   }
-  ASSERT_EQ(exported[0].tensors.size(), exported[1].tensors.size());
-  double worst = 0;
-  for (const auto& [name, reference] : exported[0].tensors) {
-    auto other = exported[1].Get(name);
-    ASSERT_TRUE(other.ok()) << name;
-    ASSERT_EQ(other->sizes(), reference.sizes()) << name;
-    const double diff = (*other - reference).abs().max().item<double>();
-    worst = std::max(worst, diff);
-    EXPECT_LE(diff, 1e-5) << name;
-  }
-  std::printf("largest weight difference, tp=2 vs tp=1 export: %.3g\n", worst);
 }
 
 TEST(TrainerParityTest, GradientAccumulationEqualsOneLargeMicroBatch) {
