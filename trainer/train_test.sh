@@ -58,8 +58,9 @@ timeout 120 "$train" "${small[@]}" --pp=2 --dp=1 --micro_batch_size=2 --global_b
 grep -aq '"name":"backward_weight 3"' "$TEST_TMPDIR/zb/step.json" || fail "zb_h1 weight gradients"
 # Tensor and sequence parallelism end to end, exported as one model.
 timeout 120 "$train" "${small[@]}" --tp=2 --dp=1 --sequence_parallel --max_steps=2 --eval_steps=1 \
-  --sample_tokens=0 --export_safetensors="$TEST_TMPDIR/tp/model.safetensors" >"$out" 2>&1 ||
+  --sample_tokens=10 --export_safetensors="$TEST_TMPDIR/tp/model.safetensors" >"$out" 2>&1 ||
   fail "tensor-parallel run exited $?"
 grep -aq '^\[rank 0\] step 2/2 | loss ' "$out" || fail "tensor-parallel step line"
+grep -aq '^\[rank 0\] sample (temperature' "$out" || fail "tensor-parallel sample"
 grep -aq 'exported the model to' "$out" || fail "tensor-parallel export"
 echo "train_test: all checks passed"

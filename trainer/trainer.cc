@@ -842,9 +842,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
 
 absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t tokens) {
   Impl& t = *impl_;
-  if (!t.is_rank0) return std::string();
-  if (t.stages > 1 || t.config.tp() > 1) {
-    return std::string("(sampling needs the whole model on one rank: run with pp=1 and tp=1)");
+  if (t.stages > 1) {
+    return std::string(t.is_rank0 ? "(sampling needs the whole model on each rank: run with pp=1)" : "");
   }
   std::vector<int64_t> ids;
   if (t.tokenizer) {
@@ -854,20 +853,40 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
   }
   if (ids.empty()) ids.push_back(0);
   const size_t prompt_length = ids.size();
+  // Every rank samples alike (tensor parallelism and ZeRO-3 gather across
+  // ranks); rank 0's choice is broadcast so all contexts stay the same.
   auto generator = at::make_generator<at::CPUGeneratorImpl>(t.config.seed());
+  const int64_t tp = t.config.tp();
+  const int64_t align = t.config.sequence_parallel() ? tp : 1;  // sequence shards must divide
   t.model->eval();
-  at::NoGradGuard no_grad;
-  for (int64_t i = 0; i < tokens; ++i) {
-    const int64_t context = std::min<int64_t>(ids.size(), t.model_config.block_size);
-    at::Tensor input = at::tensor(std::vector<int64_t>(ids.end() - context, ids.end()), at::kLong).unsqueeze(0);
-    at::Tensor logits = t.model->Logits(input).select(1, context - 1).squeeze(0) / t.config.temperature();
-    if (t.config.top_k() > 0 && t.config.top_k() < logits.size(0)) {
-      const double threshold = std::get<0>(logits.topk(t.config.top_k()))[-1].item<double>();
-      logits.masked_fill_(logits < threshold, -std::numeric_limits<float>::infinity());
+  absl::Status sampled = CatchExceptions("sampling", [&] {
+    at::NoGradGuard no_grad;
+    for (int64_t i = 0; i < tokens; ++i) {
+      const int64_t context = std::min<int64_t>(ids.size(), t.model_config.block_size / align * align);
+      std::vector<int64_t> window(ids.end() - context, ids.end());
+      // Padding after the context leaves its logits unchanged (causal attention).
+      window.resize((context + align - 1) / align * align, 0);
+      at::Tensor input = at::tensor(window, at::kLong).unsqueeze(0);
+      at::Tensor logits = t.model->Logits(input).select(1, context - 1).squeeze(0);
+      if (t.tp_group != nullptr) {  // this rank's vocabulary slice -> all of it
+        auto gathered = t.tp_group->AllGather(logits.contiguous(), 0);
+        TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
+        logits = *gathered;
+      }
+      logits = logits / t.config.temperature();
+      if (t.config.top_k() > 0 && t.config.top_k() < logits.size(0)) {
+        const double threshold = std::get<0>(logits.topk(t.config.top_k()))[-1].item<double>();
+        logits.masked_fill_(logits < threshold, -std::numeric_limits<float>::infinity());
+      }
+      at::Tensor next = at::multinomial(at::softmax(logits.to(at::kFloat), -1), 1, false, generator);
+      absl::Status shared = t.topology->world().Broadcast(next, 0);
+      TORCH_CHECK(shared.ok(), std::string(shared.message()));
+      ids.push_back(next.item<int64_t>());
     }
-    ids.push_back(at::multinomial(at::softmax(logits, -1), 1, false, generator).item<int64_t>());
-  }
+  });
   t.model->train();
+  TRIDENT_RETURN_IF_ERROR(sampled);
+  if (!t.is_rank0) return std::string();
   std::vector<int64_t> generated(ids.begin() + prompt_length, ids.end());
   if (t.tokenizer) return t.tokenizer->Decode(generated);
   return MakeByteTokenizer()->Decode(generated);

@@ -96,8 +96,9 @@ class Trainer {
   absl::StatusOr<TrainResult> Train();
   // Mean validation loss over eval_steps global batches.
   absl::StatusOr<double> Evaluate();
-  // `tokens` new tokens after `prompt`, decoded; computed on rank 0 only (other
-  // ranks get ""), with a generator seeded from config.seed.
+  // `tokens` new tokens after `prompt`, decoded, on rank 0 (other ranks get "");
+  // every rank calls it (tensor parallelism and ZeRO-3 compute across ranks).
+  // A generator seeded from config.seed draws the tokens; pp > 1 is declined.
   absl::StatusOr<std::string> Sample(const std::string& prompt, int64_t tokens);
   // Writes the full model in safetensors format (rank 0 writes; all ranks call).
   absl::Status ExportSafetensors(const std::string& path);
