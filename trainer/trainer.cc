@@ -146,6 +146,10 @@ class Trainer::Impl {
   absl::Status SaveCheckpoint();
   absl::Status LoadCheckpoint();
   absl::StatusOr<double> TrainStep();
+  // The logits of `tokens` [1, T] through every stage without gradients (this
+  // rank's vocabulary slice with tensor parallelism): defined on the last
+  // pipeline stage, undefined elsewhere. Throws on communication errors.
+  at::Tensor PipelinedLogits(const at::Tensor& tokens);
   // Whether any rank's gradients hold inf or NaN (every rank gets the same answer).
   absl::StatusOr<bool> GradientsOverflowed();
   absl::StatusOr<double> Evaluate();
@@ -500,6 +504,31 @@ absl::StatusOr<double> Trainer::Impl::TrainStep() {
   return loss.item<double>();
 }
 
+at::Tensor Trainer::Impl::PipelinedLogits(const at::Tensor& tokens) {
+  if (stages == 1) return model->Logits(tokens);
+  // Virtual stage v is chunk v / stages of pipeline rank v % stages.
+  const int virtual_stages = stages * static_cast<int>(chunks.size());
+  const int64_t sequence = tokens.size(1) / (config.sequence_parallel() ? config.tp() : 1);
+  at::Tensor x;
+  for (int v = 0; v < virtual_stages; ++v) {
+    if (v % stages != stage) continue;
+    if (v == 0) {
+      x = tokens;
+    } else {
+      x = at::empty({1, sequence, model_config.n_embd}, at::TensorOptions().dtype(precision.param));
+      absl::Status received = pp_group->Recv(x, (stage + stages - 1) % stages, v);
+      TORCH_CHECK(received.ok(), std::string(received.message()));
+    }
+    const StageChunk& chunk = chunks[v / stages];
+    for (int64_t i = chunk.first_layer; i < chunk.end_layer; ++i) x = model->RunLayer(i, x);
+    if (v + 1 < virtual_stages) {
+      absl::Status sent = pp_group->Send(x.contiguous(), (stage + 1) % stages, v + 1);
+      TORCH_CHECK(sent.ok(), std::string(sent.message()));
+    }
+  }
+  return stage == stages - 1 ? x : at::Tensor();
+}
+
 absl::StatusOr<bool> Trainer::Impl::GradientsOverflowed() {
   at::Tensor flag = at::full({1}, update->LocalGradientsNonFinite() ? 1.0 : 0.0, at::kFloat);
   TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(flag, ReduceOp::kMax));
@@ -842,9 +871,6 @@ absl::StatusOr<TrainResult> Trainer::Train() {
 
 absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t tokens) {
   Impl& t = *impl_;
-  if (t.stages > 1) {
-    return std::string(t.is_rank0 ? "(sampling needs the whole model on each rank: run with pp=1)" : "");
-  }
   std::vector<int64_t> ids;
   if (t.tokenizer) {
     for (uint16_t id : t.tokenizer->Encode(prompt)) ids.push_back(id);
@@ -854,7 +880,8 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
   if (ids.empty()) ids.push_back(0);
   const size_t prompt_length = ids.size();
   // Every rank samples alike (tensor parallelism and ZeRO-3 gather across
-  // ranks); rank 0's choice is broadcast so all contexts stay the same.
+  // ranks, pipeline stages pass activations on); the last stage's choice is
+  // broadcast so all contexts stay the same.
   auto generator = at::make_generator<at::CPUGeneratorImpl>(t.config.seed());
   const int64_t tp = t.config.tp();
   const int64_t align = t.config.sequence_parallel() ? tp : 1;  // sequence shards must divide
@@ -867,19 +894,27 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
       // Padding after the context leaves its logits unchanged (causal attention).
       window.resize((context + align - 1) / align * align, 0);
       at::Tensor input = at::tensor(window, at::kLong).unsqueeze(0);
-      at::Tensor logits = t.model->Logits(input).select(1, context - 1).squeeze(0);
-      if (t.tp_group != nullptr) {  // this rank's vocabulary slice -> all of it
-        auto gathered = t.tp_group->AllGather(logits.contiguous(), 0);
-        TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
-        logits = *gathered;
+      at::Tensor next = at::zeros({1}, at::kLong);
+      const bool last = t.stage == t.stages - 1;
+      at::Tensor logits = t.PipelinedLogits(input);
+      if (last) {
+        logits = logits.select(1, context - 1).squeeze(0);
+        if (t.tp_group != nullptr) {  // this rank's vocabulary slice -> all of it
+          auto gathered = t.tp_group->AllGather(logits.contiguous(), 0);
+          TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
+          logits = *gathered;
+        }
+        logits = logits / t.config.temperature();
+        if (t.config.top_k() > 0 && t.config.top_k() < logits.size(0)) {
+          const double threshold = std::get<0>(logits.topk(t.config.top_k()))[-1].item<double>();
+          logits.masked_fill_(logits < threshold, -std::numeric_limits<float>::infinity());
+        }
+        next = at::multinomial(at::softmax(logits.to(at::kFloat), -1), 1, false, generator);
       }
-      logits = logits / t.config.temperature();
-      if (t.config.top_k() > 0 && t.config.top_k() < logits.size(0)) {
-        const double threshold = std::get<0>(logits.topk(t.config.top_k()))[-1].item<double>();
-        logits.masked_fill_(logits < threshold, -std::numeric_limits<float>::infinity());
-      }
-      at::Tensor next = at::multinomial(at::softmax(logits.to(at::kFloat), -1), 1, false, generator);
-      absl::Status shared = t.topology->world().Broadcast(next, 0);
+      // Within each pipeline from its last stage; data-parallel replicas and
+      // tensor-parallel ranks compute the same token.
+      absl::Status shared = t.stages > 1 ? t.pp_group->Broadcast(next, t.stages - 1)
+                                         : t.topology->world().Broadcast(next, 0);
       TORCH_CHECK(shared.ok(), std::string(shared.message()));
       ids.push_back(next.item<int64_t>());
     }

@@ -339,6 +339,44 @@ TEST(TrainerParityTest, PrescaledGradientsEqualOneProcess) {
   }
 }
 
+// Sampling runs across tensor-parallel ranks, pipeline stages (interleaved too)
+// and ZeRO-3 replicas, and draws what one process draws.
+TEST(TrainerSampleTest, ParallelLayoutsSampleLikeOneProcess) {
+  auto sample = [](TrainerConfig config, const std::string& tag) {
+    config.set_max_steps(3);
+    config.set_sample_tokens(24);
+    const std::string path = TestDir() + "/" + tag + ".sample";
+    testing::RunOnRanks(config.dp() * config.tp() * config.pp(), [&](int rank) {
+      auto topology = testing::JoinTopology(
+          {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}});
+      ASSERT_TRUE(topology.ok()) << topology.status();
+      auto trainer = Trainer::Create(config, topology->get());
+      ASSERT_TRUE(trainer.ok()) << trainer.status();
+      auto result = (*trainer)->Train();
+      ASSERT_TRUE(result.ok()) << result.status();
+      if (rank == 0) std::ofstream(path) << result->sample;
+    });
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string reference = sample(SmallConfig(1), "sample_reference");
+  ASSERT_EQ(reference.size(), 24u);
+  TrainerConfig layouts = SmallConfig(1);
+  layouts.set_micro_batch_size(2);
+  layouts.set_tp(2);
+  layouts.set_pp(2);
+  layouts.set_sequence_parallel(true);
+  EXPECT_EQ(sample(layouts, "sample_tp2_pp2_sp"), reference);
+  layouts.set_tp(1);
+  layouts.set_sequence_parallel(false);
+  layouts.set_schedule("interleaved_1f1b");
+  layouts.set_virtual_stages(2);
+  EXPECT_EQ(sample(layouts, "sample_interleaved"), reference);
+  TrainerConfig zero = SmallConfig(2);
+  zero.set_zero_stage(3);
+  EXPECT_EQ(sample(zero, "sample_zero3"), reference);
+}
+
 // tp = 2, pp = 2 and tp x pp = 2 x 2 runs export the same model as a one-rank
 // run: shards joined and stages merged under the single-process names. After 5
 // AdamW steps the weights agree to 1e-5 (absolute; Adam's normalisation turns
