@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -84,9 +85,10 @@ std::vector<double> ReadLosses(const std::string& path) {
   return losses;
 }
 
-// Trains `config` on dp * tp * pp ranks; rank 0 writes the losses to `tag`.txt.
-std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string& tag) {
-  const std::string path = TestDir() + "/" + tag + ".txt";
+// Trains `config` on dp * tp * pp ranks and hands rank 0's result to
+// `on_rank0` (in rank 0's process).
+void TrainEverywhere(const TrainerConfig& config,
+                     const std::function<void(const TrainResult&)>& on_rank0) {
   testing::RunOnRanks(config.dp() * config.tp() * config.pp(), [&](int rank) {
     auto topology = testing::JoinTopology(
         {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}});
@@ -95,8 +97,14 @@ std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string&
     ASSERT_TRUE(trainer.ok()) << trainer.status();
     auto result = (*trainer)->Train();
     ASSERT_TRUE(result.ok()) << result.status();
-    if (rank == 0) WriteLosses(path, result->losses);
+    if (rank == 0) on_rank0(*result);
   });
+}
+
+// The per-step losses of TrainEverywhere (through `tag`.txt).
+std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string& tag) {
+  const std::string path = TestDir() + "/" + tag + ".txt";
+  TrainEverywhere(config, [&](const TrainResult& result) { WriteLosses(path, result.losses); });
   return ReadLosses(path);
 }
 
@@ -346,16 +354,7 @@ TEST(TrainerSampleTest, ParallelLayoutsSampleLikeOneProcess) {
     config.set_max_steps(3);
     config.set_sample_tokens(24);
     const std::string path = TestDir() + "/" + tag + ".sample";
-    testing::RunOnRanks(config.dp() * config.tp() * config.pp(), [&](int rank) {
-      auto topology = testing::JoinTopology(
-          {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}});
-      ASSERT_TRUE(topology.ok()) << topology.status();
-      auto trainer = Trainer::Create(config, topology->get());
-      ASSERT_TRUE(trainer.ok()) << trainer.status();
-      auto result = (*trainer)->Train();
-      ASSERT_TRUE(result.ok()) << result.status();
-      if (rank == 0) std::ofstream(path) << result->sample;
-    });
+    TrainEverywhere(config, [&](const TrainResult& result) { std::ofstream(path) << result.sample; });
     std::ifstream in(path);
     return std::string(std::istreambuf_iterator<char>(in), {});
   };
