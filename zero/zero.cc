@@ -5,8 +5,6 @@
 #include <unordered_set>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -18,20 +16,6 @@
 
 namespace trident {
 namespace {
-
-// Runs `callback` after a grad accumulator has added a gradient to .grad.
-class AccumulatedHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit AccumulatedHook(std::function<void()> callback) : callback_(std::move(callback)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    callback_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> callback_;
-};
 
 int64_t Bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
@@ -87,7 +71,9 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   if (options.stage == 3 && (options.layers == nullptr || options.layer_indices.empty())) {
     return absl::InvalidArgumentError("ZeRO stage 3 needs the model's layers (ZeroOptions::layers)");
   }
-  if (data_parallel == nullptr) return absl::InvalidArgumentError("ZeRO needs a data-parallel group");
+  if (data_parallel == nullptr) {
+    return absl::InvalidArgumentError("ZeRO needs a data-parallel group: pass the topology's \"dp\" group");
+  }
   std::unique_ptr<ZeroOptimizer> zero(new ZeroOptimizer());
   zero->group_ = data_parallel;
   zero->options_ = std::move(options);
@@ -149,7 +135,8 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
       for (const at::Tensor& p : group) {
         if (!bucket_of.count(p.unsafeGetTensorImpl())) {
           return absl::InvalidArgumentError(
-              "ZeRO stage 3: a parameter is read by none of the given layers");
+              "ZeRO stage 3: a parameter is read by none of the given layers; list every layer "
+              "this rank holds in ZeroOptions::layer_indices");
         }
       }
     }
@@ -207,19 +194,16 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     bucket.pending = static_cast<int>(bucket.params.size());
     if (bucket.keep_full) continue;
     for (size_t i = 0; i < bucket.params.size(); ++i) {
-      std::shared_ptr<torch::autograd::Node> accumulator =
-          torch::autograd::impl::grad_accumulator(bucket.params[i]);
       ZeroOptimizer* self = zero.get();
       const int index = static_cast<int>(b), slot = static_cast<int>(i);
-      accumulator->add_post_hook(std::make_unique<AccumulatedHook>([self, index, slot] {
+      zero->hooks_.Add(bucket.params[i], [self, index, slot] {
         Bucket& bucket = self->buckets_[index];
         at::Tensor param = bucket.params[slot];
         if (!bucket.full_grad.defined()) bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
         bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(param.grad().reshape({-1}));
         param.mutable_grad() = at::Tensor();  // the whole gradient is not kept
         self->OnGradientReady(index);
-      }));
-      zero->hooked_.push_back(accumulator);
+      });
     }
   }
   // Stage 3: release the parameters (after their grad accumulators exist: an
@@ -242,7 +226,6 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
-  for (auto& node : hooked_) node->post_hooks().clear();
   if (options_.stage == 3) options_.layers->SetObserver(nullptr);
 }
 
@@ -275,8 +258,7 @@ void ZeroOptimizer::Release(Bucket& bucket) {
 // Gathers a layer's buckets and starts the all-gathers of the next layer's.
 void ZeroOptimizer::GatherLayer(int64_t layer) {
   for (int b : layer_buckets_[layer]) {
-    absl::Status status = Gather(buckets_[b]);
-    if (!status.ok() && first_error_.ok()) first_error_ = status;
+    absl::Status status = Gather(buckets_[b]);  // thrown: the layer cannot run without it
     TORCH_CHECK(status.ok(), std::string(status.message()));
   }
 }
@@ -528,7 +510,9 @@ absl::Status ZeroOptimizer::LoadState(const NamedTensors& state) {
   auto found = std::find_if(state.begin(), state.end(),
                             [](const auto& item) { return item.first == "zero_optimizer"; });
   if (found == state.end()) {
-    return absl::NotFoundError("the ZeRO optimizer state ('zero_optimizer') is missing");
+    return absl::NotFoundError(
+        "the ZeRO optimizer state ('zero_optimizer') is missing: the checkpoint was saved with "
+        "another zero_stage; resume with the zero_stage it was saved with");
   }
   const at::Tensor& blob = found->second;
   return CatchExceptions("restoring the sharded optimizer state", [&] {

@@ -45,12 +45,9 @@
 #include <torch/optim/optimizer.h>
 
 #include "absl/status/statusor.h"
+#include "base/gradient_hooks.h"
 #include "graph/graph.h"
 #include "topology/topology.h"
-
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
 
 namespace trident {
 
@@ -153,7 +150,7 @@ class ZeroOptimizer : private LayerObserver {
   ZeroOptions options_;
   std::vector<Bucket> buckets_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> hooked_;
+  GradientAccumulatedHooks hooks_;  // stage 2 and 3: gradients move into buckets
   std::map<int64_t, std::vector<int>> layer_buckets_;  // stage 3: the buckets a layer reads
   std::set<int64_t> backward_held_;  // stage 3: layers gathered for backward
   bool last_micro_batch_ = false;

@@ -1,30 +1,11 @@
 #include "trainer/internal/gradient_reducer.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include "base/logging.h"
 
 namespace trident {
 namespace internal {
-namespace {
-
-// Runs `callback` after a grad accumulator has added a gradient to .grad.
-class AccumulatedHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit AccumulatedHook(std::function<void()> callback) : callback_(std::move(callback)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    callback_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> callback_;
-};
-
-}  // namespace
 
 GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
                                  const ProcessGroup* group, int64_t bucket_bytes,
@@ -55,21 +36,13 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
       param.mutable_grad() = buckets_[b].buffer.narrow(0, offset, p.numel()).view(p.sizes());
       offset += p.numel();
       if (group_ == nullptr) continue;
-      std::shared_ptr<torch::autograd::Node> accumulator =
-          torch::autograd::impl::grad_accumulator(param);
       const int index = static_cast<int>(b);
-      accumulator->add_post_hook(
-          std::make_unique<AccumulatedHook>([this, index] { OnGradientReady(index); }));
-      hooks_.push_back(accumulator);
+      hooks_.Add(param, [this, index] { OnGradientReady(index); });
     }
   }
 }
 
-GradientReducer::~GradientReducer() {
-  for (auto& hook : hooks_) {
-    static_cast<torch::autograd::Node*>(hook.get())->post_hooks().clear();
-  }
-}
+GradientReducer::~GradientReducer() = default;
 
 void GradientReducer::ZeroGrad() {
   for (Bucket& bucket : buckets_) bucket.buffer.zero_();

@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/status.h"
+#include "base/gradient_hooks.h"
 #include "topology/topology.h"
 
 namespace trident {
@@ -52,7 +53,7 @@ class GradientReducer {
   double predivide_factor_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_sizes_;  // parameters per bucket
-  std::vector<std::shared_ptr<void>> hooks_;  // keeps the grad accumulators alive
+  GradientAccumulatedHooks hooks_;
   bool sync_ = false;
   std::mutex mutex_;
   absl::Status first_error_;
