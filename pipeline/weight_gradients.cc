@@ -1,6 +1,7 @@
 #include "pipeline/weight_gradients.h"
 
 #include <unordered_map>
+#include <unordered_set>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -62,7 +63,7 @@ bool DeferredWeightGradients::Defer(const at::Tensor& root, const Parameters& pa
   ParameterOnly parameter_only(parameters);
   if (start == nullptr || parameter_only(start.get())) return false;
   std::vector<std::shared_ptr<Node>> stack = {start};
-  std::unordered_map<Node*, bool> seen = {{start.get(), true}};
+  std::unordered_set<Node*> seen = {start.get()};
   while (!stack.empty()) {
     std::shared_ptr<Node> node = std::move(stack.back());
     stack.pop_back();
@@ -72,7 +73,7 @@ bool DeferredWeightGradients::Defer(const at::Tensor& root, const Parameters& pa
       if (!edge.is_valid()) continue;
       if (parameter_only(edge.function.get())) {
         op.weight_edges.emplace_back(i, edge);
-      } else if (seen.emplace(edge.function.get(), true).second) {
+      } else if (seen.insert(edge.function.get()).second) {
         stack.push_back(edge.function);
       }
     }

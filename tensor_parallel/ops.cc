@@ -123,7 +123,7 @@ at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& target
 struct CopyTo : torch::autograd::Function<CopyTo> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group) {
     ctx->saved_data["group"] = group;
-    return CopyToKernel(x, group);
+    return x;  // autograd makes the returned input a view: no copy on the forward path
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return {AllReduceSum(grads[0], ctx->saved_data["group"].toStringRef()), at::Tensor()};
