@@ -25,11 +25,9 @@
 #include <torch/nn/module.h>
 
 #include "absl/status/statusor.h"
+#include "base/tensors.h"
 
 namespace trident {
-
-// Tensors by name, as checkpoints store them.
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct PrecisionPolicy {
   std::string mode = "fp32";

@@ -24,11 +24,10 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "base/tensors.h"
 #include "checkpoint/manifest.pb.h"
 
 namespace trident {
-
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Writes `tensors` (CPU, any of F64/F32/F16/BF16/I64/I32/I16/I8/U8/BOOL) in the
 // safetensors format: an 8-byte little-endian header length, a JSON header with

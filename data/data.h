@@ -1,5 +1,13 @@
-// data: token files, the batch rule every parallel layout shares, tokenizers,
-// and corpus preparation.
+// data: the Dataset interface and its registry, token files, the batch rule
+// every parallel layout shares, tokenizers, and corpus preparation.
+//
+// A Dataset gives samples by index as a Batch (one tensor per field, samples
+// along dimension 0). Datasets register by name like models do; the token
+// files register as "tokens" (args: path, block_size, vocab_size):
+//
+//   TRIDENT_ASSIGN_OR_RETURN(auto data, MakeDataset("tokens", ComponentArgs("dataset 'tokens'",
+//       {{"path", "train.bin"}, {"block_size", "128"}, {"vocab_size", "256"}})));
+//   TRIDENT_ASSIGN_OR_RETURN(Batch batch, data->Get({0, 1, 2, 3}));  // {inputs, targets} [4, 128]
 //
 // A token file (.bin) is a flat little-endian uint16 array. Sample k of length T
 // is tokens [k*T, k*T + T + 1): T inputs and the T targets shifted by one. Step s
@@ -19,6 +27,7 @@
 #define TRIDENT_DATA_DATA_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,8 +36,31 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/registry.h"
+#include "base/tensors.h"
 
 namespace trident {
+
+// Samples by index. Implementations must be deterministic (the same index
+// gives the same sample on every rank and every run) and safe to call from
+// one thread at a time.
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  // Number of samples.
+  virtual int64_t size() const = 0;
+  // The samples at `indices`, stacked: one tensor per field, dimension 0 over
+  // the samples. Errors name the dataset and what is wrong.
+  virtual absl::StatusOr<Batch> Get(const std::vector<int64_t>& indices) const = 0;
+  // The fields' names (what input_names refer to); empty when unnamed.
+  virtual std::vector<std::string> field_names() const { return {}; }
+  // Tokens in one sample, for throughput figures (0: not a token dataset).
+  virtual int64_t tokens_per_sample() const { return 0; }
+};
+
+using DatasetFactory = std::function<absl::StatusOr<std::unique_ptr<Dataset>>(const ComponentArgs& args)>;
+Registry<DatasetFactory>& DatasetRegistry();
+absl::StatusOr<std::unique_ptr<Dataset>> MakeDataset(const std::string& type, const ComponentArgs& args);
 
 // A memory-mapped token file, validated on open.
 class TokenFile {
@@ -60,6 +92,21 @@ class TokenFile {
   int64_t num_tokens_ = 0;
   int64_t sample_length_ = 0;
   size_t mapped_bytes_ = 0;
+};
+
+// A token file as a Dataset: fields "input_ids" [n, T] and "labels" [n, T]
+// (the inputs shifted by one), int64.
+class TokenDataset : public Dataset {
+ public:
+  explicit TokenDataset(std::unique_ptr<TokenFile> file) : file_(std::move(file)) {}
+  int64_t size() const override { return file_->num_samples(); }
+  absl::StatusOr<Batch> Get(const std::vector<int64_t>& indices) const override;
+  std::vector<std::string> field_names() const override { return {"input_ids", "labels"}; }
+  int64_t tokens_per_sample() const override { return file_->sample_length(); }
+  const TokenFile& file() const { return *file_; }
+
+ private:
+  std::unique_ptr<TokenFile> file_;
 };
 
 // Writes `tokens` as a token file.

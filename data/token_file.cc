@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "data/data.h"
 
 namespace trident {
@@ -82,6 +83,46 @@ void TokenFile::Fill(const std::vector<int64_t>& samples, at::Tensor* inputs,
     }
   }
 }
+
+absl::StatusOr<Batch> TokenDataset::Get(const std::vector<int64_t>& indices) const {
+  for (int64_t i : indices) {
+    if (i < 0 || i >= size()) {
+      return absl::OutOfRangeError(absl::StrCat("sample ", i, " of ", file_->path(), ", which has ",
+                                                size(), " samples"));
+    }
+  }
+  at::Tensor inputs, targets;
+  file_->Fill(indices, &inputs, &targets);
+  return Batch{inputs, targets};
+}
+
+Registry<DatasetFactory>& DatasetRegistry() {
+  static auto* registry = new Registry<DatasetFactory>("dataset");
+  return *registry;
+}
+
+absl::StatusOr<std::unique_ptr<Dataset>> MakeDataset(const std::string& type, const ComponentArgs& args) {
+  TRIDENT_ASSIGN_OR_RETURN(DatasetFactory make, DatasetRegistry().Find(type));
+  return make(args);
+}
+
+namespace {
+
+const bool kTokens = DatasetRegistry().Register(
+    "tokens", [](const ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<Dataset>> {
+      TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"path", "block_size", "vocab_size"}));
+      const std::string path = args.GetString("path", "");
+      if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(args.owner(), " needs a path"));
+      TRIDENT_ASSIGN_OR_RETURN(const int64_t block_size, args.GetInt("block_size", 0));
+      TRIDENT_ASSIGN_OR_RETURN(const int64_t vocab_size, args.GetInt("vocab_size", 65536));
+      if (block_size < 1) {
+        return absl::InvalidArgumentError(absl::StrCat(args.owner(), " needs block_size (tokens per sample)"));
+      }
+      TRIDENT_ASSIGN_OR_RETURN(auto file, TokenFile::Open(path, vocab_size, block_size));
+      return std::unique_ptr<Dataset>(new TokenDataset(std::move(file)));
+    });
+
+}  // namespace
 
 absl::Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens) {
   static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token files are little-endian");

@@ -6,11 +6,13 @@
 // The zoo's gpt, llama and mlp models are LayerSequences.
 //
 //   LayerSequence& layers = *model;  // e.g. a LanguageModel from //models
-//   std::vector<LayerProfile> profile = ProfileLayers(layers, tokens);
+//   std::vector<LayerProfile> profile = *ProfileLayers(layers, {tokens, targets});
 //   // profile[i].parameters, .forward_flops, .activation_bytes per layer
 //
 // Any model can also be traced into an operator graph (ModelGraph,
-// model_graph.h), which //partition cuts into stage sub-graphs.
+// model_graph.h), which //partition cuts into shards; GraphLayers
+// (graph_layers.h) runs a cut graph as a LayerSequence of shards, so the
+// pipeline runs traced models and layer sequences alike.
 #ifndef TRIDENT_GRAPH_GRAPH_H_
 #define TRIDENT_GRAPH_GRAPH_H_
 
@@ -24,9 +26,13 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "base/tensors.h"
 #include "graph/model_graph.h"
 
 namespace trident {
+
+// Which layers a part of a model materialises: the union of ranges [first, end).
+using LayerRanges = std::vector<std::pair<int64_t, int64_t>>;
 
 // Watches layers run (ZeRO stage 3 gathers a layer's parameters before it runs
 // and releases them after).
@@ -34,23 +40,24 @@ class LayerObserver {
  public:
   virtual ~LayerObserver() = default;
   virtual void BeforeLayer(int64_t layer) = 0;
-  // `output` is the layer's result (it may register gradient hooks on it).
-  virtual void AfterLayer(int64_t layer, const at::Tensor& output) = 0;
+  // `outputs` are the layer's results (it may register gradient hooks on them).
+  virtual void AfterLayer(int64_t layer, const Values& outputs) = 0;
 };
 
-// A model as an ordered list of layers: layer 0 receives the model input, layer
-// i > 0 the output of layer i - 1, and the loss is computed from the last output.
-// Consecutive layers exchange exactly one tensor.
+// A model as an ordered list of layers: layer 0 reads the micro-batch, layer
+// i > 0 what layer i - 1 returned (and any batch fields it needs), and the
+// loss is computed from the last layer's outputs. A layer boundary may carry
+// several tensors.
 class LayerSequence {
  public:
   virtual ~LayerSequence() = default;
   // Runs layer i under the observer, if any: how callers run layers.
-  at::Tensor RunLayer(int64_t i, const at::Tensor& input) {
-    if (observer_ == nullptr) return ForwardLayer(i, input);
+  Values RunLayer(int64_t i, const Values& inputs, const Batch& batch) {
+    if (observer_ == nullptr) return ForwardLayer(i, inputs, batch);
     observer_->BeforeLayer(i);
-    at::Tensor output = ForwardLayer(i, input);
-    observer_->AfterLayer(i, output);
-    return output;
+    Values outputs = ForwardLayer(i, inputs, batch);
+    observer_->AfterLayer(i, outputs);
+    return outputs;
   }
   // Not owned; nullptr removes it.
   void SetObserver(LayerObserver* observer) { observer_ = observer; }
@@ -58,12 +65,27 @@ class LayerSequence {
   // A name for layer i, the prefix of its own parameters where it has one
   // ("transformer.h.3"); usable as a `layer_split` point.
   virtual std::string LayerName(int64_t i) const = 0;
-  virtual at::Tensor ForwardLayer(int64_t i, const at::Tensor& input) = 0;
+  // Layer i on what layer i - 1 returned (empty for layer 0) and the
+  // micro-batch (the layer reads the fields it needs; BatchFields says which).
+  virtual Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) = 0;
+  // The batch fields layer i reads (default: layer 0 reads field 0).
+  virtual std::vector<int> BatchFields(int64_t i) const {
+    return i == 0 ? std::vector<int>{0} : std::vector<int>{};
+  }
   // The parameters layer i reads, by their model names. A tied parameter (GPT's
   // token embedding, read by the first and the last layer) is listed by both.
-  virtual std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) = 0;
-  // The loss of the last layer's output against `targets`.
-  virtual at::Tensor SequenceLoss(const at::Tensor& output, const at::Tensor& targets) = 0;
+  virtual NamedTensors LayerParameters(int64_t i) = 0;
+  // The model's own scalar loss from the last layer's outputs and the batch.
+  // The default: the first 0-dim floating-point output (nnScaler's convention:
+  // a forward returning the loss, or a tuple whose first scalar is the loss);
+  // throws when there is none (then a loss function must be given).
+  virtual at::Tensor Loss(const Values& outputs, const Batch& batch);
+  // Training or evaluation behaviour (dropout); the default has none.
+  virtual void SetTraining(bool /*training*/) {}
+  // Moves the parameters (and whatever else the layers hold) to `device`
+  // keeping the tensors' identities. The default moves LayerParameters of the
+  // layers in [0, NumLayers()) that are materialised.
+  virtual void To(const at::Device& device);
 
  private:
   LayerObserver* observer_ = nullptr;
@@ -90,11 +112,10 @@ using LayerBuilder = std::function<absl::StatusOr<std::shared_ptr<LayerSequence>
 // built; layer i's input is layer i - 1's output. Peak memory: about one layer.
 absl::StatusOr<std::vector<LayerProfile>> ProfileLayersOneByOne(int64_t num_layers,
                                                                 const LayerBuilder& build,
-                                                                const at::Tensor& input);
+                                                                const Batch& batch);
 
-// Profiles every layer by running the sequence on `input` (no gradients).
-absl::StatusOr<std::vector<LayerProfile>> ProfileLayers(LayerSequence& layers,
-                                                        const at::Tensor& input);
+// Profiles every layer by running the sequence on `batch` (no gradients).
+absl::StatusOr<std::vector<LayerProfile>> ProfileLayers(LayerSequence& layers, const Batch& batch);
 
 }  // namespace trident
 

@@ -9,11 +9,41 @@
 
 namespace trident {
 
+at::Tensor LayerSequence::Loss(const Values& outputs, const Batch&) {
+  for (const at::Tensor& t : outputs) {
+    if (t.defined() && t.dim() == 0 && at::isFloatingType(t.scalar_type())) return t;
+  }
+  throw std::invalid_argument(absl::StrCat(
+      "the model's outputs (", outputs.size(), " tensor(s)) hold no scalar loss: return the loss "
+      "from forward (alone, or first among the outputs) or give a loss function"));
+}
+
+void LayerSequence::To(const at::Device& device) {
+  at::NoGradGuard no_grad;
+  for (int64_t i = 0; i < NumLayers(); ++i) {
+    NamedTensors parameters;
+    try {
+      parameters = LayerParameters(i);
+    } catch (const std::out_of_range&) {
+      continue;  // not materialised in this part
+    }
+    for (auto& [name, p] : parameters) {
+      if (p.device() != device) p.set_data(p.data().to(device));
+    }
+  }
+}
+
 namespace {
 
-// Profiles layer i of `layers` on input `x`; sets `output` to its result.
-absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, const at::Tensor& x,
-                                          at::Tensor* output) {
+int64_t Bytes(const Values& values) {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : values) bytes += t.defined() ? t.numel() * t.element_size() : 0;
+  return bytes;
+}
+
+// Profiles layer i of `layers` on `inputs`; sets `outputs` to its result.
+absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, const Values& inputs,
+                                          const Batch& batch, Values* outputs) {
   at::NoGradGuard no_grad;
   LayerProfile p;
   p.name = layers.LayerName(i);
@@ -24,15 +54,18 @@ absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, cons
     p.parameter_bytes += tensor.numel() * tensor.element_size();
     if (tensor.dim() >= 2) matrix_scalars += tensor.numel();
   }
-  if (at::isFloatingType(x.scalar_type())) {
-    const int64_t rows = x.numel() / std::max<int64_t>(1, x.size(-1));
-    p.forward_flops = 2.0 * rows * matrix_scalars;
+  // Rows of the activation the layer multiplies (none for a layer fed token ids).
+  for (const at::Tensor& x : inputs) {
+    if (x.defined() && at::isFloatingType(x.scalar_type()) && x.dim() > 0) {
+      p.forward_flops = 2.0 * (x.numel() / std::max<int64_t>(1, x.size(-1))) * matrix_scalars;
+      break;
+    }
   }
   std::vector<double> seconds;
   absl::Status ran = CatchExceptions(absl::StrCat("profiling layer ", i, " (", p.name, ")"), [&] {
     for (int run = 0; run < 3; ++run) {
       const auto start = std::chrono::steady_clock::now();
-      *output = layers.RunLayer(i, x);
+      *outputs = layers.RunLayer(i, inputs, batch);
       seconds.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
@@ -40,34 +73,33 @@ absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, cons
   TRIDENT_RETURN_IF_ERROR(ran);
   std::sort(seconds.begin(), seconds.end());
   p.forward_seconds = seconds[1];
-  p.activation_bytes = output->numel() * output->element_size();
+  p.activation_bytes = Bytes(*outputs);
   return p;
 }
 
 }  // namespace
 
-absl::StatusOr<std::vector<LayerProfile>> ProfileLayers(LayerSequence& layers,
-                                                        const at::Tensor& input) {
+absl::StatusOr<std::vector<LayerProfile>> ProfileLayers(LayerSequence& layers, const Batch& batch) {
   std::vector<LayerProfile> profile;
-  at::Tensor x = input, output;
+  Values x, outputs;
   for (int64_t i = 0; i < layers.NumLayers(); ++i) {
-    TRIDENT_ASSIGN_OR_RETURN(LayerProfile p, ProfileLayer(layers, i, x, &output));
+    TRIDENT_ASSIGN_OR_RETURN(LayerProfile p, ProfileLayer(layers, i, x, batch, &outputs));
     profile.push_back(std::move(p));
-    x = output;
+    x = std::move(outputs);
   }
   return profile;
 }
 
 absl::StatusOr<std::vector<LayerProfile>> ProfileLayersOneByOne(int64_t num_layers,
                                                                 const LayerBuilder& build,
-                                                                const at::Tensor& input) {
+                                                                const Batch& batch) {
   std::vector<LayerProfile> profile;
-  at::Tensor x = input, output;
+  Values x, outputs;
   for (int64_t i = 0; i < num_layers; ++i) {
     TRIDENT_ASSIGN_OR_RETURN(std::shared_ptr<LayerSequence> part, build(i));
-    TRIDENT_ASSIGN_OR_RETURN(LayerProfile p, ProfileLayer(*part, i, x, &output));
+    TRIDENT_ASSIGN_OR_RETURN(LayerProfile p, ProfileLayer(*part, i, x, batch, &outputs));
     profile.push_back(std::move(p));
-    x = output;
+    x = std::move(outputs);
   }  // each part is freed as `part` goes out of scope
   return profile;
 }

@@ -68,6 +68,7 @@ class ModelGraph::Impl {
   std::vector<int64_t> output_ids;
   std::unique_ptr<torch::jit::GraphFunction> function;
   std::shared_ptr<void> keep_alive;  // a loaded TorchScript module that owns the parameters
+  std::map<std::string, std::string> aliases;
 
   // Index of the op that makes `value`; -1 for graph inputs and cloneable values.
   int64_t Producer(const torch::jit::Value* value) const {
@@ -126,10 +127,11 @@ ModelGraph::~ModelGraph() = default;
 const std::vector<GraphNode>& ModelGraph::nodes() const { return impl_->nodes; }
 const std::vector<std::string>& ModelGraph::parameter_names() const { return impl_->parameter_names; }
 const std::vector<at::Tensor>& ModelGraph::parameters() const { return impl_->parameters; }
+const std::map<std::string, std::string>& ModelGraph::aliases() const { return impl_->aliases; }
 
 constexpr char kUseLayerSequence[] =
-    "Declare the model as a LayerSequence (graph/graph.h) to split it at layer boundaries "
-    "instead";
+    "Declare the model as a LayerSequence (graph/graph.h) and use trace_method=layers to split "
+    "it at layer boundaries instead (or trace_method=none to run it untraced with pp=1)";
 
 absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
     torch::nn::Module& module, const std::vector<at::Tensor>& example_inputs,
@@ -139,41 +141,69 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   return Trace(parameters, example_inputs, forward, check_inputs);
 }
 
-absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::FromTorchScript(
-    const std::string& path, const std::vector<at::Tensor>& example_inputs,
-    const std::vector<at::Tensor>& check_inputs) {
+absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& path) {
   auto module = std::make_shared<torch::jit::Module>();
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("loading TorchScript module ", path),
                                           [&] { *module = torch::jit::load(path); }));
-  std::vector<std::pair<std::string, at::Tensor>> parameters;
+  TorchScriptModule loaded;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
-    parameters.emplace_back(item.name, item.value);
+    loaded.parameters.emplace_back(item.name, item.value);
   }
-  auto graph = Trace(parameters, example_inputs, [module](const std::vector<at::Tensor>& in) {
+  TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("reading forward of ", path), [&] {
+    const auto& arguments = module->get_method("forward").function().getSchema().arguments();
+    for (size_t i = 1; i < arguments.size(); ++i) loaded.argument_names.push_back(arguments[i].name());
+  }));
+  loaded.forward = [module, path](const std::vector<at::Tensor>& in) {
     std::vector<c10::IValue> args(in.begin(), in.end());
-    c10::IValue result = module->forward(args);
-    if (result.isTensor()) return std::vector<at::Tensor>{result.toTensor()};
+    const c10::IValue result = module->forward(args);
     std::vector<at::Tensor> outputs;
-    for (const c10::IValue& element : result.toTupleRef().elements()) outputs.push_back(element.toTensor());
+    auto add = [&](const c10::IValue& value) {
+      if (value.isNone()) return;
+      if (!value.isTensor()) {
+        throw std::invalid_argument(absl::StrCat("forward of ", path, " returned a ",
+                                                 value.tagKind(), "; return tensors (a tuple or list of them)"));
+      }
+      outputs.push_back(value.toTensor());
+    };
+    if (result.isTuple()) {
+      for (const c10::IValue& element : result.toTupleRef().elements()) add(element);
+    } else if (result.isList()) {
+      for (const c10::IValue& element : result.toListRef()) add(element);
+    } else {
+      add(result);
+    }
     return outputs;
-  }, check_inputs);
-  if (graph.ok()) (*graph)->impl_->keep_alive = module;
-  return graph;
+  };
+  loaded.to = [module](const at::Device& device) { module->to(device); };
+  loaded.module = module;
+  return loaded;
+}
+
+absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::FromTorchScript(
+    const std::string& path, const std::vector<at::Tensor>& example_inputs,
+    const std::vector<at::Tensor>& check_inputs) {
+  TRIDENT_ASSIGN_OR_RETURN(TorchScriptModule module, TorchScriptModule::Load(path));
+  return Trace(module.parameters, example_inputs, module.forward, check_inputs, module.module);
 }
 
 absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
     const std::vector<std::pair<std::string, at::Tensor>>& parameters,
     const std::vector<at::Tensor>& example_inputs, const Forward& forward,
-    const std::vector<at::Tensor>& check_inputs) {
+    const std::vector<at::Tensor>& check_inputs, std::shared_ptr<void> keep_alive) {
   auto impl = std::make_unique<Impl>();
   impl->num_inputs = example_inputs.size();
+  impl->keep_alive = std::move(keep_alive);
   torch::jit::Stack stack;
   for (const at::Tensor& t : example_inputs) stack.emplace_back(t);
   std::map<const void*, std::string> names;
   for (const auto& [name, tensor] : parameters) {
+    auto [it, first] = names.emplace(tensor.unsafeGetTensorImpl(), name);
+    if (!first) {  // tied: one graph input under the first name
+      impl->aliases[name] = it->second;
+      continue;
+    }
     impl->parameters.push_back(tensor);
     impl->parameter_names.push_back(name);
-    names[tensor.unsafeGetTensorImpl()] = name;
     stack.emplace_back(tensor);
   }
   std::shared_ptr<torch::jit::tracer::TracingState> state;
@@ -201,12 +231,15 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
         "to compute, or takes inputs it cannot record, cannot be traced. ", kUseLayerSequence));
   }
   impl->graph = state->graph;
+  int64_t position = 0;
   for (const torch::jit::Node* node : impl->graph->nodes()) {
     const std::string kind = node->kind().toQualString();
+    ++position;
     if (kind == "aten::item" || kind == "aten::_local_scalar_dense" || kind == "aten::Int" ||
         kind == "aten::Float" || kind == "aten::Bool" || kind == "aten::is_nonzero") {
       return absl::FailedPreconditionError(absl::StrCat(
-          "tracing the model: its forward reads a tensor's value (", kind,
+          "tracing the model: its forward reads a tensor's value (node ", position, ", ", kind,
+          node->sourceRange().source() ? absl::StrCat(" at ", node->sourceRange().str()) : "",
           "), so control flow may depend on data and the trace would record one branch only. ",
           kUseLayerSequence));
     }
@@ -306,6 +339,14 @@ std::optional<int> ModelGraph::CrossingTensors(int64_t position) const {
   return count;
 }
 
+std::vector<int64_t> ModelGraph::CrossingValueIds(int64_t position) const {
+  std::vector<int64_t> ids;
+  for (const torch::jit::Value* value : impl_->Crossing(position)) {
+    if (value->type()->cast<c10::TensorType>()) ids.push_back(static_cast<int64_t>(value->unique()));
+  }
+  return ids;
+}
+
 absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> ModelGraph::Split(
     const std::vector<int64_t>& boundaries) const {
   const Impl& g = *impl_;
@@ -340,6 +381,7 @@ absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> ModelGraph::Split(
         result = st.graph->addInput()->copyMetadata(value);
         if (index < g.num_inputs) {
           st.inputs.emplace_back(StageGraph::Impl::Source::kModelInput, index);
+          stage->model_inputs_.push_back(static_cast<int>(index));
         } else {
           st.inputs.emplace_back(StageGraph::Impl::Source::kParameter, st.parameters.size());
           st.parameters.push_back(g.parameters[index - g.num_inputs]);

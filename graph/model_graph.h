@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,6 +58,8 @@ class StageGraph {
   const std::vector<int64_t>& sent() const { return sent_; }
   // The parameters this stage reads.
   const std::vector<std::string>& parameter_names() const { return parameter_names_; }
+  // The model inputs (indices into Run's `model_inputs`) this stage reads.
+  const std::vector<int>& model_inputs() const { return model_inputs_; }
   // Runs the stage on `received` (in received() order) and the model's inputs
   // (all of them, as ModelGraph::Run takes them; the stage reads what it needs).
   absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& received,
@@ -69,6 +72,7 @@ class StageGraph {
   std::unique_ptr<Impl> impl_;
   std::vector<int64_t> received_, sent_;
   std::vector<std::string> parameter_names_;
+  std::vector<int> model_inputs_;
 };
 
 // A tensor that one stage of a split graph sends to later ones.
@@ -79,6 +83,23 @@ struct TensorFlow {
   std::vector<int64_t> shape;   // for the traced example input
   std::string dtype;
   int64_t bytes = 0;
+};
+
+// A TorchScript module saved from Python (torch.jit.save of a torch.jit.trace
+// or torch.jit.script result), loaded for tracing.
+struct TorchScriptModule {
+  // Loads `path`; errors name the file.
+  static absl::StatusOr<TorchScriptModule> Load(const std::string& path);
+  // Every parameter under every name (tied names share one tensor).
+  std::vector<std::pair<std::string, at::Tensor>> parameters;
+  // The names of forward's arguments, without self.
+  std::vector<std::string> argument_names;
+  // Calls forward: a tensor, or a tuple or list of tensors (None elements are
+  // dropped), become the outputs. Throws when forward returns anything else.
+  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
+  // Moves parameters and buffers to `device`.
+  std::function<void(const at::Device&)> to;
+  std::shared_ptr<void> module;  // keeps the loaded module alive
 };
 
 class ModelGraph {
@@ -93,11 +114,14 @@ class ModelGraph {
   static absl::StatusOr<std::unique_ptr<ModelGraph>> Trace(
       torch::nn::Module& module, const std::vector<at::Tensor>& example_inputs,
       const Forward& forward, const std::vector<at::Tensor>& check_inputs = {});
-  // The same for a forward that reads `parameters` (name, tensor) directly.
+  // The same for a forward that reads `parameters` (name, tensor) directly. A
+  // tensor listed under several names (tied weights) becomes one graph input
+  // under its first name; aliases() maps the others to it. `keep_alive` is
+  // held as long as the graph (the owner of the parameters).
   static absl::StatusOr<std::unique_ptr<ModelGraph>> Trace(
       const std::vector<std::pair<std::string, at::Tensor>>& parameters,
       const std::vector<at::Tensor>& example_inputs, const Forward& forward,
-      const std::vector<at::Tensor>& check_inputs = {});
+      const std::vector<at::Tensor>& check_inputs = {}, std::shared_ptr<void> keep_alive = nullptr);
   // Loads a TorchScript module saved from Python (torch.jit.save) and traces its
   // forward on `example_inputs` into a graph of its operators, with the module's
   // parameters as named inputs. The loaded module stays alive inside the graph.
@@ -111,12 +135,17 @@ class ModelGraph {
   // parameter tensors themselves (the module's own, so gradients land there).
   const std::vector<std::string>& parameter_names() const;
   const std::vector<at::Tensor>& parameters() const;
+  // Second names of tied parameters: alias -> the name in parameter_names().
+  const std::map<std::string, std::string>& aliases() const;
   // Runs the graph on `inputs` (shaped like the example) with the module's
   // current parameters.
   absl::StatusOr<std::vector<at::Tensor>> Run(const std::vector<at::Tensor>& inputs);
 
   // Value ids of the model's outputs (what the forward returned).
   const std::vector<int64_t>& output_ids() const;
+  // Value ids of the tensors that cross a cut before node `position` (see
+  // CrossingTensors), in the order the graph makes them.
+  std::vector<int64_t> CrossingValueIds(int64_t position) const;
   // Tensors that would cross a cut before node `position` (0 < position <
   // nodes().size()): values made by earlier nodes and used by later ones or
   // returned. nullopt where a non-tensor value, or a tensor later modified in

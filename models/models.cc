@@ -151,10 +151,18 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
   return absl::OkStatus();
 }
 
+Values LanguageModel::ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) {
+  return {ForwardLayer(i, i == 0 ? batch.at(0) : inputs.at(0))};
+}
+
 at::Tensor LanguageModel::Logits(const at::Tensor& tokens) {
-  at::Tensor x = tokens;
-  for (int64_t i = 0; i < NumLayers(); ++i) x = RunLayer(i, x);
-  return x;
+  Values x;
+  for (int64_t i = 0; i < NumLayers(); ++i) x = RunLayer(i, x, {tokens});
+  return x.at(0);
+}
+
+at::Tensor LanguageModel::Loss(const Values& outputs, const Batch& batch) {
+  return SequenceLoss(outputs.at(0), batch.at(1));
 }
 
 at::Tensor LanguageModel::Loss(const at::Tensor& tokens, const at::Tensor& targets) {

@@ -57,9 +57,6 @@ std::vector<std::string> PresetNames(absl::string_view model);
 // Errors (naming the field) for sizes that cannot build a model.
 absl::Status ValidateModelConfig(const ModelConfig& config);
 
-// Which layers a part of a model materialises: the union of ranges [first, end).
-using LayerRanges = std::vector<std::pair<int64_t, int64_t>>;
-
 // A causal language model: tokens [B, T] (int64, T <= block_size) to logits
 // [B, T, vocab]. Every zoo model is a LayerSequence: an embedding layer
 // ("embedding"), its blocks (named by their parameter prefix, such as
@@ -74,6 +71,12 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
   bool HasLayer(int64_t i) const;
   // "embedding", then the blocks as BlockPrefix() + index, then "head".
   std::string LayerName(int64_t i) const override;
+  // Layer i of the zoo on one tensor: token ids [B, T] for the embedding,
+  // hidden states [B, T, C] after it (the head returns logits).
+  virtual at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) = 0;
+  // LayerSequence: layer 0 reads batch field 0 (the tokens); the others take
+  // the previous layer's one output.
+  Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) override;
   // All layers in order. With tensor parallelism, this rank's vocabulary
   // slice of the logits [B, T, vocab / tp].
   at::Tensor Logits(const at::Tensor& tokens);
@@ -81,7 +84,11 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
   at::Tensor Loss(const at::Tensor& tokens, const at::Tensor& targets);
   // Mean token cross-entropy of `logits` against `targets` (vocabulary-parallel
   // with tensor parallelism: the full logits are never gathered).
-  at::Tensor SequenceLoss(const at::Tensor& logits, const at::Tensor& targets) override;
+  at::Tensor SequenceLoss(const at::Tensor& logits, const at::Tensor& targets);
+  // LayerSequence: SequenceLoss of the head's logits against batch field 1.
+  at::Tensor Loss(const Values& outputs, const Batch& batch) override;
+  void To(const at::Device& device) override { torch::nn::Module::to(device); }
+  void SetTraining(bool training) override { torch::nn::Module::train(training); }
   // The parameters split over the tensor-parallel group, by name, and how each
   // is a slice of the single-process parameter; the others are replicated.
   std::map<std::string, ShardSpec> ParameterShards() const;

@@ -9,16 +9,42 @@
 namespace trident {
 namespace {
 
+// Node ranges [first, last] that read the parameters of a leaf module: no cut
+// inside (a cut before node p is inside when first < p <= last).
+std::vector<std::pair<int64_t, int64_t>> LeafRanges(const ModelGraph& graph,
+                                                    const std::vector<std::string>& leaf_modules) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const std::string& prefix : leaf_modules) {
+    int64_t first = -1, last = -1;
+    for (int64_t i = 0; i < static_cast<int64_t>(graph.nodes().size()); ++i) {
+      for (const std::string& name : graph.nodes()[i].parameters) {
+        if (name.rfind(prefix + ".", 0) == 0 || name == prefix) {
+          if (first < 0) first = i;
+          last = i;
+        }
+      }
+    }
+    if (first >= 0) ranges.emplace_back(first, last);
+  }
+  return ranges;
+}
+
 // Positions where the graph can be cut, with the number of tensors crossing each.
-std::vector<std::pair<int64_t, int>> CutCandidates(const ModelGraph& graph) {
+std::vector<std::pair<int64_t, int>> CutCandidates(const ModelGraph& graph,
+                                                   const std::vector<std::string>& leaf_modules) {
+  const auto leaves = LeafRanges(graph, leaf_modules);
   std::vector<std::pair<int64_t, int>> candidates;
   for (int64_t p = 1; p < static_cast<int64_t>(graph.nodes().size()); ++p) {
+    const bool inside = std::any_of(leaves.begin(), leaves.end(),
+                                    [p](const auto& r) { return r.first < p && p <= r.second; });
+    if (inside) continue;
     if (auto crossing = graph.CrossingTensors(p)) candidates.emplace_back(p, *crossing);
   }
   return candidates;
 }
 
-std::vector<int64_t> FarthestMinDeps(const ModelGraph& graph, int shard_count) {
+std::vector<int64_t> FarthestMinDeps(const ModelGraph& graph, int shard_count,
+                                     const std::vector<std::string>& leaf_modules) {
   const auto& nodes = graph.nodes();
   double total = 0;
   for (const GraphNode& n : nodes) total += n.parameter_bytes;
@@ -29,7 +55,7 @@ std::vector<int64_t> FarthestMinDeps(const ModelGraph& graph, int shard_count) {
   // otherwise it grows (merges back) until such a cut comes.
   std::vector<int64_t> bounds = {0};
   std::map<int64_t, int> crossing;
-  for (const auto& [p, c] : CutCandidates(graph)) crossing[p] = c;
+  for (const auto& [p, c] : CutCandidates(graph, leaf_modules)) crossing[p] = c;
   double shard = 0;
   int least = 1 << 30;
   bool embedding = false;  // the shard holds an embedding lookup: close it at the next cut
@@ -50,9 +76,10 @@ std::vector<int64_t> FarthestMinDeps(const ModelGraph& graph, int shard_count) {
   return bounds;
 }
 
-std::vector<int64_t> NearestMinDeps(const ModelGraph& graph, int shard_count) {
+std::vector<int64_t> NearestMinDeps(const ModelGraph& graph, int shard_count,
+                                    const std::vector<std::string>& leaf_modules) {
   const auto& nodes = graph.nodes();
-  std::vector<std::pair<int64_t, int>> cuts = CutCandidates(graph);
+  std::vector<std::pair<int64_t, int>> cuts = CutCandidates(graph, leaf_modules);
   std::vector<double> prefix(nodes.size() + 1, 0);
   for (size_t i = 0; i < nodes.size(); ++i) prefix[i + 1] = prefix[i] + nodes[i].parameter_bytes;
   // Greedy merge: remove the cut carrying the most tensors (ties: the one whose
@@ -83,14 +110,44 @@ std::vector<int64_t> NearestMinDeps(const ModelGraph& graph, int shard_count) {
 
 }  // namespace
 
+std::vector<LayerProfile> ShardProfiles(const ModelGraph& graph, const std::vector<int64_t>& shards) {
+  std::map<std::string, int64_t> numel;
+  for (size_t i = 0; i < graph.parameters().size(); ++i) {
+    numel[graph.parameter_names()[i]] = graph.parameters()[i].numel();
+  }
+  std::vector<LayerProfile> profile;
+  const std::vector<TensorFlow> flows = graph.Flows(shards);
+  for (size_t s = 0; s + 1 < shards.size(); ++s) {
+    LayerProfile p;
+    p.name = absl::StrCat("shard", s);
+    std::set<std::string> seen;
+    for (int64_t i = shards[s]; i < shards[s + 1]; ++i) {
+      const GraphNode& node = graph.nodes()[i];
+      p.forward_flops += node.forward_flops;
+      for (const std::string& name : node.parameters) {
+        if (!seen.insert(name).second) continue;
+        p.parameter_names.push_back(name);
+        p.parameters += numel[name];
+      }
+      p.parameter_bytes += node.parameter_bytes;
+    }
+    for (const TensorFlow& flow : flows) {
+      if (flow.from_stage == static_cast<int>(s)) p.activation_bytes += flow.bytes;
+    }
+    profile.push_back(std::move(p));
+  }
+  return profile;
+}
+
 absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
                                                      const std::string& split_method,
-                                                     int shard_count) {
+                                                     int shard_count,
+                                                     const std::vector<std::string>& leaf_modules) {
   if (shard_count < 1) {
     return absl::InvalidArgumentError(absl::StrCat("shard_count=", shard_count, " must be positive"));
   }
-  if (split_method == "farthest_min_deps") return FarthestMinDeps(graph, shard_count);
-  if (split_method == "nearest_min_deps") return NearestMinDeps(graph, shard_count);
+  if (split_method == "farthest_min_deps") return FarthestMinDeps(graph, shard_count, leaf_modules);
+  if (split_method == "nearest_min_deps") return NearestMinDeps(graph, shard_count, leaf_modules);
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown split_method '", split_method,
       "' for a traced graph; choose farthest_min_deps or nearest_min_deps (layer_split needs a "
@@ -120,7 +177,7 @@ int DefaultShardCount(const ModelGraph& graph) {
 absl::StatusOr<Plan> PlanGraphStages(const ModelGraph& graph, const GraphPartitionOptions& options) {
   const int shard_count = options.shard_count > 0 ? options.shard_count : DefaultShardCount(graph);
   TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards,
-                           SplitIntoShards(graph, options.split_method, shard_count));
+                           SplitIntoShards(graph, options.split_method, shard_count, options.leaf_modules));
   const auto& nodes = graph.nodes();
   std::vector<double> weights;
   for (size_t s = 0; s + 1 < shards.size(); ++s) {

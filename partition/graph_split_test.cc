@@ -243,16 +243,17 @@ class BranchingLayers : public torch::nn::Module, public LayerSequence {
   }
   int64_t NumLayers() const override { return 4; }
   std::string LayerName(int64_t i) const override { return "layer" + std::to_string(i); }
-  at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
+  at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) {
     auto y = layers_[i](x);
     return y.sum().item<float>() > 0 ? torch::relu(y) : torch::tanh(y);
   }
-  std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
+  Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) override {
+    return {ForwardLayer(i, i == 0 ? batch.at(0) : inputs.at(0))};
+  }
+  NamedTensors LayerParameters(int64_t i) override {
     return {{LayerName(i) + ".weight", layers_[i]->weight}, {LayerName(i) + ".bias", layers_[i]->bias}};
   }
-  at::Tensor SequenceLoss(const at::Tensor& output, const at::Tensor&) override {
-    return output.pow(2).mean();
-  }
+  at::Tensor Loss(const Values& outputs, const Batch&) override { return outputs.at(0).pow(2).mean(); }
   at::Tensor Forward(at::Tensor x) {
     for (int64_t i = 0; i < NumLayers(); ++i) x = ForwardLayer(i, x);
     return x;
@@ -290,7 +291,7 @@ TEST(UntraceableModelTest, RefusedByTheTracerPartitionedAsALayerSequence) {
   ASSERT_FALSE(traced.ok());
   EXPECT_THAT(std::string(traced.status().message()), HasSubstr("Declare the model as a LayerSequence"));
 
-  auto profile = ProfileLayers(model, x);
+  auto profile = ProfileLayers(model, {x});
   ASSERT_TRUE(profile.ok()) << profile.status();
   PartitionOptions options;
   options.num_stages = 2;

@@ -66,9 +66,16 @@ absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
 //   nearest_min_deps   start from every possible cut and merge neighbours, dropping
 //                      the cut that carries the most tensors first
 // Returns shard boundaries over graph.nodes().
+// `leaf_modules` are parameter-name prefixes of submodules kept whole: no cut
+// between the first and the last node that reads their parameters.
 absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
                                                      const std::string& split_method,
-                                                     int shard_count);
+                                                     int shard_count,
+                                                     const std::vector<std::string>& leaf_modules = {});
+
+// 2 * layers + 4, layers read off the numbered parameter names
+// ("transformer.h.7." is layer 7): the reference design's default shard count.
+int DefaultShardCount(const ModelGraph& graph);
 
 struct GraphPartitionOptions {
   std::string split_method = "farthest_min_deps";
@@ -79,7 +86,12 @@ struct GraphPartitionOptions {
   int num_stages = 1;
   // uniform, uniform_floor, parameters (shard parameter bytes) or cost (shard FLOPs).
   std::string partition_method = "uniform";
+  std::vector<std::string> leaf_modules;  // see SplitIntoShards
 };
+
+// One LayerProfile per shard of `graph` cut at `shards` (parameters read, FLOPs
+// and the bytes crossing its end), so PlanStages groups shards as it groups layers.
+std::vector<LayerProfile> ShardProfiles(const ModelGraph& graph, const std::vector<int64_t>& shards);
 
 // The plan for a traced graph: stage boundaries over graph.nodes() (the
 // StagePlan first_layer/end_layer fields hold node indices), to be passed to

@@ -54,7 +54,7 @@ void BM_CostBalance_Gpt12Layers(benchmark::State& state) {
   config.n_layer = 12;
   auto model = *CreateModel(config, 1);
   auto tokens = torch::randint(256, {4, 128}, torch::kLong);
-  auto profile = *ProfileLayers(*model, tokens);
+  auto profile = *ProfileLayers(*model, {tokens});
   PartitionOptions options;
   options.num_stages = 4;
   options.partition_method = "cost";

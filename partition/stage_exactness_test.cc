@@ -30,7 +30,7 @@ TEST_P(StageExactnessTest, StagesInSequenceEqualTheUnsplitModel) {
   auto tokens = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
   auto targets = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
 
-  auto profile = ProfileLayers(*split, tokens);
+  auto profile = ProfileLayers(*split, {tokens, targets});
   ASSERT_TRUE(profile.ok()) << profile.status();
   PartitionOptions options;
   options.num_stages = c.stages;
@@ -93,7 +93,7 @@ TEST(BalanceTest, ParametersKeepTwelveGptLayersWithinFifteenPercentOnFourStages)
   ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
   config.n_layer = 12;
   auto model = *CreateModel(config, 1);
-  auto profile = ProfileLayers(*model, torch::randint(256, {1, 8}, torch::kLong));
+  auto profile = ProfileLayers(*model, {torch::randint(256, {1, 8}, torch::kLong)});
   ASSERT_TRUE(profile.ok());
   PartitionOptions options;
   options.num_stages = 4;
@@ -120,7 +120,7 @@ TEST(BalanceTest, CostKeepsTheSlowestOfFourStagesWithinTwentyPercentOfTheMean) {
   ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
   config.n_layer = 12;
   auto model = *CreateModel(config, 1);
-  auto profile = ProfileLayers(*model, torch::randint(256, {2, 64}, torch::kLong));
+  auto profile = ProfileLayers(*model, {torch::randint(256, {2, 64}, torch::kLong)});
   ASSERT_TRUE(profile.ok());
   PartitionOptions options;
   options.num_stages = 4;

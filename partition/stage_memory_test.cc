@@ -42,7 +42,7 @@ TEST(StageMemoryTest, BuildingOneStageOfEightNeedsAboutOneStageOfMemory) {
         if (!part.ok()) return part.status();
         return std::shared_ptr<LayerSequence>(*part);
       },
-      tokens);
+      {tokens});
   ASSERT_TRUE(profile.ok()) << profile.status();
   PartitionOptions options;
   options.num_stages = 8;

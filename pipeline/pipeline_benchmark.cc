@@ -53,12 +53,14 @@ absl::Status RunWorker(const std::string& schedule_name, const std::string& resu
   }
   TRIDENT_ASSIGN_OR_RETURN(auto part, CreateModelLayers(config, 1, ranges));
   TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(schedule_name, chunks));
-  runner_options.boundary_shape = {2, config.block_size, config.n_embd};
-  PipelineStageRunner runner(*part, pipeline, *schedule, runner_options);
   auto tokens = torch::randint(config.vocab_size, {2 * kMicroBatches, config.block_size}, torch::kLong);
+  std::vector<Batch> batches;
+  for (const at::Tensor& micro : tokens.chunk(kMicroBatches)) batches.push_back({micro, micro});
+  TRIDENT_RETURN_IF_ERROR(ForwardThroughStages(*part, runner_options.chunks, &pipeline, batches[0]).status());
+  PipelineStageRunner runner(*part, &pipeline, *schedule, runner_options);
   for (int step = 0; step < kSteps; ++step) {
     for (auto& p : part->parameters()) p.mutable_grad() = at::Tensor();
-    TRIDENT_RETURN_IF_ERROR(runner.RunStep(tokens.chunk(kMicroBatches), tokens.chunk(kMicroBatches)).status());
+    TRIDENT_RETURN_IF_ERROR(runner.RunStep(batches, {}).status());
   }
   double end = 0, forward = 0, backward = 0, weight = 0;
   for (const TimelineEvent& e : runner.timeline()) {

@@ -1,8 +1,9 @@
 #include "pipeline/stage_runner.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -13,39 +14,64 @@
 #include "pipeline/weight_gradients.h"
 
 namespace trident {
+namespace {
+
+at::Tensor Allocate(const TensorSpec& spec) {
+  return at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype));
+}
+
+// The input leaf a received tensor becomes (a gradient flows back where its spec says).
+at::Tensor AsInput(const at::Tensor& received, const TensorSpec& spec) {
+  return spec.requires_grad && at::GradMode::is_enabled() ? received.requires_grad_(true) : received;
+}
+
+at::Tensor RngState() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void SetRngState(const at::Tensor& state) {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+}  // namespace
 
 class PipelineStageRunner::Impl {
  public:
-  Impl(LayerSequence& layers, const ProcessGroup& pipeline, const PipelineSchedule& schedule,
+  Impl(LayerSequence& layers, const ProcessGroup* pipeline, const PipelineSchedule& schedule,
        StageRunnerOptions options)
       : layers_(layers),
         pipeline_(pipeline),
         schedule_(schedule),
         options_(std::move(options)),
-        stage_(pipeline.rank()),
-        stages_(pipeline.size()),
+        stage_(pipeline != nullptr ? pipeline->rank() : 0),
+        stages_(pipeline != nullptr ? pipeline->size() : 1),
         chunks_(static_cast<int>(options_.chunks.size())) {}
 
-  absl::StatusOr<double> Run(const std::vector<at::Tensor>& inputs,
-                             const std::vector<at::Tensor>& targets, bool train);
+  absl::StatusOr<std::vector<double>> Run(const std::vector<Batch>& batches,
+                                          const std::vector<double>& weights, bool train);
 
   std::vector<TimelineEvent> timeline;
   int peak_live = 0;
 
  private:
   // A checkpointed segment of one micro-batch: layers [first, end) ran on
-  // `input` without gradients; `after` is the leaf later layers saw.
+  // `inputs` without gradients; `after` are the leaves later layers saw.
   struct Checkpointed {
     int64_t first, end;
-    at::Tensor input, after, rng;
-    at::Tensor recomputed;  // the segment's output rerun with gradients, once recomputed
+    Values inputs, after;
+    at::Tensor rng;
+    Values recomputed;  // the segment's outputs rerun with gradients, once recomputed
   };
   // Everything one micro-batch of one chunk holds between its ops.
   struct Slot {
-    at::Tensor input;     // the chunk's input (a leaf when received, to read its gradient)
-    at::Tensor output;    // its output, or the scaled loss on the last virtual stage
-    at::Tensor grad;      // the received gradient of `output`
-    at::Tensor received;  // the received activation, before its forward
+    Values inputs;    // the chunk's inputs (leaves where a gradient goes back)
+    Values outputs;   // its outputs, or {the weighted, scaled loss} on the last virtual stage
+    Values grads;     // the received gradients of the outputs that need them
+    Values received;  // received activations, before their forward
     std::vector<Checkpointed> checkpoints;
     internal::DeferredWeightGradients weights;  // split backward: weight gradients to run
   };
@@ -55,49 +81,50 @@ class PipelineStageRunner::Impl {
   bool LastVirtual(int chunk) const { return VirtualStage(chunk) == chunks_ * stages_ - 1; }
   int Next() const { return (stage_ + 1) % stages_; }
   int Previous() const { return (stage_ + stages_ - 1) % stages_; }
-  // Message tags, by the sending virtual stage: unique per message in a step.
-  int ActivationTag(int from_virtual, int m) const { return 2 * (from_virtual * micro_ + m); }
-  int GradTag(int from_virtual, int m) const { return 2 * (from_virtual * micro_ + m) + 1; }
-  Slot& At(const Instruction& inst, int m) { return slots_[inst.chunk * micro_ + m]; }
-  at::Tensor Buffer() const {
-    return at::empty(options_.boundary_shape, at::TensorOptions().dtype(options_.boundary_dtype));
+  // Message tags, by the sending virtual stage and the tensor's place at the
+  // boundary: unique per message in a step.
+  int Tag(int from_virtual, int m, int kind, size_t k) const {
+    return static_cast<int>((2 * (from_virtual * micro_ + m) + kind) * kMaxBoundaryTensors + k);
   }
+  int ActivationTag(int from_virtual, int m, size_t k) const { return Tag(from_virtual, m, 0, k); }
+  int GradTag(int from_virtual, int m, size_t k) const { return Tag(from_virtual, m, 1, k); }
+  Slot& At(const Instruction& inst, int m) { return slots_[inst.chunk * micro_ + m]; }
 
-  absl::Status Execute(const Instruction& inst, const std::vector<at::Tensor>& inputs);
-  absl::StatusOr<at::Tensor> Forward(int chunk, int m, const at::Tensor& input);
+  absl::Status Execute(const Instruction& inst, const std::vector<Batch>& batches);
+  absl::StatusOr<Values> Forward(int chunk, int m, const Values& inputs, const Batch& batch);
   // Reruns a slot's checkpointed segments (once; Backward calls it too).
-  absl::Status Recompute(int chunk, int m);
-  // The input gradient, and the weight gradients too unless `split`.
-  absl::Status Backward(int chunk, int m, bool split);
-  // Backward from `root` with gradient `grad` (undefined for a scalar loss).
-  void BackwardFrom(Slot& slot, const at::Tensor& root, const at::Tensor& grad, bool split);
+  absl::Status Recompute(int chunk, int m, const Batch& batch);
+  // The input gradients, and the weight gradients too unless `split`.
+  absl::Status Backward(int chunk, int m, bool split, const Batch& batch);
+  // Backward from `roots` with `grads` (empty for a scalar loss).
+  void BackwardFrom(Slot& slot, const Values& roots, const Values& grads, bool split);
   absl::Status SendActivation(const Instruction& inst);
   absl::Status SendGrad(const Instruction& inst);
   absl::Status RecvActivation(const Instruction& inst, int m);
-  absl::Status RecvGrad(const Instruction& inst, int m);
+  absl::Status RecvGrad(const Instruction& inst, int m, bool post);
+  absl::Status Send(const at::Tensor& tensor, int peer, int tag);
   absl::Status CompleteSends(bool all);
-  static at::Tensor RngState();
-  static void SetRngState(const at::Tensor& state);
 
+  static constexpr int kMaxBoundaryTensors = 256;
   LayerSequence& layers_;
-  const ProcessGroup& pipeline_;
+  const ProcessGroup* pipeline_;  // nullptr: one stage, no messages
   const PipelineSchedule& schedule_;
   StageRunnerOptions options_;
   int stage_, stages_, chunks_;
   int micro_ = 0;
   std::vector<Slot> slots_;  // chunk * micro_ + m
-  std::vector<at::Tensor> targets_;
+  std::vector<double> weights_, losses_;
   std::vector<std::pair<PendingWork, at::Tensor>> sends_;  // in flight, with their tensors
   std::vector<PendingWork> posted_;  // receives started by kPostSendActivationRecvGrad
   internal::DeferredWeightGradients::Parameters parameters_;
-  double loss_sum_ = 0;
+  size_t backwards_left_ = 0;  // backward instructions still to run in this step
 };
 
-absl::StatusOr<at::Tensor> PipelineStageRunner::Impl::Forward(int chunk, int m,
-                                                              const at::Tensor& input) {
+absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, const Values& inputs,
+                                                          const Batch& batch) {
   const StageChunk& c = options_.chunks[chunk];
   const int64_t checkpoint_end = c.first_layer + c.checkpointed_layers;
-  at::Tensor x = input;
+  Values x = inputs;
   std::vector<Checkpointed>& saved = slots_[chunk * micro_ + m].checkpoints;
   saved.clear();
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("forward of micro-batch ", m), [&] {
@@ -105,121 +132,157 @@ absl::StatusOr<at::Tensor> PipelineStageRunner::Impl::Forward(int chunk, int m,
       const int64_t end =
           std::min(first + std::max<int64_t>(1, options_.checkpoint_num_layers), c.end_layer);
       if (first >= checkpoint_end) {
-        for (int64_t i = first; i < end; ++i) x = layers_.RunLayer(i, x);
+        for (int64_t i = first; i < end; ++i) x = layers_.RunLayer(i, x, batch);
         first = end;
         continue;
       }
-      // Keep only the segment's input and the RNG state; rerun it in backward.
-      Checkpointed segment{first, std::min(end, checkpoint_end), x, at::Tensor(), RngState(),
-                           at::Tensor()};
-      at::Tensor out = x;
+      // Keep only the segment's inputs and the RNG state; rerun it in backward.
+      Checkpointed segment{first, std::min(end, checkpoint_end), x, {}, RngState(), {}};
+      Values out = x;
       {
         at::NoGradGuard no_grad;
-        for (int64_t i = segment.first; i < segment.end; ++i) out = layers_.RunLayer(i, out);
+        for (int64_t i = segment.first; i < segment.end; ++i) out = layers_.RunLayer(i, out, batch);
       }
-      segment.after = out.requires_grad_(at::GradMode::is_enabled());
+      // NOTE: new leaves (detached aliases), also for tensors passed through
+      // unchanged, so their gradients stay apart from the inputs'.
+      for (const at::Tensor& t : out) {
+        at::Tensor leaf = t.detach();
+        if (at::GradMode::is_enabled() && at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
+        segment.after.push_back(leaf);
+      }
       x = segment.after;
       first = segment.end;
       saved.push_back(std::move(segment));
     }
     if (LastVirtual(chunk)) {
-      at::Tensor loss = layers_.SequenceLoss(x, targets_[m]);
-      loss_sum_ += loss.item<double>();
+      at::Tensor loss = options_.loss ? options_.loss(x, batch) : layers_.Loss(x, batch);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "the loss must be a scalar; it has shape ", loss.sizes());
+      losses_[m] = loss.item<double>();
       const double scale = options_.loss_scale ? options_.loss_scale() : 1.0;
-      x = loss / static_cast<double>(micro_);
-      if (scale != 1.0) x = x * scale;
+      loss = loss * weights_[m];
+      if (scale != 1.0) loss = loss * scale;
+      x = {loss};
     }
   }));
   return x;
 }
 
-at::Tensor PipelineStageRunner::Impl::RngState() {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  return generator.get_state();
-}
-
-void PipelineStageRunner::Impl::SetRngState(const at::Tensor& state) {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  generator.set_state(state);
-}
-
-absl::Status PipelineStageRunner::Impl::Recompute(int chunk, int m) {
+absl::Status PipelineStageRunner::Impl::Recompute(int chunk, int m, const Batch& batch) {
   return CatchExceptions(absl::StrCat("recomputation of micro-batch ", m), [&] {
     std::vector<Checkpointed>& saved = slots_[chunk * micro_ + m].checkpoints;
-    if (saved.empty() || saved.front().recomputed.defined()) return;
+    if (saved.empty() || !saved.front().recomputed.empty()) return;
     // Each segment reruns with the RNG state of its forward, so dropout masks match.
     const at::Tensor state = RngState();
     for (Checkpointed& c : saved) {
       SetRngState(c.rng);
-      at::Tensor out = c.input;
-      for (int64_t i = c.first; i < c.end; ++i) out = layers_.RunLayer(i, out);
+      Values out = c.inputs;
+      for (int64_t i = c.first; i < c.end; ++i) out = layers_.RunLayer(i, out, batch);
       c.recomputed = out;
     }
     SetRngState(state);
   });
 }
 
-void PipelineStageRunner::Impl::BackwardFrom(Slot& slot, const at::Tensor& root,
-                                             const at::Tensor& grad, bool split) {
-  const bool retain = split && slot.weights.Defer(root, parameters_);
-  if (grad.defined()) {
-    torch::autograd::backward({root}, {grad}, retain);
-  } else {
-    torch::autograd::backward({root}, {}, retain);
+void PipelineStageRunner::Impl::BackwardFrom(Slot& slot, const Values& roots, const Values& grads,
+                                             bool split) {
+  Values from, with;
+  for (size_t k = 0; k < roots.size(); ++k) {
+    if (!roots[k].defined() || !roots[k].requires_grad()) continue;
+    if (!grads.empty() && !grads[k].defined()) continue;
+    from.push_back(roots[k]);
+    if (!grads.empty()) with.push_back(grads[k]);
   }
+  if (from.empty()) return;
+  const bool retain = split && slot.weights.Defer(from, parameters_);
+  torch::autograd::backward(from, with, retain);
 }
 
-absl::Status PipelineStageRunner::Impl::Backward(int chunk, int m, bool split) {
-  TRIDENT_RETURN_IF_ERROR(Recompute(chunk, m));
+absl::Status PipelineStageRunner::Impl::Backward(int chunk, int m, bool split, const Batch& batch) {
+  TRIDENT_RETURN_IF_ERROR(Recompute(chunk, m, batch));
+  if (options_.before_backward) options_.before_backward(--backwards_left_ == 0);
   return CatchExceptions(absl::StrCat("backward of micro-batch ", m), [&] {
     Slot& slot = slots_[chunk * micro_ + m];
-    BackwardFrom(slot, slot.output, LastVirtual(chunk) ? at::Tensor() : slot.grad, split);
-    // Carry the gradient through the recomputed segments, latest first.
-    for (auto it = slot.checkpoints.rbegin(); it != slot.checkpoints.rend(); ++it) {
-      at::Tensor grad = it->after.grad();
-      if (grad.defined() && it->recomputed.requires_grad()) {
-        BackwardFrom(slot, it->recomputed, grad, split);
+    if (LastVirtual(chunk)) {
+      BackwardFrom(slot, slot.outputs, {}, split);
+    } else {
+      // The received gradients belong to the outputs whose spec needs one.
+      const std::vector<TensorSpec>& sent = options_.chunks[chunk].sent;
+      Values grads(slot.outputs.size());
+      for (size_t k = 0, g = 0; k < sent.size() && k < grads.size(); ++k) {
+        if (sent[k].requires_grad) grads[k] = slot.grads[g++];
       }
+      BackwardFrom(slot, slot.outputs, grads, split);
+    }
+    // Carry the gradients through the recomputed segments, latest first.
+    for (auto it = slot.checkpoints.rbegin(); it != slot.checkpoints.rend(); ++it) {
+      Values grads;
+      for (const at::Tensor& leaf : it->after) grads.push_back(leaf.requires_grad() ? leaf.grad() : at::Tensor());
+      BackwardFrom(slot, it->recomputed, grads, split);
     }
     slot.checkpoints.clear();
-    slot.output = at::Tensor();  // free the activations as soon as they are used
-    slot.grad = at::Tensor();
+    slot.outputs.clear();  // free the activations as soon as they are used
+    slot.grads.clear();
   });
 }
 
+absl::Status PipelineStageRunner::Impl::Send(const at::Tensor& tensor, int peer, int tag) {
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork work, pipeline_->ISend(tensor, peer, tag));
+  sends_.emplace_back(std::move(work), tensor);
+  return absl::OkStatus();
+}
+
 absl::Status PipelineStageRunner::Impl::SendActivation(const Instruction& inst) {
-  at::Tensor out = At(inst, inst.micro_batch).output.detach();
-  TRIDENT_ASSIGN_OR_RETURN(
-      PendingWork work,
-      pipeline_.ISend(out, Next(), ActivationTag(VirtualStage(inst.chunk), inst.micro_batch)));
-  sends_.emplace_back(std::move(work), out);
+  const Values& outputs = At(inst, inst.micro_batch).outputs;
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    TRIDENT_RETURN_IF_ERROR(Send(outputs[k].detach().contiguous(), Next(),
+                                 ActivationTag(VirtualStage(inst.chunk), inst.micro_batch, k)));
+  }
   return absl::OkStatus();
 }
 
 absl::Status PipelineStageRunner::Impl::SendGrad(const Instruction& inst) {
   Slot& slot = At(inst, inst.micro_batch);
-  at::Tensor grad = slot.input.grad();
-  if (!grad.defined()) grad = at::zeros(options_.boundary_shape);
-  slot.input = at::Tensor();
-  TRIDENT_ASSIGN_OR_RETURN(
-      PendingWork work,
-      pipeline_.ISend(grad, Previous(), GradTag(VirtualStage(inst.chunk), inst.micro_batch)));
-  sends_.emplace_back(std::move(work), grad);
+  const std::vector<TensorSpec>& received = options_.chunks[inst.chunk].received;
+  for (size_t k = 0, g = 0; k < received.size(); ++k) {
+    if (!received[k].requires_grad) continue;
+    at::Tensor grad = slot.inputs[k].grad();
+    if (!grad.defined()) grad = at::zeros(received[k].shape, at::TensorOptions().dtype(received[k].dtype));
+    TRIDENT_RETURN_IF_ERROR(Send(grad.contiguous(), Previous(),
+                                 GradTag(VirtualStage(inst.chunk), inst.micro_batch, g++)));
+  }
+  slot.inputs.clear();
   return absl::OkStatus();
 }
 
 absl::Status PipelineStageRunner::Impl::RecvActivation(const Instruction& inst, int m) {
   Slot& slot = At(inst, m);
-  slot.received = Buffer();
-  return pipeline_.Recv(slot.received, Previous(), ActivationTag(VirtualStage(inst.chunk) - 1, m));
+  const std::vector<TensorSpec>& received = options_.chunks[inst.chunk].received;
+  slot.received.clear();
+  for (size_t k = 0; k < received.size(); ++k) {
+    slot.received.push_back(Allocate(received[k]));
+    TRIDENT_RETURN_IF_ERROR(pipeline_->Recv(slot.received.back(), Previous(),
+                                           ActivationTag(VirtualStage(inst.chunk) - 1, m, k)));
+  }
+  return absl::OkStatus();
 }
 
-absl::Status PipelineStageRunner::Impl::RecvGrad(const Instruction& inst, int m) {
+absl::Status PipelineStageRunner::Impl::RecvGrad(const Instruction& inst, int m, bool post) {
   Slot& slot = At(inst, m);
-  slot.grad = Buffer();
-  return pipeline_.Recv(slot.grad, Next(), GradTag(VirtualStage(inst.chunk) + 1, m));
+  slot.grads.clear();
+  int g = 0;
+  for (const TensorSpec& spec : options_.chunks[inst.chunk].sent) {
+    if (!spec.requires_grad) continue;
+    slot.grads.push_back(Allocate(spec));
+    const int tag = GradTag(VirtualStage(inst.chunk) + 1, m, g++);
+    if (post) {
+      TRIDENT_ASSIGN_OR_RETURN(PendingWork recv, pipeline_->IRecv(slot.grads.back(), Next(), tag));
+      posted_.push_back(std::move(recv));
+    } else {
+      TRIDENT_RETURN_IF_ERROR(pipeline_->Recv(slot.grads.back(), Next(), tag));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Completes the finished sends (all of them when `all`), surfacing their errors.
@@ -237,8 +300,10 @@ absl::Status PipelineStageRunner::Impl::CompleteSends(bool all) {
 }
 
 absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
-                                                const std::vector<at::Tensor>& inputs) {
+                                                const std::vector<Batch>& batches) {
   const int m = inst.micro_batch;
+  static const Batch kNoBatch;
+  const Batch& batch = m >= 0 && m < static_cast<int>(batches.size()) ? batches[m] : kNoBatch;
   switch (inst.op) {
     case Op::kLoadMicroBatch:
       return absl::OkStatus();  // the micro-batches are in memory already
@@ -246,50 +311,46 @@ absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
       return RecvActivation(inst, m);
     case Op::kForward: {
       Slot& slot = At(inst, m);
-      slot.input = FirstVirtual(inst.chunk)
-                       ? inputs[m]
-                       : slot.received.requires_grad_(at::GradMode::is_enabled());
-      slot.received = at::Tensor();
-      TRIDENT_ASSIGN_OR_RETURN(slot.output, Forward(inst.chunk, m, slot.input));
+      const std::vector<TensorSpec>& received = options_.chunks[inst.chunk].received;
+      slot.inputs.clear();
+      for (size_t k = 0; k < slot.received.size(); ++k) {
+        slot.inputs.push_back(AsInput(slot.received[k], received[k]));
+      }
+      slot.received.clear();
+      TRIDENT_ASSIGN_OR_RETURN(slot.outputs, Forward(inst.chunk, m, slot.inputs, batch));
       peak_live = std::max<int>(peak_live, std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) {
-                                  return s.output.defined();
+                                  return !s.outputs.empty();
                                 }));
       return absl::OkStatus();
     }
     case Op::kSendActivation:
       return SendActivation(inst);
     case Op::kRecvGrad:
-      return RecvGrad(inst, m);
+      return RecvGrad(inst, m, /*post=*/false);
     case Op::kBackward:
     case Op::kBackwardInput:
-      return Backward(inst.chunk, m, inst.op == Op::kBackwardInput);
+      return Backward(inst.chunk, m, inst.op == Op::kBackwardInput, batch);
     case Op::kBackwardWeight:
+      if (options_.before_backward) options_.before_backward(--backwards_left_ == 0);
       return CatchExceptions(absl::StrCat("weight gradients of micro-batch ", m),
                              [&] { At(inst, m).weights.Run(); });
     case Op::kSendGrad:
       return SendGrad(inst);
     case Op::kSendActivationRecvGrad:
       TRIDENT_RETURN_IF_ERROR(SendActivation(inst));
-      return RecvGrad(inst, inst.other);
+      return RecvGrad(inst, inst.other, /*post=*/false);
     case Op::kSendGradRecvActivation:
       TRIDENT_RETURN_IF_ERROR(SendGrad(inst));
       return RecvActivation(inst, inst.other);
-    case Op::kPostSendActivationRecvGrad: {
+    case Op::kPostSendActivationRecvGrad:
       TRIDENT_RETURN_IF_ERROR(SendActivation(inst));
-      Slot& slot = At(inst, inst.other);
-      slot.grad = Buffer();
-      TRIDENT_ASSIGN_OR_RETURN(PendingWork recv,
-                               pipeline_.IRecv(slot.grad, Next(),
-                                               GradTag(VirtualStage(inst.chunk) + 1, inst.other)));
-      posted_.push_back(std::move(recv));
-      return absl::OkStatus();
-    }
+      return RecvGrad(inst, inst.other, /*post=*/true);
     case Op::kWaitPosted:
       for (PendingWork& work : posted_) TRIDENT_RETURN_IF_ERROR(work.Wait());
       posted_.clear();
       return absl::OkStatus();
     case Op::kRecompute:
-      return Recompute(inst.chunk, m);
+      return Recompute(inst.chunk, m, batch);
     case Op::kReduceTiedGrads:
       TRIDENT_RETURN_IF_ERROR(CompleteSends(/*all=*/true));
       return options_.reduce_tied_grads ? options_.reduce_tied_grads() : absl::OkStatus();
@@ -302,16 +363,23 @@ absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
   return absl::InternalError(absl::StrCat("unknown pipeline instruction ", static_cast<int>(inst.op)));
 }
 
-absl::StatusOr<double> PipelineStageRunner::Impl::Run(const std::vector<at::Tensor>& inputs,
-                                                      const std::vector<at::Tensor>& targets,
-                                                      bool train) {
-  micro_ = static_cast<int>(std::max(inputs.size(), targets.size()));
+absl::StatusOr<std::vector<double>> PipelineStageRunner::Impl::Run(const std::vector<Batch>& batches,
+                                                                   const std::vector<double>& weights,
+                                                                   bool train) {
+  micro_ = static_cast<int>(batches.size());
   TRIDENT_RETURN_IF_ERROR(schedule_.Check(stages_, micro_));
   if (chunks_ != schedule_.num_chunks()) {
     return absl::InvalidArgumentError(absl::StrCat("schedule ", schedule_.name(), " runs ",
                                                    schedule_.num_chunks(),
                                                    " model chunk(s) per rank; the runner got ",
                                                    chunks_));
+  }
+  for (const StageChunk& c : options_.chunks) {
+    if (c.received.size() > kMaxBoundaryTensors || c.sent.size() > kMaxBoundaryTensors) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a pipeline stage boundary carries more than ", kMaxBoundaryTensors,
+          " tensors; cut the model elsewhere (fewer, larger shards)"));
+    }
   }
   if (parameters_.empty()) {
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("listing the stage's parameters", [&] {
@@ -324,10 +392,11 @@ absl::StatusOr<double> PipelineStageRunner::Impl::Run(const std::vector<at::Tens
       }
     }));
   }
-  targets_ = targets;
+  weights_ = weights;
+  weights_.resize(micro_, 1.0 / std::max(1, micro_));
+  losses_.assign(micro_, 0.0);
   slots_.clear();
   slots_.resize(chunks_ * micro_);
-  loss_sum_ = 0;
   peak_live = 0;
   std::vector<Instruction> program;
   if (train) {
@@ -342,6 +411,9 @@ absl::StatusOr<double> PipelineStageRunner::Impl::Run(const std::vector<at::Tens
       }
     }
   }
+  backwards_left_ = std::count_if(program.begin(), program.end(), [](const Instruction& i) {
+    return i.op == Op::kBackward || i.op == Op::kBackwardInput || i.op == Op::kBackwardWeight;
+  });
   timeline.clear();
   const auto step_start = std::chrono::steady_clock::now();
   auto seconds = [&] {
@@ -349,7 +421,7 @@ absl::StatusOr<double> PipelineStageRunner::Impl::Run(const std::vector<at::Tens
   };
   for (const Instruction& inst : program) {
     const double start = seconds();
-    TRIDENT_RETURN_IF_ERROR(Execute(inst, inputs));
+    TRIDENT_RETURN_IF_ERROR(Execute(inst, batches));
     if (inst.op != Op::kLoadMicroBatch) {
       timeline.push_back({stage_, inst.op, inst.micro_batch, inst.chunk, start, seconds()});
     }
@@ -357,54 +429,172 @@ absl::StatusOr<double> PipelineStageRunner::Impl::Run(const std::vector<at::Tens
   }
   TRIDENT_RETURN_IF_ERROR(CompleteSends(/*all=*/true));
   slots_.clear();
-  if (!LastVirtual(chunks_ - 1)) return std::numeric_limits<double>::quiet_NaN();
-  return loss_sum_ / micro_;
+  if (!LastVirtual(chunks_ - 1)) return std::vector<double>();
+  return losses_;
 }
 
-PipelineStageRunner::PipelineStageRunner(LayerSequence& layers, const ProcessGroup& pipeline,
+PipelineStageRunner::PipelineStageRunner(LayerSequence& layers, const ProcessGroup* pipeline,
                                          const PipelineSchedule& schedule,
                                          StageRunnerOptions options)
     : impl_(std::make_unique<Impl>(layers, pipeline, schedule, std::move(options))) {}
 
 PipelineStageRunner::~PipelineStageRunner() = default;
 
-absl::StatusOr<double> PipelineStageRunner::RunStep(const std::vector<at::Tensor>& inputs,
-                                                    const std::vector<at::Tensor>& targets) {
-  return impl_->Run(inputs, targets, /*train=*/true);
+absl::StatusOr<std::vector<double>> PipelineStageRunner::RunStep(
+    const std::vector<Batch>& batches, const std::vector<double>& loss_weights) {
+  return impl_->Run(batches, loss_weights, /*train=*/true);
 }
 
-absl::StatusOr<double> PipelineStageRunner::RunForward(const std::vector<at::Tensor>& inputs,
-                                                       const std::vector<at::Tensor>& targets) {
+absl::StatusOr<std::vector<double>> PipelineStageRunner::RunForward(const std::vector<Batch>& batches) {
   at::NoGradGuard no_grad;
-  return impl_->Run(inputs, targets, /*train=*/false);
+  return impl_->Run(batches, {}, /*train=*/false);
 }
 
 const std::vector<TimelineEvent>& PipelineStageRunner::timeline() const { return impl_->timeline; }
 
 int PipelineStageRunner::peak_live_activations() const { return impl_->peak_live; }
 
-absl::Status ReduceTiedGradients(const std::vector<std::pair<std::string, at::Tensor>>& tied,
+namespace {
+
+// Specs travel as int64 tensors: a length message, then
+// [count, (dtype, requires_grad, rank, sizes...) per tensor]; the tensors follow.
+constexpr int kSpecTag = 1 << 30;
+int PassTensorTag(int virtual_stage, size_t k) {
+  return (1 << 29) + virtual_stage * 4096 + static_cast<int>(k);
+}
+
+// nullopt: the sender failed (count -1).
+absl::Status SendSpecs(const std::optional<std::vector<TensorSpec>>& specs, const ProcessGroup& group,
+                       int peer, int tag) {
+  std::vector<int64_t> encoded = {specs ? static_cast<int64_t>(specs->size()) : -1};
+  for (const TensorSpec& spec : specs ? *specs : std::vector<TensorSpec>()) {
+    encoded.push_back(static_cast<int64_t>(spec.dtype));
+    encoded.push_back(spec.requires_grad ? 1 : 0);
+    encoded.push_back(static_cast<int64_t>(spec.shape.size()));
+    encoded.insert(encoded.end(), spec.shape.begin(), spec.shape.end());
+  }
+  at::Tensor length = at::full({1}, static_cast<int64_t>(encoded.size()), at::kLong);
+  TRIDENT_RETURN_IF_ERROR(group.Send(length, peer, tag));
+  return group.Send(at::tensor(encoded, at::kLong), peer, tag + 1);
+}
+
+absl::StatusOr<std::optional<std::vector<TensorSpec>>> RecvSpecs(const ProcessGroup& group, int peer,
+                                                                 int tag) {
+  at::Tensor length = at::empty({1}, at::kLong);
+  TRIDENT_RETURN_IF_ERROR(group.Recv(length, peer, tag));
+  at::Tensor encoded = at::empty({length.item<int64_t>()}, at::kLong);
+  TRIDENT_RETURN_IF_ERROR(group.Recv(encoded, peer, tag + 1));
+  const int64_t* e = encoded.data_ptr<int64_t>();
+  if (e[0] < 0) return std::optional<std::vector<TensorSpec>>();
+  std::vector<TensorSpec> specs(e[0]);
+  int64_t at = 1;
+  for (TensorSpec& spec : specs) {
+    spec.dtype = static_cast<at::ScalarType>(e[at++]);
+    spec.requires_grad = e[at++] != 0;
+    const int64_t rank = e[at++];
+    spec.shape.assign(e + at, e + at + rank);
+    at += rank;
+  }
+  return std::optional<std::vector<TensorSpec>>(std::move(specs));
+}
+
+std::vector<TensorSpec> SpecsOf(const Values& values) {
+  std::vector<TensorSpec> specs;
+  for (const at::Tensor& t : values) {
+    specs.push_back({t.sizes().vec(), t.scalar_type(), t.requires_grad()});
+  }
+  return specs;
+}
+
+}  // namespace
+
+absl::StatusOr<StagePass> ForwardThroughStages(LayerSequence& layers, std::vector<StageChunk>& chunks,
+                                               const ProcessGroup* pipeline, const Batch& batch) {
+  const int stages = pipeline != nullptr ? pipeline->size() : 1;
+  const int stage = pipeline != nullptr ? pipeline->rank() : 0;
+  const int virtual_stages = stages * static_cast<int>(chunks.size());
+  const int next = (stage + 1) % stages, previous = (stage + stages - 1) % stages;
+  StagePass pass;
+  pass.received.resize(chunks.size());
+  pass.sent.resize(chunks.size());
+  absl::Status failed;  // the first failure here or upstream; passed on downstream
+  for (int v = stage; v < virtual_stages; v += stages) {
+    const size_t c = static_cast<size_t>(v / stages);
+    Values x;
+    if (v > 0) {
+      auto specs = RecvSpecs(*pipeline, previous, kSpecTag + 2 * v);
+      if (!specs.ok()) return specs.status();  // the link itself is broken
+      if (!*specs) {
+        if (failed.ok()) {
+          failed = absl::AbortedError(absl::StrCat("pipeline stage ", v - 1,
+                                                   " failed in its first forward (see its error)"));
+        }
+      } else {
+        pass.received[c] = **specs;
+        for (size_t k = 0; k < pass.received[c].size(); ++k) {
+          const TensorSpec& spec = pass.received[c][k];
+          x.push_back(Allocate(spec));
+          TRIDENT_RETURN_IF_ERROR(pipeline->Recv(x.back(), previous, PassTensorTag(v, k)));
+          x.back() = AsInput(x.back(), spec);
+        }
+      }
+    }
+    if (failed.ok()) {
+      failed = CatchExceptions(absl::StrCat("the first forward of pipeline stage ", v), [&] {
+        for (int64_t i = chunks[c].first_layer; i < chunks[c].end_layer; ++i) x = layers.RunLayer(i, x, batch);
+      });
+    }
+    if (v + 1 < virtual_stages) {
+      if (!failed.ok()) {
+        TRIDENT_RETURN_IF_ERROR(SendSpecs(std::nullopt, *pipeline, next, kSpecTag + 2 * (v + 1)));
+        continue;
+      }
+      pass.sent[c] = SpecsOf(x);
+      TRIDENT_RETURN_IF_ERROR(SendSpecs(pass.sent[c], *pipeline, next, kSpecTag + 2 * (v + 1)));
+      for (size_t k = 0; k < x.size(); ++k) {
+        TRIDENT_RETURN_IF_ERROR(pipeline->Send(x[k].detach().contiguous(), next, PassTensorTag(v + 1, k)));
+      }
+    } else {
+      pass.outputs = x;
+    }
+    chunks[c].received = pass.received[c];
+    chunks[c].sent = pass.sent[c];
+  }
+  TRIDENT_RETURN_IF_ERROR(failed);
+  return pass;
+}
+
+absl::Status ReduceTiedGradients(const NamedTensors& tied, const std::vector<std::vector<int>>& holders,
                                  const ProcessGroup& pipeline) {
-  const int stage = pipeline.rank(), last = pipeline.size() - 1;
-  if (last == 0 || (stage != 0 && stage != last)) return absl::OkStatus();
-  const int peer = stage == 0 ? last : 0;
+  const int stage = pipeline.rank();
   int tag = 1 << 20;
-  for (const auto& [name, parameter] : tied) {
+  for (size_t i = 0; i < tied.size(); ++i, ++tag) {
+    const std::vector<int>& owners = holders[i];
+    if (owners.size() < 2) continue;
+    at::Tensor parameter = tied[i].second;
     at::Tensor mine = parameter.grad().defined() ? parameter.grad() : at::zeros_like(parameter);
-    at::Tensor theirs = at::empty_like(mine);
-    TRIDENT_ASSIGN_OR_RETURN(PendingWork recv, pipeline.IRecv(theirs, peer, tag));
-    TRIDENT_ASSIGN_OR_RETURN(PendingWork send, pipeline.ISend(mine, peer, tag));
-    TRIDENT_RETURN_IF_ERROR(send.Wait());
-    TRIDENT_RETURN_IF_ERROR(recv.Wait());
-    // The first stage's part first on both sides, so both sums round the same way.
-    at::Tensor sum = stage == 0 ? mine + theirs : theirs + mine;
+    at::Tensor sum;
+    if (stage == owners.front()) {
+      // The first holder adds the others' parts in stage order and sends the sum back.
+      sum = mine.clone();
+      for (size_t k = 1; k < owners.size(); ++k) {
+        at::Tensor theirs = at::empty_like(mine);
+        TRIDENT_RETURN_IF_ERROR(pipeline.Recv(theirs, owners[k], tag));
+        sum.add_(theirs);
+      }
+      for (size_t k = 1; k < owners.size(); ++k) {
+        TRIDENT_RETURN_IF_ERROR(pipeline.Send(sum, owners[k], tag));
+      }
+    } else {
+      TRIDENT_RETURN_IF_ERROR(pipeline.Send(mine.contiguous(), owners.front(), tag));
+      sum = at::empty_like(mine);
+      TRIDENT_RETURN_IF_ERROR(pipeline.Recv(sum, owners.front(), tag));
+    }
     if (parameter.grad().defined()) {
       parameter.grad().copy_(sum);
     } else {
-      at::Tensor p = parameter;
-      p.mutable_grad() = sum;
+      parameter.mutable_grad() = sum;
     }
-    ++tag;
   }
   return absl::OkStatus();
 }

@@ -58,12 +58,17 @@ class ParameterOnly {
 
 }  // namespace
 
-bool DeferredWeightGradients::Defer(const at::Tensor& root, const Parameters& parameters) {
-  std::shared_ptr<Node> start = root.grad_fn();
+bool DeferredWeightGradients::Defer(const std::vector<at::Tensor>& roots,
+                                    const Parameters& parameters) {
   ParameterOnly parameter_only(parameters);
-  if (start == nullptr || parameter_only(start.get())) return false;
-  std::vector<std::shared_ptr<Node>> stack = {start};
-  std::unordered_set<Node*> seen = {start.get()};
+  std::vector<std::shared_ptr<Node>> stack;
+  std::unordered_set<Node*> seen;
+  for (const at::Tensor& root : roots) {
+    std::shared_ptr<Node> start = root.grad_fn();
+    if (start == nullptr || parameter_only(start.get()) || !seen.insert(start.get()).second) continue;
+    stack.push_back(start);
+  }
+  if (stack.empty()) return false;
   while (!stack.empty()) {
     std::shared_ptr<Node> node = std::move(stack.back());
     stack.pop_back();

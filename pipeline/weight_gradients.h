@@ -25,11 +25,11 @@ namespace internal {
 class DeferredWeightGradients {
  public:
   using Parameters = std::unordered_set<const c10::TensorImpl*>;
-  // Cuts the weight-gradient edges of the graph ending in `root`; the caller
-  // then runs backward from `root` with retain_graph = true. False (nothing
+  // Cuts the weight-gradient edges of the graph ending in `roots`; the caller
+  // then runs backward from them with retain_graph = true. False (nothing
   // cut) when the whole graph leads only to parameters, such as a first stage
   // fed token ids: its backward is all weight gradients and runs as one.
-  bool Defer(const at::Tensor& root, const Parameters& parameters);
+  bool Defer(const std::vector<at::Tensor>& roots, const Parameters& parameters);
   // Computes the deferred weight gradients and releases their graph.
   void Run();
   bool empty() const { return deferred_.empty(); }

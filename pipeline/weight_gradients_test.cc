@@ -35,7 +35,7 @@ TEST(DeferredWeightGradientsTest, InputGradientsFirstWeightGradientsLater) {
   input = x.clone().requires_grad_(true);
   at::Tensor out = model->ForwardLayer(2, model->ForwardLayer(1, input));
   internal::DeferredWeightGradients deferred;
-  ASSERT_TRUE(deferred.Defer(out, parameters));
+  ASSERT_TRUE(deferred.Defer({out}, parameters));
   torch::autograd::backward({out}, {grad}, /*retain_graph=*/true);
   EXPECT_TRUE(torch::allclose(input.grad(), input_grad, 1e-6, 1e-7));
   for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
@@ -58,7 +58,7 @@ TEST(DeferredWeightGradientsTest, AGraphOfParametersOnlyIsNotSplit) {
   for (const auto& p : model->parameters()) parameters.insert(p.unsafeGetTensorImpl());
   at::Tensor out = model->ForwardLayer(1, model->ForwardLayer(0, torch::zeros({1, 4}, torch::kLong)));
   internal::DeferredWeightGradients deferred;
-  EXPECT_FALSE(deferred.Defer(out.sum(), parameters));
+  EXPECT_FALSE(deferred.Defer({out.sum()}, parameters));
   EXPECT_TRUE(deferred.empty());
 }
 

@@ -10,10 +10,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "base/status.h"
-#include "amp/amp.h"
-#include "pipeline/pipeline.h"
 
 namespace trident {
 namespace {
@@ -109,33 +108,11 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                                 " ranks were started; make the product equal the number of "
                                 "ranks (or start train without a launcher to spawn dp*tp*pp)"));
   }
-  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision,
-                           MakePrecisionPolicy(c->precision(), c->precision_table()));
-  if (precision.compute == at::kHalf || precision.param == at::kHalf) {
-    return absl::UnimplementedError(absl::StrCat(
-        "precision=", c->precision(), " computes or stores float16, which needs a GPU; the "
-        "trainer runs on CPU, whose kernels lack float16 (LayerNorm, matrix products): use bf16 "
-        "or pure_bf16"));
-  }
   if (c->loss_scale() < 0 || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
       !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 ||
       c->initial_scale_power() > 100) {
     return Invalid("loss_scale must not be negative, loss_scale_window and hysteresis must be at "
                    "least 1, min_loss_scale positive and initial_scale_power in [0, 100]");
-  }
-  if (!(c->gradient_predivide_factor() > 0)) return Invalid("gradient_predivide_factor must be positive");
-  if (c->zero_stage() < 0 || c->zero_stage() > 3) {
-    return Invalid(absl::StrCat("zero_stage=", c->zero_stage(), " is unknown; choose 0, 1, 2 or 3"));
-  }
-  if (c->zero_stage() == 3 && c->pp() > 1 && c->schedule() == "zb_h1") {
-    return Invalid("zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
-                   "has released the layer's parameters; use zero_stage <= 2 or another schedule");
-  }
-  if (c->zero_reduce_bucket_size() < 1 || c->zero_allgather_bucket_size() < 1) {
-    return Invalid("zero_reduce_bucket_size and zero_allgather_bucket_size must be positive");
-  }
-  if (c->sequence_parallel() && c->tp() == 1) {
-    return Invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
   }
   if (c->micro_batch_size() < 1) {
     return Invalid(absl::StrCat("micro_batch_size=", c->micro_batch_size(), " must be at least 1"));
@@ -174,17 +151,13 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                                 "' is unknown; choose constant, cosine or linear"));
   }
   if (c->warmup_steps() < 0) return Invalid("warmup_steps must not be negative");
-  if (c->weight_decay() < 0) return Invalid("weight_decay must not be negative");
-  if (c->adam_beta1() < 0 || c->adam_beta1() >= 1 || c->adam_beta2() < 0 || c->adam_beta2() >= 1) {
-    return Invalid(absl::StrCat("adam_beta1=", c->adam_beta1(), " and adam_beta2=",
-                                c->adam_beta2(), " must be in [0, 1)"));
-  }
-  if (!(c->adam_eps() > 0)) return Invalid("adam_eps must be positive");
-  if (c->grad_clip() < 0) return Invalid("grad_clip must not be negative (0 turns it off)");
+  if (GradientClip(*c) < 0) return Invalid("grad_clip must not be negative (0 turns it off)");
   if (c->max_steps() < 1) return Invalid(absl::StrCat("max_steps=", c->max_steps(), " must be at least 1"));
-  if (c->max_epochs() < 0) return Invalid("max_epochs must not be negative");
-  if (c->eval_every() < 0 || c->eval_steps() < 1) {
-    return Invalid("eval_every must not be negative and eval_steps must be at least 1");
+  if (c->max_epochs() < 0 || c->val_every_n_epochs() < 0) {
+    return Invalid("max_epochs and val_every_n_epochs must not be negative");
+  }
+  if (c->eval_every() < 0 || c->eval_steps() < 1 || c->max_val_steps() < 0) {
+    return Invalid("eval_every and max_val_steps must not be negative and eval_steps must be at least 1");
   }
   if (c->log_every() < 1) return Invalid("log_every must be at least 1");
   if (c->save_every() < 0 || c->keep_last_n() < 0 || c->export_every() < 0) {
@@ -199,70 +172,107 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   }
   if (!(c->bucket_size_mb() > 0)) return Invalid("bucket_size_mb must be positive");
   if (c->intra_op_threads() < 0) return Invalid("intra_op_threads must not be negative");
-  if (c->activation_checkpointing() != "none" && c->activation_checkpointing() != "full" &&
-      c->activation_checkpointing() != "stage_aware") {
-    return Invalid(absl::StrCat("activation_checkpointing='", c->activation_checkpointing(),
-                                "' is unknown; choose none, full or stage_aware"));
+  if (!c->loss().empty() && !LossRegistry().Contains(c->loss())) {
+    return LossRegistry().Find(c->loss()).status();
   }
-  if (c->checkpoint_num_layers() < 1 || c->activation_checkpoint_ratio() < 0 ||
-      c->activation_checkpoint_ratio() > 1) {
-    return Invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
-  }
-  if (c->split_method() != "layer_split") {
-    return Invalid(absl::StrCat(
-        "split_method='", c->split_method(), "': the trainer's models are layer sequences, cut "
-        "at layer boundaries; use layer_split (with custom_split_points to choose the cuts). "
-        "farthest_min_deps and nearest_min_deps cut traced graphs (partition::PlanGraphStages)"));
-  }
-  if (!c->custom_split_points().empty()) {
-    const int64_t points = std::count(c->custom_split_points().begin(),
-                                      c->custom_split_points().end(), ',') + 1;
-    const int64_t stages = static_cast<int64_t>(c->pp()) * c->virtual_stages();
-    if (points != stages - 1) {
-      return Invalid(absl::StrCat("custom_split_points='", c->custom_split_points(), "' names ",
-                                  points, " layer(s) but pp*virtual_stages = ", stages,
-                                  " stages need ", stages - 1, " (the first layer of every stage "
-                                  "after the first)"));
-    }
-  }
-  // The schedule must run this many stages and micro-batches (grad_accumulation_steps).
-  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(c->schedule(), c->virtual_stages()));
-  if (c->pp() == 1 && schedule->num_chunks() > 1) {
-    return Invalid(absl::StrCat("schedule ", c->schedule(), " with virtual_stages=",
-                                c->virtual_stages(), " needs pp > 1"));
-  }
-  if (c->pp() > 1) {
-    TRIDENT_RETURN_IF_ERROR(schedule->Check(c->pp(), c->grad_accumulation_steps()));
-  }
-  return absl::OkStatus();
+  return ValidatePlan(PlanFromConfig(*c));
 }
 
-absl::StatusOr<ModelConfig> ResolveModelConfig(const TrainerConfig& c, int data_vocab_size) {
-  TRIDENT_ASSIGN_OR_RETURN(ModelConfig model, PresetModelConfig(c.model(), c.preset()));
-  if (c.has_n_layer()) model.n_layer = c.n_layer();
-  if (c.has_n_head()) model.n_head = c.n_head();
-  if (c.has_n_embd()) model.n_embd = c.n_embd();
-  if (c.has_block_size()) model.block_size = c.block_size();
-  model.vocab_size = c.has_vocab_size() ? c.vocab_size() : data_vocab_size;
-  if (c.has_dropout()) model.dropout = c.dropout();
-  if (c.has_n_kv_head()) model.n_kv_head = c.n_kv_head();
-  if (c.has_intermediate_size()) model.intermediate_size = c.intermediate_size();
-  if (c.has_rope_theta()) model.rope_theta = c.rope_theta();
-  model.init_method_std = c.init_method_std();
-  if (model.vocab_size < data_vocab_size) {
-    return Invalid(absl::StrCat("vocab_size=", model.vocab_size, " is smaller than the data's ",
-                                data_vocab_size, "-token vocabulary"));
+namespace {
+
+std::vector<std::string> CommaList(const std::string& text) {
+  std::vector<std::string> items;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    items.emplace_back(absl::StripAsciiWhitespace(item));
   }
-  // Checked here with rank 0's place, so bad sizes fail before any rank starts.
-  model.tp = {c.tp(), 0, "tp", c.sequence_parallel()};
-  TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(model));
-  const int64_t stages = static_cast<int64_t>(c.pp()) * c.virtual_stages();
-  if (c.pp() > 1 && model.n_layer + 2 < stages) {
-    return Invalid(absl::StrCat("pp*virtual_stages = ", stages, " pipeline stages but the model has ",
-                                model.n_layer + 2, " layers (embedding, n_layer=", model.n_layer,
-                                " blocks, head); lower pp or virtual_stages or raise n_layer"));
+  return items;
+}
+
+}  // namespace
+
+ParallelPlan PlanFromConfig(const TrainerConfig& c) {
+  ParallelPlan plan;
+  plan.dp = c.dp();
+  plan.tp = c.tp();
+  plan.pp = c.pp();
+  plan.sequence_parallel = c.sequence_parallel();
+  plan.virtual_stages = c.virtual_stages();
+  plan.schedule = c.schedule();
+  plan.split_method = c.split_method();
+  plan.shard_count = c.shard_count();
+  plan.partition_method = c.partition_method();
+  plan.custom_split_points = CommaList(c.custom_split_points());
+  plan.trace_method = c.trace_method();
+  plan.leaf_modules = CommaList(c.leaf_modules());
+  plan.input_names = CommaList(c.input_names());
+  plan.activation_checkpointing = c.activation_checkpointing();
+  plan.checkpoint_num_layers = c.checkpoint_num_layers();
+  plan.activation_checkpoint_ratio = c.activation_checkpoint_ratio();
+  plan.zero_stage = c.zero_stage();
+  plan.zero_reduce_bucket_bytes = c.zero_reduce_bucket_size() * 4;  // elements of fp32
+  plan.zero_allgather_bucket_bytes = c.zero_allgather_bucket_size() * 4;
+  plan.zero_allow_untested_optimizer = c.zero_allow_untested_optimizer();
+  plan.bucket_bytes = static_cast<int64_t>(c.bucket_size_mb() * (1 << 20));
+  if (c.prescale_gradients()) plan.gradient_predivide_factor = c.gradient_predivide_factor();
+  plan.precision = c.precision();
+  plan.precision_table = c.precision_table();
+  plan.loss_scaling = c.has_loss_scale();
+  plan.loss_scaler.loss_scale = c.loss_scale();
+  plan.loss_scaler.initial_scale_power = c.initial_scale_power();
+  plan.loss_scaler.loss_scale_window = c.loss_scale_window();
+  plan.loss_scaler.hysteresis = c.hysteresis();
+  plan.loss_scaler.min_loss_scale = c.min_loss_scale();
+  plan.grad_reduction = c.grad_reduction();
+  plan.loss_reduction = c.loss_reduction();
+  plan.device = c.device();
+  plan.micro_batch_size = c.micro_batch_size();
+  plan.num_micro_batches = std::max<int64_t>(1, c.grad_accumulation_steps());
+  plan.seed = c.seed();
+  return plan;
+}
+
+std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& c) {
+  if (c.has_model_config()) {
+    const std::string type = c.model_config().type();
+    return {type, ComponentArgs(absl::StrCat("model '", type, "'"),
+                                {c.model_config().args().begin(), c.model_config().args().end()})};
   }
-  return model;
+  std::map<std::string, std::string> args;
+  std::string type = c.model();
+  if (absl::StartsWith(type, "torchscript:")) {
+    args["path"] = type.substr(std::string("torchscript:").size());
+    type = "torchscript";
+  } else if (c.has_preset() || type == "gpt" || type == "llama" || type == "mlp") {
+    args["preset"] = c.has_preset() ? c.preset() : absl::StrCat(type, "-tiny");
+  }
+  const auto* reflection = c.GetReflection();
+  for (const char* field : {"n_layer", "n_head", "n_embd", "n_kv_head", "intermediate_size"}) {
+    const auto* descriptor = c.GetDescriptor()->FindFieldByName(field);
+    if (reflection->HasField(c, descriptor)) args[field] = absl::StrCat(reflection->GetInt64(c, descriptor));
+  }
+  if (c.has_block_size()) args["block_size"] = absl::StrCat(c.block_size());
+  if (c.has_vocab_size()) args["vocab_size"] = absl::StrCat(c.vocab_size());
+  if (c.has_dropout()) args["dropout"] = absl::StrCat(c.dropout());
+  if (c.has_rope_theta()) args["rope_theta"] = absl::StrCat(c.rope_theta());
+  if (c.has_init_method_std() || args.count("preset")) args["init_method_std"] = absl::StrCat(c.init_method_std());
+  return {type, ComponentArgs(absl::StrCat("model '", type, "'"), std::move(args))};
+}
+
+std::pair<std::string, ComponentArgs> OptimizerComponent(const TrainerConfig& c) {
+  if (c.has_optimizer_config()) {
+    const std::string type = c.optimizer_config().type();
+    return {type, ComponentArgs(absl::StrCat("optimizer '", type, "'"),
+                                {c.optimizer_config().args().begin(), c.optimizer_config().args().end()})};
+  }
+  return {"adamw", ComponentArgs("optimizer 'adamw'", {{"beta1", absl::StrCat(c.adam_beta1())},
+                                                       {"beta2", absl::StrCat(c.adam_beta2())},
+                                                       {"eps", absl::StrCat(c.adam_eps())},
+                                                       {"weight_decay", absl::StrCat(c.weight_decay())}})};
+}
+
+double GradientClip(const TrainerConfig& c) {
+  return c.has_optimizer_config() && c.optimizer_config().has_clip_gnorm() ? c.optimizer_config().clip_gnorm()
+                                                                           : c.grad_clip();
 }
 
 std::string ConfigToText(const TrainerConfig& config) {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "models/models.h"
+#include "parallel/parallel.h"
 #include "trainer/config.pb.h"
 
 namespace trident {
@@ -21,13 +21,21 @@ absl::StatusOr<TrainerConfig> LoadTrainerConfig(const std::string& path);
 absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* config);
 
 // Fills in global_batch_size / grad_accumulation_steps and checks every field
-// against `world_size` ranks; the first problem found is the error, naming the
-// field and what to do.
+// against `world_size` ranks (the layout through ValidatePlan); the first
+// problem found is the error, naming the field and what to do.
 absl::Status ResolveConfig(TrainerConfig* config, int world_size);
 
-// The model described by `config`'s preset and overrides; `data_vocab_size` is
-// used when the config does not set vocab_size.
-absl::StatusOr<ModelConfig> ResolveModelConfig(const TrainerConfig& config, int data_vocab_size);
+// The parallel plan `config` describes (after ResolveConfig).
+ParallelPlan PlanFromConfig(const TrainerConfig& config);
+
+// The model's registered type and arguments: model_config when set, else the
+// flat fields (model, preset and the size overrides; torchscript:PATH with
+// block_size and vocab_size).
+std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& config);
+// The optimizer's type and arguments: optimizer_config when set, else AdamW
+// from adam_beta1, adam_beta2, adam_eps and weight_decay; and the clipping norm.
+std::pair<std::string, ComponentArgs> OptimizerComponent(const TrainerConfig& config);
+double GradientClip(const TrainerConfig& config);
 
 // The config as text format, for printing and saving.
 std::string ConfigToText(const TrainerConfig& config);

@@ -3,7 +3,10 @@
 #include <cstdlib>
 
 #include <gmock/gmock.h>
+#include <google/protobuf/text_format.h>
 #include <gtest/gtest.h>
+
+#include "base/status.h"
 
 namespace trident {
 namespace {
@@ -115,8 +118,12 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("micro-batches per step (3) to be a multiple of the pipeline stages (2)"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_virtual_stages(2); }, 1),
               HasSubstr("virtual_stages = 2 needs schedule interleaved_1f1b"));
-  EXPECT_THAT(error([](TrainerConfig& c) { c.set_split_method("farthest_min_deps"); }, 1),
-              HasSubstr("use layer_split"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_split_method("zigzag"); }, 1),
+              HasSubstr("split_method='zigzag' is unknown"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_grad_reduction("median"); }, 1),
+              HasSubstr("grad_reduction='median' is unknown; choose mean, sum, per-token-mean"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_loss("hinge"); }, 1),
+              HasSubstr("unknown loss 'hinge'; choose cross_entropy, mse"));
   EXPECT_THAT(error([](TrainerConfig& c) {
                 c.set_dp(1);
                 c.set_pp(2);
@@ -125,31 +132,72 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("names 2 layer(s) but pp*virtual_stages = 2 stages need 1"));
 }
 
-TEST(ResolveModelConfigTest, PresetsAndOverrides) {
+// The model a config names comes from the registry, with the zoo's presets
+// and overrides, and is checked against the layout before any rank starts.
+TEST(ModelComponentTest, PresetsOverridesAndChecks) {
+  auto source = [](const TrainerConfig& c) -> absl::StatusOr<ModelSource> {
+    auto [type, args] = ModelComponent(c);
+    TRIDENT_ASSIGN_OR_RETURN(ModelFactory factory, ModelRegistry().Find(type));
+    ModelContext context;
+    context.tp = {c.tp(), 0, "tp", false};
+    context.data_vocab_size = 256;
+    TRIDENT_ASSIGN_OR_RETURN(ModelSource model, factory(args, context));
+    TRIDENT_RETURN_IF_ERROR(CheckSource(model, PlanFromConfig(c)));
+    return model;
+  };
   TrainerConfig c;
   c.set_model("llama");
   c.set_preset("llama-tiny");
   c.set_n_layer(3);
-  auto model = ResolveModelConfig(c, 256);
+  auto model = source(c);
   ASSERT_TRUE(model.ok()) << model.status();
-  EXPECT_EQ(model->n_layer, 3);
+  EXPECT_EQ(model->num_layers, 5);
+  EXPECT_EQ(model->vocab_size, 256);
   c.set_pp(2);
   c.set_virtual_stages(3);
-  EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()),
+  EXPECT_THAT(Message(source(c).status()),
               HasSubstr("pp*virtual_stages = 6 pipeline stages but the model has 5 layers"));
-  c.set_pp(1);
   c.set_virtual_stages(1);
+  c.set_split_method("farthest_min_deps");
+  EXPECT_THAT(Message(source(c).status()), HasSubstr("use layer_split"));
+  c.set_pp(1);
+  c.clear_split_method();
   c.set_tp(3);  // heads and vocabulary are checked against tp before any rank starts
-  EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()), HasSubstr("is not divisible by tp=3"));
+  EXPECT_THAT(Message(source(c).status()), HasSubstr("is not divisible by tp=3"));
   c.set_tp(1);
-  EXPECT_EQ(model->n_kv_head, 2);
   c.set_model("bert");
-  EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()), HasSubstr("unknown model 'bert'"));
+  EXPECT_THAT(Message(source(c).status()), HasSubstr("unknown model 'bert'; choose gpt, llama, mlp, torchscript"));
   c.set_model("gpt");
   c.set_preset("gpt-tiny");
   c.set_vocab_size(100);
-  EXPECT_THAT(Message(ResolveModelConfig(c, 256).status()),
+  EXPECT_THAT(Message(source(c).status()),
               HasSubstr("vocab_size=100 is smaller than the data's 256-token vocabulary"));
+  TrainerConfig scripted;
+  scripted.set_model("torchscript:/nonexistent/model.pt");
+  scripted.set_block_size(64);
+  EXPECT_EQ(ModelComponent(scripted).first, "torchscript");
+  EXPECT_THAT(Message(source(scripted).status()), HasSubstr("cannot read TorchScript file /nonexistent/model.pt"));
+  scripted.set_tp(2);
+  EXPECT_THAT(Message(source(scripted).status()), HasSubstr("needs automatic tensor parallelism"));
+}
+
+// A config file may name components by type with their arguments.
+TEST(ModelComponentTest, ComponentMessagesWinOverFlatFields) {
+  TrainerConfig c;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      R"(model_config { type: "mlp" args { key: "n_layer" value: "2" } }
+         optimizer_config { type: "sgd" args { key: "momentum" value: "0.9" } clip_gnorm: 0.5 })",
+      &c));
+  auto [type, args] = ModelComponent(c);
+  EXPECT_EQ(type, "mlp");
+  EXPECT_EQ(args.GetString("n_layer", ""), "2");
+  auto [optimizer, optimizer_args] = OptimizerComponent(c);
+  EXPECT_EQ(optimizer, "sgd");
+  EXPECT_TRUE(MakeOptimizerFactory(optimizer, optimizer_args).ok());
+  EXPECT_EQ(GradientClip(c), 0.5);
+  TrainerConfig flat;
+  EXPECT_EQ(OptimizerComponent(flat).first, "adamw");
+  EXPECT_EQ(OptimizerComponent(flat).second.GetString("weight_decay", ""), "0.1");
 }
 
 TEST(ConfigToTextTest, PrintsDefaultsToo) {

@@ -1,9 +1,13 @@
-// train: trains a model from the zoo with Trident.
+// train: trains a registered model (the zoo's, a TorchScript file, or one a
+// binary linked with its own registrations adds) with Trident.
 //
 //   bazel run -c opt //trainer:train                      # gpt-tiny on fortunes, 2 local ranks
 //   bazel run -c opt //trainer:train -- --config=trainer/configs/default.pbtxt --lr=3e-4
+//   train --model=torchscript:gpt.pt --block_size=64 --dp=2 --pp=2
 //   launch --nproc_per_node=4 -- train --dp=4             # under a launcher, mpirun or srun
 //
+// A user's binary with its own models, datasets or losses registered links
+// //trainer:train_main and its registrations, and takes the same flags.
 // Every TrainerConfig field (trainer/config.proto) is a flag of the same name.
 // Started without RANK in the environment, train spawns dp*tp*pp local ranks
 // (or --nproc) itself and exits non-zero if any of them fails.

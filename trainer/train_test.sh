@@ -21,7 +21,7 @@ expect_error() {  # expect_error "message" flags...
 }
 expect_error "dp\*tp\*pp = 3\*1\*1 = 3 but 2 ranks were started" --dp=3 --nproc=2
 expect_error "global_batch_size=10 is not divisible by micro_batch_size\*dp = 8\*2 = 16" --global_batch_size=10
-expect_error "unknown model 'bert'; choose gpt, llama or mlp" --model=bert
+expect_error "unknown model 'bert'; choose gpt, llama, mlp, torchscript" --model=bert
 expect_error "lr=-1 must be positive" --lr=-1
 expect_error "data directory /nonexistent has no train.bin" --data=/nonexistent
 expect_error "flag --max_steps='x' is not a valid int64 value" --max_steps=x

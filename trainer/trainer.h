@@ -1,17 +1,22 @@
-// trainer: the thin composition a user touches. A Trainer builds the model from
-// the zoo, reads the data with the shared batch rule, averages gradients over
-// the data-parallel group (bucketed, overlapping backward), steps AdamW with
-// the configured schedule and clipping, evaluates, samples text, writes metrics
-// (console, JSON lines, TensorBoard) and checkpoints, and resumes bit-exactly.
+// trainer: the thin loop over a ParallelModel, a Dataset and an optimizer
+// schedule. It reads the data with the shared batch rule (every layout sees
+// the batches one process sees), steps the model with the learning-rate
+// schedule and clipping, evaluates, samples text from language models, writes
+// metrics (console, JSON lines, TensorBoard) and checkpoints, and resumes
+// bit-exactly.
 //
+// From a config (the `train` binary: models, datasets, losses and optimizers
+// by registered name):
 //   TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment({}));
 //   TrainerConfig config;  // or LoadTrainerConfig("trainer/configs/default.pbtxt")
-//   config.set_dp(topology->world_size());
 //   TRIDENT_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(config, topology.get()));
-//   trainer->AddHooks(std::make_shared<MyHooks>());
 //   TRIDENT_ASSIGN_OR_RETURN(TrainResult result, trainer->Train());
 //
-// The `train` binary (trainer/main.cc) is this plus flags and local spawning.
+// From your own parts (Parallelize any model, any Dataset):
+//   TRIDENT_ASSIGN_OR_RETURN(auto model, Parallelize(source, plan, topology.get(), example, adamw));
+//   TRIDENT_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(config, {std::move(model), std::move(train)}));
+//   trainer->AddHooks(std::make_shared<MyHooks>());
+//   TRIDENT_ASSIGN_OR_RETURN(TrainResult result, trainer->Train());
 #ifndef TRIDENT_TRAINER_TRAINER_H_
 #define TRIDENT_TRAINER_TRAINER_H_
 
@@ -22,14 +27,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "models/models.h"
+#include "data/data.h"
+#include "parallel/parallel.h"
 #include "topology/topology.h"
 #include "trainer/config.h"
 #include "trainer/config.pb.h"
 
 namespace trident {
 
-// What one optimizer step did (losses are global-batch means over all ranks).
+// What one optimizer step did (losses over the global batch, on every rank).
 struct StepMetrics {
   int64_t step = 0;         // steps completed, counting this one
   double loss = 0;
@@ -37,34 +43,46 @@ struct StepMetrics {
   double grad_norm = 0;     // before clipping
   double loss_scale = 1;    // with loss scaling: the scale this step's backward used
   bool skipped = false;     // gradients held inf or NaN on some rank: no update
-  double tokens_per_s = 0;  // all ranks together
+  double tokens_per_s = 0;  // all ranks together (samples per second for non-token data)
   double step_time_ms = 0;
-  double mfu = 0;           // model FLOPs per second over the measured peak
+  double mfu = 0;           // model FLOPs per second over the job's measured peak
 };
 
 // Read-only view of the trainer handed to hooks.
 struct TrainerState {
   const TrainerConfig& config;
-  LanguageModel& model;
+  ParallelModel& model;
   const Topology& topology;
-  int64_t step;  // optimizer steps completed
+  int64_t step;   // optimizer steps completed
+  int64_t epoch;  // of the next sample
 };
 
-// Callbacks at the points of the reference design's trainer hooks. Override
-// what you need; all run on every rank.
+// Callbacks at the points of the reference design's trainer hooks (nnScaler's
+// names in comments). Override what you need; all run on every rank.
 class TrainerHooks {
  public:
   virtual ~TrainerHooks() = default;
   virtual void OnTrainStart(const TrainerState&) {}
   virtual void OnTrainEnd(const TrainerState&) {}
+  virtual void OnEpochStart(const TrainerState&) {}  // on_epoch_start
+  virtual void OnEpochEnd(const TrainerState&) {}    // on_epoch_end
   virtual void OnStepStart(const TrainerState&) {}
   virtual void OnStepEnd(const TrainerState&, const StepMetrics&) {}
-  virtual void OnEvalEnd(const TrainerState&, double /*val_loss*/) {}
+  virtual void BeforeZeroGrad(const TrainerState&) {}  // before_zero_grad
+  virtual void AfterZeroGrad(const TrainerState&) {}   // after_zero_grad
   // After the step's backward and gradient reduction, before the inf/NaN check,
   // clipping and the update (gradients may be read or changed here).
   virtual void AfterBackward(const TrainerState&) {}
+  // after_aggregate_train_step_outputs: the step's loss, reduced over ranks.
+  virtual void AfterAggregateTrainStepOutputs(const TrainerState&, double /*loss*/) {}
+  virtual void BeforeGnormClip(const TrainerState&) {}  // before_gnorm_clip
+  virtual void AfterGnormClip(const TrainerState&, double /*grad_norm*/) {}  // after_gnorm_clip
   virtual void BeforeOptimizerStep(const TrainerState&) {}
   virtual void AfterOptimizerStep(const TrainerState&) {}
+  // before_log_train_metrics: the metrics may be changed before they are written.
+  virtual void BeforeLogTrainMetrics(const TrainerState&, StepMetrics&) {}
+  virtual void OnValStart(const TrainerState&) {}                    // on_val_start
+  virtual void OnValEnd(const TrainerState&, double /*val_loss*/) {}  // on_val_end
   virtual void OnSaveCheckpoint(const TrainerState&, const std::string& /*path*/) {}
   virtual void OnLoadCheckpoint(const TrainerState&, const std::string& /*path*/) {}
 };
@@ -73,42 +91,53 @@ struct TrainResult {
   std::vector<double> losses;           // per step trained in this run
   int64_t first_step = 0;               // step the run started from (after a resume)
   std::optional<double> val_loss;       // at the end
-  double unigram_entropy = 0;           // of the training data, in nats
+  double unigram_entropy = 0;           // of token training data, in nats
   std::string sample;                   // generated text on rank 0, when sample_tokens > 0
+};
+
+// What the loop runs when built from your own parts.
+struct TrainerInputs {
+  std::unique_ptr<ParallelModel> model;
+  std::unique_ptr<Dataset> train_data;
+  std::unique_ptr<Dataset> val_data;     // optional
+  std::unique_ptr<Tokenizer> tokenizer;  // optional: sampling decodes with it
 };
 
 class Trainer {
  public:
-  // Validates `config` against `topology`, opens the data (preparing the default
-  // corpus when config.data is empty), builds the model and optimizer, and loads
+  // Builds everything `config` names (model, data, loss, optimizer by
+  // registered name), parallelizes the model over `topology`, and loads
   // init_from / resume_from. Every error comes before any training.
-  static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config,
-                                                         Topology* topology);
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config, Topology* topology);
+  // The loop over parts you built. The model's plan decides the layout and
+  // micro-batching (config's dp, tp, pp and batch fields are set from it); the
+  // config gives the rest (steps, learning rate, evaluation, checkpoints, ...).
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config, TrainerInputs inputs);
   ~Trainer();
 
   // The checks Create makes before touching a rank, runnable before ranks are
-  // spawned: the config against `world_size`, the model sizes, and the data
-  // directory's files. Reads no data beyond the tokenizer.
+  // spawned: the config against `world_size`, the components it names, and
+  // the data directory's files. Reads no data beyond the tokenizer.
   static absl::Status Preflight(TrainerConfig config, int world_size);
 
   void AddHooks(std::shared_ptr<TrainerHooks> hooks);
   // Trains until max_steps (or max_epochs), then evaluates, samples and exports.
   absl::StatusOr<TrainResult> Train();
-  // Mean validation loss over eval_steps global batches.
+  // Mean validation loss over eval_steps (max_val_steps) global batches.
   absl::StatusOr<double> Evaluate();
   // `tokens` new tokens after `prompt`, decoded, on rank 0 (other ranks get "");
-  // every rank calls it (tensor parallelism and ZeRO-3 compute across ranks).
-  // A generator seeded from config.seed draws the tokens; pp > 1 is declined.
+  // every rank calls it. Needs a model whose outputs are next-token logits.
   absl::StatusOr<std::string> Sample(const std::string& prompt, int64_t tokens);
   // Writes the full model in safetensors format (rank 0 writes; all ranks call).
   absl::Status ExportSafetensors(const std::string& path);
 
-  LanguageModel& model();
+  ParallelModel& model();
   const TrainerConfig& config() const;
   int64_t step() const;
 
- private:
   class Impl;
+
+ private:
   explicit Trainer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -283,12 +283,12 @@ class InjectInf : public TrainerHooks {
   explicit InjectInf(int rank) : rank_(rank) {}
   void AfterBackward(const TrainerState& state) override {
     if (state.step != 4 || rank_ != 1) return;  // the 5th step, on rank 1 only
-    auto params = state.model.parameters();
-    params.front().grad().view({-1})[0] = std::numeric_limits<float>::infinity();
+    state.model.parameters().front().second.grad().view({-1})[0] =
+        std::numeric_limits<float>::infinity();
   }
   void OnStepEnd(const TrainerState& state, const StepMetrics& m) override {
     metrics.push_back(m);
-    snapshots.push_back(state.model.parameters().front().detach().clone());
+    snapshots.push_back(state.model.parameters().front().second.detach().clone());
   }
   int rank_;
   std::vector<StepMetrics> metrics;
@@ -488,9 +488,11 @@ TEST(TrainerExportTest, ExportedWeightsCarryTheReferenceNamesAndInitialiseAnothe
     ASSERT_TRUE(topology.ok());
     auto trainer = Trainer::Create(from_export, topology->get());
     ASSERT_TRUE(trainer.ok()) << trainer.status();
+    std::map<std::string, at::Tensor> parameters((*trainer)->model().parameters().begin(),
+                                                 (*trainer)->model().parameters().end());
     for (const auto& [name, saved] : contents->tensors) {
       if (name == "lm_head.weight") continue;  // tied: stored as transformer.wte.weight
-      EXPECT_TRUE(at::equal((*trainer)->model().named_parameters()[name], saved)) << name;
+      EXPECT_TRUE(at::equal(parameters.at(name), saved)) << name;
     }
   });
 
@@ -515,7 +517,7 @@ class RecordingHooks : public TrainerHooks {
   void OnStepEnd(const TrainerState&, const StepMetrics& m) override {
     events.push_back("step_end " + std::to_string(m.step));
   }
-  void OnEvalEnd(const TrainerState&, double) override { events.push_back("eval_end"); }
+  void OnValEnd(const TrainerState&, double) override { events.push_back("eval_end"); }
   void OnSaveCheckpoint(const TrainerState&, const std::string&) override { events.push_back("save"); }
   void OnTrainEnd(const TrainerState&) override { events.push_back("train_end"); }
   std::vector<std::string> events;

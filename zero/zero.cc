@@ -1,5 +1,6 @@
 #include "zero/zero.h"
 
+#include <cstring>
 #include <optional>
 #include <sstream>
 #include <unordered_set>
@@ -55,6 +56,21 @@ struct ZeroOptimizer::Bucket {
   at::Tensor incoming;
 };
 
+int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer, int64_t parameter_bytes) {
+  int64_t held = 0;
+  for (const auto& item : optimizer.state()) {
+    const torch::optim::OptimizerParamState* state = item.second.get();
+    if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
+      held += Bytes(adam->exp_avg()) + Bytes(adam->exp_avg_sq()) + Bytes(adam->max_exp_avg_sq());
+    } else if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
+      held += Bytes(adamw->exp_avg()) + Bytes(adamw->exp_avg_sq()) + Bytes(adamw->max_exp_avg_sq());
+    } else if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
+      held += Bytes(sgd->momentum_buffer());
+    }
+  }
+  return held > 0 ? held : std::max(0, StatePerElement(optimizer)) * parameter_bytes;
+}
+
 std::string MemoryReport::ToString() const {
   return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
                          parameter_bytes / 1e6, gradient_bytes / 1e6, optimizer_bytes / 1e6);
@@ -62,7 +78,7 @@ std::string MemoryReport::ToString() const {
 
 absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     std::vector<std::vector<at::Tensor>> groups, const ProcessGroup* data_parallel,
-    ZeroOptions options, const ShardOptimizerFactory& make_optimizer) {
+    ZeroOptions options, const OptimizerFactory& make_optimizer) {
   if (options.stage < 1 || options.stage > 3) {
     return absl::InvalidArgumentError(absl::StrCat(
         "zero_stage=", options.stage, " is not available; choose 1 (optimizer states), 2 "
@@ -281,9 +297,12 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
   if (next != layer_buckets_.end()) Prefetch(next->first);
 }
 
-void ZeroOptimizer::AfterLayer(int64_t layer, const at::Tensor& output) {
-  if (output.requires_grad()) {
-    // Backward of this layer starts when the output's gradient is ready.
+void ZeroOptimizer::AfterLayer(int64_t layer, const Values& outputs) {
+  for (const at::Tensor& output : outputs) {
+    if (!output.defined() || !output.requires_grad()) continue;
+    // An output passed on unchanged from an earlier layer belongs to that layer.
+    if (!hooked_.insert(output.unsafeGetTensorImpl()).second) continue;
+    // Backward of this layer starts when an output's gradient is ready.
     output.register_hook([this, layer](const at::Tensor& grad) {
       BackwardReached(layer);
       return grad;
@@ -352,6 +371,7 @@ absl::Status ZeroOptimizer::ReduceScatter(Bucket& bucket, const at::Tensor& full
 }
 
 absl::Status ZeroOptimizer::FinishBackward() {
+  hooked_.clear();
   for (int64_t layer : backward_held_) {
     for (int b : layer_buckets_[layer]) Release(buckets_[b]);
   }
@@ -478,49 +498,43 @@ MemoryReport ZeroOptimizer::Memory() const {
     chunk_bytes += Bytes(bucket.chunk);
   }
   report.gradient_bytes += largest_scratch;  // one stage-2 bucket fills at a time
-  int64_t held = 0;
-  for (const auto& item : optimizer_->state()) {
-    const torch::optim::OptimizerParamState* state = item.second.get();
-    if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
-      held += Bytes(adam->exp_avg()) + Bytes(adam->exp_avg_sq()) + Bytes(adam->max_exp_avg_sq());
-    } else if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
-      held += Bytes(adamw->exp_avg()) + Bytes(adamw->exp_avg_sq()) + Bytes(adamw->max_exp_avg_sq());
-    } else if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
-      held += Bytes(sgd->momentum_buffer());
-    }
-  }
-  report.optimizer_bytes =
-      held > 0 ? held : std::max(0, StatePerElement(*optimizer_)) * chunk_bytes;
+  report.optimizer_bytes = OptimizerStateBytes(*optimizer_, chunk_bytes);
   return report;
 }
 
-NamedTensors ZeroOptimizer::State() const {
-  // The optimizer's own serialisation, so any optimizer restores exactly.
+NamedTensors SerializeOptimizer(const torch::optim::Optimizer& optimizer, const std::string& name) {
   torch::serialize::OutputArchive archive;
-  optimizer_->save(archive);
+  optimizer.save(archive);
   std::ostringstream bytes;
   archive.save_to(bytes);
   const std::string data = bytes.str();
   at::Tensor blob = at::empty({static_cast<int64_t>(data.size())}, at::kByte);
   std::memcpy(blob.data_ptr(), data.data(), data.size());
-  return {{"zero_optimizer", blob}};
+  return {{name, blob}};
 }
 
-absl::Status ZeroOptimizer::LoadState(const NamedTensors& state) {
+absl::Status DeserializeOptimizer(const NamedTensors& state, const std::string& name,
+                                  torch::optim::Optimizer& optimizer) {
   auto found = std::find_if(state.begin(), state.end(),
-                            [](const auto& item) { return item.first == "zero_optimizer"; });
+                            [&](const auto& item) { return item.first == name; });
   if (found == state.end()) {
-    return absl::NotFoundError(
-        "the ZeRO optimizer state ('zero_optimizer') is missing: the checkpoint was saved with "
-        "another zero_stage; resume with the zero_stage it was saved with");
+    return absl::NotFoundError(absl::StrCat(
+        "the optimizer state ('", name, "') is missing: the checkpoint was saved with another "
+        "zero_stage; resume with the zero_stage it was saved with"));
   }
   const at::Tensor& blob = found->second;
-  return CatchExceptions("restoring the sharded optimizer state", [&] {
+  return CatchExceptions("restoring the optimizer state", [&] {
     std::istringstream bytes(std::string(static_cast<const char*>(blob.data_ptr()), blob.numel()));
     torch::serialize::InputArchive archive;
     archive.load_from(bytes);
-    optimizer_->load(archive);
+    optimizer.load(archive);
   });
+}
+
+NamedTensors ZeroOptimizer::State() const { return SerializeOptimizer(*optimizer_, "zero_optimizer"); }
+
+absl::Status ZeroOptimizer::LoadState(const NamedTensors& state) {
+  return DeserializeOptimizer(state, "zero_optimizer", *optimizer_);
 }
 
 }  // namespace trident

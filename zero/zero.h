@@ -35,9 +35,10 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -46,13 +47,11 @@
 
 #include "absl/status/statusor.h"
 #include "base/gradient_hooks.h"
+#include "base/tensors.h"
 #include "graph/graph.h"
 #include "topology/topology.h"
 
 namespace trident {
-
-// Tensors by name, as checkpoints store them.
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct ZeroOptions {
   int stage = 1;  // 1, 2 or 3
@@ -76,10 +75,12 @@ struct ZeroOptions {
   std::vector<int64_t> layer_indices;
 };
 
-// Builds the optimizer over this rank's chunks: one list per parameter group
-// given to Create, in the same order (use one torch::optim param group each).
-using ShardOptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
-    const std::vector<std::vector<at::Tensor>>& shards)>;
+// Builds an optimizer over lists of parameters, one list per parameter group
+// (by convention [0] the parameters weight decay applies to, the matrices,
+// and [1] the others): one torch::optim param group each. ZeRO calls it with
+// this rank's chunks, plain data parallelism with the parameters themselves.
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
+    const std::vector<std::vector<at::Tensor>>& groups)>;
 
 // Per-rank bytes held for training.
 struct MemoryReport {
@@ -90,13 +91,23 @@ struct MemoryReport {
   std::string ToString() const;
 };
 
+// Bytes of the state tensors `optimizer` holds (Adam, AdamW and SGD state;
+// before the first step, their state per element times `parameter_bytes`).
+int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer, int64_t parameter_bytes);
+
+// An optimizer's own serialisation as one byte tensor called `name` (so any
+// optimizer restores exactly), and its restoration from `state`.
+NamedTensors SerializeOptimizer(const torch::optim::Optimizer& optimizer, const std::string& name);
+absl::Status DeserializeOptimizer(const NamedTensors& state, const std::string& name,
+                                  torch::optim::Optimizer& optimizer);
+
 class ZeroOptimizer : private LayerObserver {
  public:
   // `groups` partition the parameters (for example decayed / not decayed);
   // `data_parallel` is the group the state is sharded over.
   static absl::StatusOr<std::unique_ptr<ZeroOptimizer>> Create(
       std::vector<std::vector<at::Tensor>> groups, const ProcessGroup* data_parallel,
-      ZeroOptions options, const ShardOptimizerFactory& make_optimizer);
+      ZeroOptions options, const OptimizerFactory& make_optimizer);
   ~ZeroOptimizer();
 
   void ZeroGrad();
@@ -143,7 +154,7 @@ class ZeroOptimizer : private LayerObserver {
   void GatherLayer(int64_t layer);
   void Prefetch(int64_t layer);  // starts the all-gathers of a layer's buckets
   void BeforeLayer(int64_t layer) override;
-  void AfterLayer(int64_t layer, const at::Tensor& output) override;
+  void AfterLayer(int64_t layer, const Values& outputs) override;
   void BackwardReached(int64_t layer);
 
   const ProcessGroup* group_ = nullptr;
@@ -153,6 +164,7 @@ class ZeroOptimizer : private LayerObserver {
   GradientAccumulatedHooks hooks_;  // stage 2 and 3: gradients move into buckets
   std::map<int64_t, std::vector<int>> layer_buckets_;  // stage 3: the buckets a layer reads
   std::set<int64_t> backward_held_;  // stage 3: layers gathered for backward
+  std::unordered_set<const c10::TensorImpl*> hooked_;  // stage 3: outputs hooked this step
   bool last_micro_batch_ = false;
   absl::Status first_error_;
 };

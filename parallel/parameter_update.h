@@ -1,8 +1,10 @@
-// How a step turns gradients into new weights: plain data parallelism (bucketed
-// all-reduce, fused AdamW) or ZeRO (sharded gradients and optimizer state).
-// The trainer and the pipeline runner drive both the same way.
-#ifndef TRIDENT_TRAINER_INTERNAL_PARAMETER_UPDATE_H_
-#define TRIDENT_TRAINER_INTERNAL_PARAMETER_UPDATE_H_
+// How a step turns gradients into new weights: plain data parallelism
+// (gradients all-reduced in buckets that start during backward, then any
+// torch::optim optimizer) or ZeRO (sharded gradients and optimizer state).
+// ParallelModel and the pipeline runner drive both the same way; one
+// OptimizerFactory builds the optimizer for either.
+#ifndef TRIDENT_PARALLEL_PARAMETER_UPDATE_H_
+#define TRIDENT_PARALLEL_PARAMETER_UPDATE_H_
 
 #include <memory>
 #include <string>
@@ -11,13 +13,12 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
-#include "checkpoint/checkpoint.h"
+#include "base/tensors.h"
 #include "graph/graph.h"
 #include "topology/topology.h"
-#include "trainer/internal/optimizer.h"
+#include "zero/zero.h"
 
 namespace trident {
-namespace internal {
 
 class ParameterUpdate {
  public:
@@ -37,10 +38,12 @@ class ParameterUpdate {
   // `max_norm` > 0 and the norm exceeds it, gradients are scaled down to it.
   virtual absl::StatusOr<double> ClipGradNorm(double max_norm) = 0;
   virtual absl::Status Step(double lr) = 0;
+  // The optimizer's state (its own serialisation), and its restoration into
+  // the same layout.
   virtual NamedTensors State() const = 0;
-  virtual absl::Status LoadState(const SafetensorsContents& contents) = 0;
+  virtual absl::Status LoadState(const NamedTensors& state) = 0;
   // Per-rank bytes of parameters, gradients and optimizer state, for the log.
-  virtual std::string MemoryReport() const = 0;
+  virtual MemoryReport Memory() const = 0;
   // ZeRO stage 3 keeps parameters sharded: these give them their full values
   // (to save or export) and shard them again, `keep_changes` keeping values
   // written meanwhile (a load). No-ops otherwise.
@@ -52,13 +55,15 @@ struct ParameterUpdateOptions {
   NamedTensors parameters;                 // stored once each
   std::vector<at::Tensor> counted;         // in the gradient norm (tied copies, tp replicas once)
   std::vector<at::Tensor> keep_full_gradient;  // ZeRO-2: summed between pipeline stages first
-  const ProcessGroup* data_parallel = nullptr;
-  const ProcessGroup* tensor_parallel = nullptr;  // registered as "tp" (nullptr: tp = 1)
+  const ProcessGroup* data_parallel = nullptr;    // nullptr: dp = 1
+  const ProcessGroup* tensor_parallel = nullptr;  // nullptr: tp = 1
   const ProcessGroup* norm_group = nullptr;    // tensor x pipeline ranks (nullptr: none)
   const ProcessGroup* world = nullptr;         // every rank (ZeRO's norm spans dp too)
   int64_t bucket_bytes = 25 << 20;
   double gradient_predivide_factor = 1.0;  // prescale_gradients
-  AdamWOptions adam;
+  // Builds the optimizer: group 0 the parameters of dimension >= 2 (weight
+  // decay applies), group 1 the others.
+  OptimizerFactory make_optimizer;
   int zero_stage = 0;  // 0: plain data parallelism
   LayerSequence* layers = nullptr;     // ZeRO stage 3: the model and the layers held
   std::vector<int64_t> layer_indices;
@@ -68,7 +73,6 @@ struct ParameterUpdateOptions {
 
 absl::StatusOr<std::unique_ptr<ParameterUpdate>> MakeParameterUpdate(ParameterUpdateOptions options);
 
-}  // namespace internal
 }  // namespace trident
 
-#endif  // TRIDENT_TRAINER_INTERNAL_PARAMETER_UPDATE_H_
+#endif  // TRIDENT_PARALLEL_PARAMETER_UPDATE_H_

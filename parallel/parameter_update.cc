@@ -1,30 +1,41 @@
-#include "trainer/internal/parameter_update.h"
+#include "parallel/parameter_update.h"
 
 #include <cmath>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
-#include <torch/optim/adamw.h>
 
-#include "absl/strings/str_format.h"
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "parallel/gradient_reducer.h"
+#include "parallel/optimizer.h"
 #include "tensor_parallel/tensor_parallel.h"
-#include "trainer/internal/gradient_reducer.h"
-#include "zero/zero.h"
 
 namespace trident {
-namespace internal {
 namespace {
 
 int64_t Bytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
+// Group 0: the parameters weight decay applies to (matrices); group 1: the others.
+std::vector<std::vector<at::Tensor>> DecayGroups(const NamedTensors& parameters) {
+  std::vector<std::vector<at::Tensor>> groups(2);
+  for (const auto& [name, p] : parameters) groups[p.dim() >= 2 ? 0 : 1].push_back(p);
+  return groups;
+}
+
 class PlainDataParallel : public ParameterUpdate {
  public:
-  explicit PlainDataParallel(ParameterUpdateOptions o)
-      : options_(std::move(o)), optimizer_(options_.parameters, options_.adam) {
-    for (const auto& [name, p] : options_.parameters) list_.push_back(p);
-    reducer_ = std::make_unique<GradientReducer>(list_, options_.data_parallel, options_.bucket_bytes,
-                                                 options_.gradient_predivide_factor);
+  static absl::StatusOr<std::unique_ptr<ParameterUpdate>> Create(ParameterUpdateOptions o) {
+    std::unique_ptr<PlainDataParallel> plain(new PlainDataParallel());
+    plain->options_ = std::move(o);
+    for (const auto& [name, p] : plain->options_.parameters) plain->list_.push_back(p);
+    plain->reducer_ = std::make_unique<GradientReducer>(
+        plain->list_, plain->options_.data_parallel, plain->options_.bucket_bytes,
+        plain->options_.gradient_predivide_factor);
+    TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the optimizer", [&] {
+      plain->optimizer_ = plain->options_.make_optimizer(DecayGroups(plain->options_.parameters));
+    }));
+    return std::unique_ptr<ParameterUpdate>(std::move(plain));
   }
   void ZeroGrad() override { reducer_->ZeroGrad(); }
   void PrepareForBackward(bool last) override { reducer_->PrepareForBackward(last); }
@@ -41,31 +52,37 @@ class PlainDataParallel : public ParameterUpdate {
     }
   }
   absl::StatusOr<double> ClipGradNorm(double max_norm) override {
-    return internal::ClipGradNorm(options_.counted, list_, max_norm, options_.norm_group);
+    return trident::ClipGradNorm(options_.counted, list_, max_norm, options_.norm_group);
   }
   absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) override {
     if (options_.tensor_parallel == nullptr) return absl::OkStatus();
-    return SequenceParallelGradients(parameters, "tp");
+    return SequenceParallelGradients(parameters, options_.tensor_parallel->name());
   }
   absl::Status Step(double lr) override {
-    optimizer_.Step(lr);
-    return absl::OkStatus();
+    return CatchExceptions("the optimizer step", [&] {
+      SetLearningRate(*optimizer_, lr);
+      optimizer_->step();
+    });
   }
-  NamedTensors State() const override { return optimizer_.State(); }
-  absl::Status LoadState(const SafetensorsContents& contents) override {
-    return optimizer_.LoadState(contents);
+  NamedTensors State() const override { return SerializeOptimizer(*optimizer_, "optimizer"); }
+  absl::Status LoadState(const NamedTensors& state) override {
+    return DeserializeOptimizer(state, "optimizer", *optimizer_);
   }
-  std::string MemoryReport() const override {
-    int64_t bytes = 0;
-    for (const at::Tensor& p : list_) bytes += Bytes(p);
-    return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
-                           bytes / 1e6, bytes / 1e6, 2 * bytes / 1e6);
+  MemoryReport Memory() const override {
+    MemoryReport report;
+    for (const at::Tensor& p : list_) {
+      report.parameter_bytes += Bytes(p);
+      report.gradient_bytes += Bytes(p);
+    }
+    report.optimizer_bytes = OptimizerStateBytes(*optimizer_, report.parameter_bytes);
+    return report;
   }
 
  private:
+  PlainDataParallel() = default;
   ParameterUpdateOptions options_;
   std::vector<at::Tensor> list_;
-  AdamW optimizer_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<GradientReducer> reducer_;
 };
 
@@ -78,9 +95,6 @@ class Zero : public ParameterUpdate {
     std::unordered_set<const c10::TensorImpl*> counted, keep;
     for (const at::Tensor& p : options.counted) counted.insert(p.unsafeGetTensorImpl());
     for (const at::Tensor& p : options.keep_full_gradient) keep.insert(p.unsafeGetTensorImpl());
-    // AdamW's decoupled weight decay applies to matrices only, as in plain training.
-    std::vector<std::vector<at::Tensor>> groups(2);
-    for (const auto& [name, p] : options.parameters) groups[p.dim() >= 2 ? 0 : 1].push_back(p);
     ZeroOptions zero_options;
     zero_options.stage = options.zero_stage;
     zero_options.reduce_bucket_bytes = options.bucket_bytes;
@@ -95,21 +109,9 @@ class Zero : public ParameterUpdate {
     zero_options.counted_in_norm = [counted](const at::Tensor& p) {
       return counted.count(p.unsafeGetTensorImpl()) > 0;
     };
-    const AdamWOptions adam = options.adam;
-    TRIDENT_ASSIGN_OR_RETURN(
-        zero->zero_,
-        ZeroOptimizer::Create(
-            groups, options.data_parallel, zero_options,
-            [adam](const std::vector<std::vector<at::Tensor>>& shards) {
-              std::vector<torch::optim::OptimizerParamGroup> param_groups;
-              for (size_t g = 0; g < shards.size(); ++g) {
-                auto group_options = std::make_unique<torch::optim::AdamWOptions>(0.0);
-                group_options->betas({adam.beta1, adam.beta2}).eps(adam.eps);
-                group_options->weight_decay(g == 0 ? adam.weight_decay : 0.0);
-                param_groups.emplace_back(shards[g], std::move(group_options));
-              }
-              return std::unique_ptr<torch::optim::Optimizer>(new torch::optim::AdamW(param_groups));
-            }));
+    TRIDENT_ASSIGN_OR_RETURN(zero->zero_,
+                             ZeroOptimizer::Create(DecayGroups(options.parameters), options.data_parallel,
+                                                   zero_options, options.make_optimizer));
     return std::unique_ptr<ParameterUpdate>(std::move(zero));
   }
   void ZeroGrad() override { zero_->ZeroGrad(); }
@@ -131,10 +133,8 @@ class Zero : public ParameterUpdate {
   }
   absl::Status Step(double lr) override { return zero_->Step(lr); }
   NamedTensors State() const override { return zero_->State(); }
-  absl::Status LoadState(const SafetensorsContents& contents) override {
-    return zero_->LoadState(contents.tensors);
-  }
-  std::string MemoryReport() const override { return zero_->Memory().ToString(); }
+  absl::Status LoadState(const NamedTensors& state) override { return zero_->LoadState(state); }
+  MemoryReport Memory() const override { return zero_->Memory(); }
   absl::Status GatherFullParameters() override { return zero_->GatherAllParameters(); }
   absl::Status ReleaseFullParameters(bool keep_changes) override {
     return zero_->ReleaseAllParameters(keep_changes);
@@ -149,9 +149,16 @@ class Zero : public ParameterUpdate {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ParameterUpdate>> MakeParameterUpdate(ParameterUpdateOptions options) {
-  if (options.zero_stage == 0) return std::unique_ptr<ParameterUpdate>(new PlainDataParallel(std::move(options)));
+  if (!options.make_optimizer) {
+    return absl::InvalidArgumentError("no optimizer factory given (see parallel/optimizer.h)");
+  }
+  if (options.zero_stage == 0) return PlainDataParallel::Create(std::move(options));
+  if (options.data_parallel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "zero_stage=", options.zero_stage, " shards over the data-parallel group, and this run has "
+        "none (dp=1); use zero_stage=0 or dp > 1"));
+  }
   return Zero::Create(std::move(options));
 }
 
-}  // namespace internal
 }  // namespace trident

@@ -1,11 +1,10 @@
-#include "trainer/internal/gradient_reducer.h"
+#include "parallel/gradient_reducer.h"
 
 #include <ATen/ATen.h>
 
 #include "base/logging.h"
 
 namespace trident {
-namespace internal {
 
 GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
                                  const ProcessGroup* group, int64_t bucket_bytes,
@@ -99,5 +98,4 @@ absl::Status GradientReducer::FinishBackward() {
   return absl::OkStatus();
 }
 
-}  // namespace internal
 }  // namespace trident

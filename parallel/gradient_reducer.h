@@ -4,8 +4,8 @@
 // into its bucket's flat buffer, so accumulation writes straight into the
 // buffer; and a bucket's all-reduce starts as soon as the last of its
 // gradients is accumulated, while backward continues with earlier layers.
-#ifndef TRIDENT_TRAINER_INTERNAL_GRADIENT_REDUCER_H_
-#define TRIDENT_TRAINER_INTERNAL_GRADIENT_REDUCER_H_
+#ifndef TRIDENT_PARALLEL_GRADIENT_REDUCER_H_
+#define TRIDENT_PARALLEL_GRADIENT_REDUCER_H_
 
 #include <cstdint>
 #include <memory>
@@ -19,7 +19,6 @@
 #include "topology/topology.h"
 
 namespace trident {
-namespace internal {
 
 class GradientReducer {
  public:
@@ -59,7 +58,6 @@ class GradientReducer {
   absl::Status first_error_;
 };
 
-}  // namespace internal
 }  // namespace trident
 
-#endif  // TRIDENT_TRAINER_INTERNAL_GRADIENT_REDUCER_H_
+#endif  // TRIDENT_PARALLEL_GRADIENT_REDUCER_H_

@@ -1,0 +1,72 @@
+#include "models/zoo.h"
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace trident {
+
+ModelSource ZooModelSource(const ModelConfig& config, uint64_t seed) {
+  ModelSource source = ModelSource::FromLayerBuilder(
+      config.n_layer + 2,
+      [config, seed](const LayerRanges& ranges) -> absl::StatusOr<std::shared_ptr<LayerSequence>> {
+        TRIDENT_ASSIGN_OR_RETURN(auto part, ranges.empty() ? CreateModel(config, seed)
+                                                           : CreateModelLayers(config, seed, ranges));
+        return std::shared_ptr<LayerSequence>(part);
+      });
+  source.shards = [](LayerSequence& part) {
+    return dynamic_cast<LanguageModel&>(part).ParameterShards();
+  };
+  if (config.model == "gpt") source.aliases = {{"lm_head.weight", "transformer.wte.weight"}};
+  source.sequence_length = config.block_size;
+  source.vocab_size = config.vocab_size;
+  source.returns_logits = true;
+  // 6 N per token for the products with the weights, plus attention's
+  // 12 L C T per token (scores and weighted values, forward and backward).
+  const double T = config.block_size;
+  const double attention = config.model == "mlp" ? 0.0 : 12.0 * config.n_layer * config.n_embd * T;
+  source.flops_per_sample = [T, attention](int64_t parameters) { return T * (6.0 * parameters + attention); };
+  return source;
+}
+
+absl::StatusOr<ModelConfig> ZooModelConfig(const std::string& model, const ComponentArgs& args,
+                                           int64_t data_vocab_size) {
+  TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"preset", "n_layer", "n_head", "n_embd", "block_size",
+                                           "vocab_size", "dropout", "n_kv_head", "intermediate_size",
+                                           "rope_theta", "init_method_std"}));
+  const std::string preset = args.GetString("preset", absl::StrCat(model, "-tiny"));
+  TRIDENT_ASSIGN_OR_RETURN(ModelConfig c, PresetModelConfig(model, preset));
+  TRIDENT_ASSIGN_OR_RETURN(c.n_layer, args.GetInt("n_layer", c.n_layer));
+  TRIDENT_ASSIGN_OR_RETURN(c.n_head, args.GetInt("n_head", c.n_head));
+  TRIDENT_ASSIGN_OR_RETURN(c.n_embd, args.GetInt("n_embd", c.n_embd));
+  TRIDENT_ASSIGN_OR_RETURN(c.block_size, args.GetInt("block_size", c.block_size));
+  TRIDENT_ASSIGN_OR_RETURN(c.vocab_size,
+                           args.GetInt("vocab_size", data_vocab_size > 0 ? data_vocab_size : c.vocab_size));
+  TRIDENT_ASSIGN_OR_RETURN(c.dropout, args.GetDouble("dropout", c.dropout));
+  TRIDENT_ASSIGN_OR_RETURN(c.n_kv_head, args.GetInt("n_kv_head", c.n_kv_head));
+  TRIDENT_ASSIGN_OR_RETURN(c.intermediate_size, args.GetInt("intermediate_size", c.intermediate_size));
+  TRIDENT_ASSIGN_OR_RETURN(c.rope_theta, args.GetDouble("rope_theta", c.rope_theta));
+  TRIDENT_ASSIGN_OR_RETURN(c.init_method_std, args.GetDouble("init_method_std", c.init_method_std));
+  if (data_vocab_size > 0 && c.vocab_size < data_vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("vocab_size=", c.vocab_size, " is smaller than the data's ",
+                                                   data_vocab_size, "-token vocabulary"));
+  }
+  return c;
+}
+
+namespace {
+
+ModelFactory ZooFactory(std::string model) {
+  return [model](const ComponentArgs& args, const ModelContext& context) -> absl::StatusOr<ModelSource> {
+    TRIDENT_ASSIGN_OR_RETURN(ModelConfig config, ZooModelConfig(model, args, context.data_vocab_size));
+    config.tp = context.tp;
+    TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(config));
+    return ZooModelSource(config, context.seed);
+  };
+}
+
+TRIDENT_REGISTER_MODEL("gpt", ZooFactory("gpt"));
+TRIDENT_REGISTER_MODEL("llama", ZooFactory("llama"));
+TRIDENT_REGISTER_MODEL("mlp", ZooFactory("mlp"));
+
+}  // namespace
+}  // namespace trident

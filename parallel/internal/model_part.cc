@@ -1,0 +1,236 @@
+#include "parallel/internal/model_part.h"
+
+#include <algorithm>
+
+#include <torch/nn/module.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "graph/graph_layers.h"
+#include "graph/model_graph.h"
+#include "partition/partition.h"
+
+namespace trident {
+namespace internal {
+namespace {
+
+Values Select(const Batch& batch, const std::vector<int>& fields) {
+  Values selected;
+  for (int f : fields) selected.push_back(batch.at(f));
+  return selected;
+}
+
+// The model's forward over the selected fields, with the loss function's result
+// first among the outputs when one is given.
+std::function<Values(const Batch&)> ForwardWithLoss(std::function<Values(const Values&)> forward,
+                                                    std::vector<int> inputs, LossFunction loss) {
+  return [forward = std::move(forward), inputs = std::move(inputs), loss = std::move(loss)](const Batch& batch) {
+    Values outputs = forward(Select(batch, inputs));
+    if (loss) outputs.insert(outputs.begin(), loss(batch, outputs));
+    return outputs;
+  };
+}
+
+// A module run eagerly as one layer (trace_method "none").
+class EagerModuleLayer : public LayerSequence {
+ public:
+  EagerModuleLayer(std::shared_ptr<torch::nn::Module> module, std::function<Values(const Batch&)> forward,
+                   int num_fields)
+      : module_(std::move(module)), forward_(std::move(forward)), num_fields_(num_fields) {}
+  int64_t NumLayers() const override { return 1; }
+  std::string LayerName(int64_t) const override { return "module"; }
+  Values ForwardLayer(int64_t, const Values&, const Batch& batch) override { return forward_(batch); }
+  std::vector<int> BatchFields(int64_t) const override {
+    std::vector<int> fields(num_fields_);
+    for (int f = 0; f < num_fields_; ++f) fields[f] = f;
+    return fields;
+  }
+  NamedTensors LayerParameters(int64_t) override {
+    NamedTensors parameters;
+    for (const auto& item : module_->named_parameters()) parameters.emplace_back(item.key(), item.value());
+    return parameters;
+  }
+  void To(const at::Device& device) override { module_->to(device); }
+  void SetTraining(bool training) override { module_->train(training); }
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  std::function<Values(const Batch&)> forward_;
+  int num_fields_;
+};
+
+Batch ToDevice(const Batch& batch, const at::Device& device) {
+  Batch moved;
+  for (const at::Tensor& t : batch) moved.push_back(t.to(device));
+  return moved;
+}
+
+// The same shapes with the samples in another order, to check a trace against
+// (nothing when a micro-batch has one sample).
+Batch CheckBatch(const Batch& example) {
+  for (const at::Tensor& t : example) {
+    if (t.dim() == 0 || t.size(0) < 2) return {};
+  }
+  Batch rolled;
+  for (const at::Tensor& t : example) rolled.push_back(t.roll(1, 0));
+  return rolled;
+}
+
+absl::Status CheckShards(int64_t shards, const ParallelPlan& plan) {
+  const int64_t stages = static_cast<int64_t>(plan.pp) * plan.virtual_stages;
+  if (shards >= stages) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "pp*virtual_stages = ", stages, " pipeline stages but the traced model split into ", shards,
+      " shards; lower pp or virtual_stages or raise shard_count"));
+}
+
+PartitionOptions StagePartition(const ParallelPlan& plan) {
+  PartitionOptions options;
+  options.num_stages = plan.pp * plan.virtual_stages;
+  options.partition_method = plan.partition_method;
+  options.custom_split_points = plan.custom_split_points;
+  return options;
+}
+
+// Layer sources: plan the stages over the layers (profiled one at a time when
+// the partition method weighs them) and build this rank's chunks only.
+absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, const Batch& example,
+                         ModelPart* part) {
+  PartitionOptions options = StagePartition(plan);
+  std::vector<LayerProfile> profile;
+  const bool weighed = options.custom_split_points.empty() &&
+                       (options.partition_method == "parameters" || options.partition_method == "cost");
+  if (!weighed) {
+    // Only the layer names are needed: any one-layer part knows them all.
+    const int64_t probe = std::min<int64_t>(1, source.num_layers - 1);
+    TRIDENT_ASSIGN_OR_RETURN(auto namer, source.build({{probe, probe + 1}}));
+    for (int64_t i = 0; i < source.num_layers; ++i) profile.push_back({namer->LayerName(i)});
+  } else {
+    // Memory-light: one layer at a time, on one sample.
+    Batch sample;
+    for (const at::Tensor& t : example) sample.push_back(t.dim() > 0 ? t.narrow(0, 0, 1) : t);
+    TRIDENT_ASSIGN_OR_RETURN(
+        profile, ProfileLayersOneByOne(source.num_layers,
+                                       [&](int64_t i) { return source.build({{i, i + 1}}); }, sample));
+  }
+  TRIDENT_ASSIGN_OR_RETURN(part->stage_plan, PlanStages(profile, options));
+  return absl::OkStatus();
+}
+
+absl::Status TraceGraph(const ModelSource& source, const ParallelPlan& plan, const at::Device& device,
+                        const Batch& example, ModelPart* part) {
+  NamedTensors parameters;
+  std::function<Values(const Values&)> forward;
+  std::shared_ptr<void> owner;
+  std::vector<std::string> arguments;  // TorchScript: forward's argument names
+  if (source.kind == ModelSource::Kind::kTorchScript) {
+    TRIDENT_ASSIGN_OR_RETURN(TorchScriptModule module, TorchScriptModule::Load(source.torchscript_path));
+    TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the module to the device", [&] { module.to(device); }));
+    parameters = module.parameters;
+    forward = module.forward;
+    owner = module.module;
+    arguments = module.argument_names;
+  } else {
+    TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the module to the device", [&] { source.module->to(device); }));
+    for (const auto& item : source.module->named_parameters()) parameters.emplace_back(item.key(), item.value());
+    forward = source.forward;
+    owner = source.module;
+  }
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs,
+                           SelectInputs(plan.input_names, plan.batch_fields, example.size()));
+  if (!arguments.empty() && arguments.size() != inputs.size()) {
+    std::vector<std::string> given;
+    for (int f : inputs) given.push_back(f < static_cast<int>(plan.batch_fields.size()) ? plan.batch_fields[f] : absl::StrCat("field ", f));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "forward of ", source.torchscript_path, " takes ", arguments.size(), " input(s) (",
+        absl::StrJoin(arguments, ", "), ") but is given ", inputs.size(), " (",
+        absl::StrJoin(given, ", "), "); choose them with input_names"));
+  }
+  auto traced_forward = ForwardWithLoss(forward, inputs, source.loss);
+  const Batch on_device = ToDevice(example, device);
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ModelGraph> graph,
+                           ModelGraph::Trace(parameters, on_device, traced_forward, CheckBatch(on_device), owner));
+  const std::string split = plan.split_method.empty() ? "farthest_min_deps" : plan.split_method;
+  const int shard_count = plan.shard_count > 0 ? plan.shard_count : DefaultShardCount(*graph);
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards,
+                           SplitIntoShards(*graph, split, shard_count, plan.leaf_modules));
+  TRIDENT_RETURN_IF_ERROR(CheckShards(static_cast<int64_t>(shards.size()) - 1, plan));
+  TRIDENT_ASSIGN_OR_RETURN(part->stage_plan,
+                           PlanStages(ShardProfiles(*graph, shards), StagePartition(plan)));
+  part->flops_per_sample = 3.0 * graph->total_flops() / std::max<int64_t>(1, plan.micro_batch_size);
+  part->aliases = graph->aliases();
+  std::shared_ptr<ModelGraph> shared(std::move(graph));
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<GraphLayers> layers, GraphLayers::Create(shared, shards));
+  part->layers = std::move(layers);
+  part->traced = true;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& input_names,
+                                              const std::vector<std::string>& field_names,
+                                              size_t num_fields) {
+  std::vector<int> fields;
+  if (input_names.empty()) {
+    for (size_t f = 0; f < num_fields; ++f) fields.push_back(static_cast<int>(f));
+    return fields;
+  }
+  for (const std::string& name : input_names) {
+    auto it = std::find(field_names.begin(), field_names.end(), name);
+    if (it == field_names.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input_names names '", name, "', which the batch does not have; its fields are ",
+          field_names.empty() ? "unnamed" : absl::StrJoin(field_names, ", ")));
+    }
+    fields.push_back(static_cast<int>(it - field_names.begin()));
+  }
+  return fields;
+}
+
+absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const ParallelPlan& plan, int stage,
+                                         const at::Device& device, const Batch& example) {
+  ModelPart part;
+  ModelSource source = given;
+  if (source.kind == ModelSource::Kind::kModule && plan.trace_method == "layers") {
+    auto layers = std::dynamic_pointer_cast<LayerSequence>(source.module);
+    if (layers == nullptr) {
+      return absl::InvalidArgumentError(
+          "trace_method=layers needs a model that is a LayerSequence (graph/graph.h); this module "
+          "is not one: trace it (trace_method=jit) or declare its layers");
+    }
+    source = ModelSource::FromLayers(layers);
+  }
+  if (source.kind == ModelSource::Kind::kLayers) {
+    TRIDENT_RETURN_IF_ERROR(BuildLayers(source, plan, example, &part));
+  } else if (plan.trace_method == "none") {
+    if (source.kind != ModelSource::Kind::kModule) {
+      return absl::InvalidArgumentError("trace_method=none runs a C++ module; a TorchScript file is traced (trace_method=jit)");
+    }
+    TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs,
+                             SelectInputs(plan.input_names, plan.batch_fields, example.size()));
+    part.layers = std::make_shared<EagerModuleLayer>(
+        source.module, ForwardWithLoss(source.forward, inputs, source.loss), static_cast<int>(example.size()));
+    TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
+  } else if (plan.trace_method == "jit") {
+    TRIDENT_RETURN_IF_ERROR(TraceGraph(source, plan, device, example, &part));
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("trace_method='", plan.trace_method,
+                                                   "' is unknown; choose jit, layers or none"));
+  }
+  LayerRanges ranges;
+  for (int c = 0; c < plan.virtual_stages; ++c) {  // chunk c is virtual stage c * pp + stage
+    const StagePlan& planned = part.stage_plan.stages(c * plan.pp + stage);
+    part.chunks.push_back({planned.first_layer(), planned.end_layer()});
+    ranges.emplace_back(planned.first_layer(), planned.end_layer());
+  }
+  if (source.kind == ModelSource::Kind::kLayers) {
+    TRIDENT_ASSIGN_OR_RETURN(part.layers, source.build(ranges));
+  }
+  TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the model to the device", [&] { part.layers->To(device); }));
+  return part;
+}
+
+}  // namespace internal
+}  // namespace trident

@@ -1,0 +1,44 @@
+// This rank's part of a model source under a plan: the layers it holds (a
+// LayerSequence, or a traced graph's shards) and the chunks (virtual stages)
+// it runs. Private to //parallel.
+#ifndef TRIDENT_PARALLEL_INTERNAL_MODEL_PART_H_
+#define TRIDENT_PARALLEL_INTERNAL_MODEL_PART_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "graph/graph.h"
+#include "parallel/parallel.h"
+#include "partition/plan.pb.h"
+#include "pipeline/stage_runner.h"
+
+namespace trident {
+namespace internal {
+
+struct ModelPart {
+  std::shared_ptr<LayerSequence> layers;  // holds (at least) this rank's chunks
+  std::shared_ptr<void> keep_alive;       // what the layers borrow from (a loaded module)
+  std::vector<StageChunk> chunks;         // this rank's virtual stages, specs not yet known
+  Plan stage_plan;                        // every virtual stage
+  std::map<std::string, std::string> aliases;  // second names of tied parameters
+  double flops_per_sample = 0;            // known for traced graphs
+  bool traced = false;
+};
+
+// Builds `stage`'s part of `source`. `example` is one micro-batch.
+absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& source, const ParallelPlan& plan,
+                                         int stage, const at::Device& device, const Batch& example);
+
+// The batch fields `forward` takes: `input_names` looked up in `field_names`
+// (all fields, in order, when empty). Errors name an unknown input.
+absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& input_names,
+                                              const std::vector<std::string>& field_names,
+                                              size_t num_fields);
+
+}  // namespace internal
+}  // namespace trident
+
+#endif  // TRIDENT_PARALLEL_INTERNAL_MODEL_PART_H_

@@ -1,0 +1,210 @@
+#include "parallel/optimizer.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace trident {
+namespace {
+
+// One pass of AdamW over a contiguous float32 parameter: reads p, g, m, v once
+// and writes p, m, v once.
+void FusedAdamWStep(float* p, const float* g, float* m, float* v, int64_t n, float decay,
+                    float beta1, float beta2, float inverse_sqrt_bias_correction2, float eps,
+                    float step_size) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float grad = g[i];
+      m[i] = m[i] * beta1 + grad * (1 - beta1);
+      v[i] = v[i] * beta2 + grad * grad * (1 - beta2);
+      const float denominator = std::sqrt(v[i]) * inverse_sqrt_bias_correction2 + eps;
+      p[i] = p[i] * decay - step_size * (m[i] / denominator);
+    }
+  });
+}
+
+bool Fusable(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
+}
+
+}  // namespace
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups()) {
+    const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    TORCH_CHECK(!options.amsgrad(), "FusedAdamW does not implement amsgrad");
+    const double lr = options.lr(), decay = options.weight_decay(), eps = options.eps();
+    const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      const at::Tensor& grad = p.grad();
+      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      auto found = state().find(key);
+      if (found == state().end()) {
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        found = state().emplace(key, std::move(fresh)).first;
+      }
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*found->second);
+      s.step(s.step() + 1);
+      const double bias_correction1 = 1 - std::pow(beta1, static_cast<double>(s.step()));
+      const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(s.step()));
+      if (Fusable(p) && Fusable(grad) && Fusable(s.exp_avg()) && Fusable(s.exp_avg_sq())) {
+        FusedAdamWStep(p.data_ptr<float>(), grad.data_ptr<float>(), s.exp_avg().data_ptr<float>(),
+                       s.exp_avg_sq().data_ptr<float>(), p.numel(),
+                       static_cast<float>(1.0 - lr * decay), beta1, beta2,
+                       static_cast<float>(1.0 / std::sqrt(bias_correction2)), eps,
+                       static_cast<float>(lr / bias_correction1));
+        continue;
+      }
+      // Other dtypes and devices: the same arithmetic, tensor by tensor.
+      if (decay != 0) p.mul_(1 - lr * decay);
+      s.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
+      s.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+      at::Tensor denominator = (s.exp_avg_sq().sqrt() / std::sqrt(bias_correction2)).add_(eps);
+      p.addcdiv_(s.exp_avg(), denominator, -lr / bias_correction1);
+    }
+  }
+  return loss;
+}
+
+Registry<OptimizerMaker>& OptimizerRegistry() {
+  static auto* registry = new Registry<OptimizerMaker>("optimizer");
+  return *registry;
+}
+
+absl::StatusOr<OptimizerFactory> MakeOptimizerFactory(const std::string& type,
+                                                      const ComponentArgs& args) {
+  TRIDENT_ASSIGN_OR_RETURN(OptimizerMaker make, OptimizerRegistry().Find(type));
+  return make(args);
+}
+
+void SetLearningRate(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
+namespace {
+
+// beta1, beta2, eps and weight_decay, checked.
+struct AdamArgs {
+  double beta1, beta2, eps, weight_decay;
+};
+absl::StatusOr<AdamArgs> ReadAdamArgs(const ComponentArgs& args, double default_decay) {
+  TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"beta1", "beta2", "eps", "weight_decay"}));
+  AdamArgs a;
+  TRIDENT_ASSIGN_OR_RETURN(a.beta1, args.GetDouble("beta1", 0.9));
+  TRIDENT_ASSIGN_OR_RETURN(a.beta2, args.GetDouble("beta2", 0.999));
+  TRIDENT_ASSIGN_OR_RETURN(a.eps, args.GetDouble("eps", 1e-8));
+  TRIDENT_ASSIGN_OR_RETURN(a.weight_decay, args.GetDouble("weight_decay", default_decay));
+  if (a.beta1 < 0 || a.beta1 >= 1 || a.beta2 < 0 || a.beta2 >= 1) {
+    return absl::InvalidArgumentError(absl::StrCat(args.owner(), ": beta1=", a.beta1, " and beta2=",
+                                                   a.beta2, " must be in [0, 1)"));
+  }
+  if (!(a.eps > 0) || a.weight_decay < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.owner(), ": eps must be positive and weight_decay not negative"));
+  }
+  return a;
+}
+
+template <typename Optimizer, typename Options>
+OptimizerFactory AdamFactory(AdamArgs a, bool decoupled) {
+  return [a, decoupled](const std::vector<std::vector<at::Tensor>>& groups) {
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      auto options = std::make_unique<Options>(0.0);
+      options->betas({a.beta1, a.beta2}).eps(a.eps);
+      options->weight_decay(g == 0 && decoupled ? a.weight_decay : 0.0);
+      param_groups.emplace_back(groups[g], std::move(options));
+    }
+    return std::unique_ptr<torch::optim::Optimizer>(new Optimizer(param_groups, Options(0.0)));
+  };
+}
+
+const bool kAdamW = OptimizerRegistry().Register("adamw", [](const ComponentArgs& args)
+                                                     -> absl::StatusOr<OptimizerFactory> {
+  TRIDENT_ASSIGN_OR_RETURN(AdamArgs a, ReadAdamArgs(args, 0.01));
+  return AdamFactory<FusedAdamW, torch::optim::AdamWOptions>(a, /*decoupled=*/true);
+});
+
+const bool kAdam = OptimizerRegistry().Register("adam", [](const ComponentArgs& args)
+                                                    -> absl::StatusOr<OptimizerFactory> {
+  TRIDENT_ASSIGN_OR_RETURN(AdamArgs a, ReadAdamArgs(args, 0.0));
+  if (a.weight_decay != 0) {
+    return absl::InvalidArgumentError(
+        "optimizer 'adam' takes no weight_decay here (it would be L2 on every parameter); use adamw");
+  }
+  return AdamFactory<torch::optim::Adam, torch::optim::AdamOptions>(a, /*decoupled=*/false);
+});
+
+const bool kSgd = OptimizerRegistry().Register("sgd", [](const ComponentArgs& args)
+                                                   -> absl::StatusOr<OptimizerFactory> {
+  TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"momentum", "weight_decay"}));
+  TRIDENT_ASSIGN_OR_RETURN(const double momentum, args.GetDouble("momentum", 0.0));
+  TRIDENT_ASSIGN_OR_RETURN(const double decay, args.GetDouble("weight_decay", 0.0));
+  if (momentum < 0 || decay < 0) {
+    return absl::InvalidArgumentError("optimizer 'sgd': momentum and weight_decay must not be negative");
+  }
+  return OptimizerFactory([momentum, decay](const std::vector<std::vector<at::Tensor>>& groups) {
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      auto options = std::make_unique<torch::optim::SGDOptions>(0.0);
+      options->momentum(momentum).weight_decay(g == 0 ? decay : 0.0);
+      param_groups.emplace_back(groups[g], std::move(options));
+    }
+    return std::unique_ptr<torch::optim::Optimizer>(
+        new torch::optim::SGD(param_groups, torch::optim::SGDOptions(0.0)));
+  });
+});
+
+}  // namespace
+
+absl::StatusOr<double> ClipGradNorm(const std::vector<at::Tensor>& counted,
+                                    const std::vector<at::Tensor>& parameters, double max_norm,
+                                    const ProcessGroup* group) {
+  at::NoGradGuard no_grad;
+  auto grads_of = [](const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : tensors) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    return grads;
+  };
+  const std::vector<at::Tensor> counted_grads = grads_of(counted);
+  at::Tensor squares =
+      counted_grads.empty()
+          ? at::zeros({1}, at::kDouble)
+          : at::stack(at::_foreach_norm(counted_grads)).to(at::kDouble).pow(2).sum().reshape({1}).cpu();
+  if (group != nullptr && group->size() > 1) TRIDENT_RETURN_IF_ERROR(group->AllReduce(squares));
+  const double norm = std::sqrt(squares.item<double>());
+  std::vector<at::Tensor> grads = grads_of(parameters);
+  if (max_norm > 0 && norm > max_norm && !grads.empty()) {
+    at::_foreach_mul_(grads, max_norm / (norm + 1e-6));
+  }
+  return norm;
+}
+
+double LearningRate(const std::string& schedule, double lr, double min_lr, int64_t warmup_steps,
+                    int64_t max_steps, int64_t step) {
+  if (step < warmup_steps) return lr * static_cast<double>(step + 1) / (warmup_steps + 1);
+  if (schedule == "constant" || max_steps <= warmup_steps) return lr;
+  const double progress =
+      std::min(1.0, static_cast<double>(step - warmup_steps) / (max_steps - warmup_steps));
+  if (schedule == "linear") return lr + (min_lr - lr) * progress;
+  return min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (lr - min_lr);  // cosine
+}
+
+}  // namespace trident

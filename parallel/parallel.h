@@ -1,0 +1,300 @@
+// parallel: Parallelize(model source, plan, topology, example batch) -> ParallelModel,
+// this rank's part of any model, ready to step.
+//
+// A model source is a LayerSequence (the zoo, or a user's layers, built whole
+// or one pipeline stage at a time), any torch::nn::Module with a forward
+// (traced into a ModelGraph), or a TorchScript file saved from Python. The
+// plan says how to lay it out: dp x tp x pp, virtual stages and schedule, how
+// to split and partition it, recomputation, ZeRO, precision and device.
+// Traced models are cut into shards (farthest_min_deps / nearest_min_deps)
+// that run as a LayerSequence, so every layout works the same for both; stage
+// boundaries carry whatever tensors cross them (skip connections, masks,
+// position ids), and each stage reads only the batch fields it needs.
+//
+//   ParallelPlan plan;
+//   plan.dp = 2;
+//   plan.pp = 2;
+//   plan.micro_batch_size = 4;
+//   plan.num_micro_batches = 4;
+//   TRIDENT_ASSIGN_OR_RETURN(OptimizerFactory adamw, MakeOptimizerFactory("adamw", {}));
+//   TRIDENT_ASSIGN_OR_RETURN(auto model, Parallelize(ModelSource::FromModule(net, forward),
+//                                                    plan, topology.get(), example, adamw));
+//   model->ZeroGrad();
+//   TRIDENT_ASSIGN_OR_RETURN(double loss, model->ForwardBackward(micro_batches));
+//   TRIDENT_ASSIGN_OR_RETURN(double norm, model->ClipGradNorm(1.0));
+//   TRIDENT_RETURN_IF_ERROR(model->Step(/*lr=*/1e-3));
+//
+// The loss is the model's own (a forward returning the loss, or a tuple whose
+// first scalar is the loss: nnScaler's end-to-end convention) or a
+// LossFunction given with the source (ATorch's loss_func(input, output)).
+#ifndef TRIDENT_PARALLEL_PARALLEL_H_
+#define TRIDENT_PARALLEL_PARALLEL_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "amp/amp.h"
+#include "base/tensors.h"
+#include "base/registry.h"
+#include "checkpoint/checkpoint.h"
+#include "graph/graph.h"
+#include "parallel/optimizer.h"
+#include "pipeline/pipeline.h"
+#include "tensor_parallel/tensor_parallel.h"
+#include "topology/topology.h"
+#include "zero/zero.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
+namespace trident {
+
+// The scalar loss of a micro-batch from the model's outputs (ATorch's
+// loss_func(input, output)).
+using LossFunction = std::function<at::Tensor(const Batch& batch, const Values& outputs)>;
+// Built-ins: "cross_entropy" (outputs[0] logits [..., C] against the class ids
+// in the batch's last field, mean over all positions; ids below 0 are
+// ignored) and "mse" (outputs[0] against the last field, mean). Users register
+// their own.
+Registry<LossFunction>& LossRegistry();
+
+// Where the model comes from.
+struct ModelSource {
+  enum class Kind { kLayers, kModule, kTorchScript };
+  Kind kind = Kind::kLayers;
+
+  // kLayers: `num_layers` layers; `build` makes a part holding (at least) the
+  // layers in `ranges`, with the same weights whichever part is built (so each
+  // pipeline rank builds only its own stage), or the whole model for empty
+  // ranges. `build` may be called more than once.
+  int64_t num_layers = 0;
+  std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges& ranges)> build;
+
+  // kModule: a module and its forward over the batch fields it is given (see
+  // ParallelPlan::input_names); traced with the JIT tracer, or run eagerly as
+  // one layer with trace_method "none".
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<Values(const Values& inputs)> forward;
+
+  // kTorchScript: a file saved with torch.jit.save; forward(inputs...) is
+  // called with the batch fields, in order (or as input_names select them).
+  std::string torchscript_path;
+
+  // The loss from (batch, outputs) when the model does not compute its own.
+  LossFunction loss;
+  // Tensor-parallel parameters of a built part, by name, and how each is a
+  // slice of the single-process parameter (unset: every parameter replicated).
+  std::function<std::map<std::string, ShardSpec>(LayerSequence& part)> shards;
+  // Second names of stored parameters (GPT's "lm_head.weight" ->
+  // "transformer.wte.weight"), written by exports and read by LoadWeights.
+  std::map<std::string, std::string> aliases;
+  // Training FLOPs (forward and backward) of one sample given the model's
+  // parameter count. Unset: 6 per parameter per element of the first batch
+  // field (a token), or the traced graph's own count.
+  std::function<double(int64_t parameters)> flops_per_sample;
+  // Token models: the longest sequence and the vocabulary (what token data
+  // must match), and whether outputs[0] of the last layer are next-token
+  // logits [B, T, vocab / tp] (so text can be sampled).
+  int64_t sequence_length = 0;
+  int64_t vocab_size = 0;
+  bool returns_logits = false;
+
+  static ModelSource FromLayers(std::shared_ptr<LayerSequence> layers);
+  static ModelSource FromLayerBuilder(
+      int64_t num_layers,
+      std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges&)> build);
+  static ModelSource FromModule(std::shared_ptr<torch::nn::Module> module,
+                                std::function<Values(const Values&)> forward);
+  static ModelSource FromTorchScript(std::string path);
+};
+
+// How to lay a model out. Names and defaults follow the reference design.
+struct ParallelPlan {
+  int dp = 1;  // data-parallel ranks (the topology's "data" axis)
+  int tp = 1;  // tensor-parallel ranks ("tensor"): the source must build shards
+  int pp = 1;  // pipeline stages ("pipeline")
+  bool sequence_parallel = false;  // norms and dropout on sequence shards (tp > 1)
+  int virtual_stages = 1;          // model chunks per pipeline rank (interleaved_1f1b)
+  std::string schedule = "1f1b";   // see MakeSchedule
+  // Where stages may be cut: "layer_split" (LayerSequence layers) or
+  // "farthest_min_deps" / "nearest_min_deps" (traced graphs); "" picks
+  // farthest_min_deps for traced models, layer_split for layer sequences.
+  std::string split_method;
+  int shard_count = 0;  // traced graphs: shards before grouping (0: 2 * layers + 4)
+  // uniform, uniform_floor, parameters or cost (over layers, or shards).
+  std::string partition_method = "uniform";
+  std::vector<std::string> custom_split_points;  // layer_split: first layers of stages 2..
+  // "jit" (trace the module), "layers" (the source is a LayerSequence), "none"
+  // (run the module eagerly as one layer: pp must be 1).
+  std::string trace_method = "jit";
+  // Parameter-name prefixes of submodules never cut inside (no cut between the
+  // first and the last operator that reads their parameters).
+  std::vector<std::string> leaf_modules;
+  // The batch fields forward takes, by the dataset's field names (empty: all
+  // fields, in order), and those names.
+  std::vector<std::string> input_names;
+  std::vector<std::string> batch_fields;
+  std::string activation_checkpointing = "none";  // none, full or stage_aware
+  int64_t checkpoint_num_layers = 1;
+  double activation_checkpoint_ratio = 0.5;
+  int zero_stage = 0;
+  int64_t zero_reduce_bucket_bytes = 25 << 20;
+  int64_t zero_allgather_bucket_bytes = 25 << 20;
+  bool zero_allow_untested_optimizer = false;
+  int64_t bucket_bytes = 25 << 20;  // plain data-parallel all-reduce buckets
+  double gradient_predivide_factor = 1.0;
+  std::string precision = "fp32";
+  std::string precision_table;
+  // Loss scaling (on for fp16 modes, or when `loss_scaling` is set).
+  bool loss_scaling = false;
+  LossScalerOptions loss_scaler;
+  // Gradients of the "mean" loss over every micro-batch of every rank, their
+  // "sum", or "per-token-mean" (summed, divided by the tokens of the global
+  // batch: elements of the last batch field that are not negative).
+  std::string grad_reduction = "mean";
+  // The reported loss: "mean" or "sum" over the micro-batches of every rank.
+  std::string loss_reduction = "mean";
+  std::string device = "cpu";  // "cpu" or "cuda" (the rank's LOCAL_RANK GPU)
+  int64_t micro_batch_size = 1;
+  int64_t num_micro_batches = 1;  // gradient accumulation steps
+  // Dropout streams differ per data-parallel rank (and per tensor-parallel rank
+  // under sequence parallelism), seeded from this.
+  uint64_t seed = 1;
+};
+
+// Checks `plan` alone (before any rank starts): sizes, names, pairs that do not
+// go together. Parallelize checks it again with the model.
+absl::Status ValidatePlan(const ParallelPlan& plan);
+
+// Checks `source` against `plan` without building anything (before any rank
+// starts): cuts that the source cannot take, too few layers for the stages,
+// tensor parallelism on traced models, a missing TorchScript file.
+absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan);
+
+class ParallelModel;
+
+// Builds this rank's part of `source` under `plan` on `topology` (whose axes
+// "data", "tensor" and "pipeline" must have the plan's sizes; missing axes
+// count as size 1). `example` is one micro-batch (shapes as in training): it
+// traces graphs and finds the stage boundaries' shapes. `make_optimizer`
+// builds the optimizer over this rank's parameters (or ZeRO's chunks). Every
+// rank calls it; an error on one rank reaches all.
+absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
+                                                           Topology* topology, const Batch& example,
+                                                           OptimizerFactory make_optimizer);
+
+class ParallelModel {
+ public:
+  ~ParallelModel();
+
+  // One training step's forward and backward over this rank's micro-batches
+  // (plan.num_micro_batches of them; empty batches where ReadsData() is
+  // false), with every gradient reduction (data-parallel, sequence-parallel,
+  // tied between stages) done. Returns the loss over the global batch (per
+  // plan.loss_reduction), the same on every rank.
+  absl::StatusOr<double> ForwardBackward(const std::vector<Batch>& micro_batches);
+  void ZeroGrad();
+  // With loss scaling: removes the scale from the gradients and updates the
+  // scaler. Returns true (the step must be skipped, the scale lowered) when
+  // some rank's gradients hold inf or NaN; every rank gets the same answer.
+  absl::StatusOr<bool> UnscaleGradients();
+  // The global gradient norm (each stored value counted once), clipping to
+  // `max_norm` when it is positive and exceeded.
+  absl::StatusOr<double> ClipGradNorm(double max_norm);
+  absl::Status Step(double lr);
+
+  // Forward only: the loss over the global batch (mean), the same on every rank.
+  absl::StatusOr<double> EvaluateLoss(const std::vector<Batch>& micro_batches);
+  // Forward only through every stage, shapes free (sampling): the last
+  // layer's outputs on the rank of the last stage, nothing elsewhere.
+  absl::StatusOr<Values> Forward(const Batch& batch);
+  // Training or evaluation behaviour (dropout) of the layers that have one.
+  void SetTraining(bool training);
+
+  // Whether this rank's stages read batch fields (else pass empty batches).
+  bool ReadsData() const;
+  // This rank's stored parameters under their single-process names (shards
+  // and stage parts of them; under ZeRO-3 empty until gathered).
+  const NamedTensors& parameters() const;
+  // How this rank's tensor-parallel parameters slice the full ones.
+  const std::map<std::string, ShardSpec>& shard_specs() const;
+  // Gives ZeRO-3's sharded parameters their full values (to save, load or
+  // export) and shards them again (`keep_changes` keeps what was written).
+  absl::Status GatherFullParameters();
+  absl::Status ReleaseFullParameters(bool keep_changes);
+  // Copies weights by single-process name (or alias), slicing full tensors to
+  // this rank's shards. Errors name a missing or mis-shaped tensor.
+  absl::Status LoadWeights(const SafetensorsContents& weights);
+  // The whole single-process model (shards joined, stages merged through the
+  // process groups, aliases included) on global rank 0; empty elsewhere. Every
+  // rank calls it.
+  absl::StatusOr<NamedTensors> FullWeights();
+  // Optimizer and loss-scaler state of this rank, and its restoration.
+  NamedTensors State() const;
+  absl::Status LoadState(const NamedTensors& state);
+
+  const ParallelPlan& plan() const;
+  const ModelSource& source() const;
+  Topology& topology() const;
+  int stage() const;   // this rank's pipeline stage
+  int stages() const;  // plan.pp
+  // Groups of this rank (nullptr where the axis has one rank).
+  const ProcessGroup* data_parallel_group() const;
+  const ProcessGroup* tensor_parallel_group() const;
+  const ProcessGroup* pipeline_group() const;
+  LayerSequence& layers();  // this rank's part
+  // Parameters of the whole single-process model (tied ones once).
+  int64_t num_parameters() const;
+  double flops_per_sample() const;
+  MemoryReport Memory() const;
+  std::optional<double> loss_scale() const;
+  // The stage plan (layers or shards per virtual stage), for logs.
+  std::string Describe() const;
+  // The pipeline instructions of the last ForwardBackward with their times.
+  const std::vector<TimelineEvent>& timeline() const;
+
+ private:
+  friend absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource, ParallelPlan,
+                                                                    Topology*, const Batch&,
+                                                                    OptimizerFactory);
+  class Impl;
+  explicit ParallelModel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Models by name, for configs and the `train` binary. A factory gets the
+// model's arguments and the parallel context (tensor-parallel place, seed)
+// and returns its source; the zoo registers gpt, llama and mlp this way.
+struct ModelContext {
+  TensorParallelism tp;  // the shard to build (size 1: whole)
+  uint64_t seed = 1;
+  int64_t data_vocab_size = 0;  // of the training data, when it has a tokenizer
+};
+using ModelFactory =
+    std::function<absl::StatusOr<ModelSource>(const ComponentArgs& args, const ModelContext& context)>;
+Registry<ModelFactory>& ModelRegistry();
+
+}  // namespace trident
+
+// Registers a model factory under `name` at static initialisation:
+//   TRIDENT_REGISTER_MODEL("my_net", MakeMyNet);
+#define TRIDENT_REGISTER_MODEL(name, ...)                               \
+  static const bool TRIDENT_REGISTRY_CONCAT_(trident_model_, __LINE__) = \
+      ::trident::ModelRegistry().Register(name, __VA_ARGS__)
+#define TRIDENT_REGISTER_LOSS(name, ...)                               \
+  static const bool TRIDENT_REGISTRY_CONCAT_(trident_loss_, __LINE__) = \
+      ::trident::LossRegistry().Register(name, __VA_ARGS__)
+#define TRIDENT_REGISTER_OPTIMIZER(name, ...)                               \
+  static const bool TRIDENT_REGISTRY_CONCAT_(trident_optimizer_, __LINE__) = \
+      ::trident::OptimizerRegistry().Register(name, __VA_ARGS__)
+
+#endif  // TRIDENT_PARALLEL_PARALLEL_H_

@@ -1,0 +1,656 @@
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <numeric>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/cuda.h>
+#include <torch/nn/module.h>
+#include <torch/utils.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "parallel/internal/model_part.h"
+#include "parallel/internal/transfer.h"
+#include "parallel/parallel.h"
+#include "parallel/parameter_update.h"
+#include "pipeline/stage_runner.h"
+
+namespace trident {
+
+class ParallelModel::Impl {
+ public:
+  ParallelPlan plan;
+  Topology* topology = nullptr;
+  const ProcessGroup *dp = nullptr, *tp = nullptr, *pp = nullptr, *norm = nullptr;
+  int stage = 0;
+  at::Device device{at::kCPU};
+  ModelSource source;
+  internal::ModelPart part;
+  std::unique_ptr<PipelineSchedule> schedule;
+  std::unique_ptr<PipelineStageRunner> runner;
+  NamedTensors parameters;  // stored, each tensor once
+  std::map<std::string, ShardSpec> shards;
+  // Parameters other stages hold too, and which stages hold each (ascending).
+  NamedTensors tied;
+  std::vector<std::vector<int>> tied_holders;
+  std::vector<at::Tensor> replicated;  // not tensor-parallel: partial gradients under SP
+  std::vector<at::Tensor> counted;     // in the gradient norm
+  std::unique_ptr<ParameterUpdate> update;
+  PrecisionPolicy precision;
+  std::optional<LossScaler> scaler;
+  int64_t num_parameters = 0;
+  double flops_per_sample = 0;
+  bool reads_data = false;
+
+  int stages() const { return plan.pp; }
+  bool HoldsLastStage() const {
+    return stage == stages() - 1;  // the last virtual stage is chunk V-1 of the last rank
+  }
+  int DataParallelSize() const { return dp != nullptr ? dp->size() : 1; }
+  StageLoss Loss() const {
+    if (part.traced || !source.loss) return StageLoss();
+    return [loss = source.loss](const Values& outputs, const Batch& batch) { return loss(batch, outputs); };
+  }
+  std::vector<Batch> OnDevice(const std::vector<Batch>& batches) const {
+    std::vector<Batch> moved;
+    for (const Batch& batch : batches) {
+      Batch b;
+      for (const at::Tensor& t : batch) b.push_back(t.defined() ? t.to(device) : t);
+      moved.push_back(std::move(b));
+    }
+    return moved;
+  }
+  // The last stage's `local` value on every rank, reduced over data parallelism.
+  absl::StatusOr<double> Share(double local, ReduceOp over_data) const {
+    at::Tensor value = at::full({1}, HoldsLastStage() ? local : 0.0, at::kDouble);
+    if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->Broadcast(value, stages() - 1));
+    if (dp != nullptr) TRIDENT_RETURN_IF_ERROR(dp->AllReduce(value, over_data));
+    return value.item<double>();
+  }
+  absl::StatusOr<std::vector<double>> LossWeights(const std::vector<Batch>& batches) const;
+  absl::Status Setup(OptimizerFactory make_optimizer, const Batch& example);
+  absl::Status FindBoundaries(const Batch& example);
+  absl::Status ClassifyParameters(const Batch& example);
+  void PlanRecomputation();
+};
+
+namespace {
+
+// The topology's group for `axis` when the plan has `size` ranks there
+// (nullptr when the axis is absent and size is 1).
+absl::StatusOr<const ProcessGroup*> AxisGroup(const Topology& topology, const char* axis, int size) {
+  auto group = topology.Group(axis);
+  if (!group.ok()) {
+    if (size == 1) return nullptr;
+    return absl::InvalidArgumentError(absl::StrCat("the plan asks for ", size, " ranks on axis '",
+                                                   axis, "' but the topology has no such axis; ",
+                                                   "create it in TopologyOptions::mesh_axes"));
+  }
+  if ((*group)->size() != size) {
+    return absl::InvalidArgumentError(absl::StrCat("the topology's '", axis, "' group has ",
+                                                   (*group)->size(), " ranks but the plan says ", size));
+  }
+  return *group;
+}
+
+absl::StatusOr<at::Device> PlanDevice(const ParallelPlan& plan, const Topology& topology) {
+  if (plan.device == "cpu") return at::Device(at::kCPU);
+  if (!torch::cuda::is_available()) {
+    return absl::FailedPreconditionError(
+        "device=cuda but this LibTorch sees no CUDA GPU (a CPU-only build, or no GPU visible); use "
+        "device=cpu");
+  }
+  const int local = topology.env().local_rank;
+  if (local >= static_cast<int>(torch::cuda::device_count())) {
+    return absl::FailedPreconditionError(absl::StrCat("local rank ", local, " has no GPU: this node has ",
+                                                      torch::cuda::device_count()));
+  }
+  at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(local));
+  c10::impl::getDeviceGuardImpl(at::kCUDA)->setDevice(device);
+  return device;
+}
+
+}  // namespace
+
+absl::Status ValidatePlan(const ParallelPlan& p) {
+  auto invalid = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (p.dp < 1 || p.tp < 1 || p.pp < 1) {
+    return invalid("dp=", p.dp, ", tp=", p.tp, ", pp=", p.pp, ": each must be at least 1");
+  }
+  if (p.sequence_parallel && p.tp == 1) {
+    return invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
+  }
+  if (p.zero_stage < 0 || p.zero_stage > 3) {
+    return invalid("zero_stage=", p.zero_stage, " is unknown; choose 0, 1, 2 or 3");
+  }
+  if (p.zero_stage == 3 && p.pp > 1 && p.schedule == "zb_h1") {
+    return invalid("zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
+                   "has released the layer's parameters; use zero_stage <= 2 or another schedule");
+  }
+  if (p.zero_reduce_bucket_bytes < 1 || p.zero_allgather_bucket_bytes < 1 || p.bucket_bytes < 1) {
+    return invalid("bucket sizes must be positive");
+  }
+  if (!(p.gradient_predivide_factor > 0)) return invalid("gradient_predivide_factor must be positive");
+  if (p.micro_batch_size < 1 || p.num_micro_batches < 1) {
+    return invalid("micro_batch_size=", p.micro_batch_size, " and the number of micro-batches (",
+                   p.num_micro_batches, ") must be at least 1");
+  }
+  for (const auto& [name, value, allowed] :
+       std::vector<std::tuple<const char*, std::string, std::vector<std::string>>>{
+           {"activation_checkpointing", p.activation_checkpointing, {"none", "full", "stage_aware"}},
+           {"grad_reduction", p.grad_reduction, {"mean", "sum", "per-token-mean"}},
+           {"loss_reduction", p.loss_reduction, {"mean", "sum"}},
+           {"trace_method", p.trace_method, {"jit", "layers", "none"}},
+           {"split_method", p.split_method, {"", "layer_split", "farthest_min_deps", "nearest_min_deps"}},
+           {"device", p.device, {"cpu", "cuda"}}}) {
+    if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
+      return invalid(name, "='", value, "' is unknown; choose ", absl::StrJoin(allowed, ", "));
+    }
+  }
+  if (p.checkpoint_num_layers < 1 || p.activation_checkpoint_ratio < 0 ||
+      p.activation_checkpoint_ratio > 1) {
+    return invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
+  }
+  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(p.precision, p.precision_table));
+  if (p.device == "cpu" && (precision.compute == at::kHalf || precision.param == at::kHalf)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "precision=", p.precision, " computes or stores float16, which needs a GPU; on CPU, whose "
+        "kernels lack float16 (LayerNorm, matrix products), use bf16 or pure_bf16 (or device=cuda)"));
+  }
+  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(p.schedule, p.virtual_stages));
+  if (p.pp == 1 && schedule->num_chunks() > 1) {
+    return invalid("schedule ", p.schedule, " with virtual_stages=", p.virtual_stages, " needs pp > 1");
+  }
+  if (p.pp > 1) TRIDENT_RETURN_IF_ERROR(schedule->Check(p.pp, static_cast<int>(p.num_micro_batches)));
+  if (!p.custom_split_points.empty() &&
+      static_cast<int64_t>(p.custom_split_points.size()) != static_cast<int64_t>(p.pp) * p.virtual_stages - 1) {
+    return invalid("custom_split_points names ", p.custom_split_points.size(),
+                   " layer(s) but pp*virtual_stages = ", p.pp * p.virtual_stages, " stages need ",
+                   p.pp * p.virtual_stages - 1, " (the first layer of every stage after the first)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan) {
+  const bool layers = source.kind == ModelSource::Kind::kLayers ||
+                      (source.kind == ModelSource::Kind::kModule && plan.trace_method == "layers");
+  const int64_t stages = static_cast<int64_t>(plan.pp) * plan.virtual_stages;
+  if (plan.tp > 1 && !layers) {
+    return absl::UnimplementedError(
+        "tp > 1 with a traced model needs automatic tensor parallelism, which Trident does not have "
+        "yet; build the model's layers tensor-parallel (ParallelLinear and ApplyTensorParallel) as a "
+        "LayerSequence, or use tp=1");
+  }
+  if (source.kind == ModelSource::Kind::kLayers) {
+    if (!plan.split_method.empty() && plan.split_method != "layer_split") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "split_method=", plan.split_method, " cuts traced graphs; this model is a layer "
+          "sequence, cut at layer boundaries: use layer_split (with custom_split_points to choose "
+          "the cuts)"));
+    }
+    if (source.num_layers < stages) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pp*virtual_stages = ", stages, " pipeline stages but the model has ", source.num_layers,
+          " layers; lower pp or virtual_stages or use a deeper model"));
+    }
+  }
+  if (source.kind == ModelSource::Kind::kTorchScript && !std::ifstream(source.torchscript_path)) {
+    return absl::NotFoundError(absl::StrCat("cannot read TorchScript file ", source.torchscript_path,
+                                            " (save one with torch.jit.save)"));
+  }
+  if (!layers && plan.split_method == "layer_split") {
+    return absl::InvalidArgumentError(
+        "split_method=layer_split cuts a LayerSequence at layer boundaries; a traced model is cut "
+        "with farthest_min_deps or nearest_min_deps (or declare it as a LayerSequence and use "
+        "trace_method=layers)");
+  }
+  if (plan.trace_method == "none" && !layers && stages > 1) {
+    return absl::InvalidArgumentError(
+        "trace_method=none runs the model whole, untraced: it cannot be cut into pipeline stages; "
+        "use pp=1, or trace_method=jit");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
+                                                           Topology* topology, const Batch& example,
+                                                           OptimizerFactory make_optimizer) {
+  TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
+  if (plan.dp * plan.tp * plan.pp != topology->world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("dp*tp*pp = ", plan.dp * plan.tp * plan.pp,
+                                                   " but the job has ", topology->world_size(), " ranks"));
+  }
+  TRIDENT_RETURN_IF_ERROR(CheckSource(source, plan));
+  auto impl = std::make_unique<ParallelModel::Impl>();
+  ParallelModel::Impl& m = *impl;
+  m.plan = std::move(plan);
+  m.topology = topology;
+  m.source = std::move(source);
+  TRIDENT_ASSIGN_OR_RETURN(m.dp, AxisGroup(*topology, "data", m.plan.dp));
+  TRIDENT_ASSIGN_OR_RETURN(m.tp, AxisGroup(*topology, "tensor", m.plan.tp));
+  TRIDENT_ASSIGN_OR_RETURN(m.pp, AxisGroup(*topology, "pipeline", m.plan.pp));
+  if (m.plan.tp == 1) m.tp = nullptr;
+  if (m.plan.pp == 1) m.pp = nullptr;
+  m.stage = m.pp != nullptr ? m.pp->rank() : 0;
+  if (m.tp != nullptr && m.pp != nullptr) {
+    TRIDENT_ASSIGN_OR_RETURN(m.norm, topology->GroupSpanning({"tensor", "pipeline"}));
+  } else {
+    m.norm = m.tp != nullptr ? m.tp : m.pp;
+  }
+  TRIDENT_ASSIGN_OR_RETURN(m.device, PlanDevice(m.plan, *topology));
+  TRIDENT_ASSIGN_OR_RETURN(m.precision, MakePrecisionPolicy(m.plan.precision, m.plan.precision_table));
+  TRIDENT_RETURN_IF_ERROR(m.Setup(std::move(make_optimizer), example));
+  return std::unique_ptr<ParallelModel>(new ParallelModel(std::move(impl)));
+}
+
+absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const Batch& example) {
+  // Built locally first; one rank's failure reaches all before any messages.
+  absl::StatusOr<internal::ModelPart> built =
+      internal::BuildModelPart(source, plan, stage, device, example);
+  TRIDENT_RETURN_IF_ERROR(internal::AgreeOnFailure(topology->world(), built.status(), "building the model"));
+  part = *std::move(built);
+  if (auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get())) {
+    ApplyPrecision(*module, precision);
+  } else {
+    at::NoGradGuard no_grad;
+    for (const StageChunk& c : part.chunks) {
+      for (int64_t i = c.first_layer; i < c.end_layer; ++i) {
+        for (auto& [name, p] : part.layers->LayerParameters(i)) {
+          if (p.is_floating_point() && p.scalar_type() != precision.param) p.set_data(p.to(precision.param));
+        }
+      }
+    }
+  }
+  TRIDENT_ASSIGN_OR_RETURN(schedule, MakeSchedule(stages() > 1 ? plan.schedule : "1f1b", plan.virtual_stages));
+  PlanRecomputation();
+  TRIDENT_RETURN_IF_ERROR(FindBoundaries(example));
+  TRIDENT_RETURN_IF_ERROR(ClassifyParameters(example));
+  ParameterUpdateOptions options;
+  options.parameters = parameters;
+  options.counted = counted;
+  for (const auto& [name, p] : tied) options.keep_full_gradient.push_back(p);
+  options.data_parallel = dp;
+  options.tensor_parallel = tp;
+  options.norm_group = norm;
+  options.world = &topology->world();
+  options.make_optimizer = std::move(make_optimizer);
+  options.zero_stage = plan.zero_stage;
+  options.layers = part.layers.get();
+  for (const StageChunk& chunk : part.chunks) {
+    for (int64_t i = chunk.first_layer; i < chunk.end_layer; ++i) options.layer_indices.push_back(i);
+  }
+  options.zero_allow_untested_optimizer = plan.zero_allow_untested_optimizer;
+  options.gradient_predivide_factor = plan.gradient_predivide_factor;
+  options.bucket_bytes = plan.zero_stage > 0 ? plan.zero_reduce_bucket_bytes : plan.bucket_bytes;
+  options.zero_allgather_bucket_bytes = plan.zero_allgather_bucket_bytes;
+  auto made = MakeParameterUpdate(std::move(options));
+  TRIDENT_RETURN_IF_ERROR(internal::AgreeOnFailure(topology->world(), made.status(), "building the optimizer"));
+  update = *std::move(made);
+  if (precision.loss_scaling || plan.loss_scaling) scaler.emplace(plan.loss_scaler);
+  StageRunnerOptions runner_options;
+  runner_options.chunks = part.chunks;
+  runner_options.loss = Loss();
+  runner_options.checkpoint_num_layers = plan.checkpoint_num_layers;
+  runner_options.loss_scale = [this] { return scaler ? scaler->scale() : 1.0; };
+  // Reductions overlap the last backward without pipelining only: with stages,
+  // tied gradients are summed between stages before the data-parallel sum.
+  runner_options.before_backward = [this](bool last) { update->PrepareForBackward(last && stages() == 1); };
+  runner_options.reduce_tied_grads = [this] {
+    return pp != nullptr ? ReduceTiedGradients(tied, tied_holders, *pp) : absl::OkStatus();
+  };
+  runner_options.reduce_data_parallel_grads = [this] { return update->FinishBackward(); };
+  runner = std::make_unique<PipelineStageRunner>(*part.layers, pp, *schedule, std::move(runner_options));
+  // Dropout streams: one per data-parallel rank. With sequence parallelism
+  // every dropout acts on this rank's own shard or heads, so tensor-parallel
+  // ranks draw their own masks too; without it, dropout after a row-parallel
+  // layer sees the replicated activation and tp ranks must draw the same mask.
+  const uint64_t tp_stream = plan.sequence_parallel && tp != nullptr ? tp->rank() : 0;
+  const uint64_t dp_rank = dp != nullptr ? dp->rank() : 0;
+  at::manual_seed(plan.seed + dp_rank + 1000003 * tp_stream);
+  return absl::OkStatus();
+}
+
+void ParallelModel::Impl::PlanRecomputation() {
+  // Checkpointing per chunk, by its virtual stage v of V = pp * virtual_stages.
+  const int V = stages() * static_cast<int>(part.chunks.size());
+  for (size_t c = 0; c < part.chunks.size(); ++c) {
+    StageChunk& chunk = part.chunks[c];
+    const int v = static_cast<int>(c) * stages() + stage;
+    const int64_t layers = chunk.end_layer - chunk.first_layer;
+    if (plan.activation_checkpointing == "full") {
+      chunk.checkpointed_layers = layers;
+    } else if (plan.activation_checkpointing == "stage_aware" && v < V - 1) {
+      const double r0 = plan.activation_checkpoint_ratio;
+      const int s = v + 1;  // 1-based, as the formula is written
+      const double fraction = 1.0 - (1.0 - r0) * (V - 1) / (V - s);
+      chunk.checkpointed_layers = std::clamp<int64_t>(std::llround(fraction * layers), 0, layers);
+    }
+    if (v == V - 1 && !schedule->RecomputesOnLastStage()) chunk.checkpointed_layers = 0;
+  }
+}
+
+// One forward of the example through every stage (gradients on, so each
+// boundary tensor says whether a gradient flows back; autocast as in
+// training, so dtypes match; the RNG left as it was) fixes the boundaries.
+absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  const at::Tensor rng = [&] {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    return generator.get_state();
+  }();
+  Batch on_device = OnDevice({example})[0];
+  absl::StatusOr<StagePass> pass;
+  {
+    at::AutoGradMode grad(true);
+    AutocastScope autocast(precision, device.type());
+    pass = ForwardThroughStages(*part.layers, part.chunks, pp, on_device);
+    if (pass.ok() && HoldsLastStage()) {
+      // The loss must exist and be a scalar before any step runs.
+      absl::Status checked = CatchExceptions("computing the loss", [&] {
+        StageLoss loss = Loss();
+        at::Tensor value = loss ? loss(pass->outputs, on_device) : part.layers->Loss(pass->outputs, on_device);
+        TORCH_CHECK(value.defined() && value.numel() == 1 && at::isFloatingType(value.scalar_type()),
+                    "the loss must be a floating-point scalar; it has shape ", value.sizes(), " and dtype ",
+                    value.scalar_type());
+      });
+      if (!checked.ok()) pass = checked;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(rng);
+  }
+  return internal::AgreeOnFailure(topology->world(), pass.status(), "running the first forward");
+}
+
+absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {
+  std::set<const c10::TensorImpl*> seen;
+  std::vector<std::string> names;
+  for (const StageChunk& c : part.chunks) {
+    for (int64_t i = c.first_layer; i < c.end_layer; ++i) {
+      for (const auto& [name, p] : part.layers->LayerParameters(i)) {
+        if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+        parameters.emplace_back(name, p);
+        names.push_back(name);
+      }
+    }
+    reads_data |= c.first_layer == 0;
+    for (int64_t i = c.first_layer; i < c.end_layer; ++i) reads_data |= !part.layers->BatchFields(i).empty();
+  }
+  reads_data |= HoldsLastStage();
+  if (source.shards) {
+    for (const auto& [name, spec] : source.shards(*part.layers)) {
+      if (std::find(names.begin(), names.end(), name) != names.end()) shards[name] = spec;
+    }
+  }
+  // A parameter several stages hold (by name) is tied: its gradients are summed.
+  std::vector<std::vector<std::string>> by_stage = {names};
+  if (pp != nullptr) {
+    TRIDENT_ASSIGN_OR_RETURN(by_stage, internal::AllGatherStrings(*pp, names));
+  }
+  std::map<std::string, std::vector<int>> holders;
+  for (int s = 0; s < static_cast<int>(by_stage.size()); ++s) {
+    for (const std::string& name : by_stage[s]) holders[name].push_back(s);
+  }
+  for (const auto& [name, stages_holding] : holders) {  // by name: the same order on every holder
+    if (stages_holding.size() < 2 || !std::count(names.begin(), names.end(), name)) continue;
+    for (const auto& [n, p] : parameters) {
+      if (n == name) tied.emplace_back(n, p);
+    }
+    tied_holders.push_back(stages_holding);
+  }
+  int64_t local_count = 0;
+  for (const auto& [name, p] : parameters) {
+    const bool copy = holders[name].front() != stage;  // a tied copy a lower stage counts
+    const bool replicated_here = !shards.count(name);
+    if (replicated_here) replicated.push_back(p);
+    if (!copy && (!replicated_here || tp == nullptr || tp->rank() == 0)) counted.push_back(p);
+    if (!copy) local_count += p.numel() * (replicated_here || tp == nullptr ? 1 : tp->size());
+  }
+  at::Tensor total = at::full({1}, local_count, at::kLong);
+  if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->AllReduce(total));
+  num_parameters = total.item<int64_t>();
+  if (source.flops_per_sample) {
+    flops_per_sample = source.flops_per_sample(num_parameters);
+  } else if (part.traced) {
+    flops_per_sample = part.flops_per_sample;
+  } else {
+    const at::Tensor& first = example.at(0);
+    flops_per_sample = 6.0 * num_parameters * (first.dim() > 1 ? first.numel() / first.size(0) : 1);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<double>> ParallelModel::Impl::LossWeights(const std::vector<Batch>& batches) const {
+  const size_t M = batches.size();
+  if (plan.grad_reduction == "mean") return std::vector<double>(M, 1.0 / M);
+  // The reducer averages over data parallelism: a sum is the average times dp.
+  const double dp_size = DataParallelSize();
+  if (plan.grad_reduction == "sum") return std::vector<double>(M, dp_size);
+  std::vector<double> tokens(M, 0.0);
+  if (HoldsLastStage()) {
+    for (size_t m = 0; m < M; ++m) {
+      const at::Tensor& targets = batches[m].at(batches[m].size() - 1);
+      tokens[m] = at::isFloatingType(targets.scalar_type()) ? targets.numel()
+                                                             : (targets >= 0).sum().item<double>();
+    }
+  }
+  at::Tensor total = at::full({1}, std::accumulate(tokens.begin(), tokens.end(), 0.0), at::kDouble);
+  if (dp != nullptr) TRIDENT_RETURN_IF_ERROR(dp->AllReduce(total));
+  const double global = std::max(1.0, total.item<double>());
+  std::vector<double> weights;
+  for (double t : tokens) weights.push_back(t * dp_size / global);
+  return weights;
+}
+
+ParallelModel::ParallelModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ParallelModel::~ParallelModel() = default;
+
+absl::StatusOr<double> ParallelModel::ForwardBackward(const std::vector<Batch>& micro_batches) {
+  Impl& m = *impl_;
+  if (static_cast<int64_t>(micro_batches.size()) != m.plan.num_micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardBackward got ", micro_batches.size(),
+                                                   " micro-batches; the plan has ", m.plan.num_micro_batches));
+  }
+  const std::vector<Batch> batches = m.OnDevice(micro_batches);
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> weights, m.LossWeights(batches));
+  std::vector<double> losses;
+  {
+    AutocastScope autocast(m.precision, m.device.type());
+    TRIDENT_ASSIGN_OR_RETURN(losses, m.runner->RunStep(batches, weights));
+  }
+  if (m.plan.sequence_parallel) TRIDENT_RETURN_IF_ERROR(m.update->SumOverTensorParallel(m.replicated));
+  const double sum = std::accumulate(losses.begin(), losses.end(), 0.0);
+  if (m.plan.loss_reduction == "sum") return m.Share(sum, ReduceOp::kSum);
+  return m.Share(sum / std::max<size_t>(1, losses.size()), ReduceOp::kAvg);
+}
+
+void ParallelModel::ZeroGrad() { impl_->update->ZeroGrad(); }
+
+absl::StatusOr<bool> ParallelModel::UnscaleGradients() {
+  Impl& m = *impl_;
+  if (!m.scaler) return false;
+  at::Tensor flag = at::full({1}, m.update->LocalGradientsNonFinite() ? 1.0 : 0.0, at::kFloat);
+  TRIDENT_RETURN_IF_ERROR(m.topology->world().AllReduce(flag, ReduceOp::kMax));
+  if (flag.item<float>() > 0) {
+    m.scaler->Update(true);
+    return true;
+  }
+  if (m.scaler->scale() != 1.0) m.update->ScaleGradients(1.0 / m.scaler->scale());
+  m.scaler->Update(false);
+  return false;
+}
+
+absl::StatusOr<double> ParallelModel::ClipGradNorm(double max_norm) {
+  return impl_->update->ClipGradNorm(max_norm);
+}
+
+absl::Status ParallelModel::Step(double lr) { return impl_->update->Step(lr); }
+
+absl::StatusOr<double> ParallelModel::EvaluateLoss(const std::vector<Batch>& micro_batches) {
+  Impl& m = *impl_;
+  AutocastScope autocast(m.precision, m.device.type());
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> losses, m.runner->RunForward(m.OnDevice(micro_batches)));
+  const double sum = std::accumulate(losses.begin(), losses.end(), 0.0);
+  return m.Share(sum / std::max<size_t>(1, losses.size()), ReduceOp::kAvg);
+}
+
+absl::StatusOr<Values> ParallelModel::Forward(const Batch& batch) {
+  Impl& m = *impl_;
+  at::NoGradGuard no_grad;
+  AutocastScope autocast(m.precision, m.device.type());
+  std::vector<StageChunk> chunks = m.part.chunks;  // the training specs stay as they are
+  TRIDENT_ASSIGN_OR_RETURN(StagePass pass, ForwardThroughStages(*m.part.layers, chunks, m.pp,
+                                                                m.OnDevice({batch})[0]));
+  return pass.outputs;
+}
+
+void ParallelModel::SetTraining(bool training) { impl_->part.layers->SetTraining(training); }
+
+bool ParallelModel::ReadsData() const { return impl_->reads_data; }
+const NamedTensors& ParallelModel::parameters() const { return impl_->parameters; }
+const std::map<std::string, ShardSpec>& ParallelModel::shard_specs() const { return impl_->shards; }
+absl::Status ParallelModel::GatherFullParameters() { return impl_->update->GatherFullParameters(); }
+absl::Status ParallelModel::ReleaseFullParameters(bool keep_changes) {
+  return impl_->update->ReleaseFullParameters(keep_changes);
+}
+
+absl::Status ParallelModel::LoadWeights(const SafetensorsContents& weights) {
+  Impl& m = *impl_;
+  std::map<std::string, std::string> aliases = m.source.aliases;
+  aliases.insert(m.part.aliases.begin(), m.part.aliases.end());
+  TRIDENT_RETURN_IF_ERROR(GatherFullParameters());
+  std::vector<std::string> missing;
+  absl::Status loaded = absl::OkStatus();
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [name, parameter] : m.parameters) {
+      absl::StatusOr<at::Tensor> saved = weights.Get(name);
+      for (const auto& [alias, stored] : aliases) {
+        if (!saved.ok() && stored == name) saved = weights.Get(alias);
+      }
+      if (!saved.ok()) {
+        missing.push_back(name);
+        continue;
+      }
+      at::Tensor value = *saved;
+      auto shard = m.shards.find(name);
+      if (shard != m.shards.end()) {  // the file holds the whole tensor; keep this rank's slice
+        auto shape = shard->second.ShardShape(value.sizes().vec());
+        if (shape.ok() && at::IntArrayRef(*shape).equals(parameter.sizes())) value = shard->second.Slice(value);
+      }
+      if (!value.sizes().equals(parameter.sizes())) {
+        loaded = absl::InvalidArgumentError(absl::StrCat(
+            weights.path, ": tensor '", name, "' has shape ", c10::str(value.sizes()),
+            " but the model's parameter is ", c10::str(parameter.sizes()),
+            "; the file is for another model size"));
+        break;
+      }
+      parameter.copy_(value);
+    }
+  }
+  TRIDENT_RETURN_IF_ERROR(ReleaseFullParameters(/*keep_changes=*/true));
+  TRIDENT_RETURN_IF_ERROR(loaded);
+  if (!missing.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(weights.path, " lacks ", missing.size(),
+                                                   " parameter(s) of the model: ", absl::StrJoin(missing, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<NamedTensors> ParallelModel::FullWeights() {
+  Impl& m = *impl_;
+  TRIDENT_RETURN_IF_ERROR(GatherFullParameters());
+  NamedTensors tensors;
+  for (const auto& [name, p] : m.parameters) tensors.emplace_back(name, p.detach().cpu().clone());
+  TRIDENT_RETURN_IF_ERROR(ReleaseFullParameters(/*keep_changes=*/false));
+  if (m.tp != nullptr) {  // join the shards into the single-process tensors
+    for (auto& [name, tensor] : tensors) {
+      auto shard = m.shards.find(name);
+      if (shard == m.shards.end()) continue;
+      TRIDENT_ASSIGN_OR_RETURN(at::Tensor gathered, m.tp->AllGather(tensor, shard->second.dim));
+      tensor = shard->second.Unslice(gathered.chunk(m.tp->size(), shard->second.dim));
+    }
+  }
+  // Each stage's first data- and tensor-parallel rank holds its part whole;
+  // stage 0's (global rank 0) collects the others' through the pipeline group.
+  const bool writer = (m.dp == nullptr || m.dp->rank() == 0) && (m.tp == nullptr || m.tp->rank() == 0);
+  if (m.pp != nullptr && writer) {
+    if (m.stage > 0) {
+      TRIDENT_RETURN_IF_ERROR(internal::SendNamedTensors(*m.pp, 0, tensors));
+      tensors.clear();
+    } else {
+      std::set<std::string> seen;
+      for (const auto& [name, t] : tensors) seen.insert(name);
+      for (int s = 1; s < m.stages(); ++s) {
+        TRIDENT_ASSIGN_OR_RETURN(NamedTensors part, internal::RecvNamedTensors(*m.pp, s));
+        for (auto& [name, t] : part) {
+          if (seen.insert(name).second) tensors.emplace_back(name, t);  // tied: the lowest stage's
+        }
+      }
+    }
+  }
+  TRIDENT_RETURN_IF_ERROR(m.topology->world().Barrier());
+  if (m.topology->rank() != 0) return NamedTensors();
+  std::map<std::string, std::string> aliases = m.source.aliases;
+  aliases.insert(m.part.aliases.begin(), m.part.aliases.end());
+  const size_t stored = tensors.size();
+  for (const auto& [alias, owner] : aliases) {
+    for (size_t i = 0; i < stored; ++i) {
+      if (tensors[i].first == owner) tensors.emplace_back(alias, tensors[i].second);
+    }
+  }
+  return tensors;
+}
+
+NamedTensors ParallelModel::State() const {
+  NamedTensors state = impl_->update->State();
+  if (impl_->scaler) {
+    for (auto& item : impl_->scaler->State()) state.push_back(item);
+  }
+  return state;
+}
+
+absl::Status ParallelModel::LoadState(const NamedTensors& state) {
+  TRIDENT_RETURN_IF_ERROR(impl_->update->LoadState(state));
+  return impl_->scaler ? impl_->scaler->LoadState(state) : absl::OkStatus();
+}
+
+const ParallelPlan& ParallelModel::plan() const { return impl_->plan; }
+const ModelSource& ParallelModel::source() const { return impl_->source; }
+Topology& ParallelModel::topology() const { return *impl_->topology; }
+int ParallelModel::stage() const { return impl_->stage; }
+int ParallelModel::stages() const { return impl_->stages(); }
+const ProcessGroup* ParallelModel::data_parallel_group() const { return impl_->dp; }
+const ProcessGroup* ParallelModel::tensor_parallel_group() const { return impl_->tp; }
+const ProcessGroup* ParallelModel::pipeline_group() const { return impl_->pp; }
+LayerSequence& ParallelModel::layers() { return *impl_->part.layers; }
+int64_t ParallelModel::num_parameters() const { return impl_->num_parameters; }
+double ParallelModel::flops_per_sample() const { return impl_->flops_per_sample; }
+MemoryReport ParallelModel::Memory() const { return impl_->update->Memory(); }
+std::optional<double> ParallelModel::loss_scale() const {
+  return impl_->scaler ? std::optional<double>(impl_->scaler->scale()) : std::nullopt;
+}
+const std::vector<TimelineEvent>& ParallelModel::timeline() const { return impl_->runner->timeline(); }
+
+std::string ParallelModel::Describe() const {
+  const Plan& plan = impl_->part.stage_plan;
+  std::string text;
+  for (const StagePlan& s : plan.stages()) {
+    const int64_t count = s.end_layer() - s.first_layer();
+    absl::StrAppend(&text, absl::StrFormat(
+                               "  virtual stage %d: %s %d-%d (%s .. %s)\n", s.stage(),
+                               impl_->part.traced ? "shards" : "layers", s.first_layer(), s.end_layer() - 1,
+                               count > 0 && s.layer_names_size() > 0 ? s.layer_names(0) : "",
+                               count > 0 && s.layer_names_size() > 0 ? s.layer_names(s.layer_names_size() - 1) : ""));
+  }
+  return text;
+}
+
+}  // namespace trident

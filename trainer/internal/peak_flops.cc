@@ -1,0 +1,135 @@
+#include "trainer/internal/peak_flops.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace trident {
+namespace internal {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "model name")) return line.substr(line.find(':') + 1);
+  }
+  return "unknown";
+}
+
+std::string CachePath() {
+  const char* home = std::getenv("HOME");
+  const size_t key = std::hash<std::string>()(CpuModel());
+  return absl::StrCat(home != nullptr ? home : "/tmp", "/.cache/trident/peak_flops_cpu_", key);
+}
+
+// OpenBLAS's pool size, through its C API when this process has it.
+int BlasThreads(int set) {
+  using Get = int (*)();
+  using Set = void (*)(int);
+  auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  auto assign = reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  const int before = get != nullptr ? get() : 1;
+  if (assign != nullptr && set > 0) assign(set);
+  return before;
+}
+
+// GPU names as nvidia-smi prints them, and their dense peaks (FLOP/s).
+struct GpuPeak {
+  const char* name;
+  double fp32, half;
+};
+constexpr GpuPeak kGpus[] = {
+    {"H200", 67e12, 989e12},   {"H100 PCIe", 51e12, 756e12}, {"H100", 67e12, 989e12},
+    {"A100", 19.5e12, 312e12}, {"L40S", 91.6e12, 362e12},     {"A10", 31.2e12, 125e12},
+};
+
+std::string GpuName(int index) {
+  std::string name;
+  FILE* pipe = popen(absl::StrCat("nvidia-smi --query-gpu=name --format=csv,noheader -i ", index,
+                                  " 2>/dev/null").c_str(), "r");
+  if (pipe == nullptr) return name;
+  char buffer[256];
+  while (fgets(buffer, sizeof(buffer), pipe) != nullptr) name += buffer;
+  pclose(pipe);
+  return std::string(absl::StripAsciiWhitespace(name));
+}
+
+}  // namespace
+
+double MeasureCorePeakFlops() {
+  {
+    std::ifstream cached(CachePath());
+    double flops = 0;
+    if (cached >> flops && flops > 0) return flops;
+  }
+  at::NoGradGuard no_grad;
+  const int threads = at::get_num_threads();
+  const int blas = BlasThreads(1);
+  at::set_num_threads(1);
+  const int64_t n = 1024;
+  // Constant inputs: drawing random ones would advance the training RNG.
+  auto a = at::full({n, n}, 0.5), b = at::full({n, n}, 0.25), c = at::empty({n, n});
+  at::mm_out(c, a, b);  // warm up
+  int64_t products = 0;
+  const auto start = Clock::now();
+  double seconds = 0;
+  while (seconds < 1.0) {
+    at::mm_out(c, a, b);
+    ++products;
+    seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  at::set_num_threads(threads);
+  BlasThreads(blas);
+  const double flops = 2.0 * n * n * n * products / seconds;
+  std::error_code error;
+  fs::create_directories(fs::path(CachePath()).parent_path(), error);
+  const std::string temporary = absl::StrCat(CachePath(), ".", getpid());
+  std::ofstream(temporary) << flops;
+  fs::rename(temporary, CachePath(), error);
+  return flops;
+}
+
+absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string& device,
+                                    const std::string& precision) {
+  const DistributedEnv& env = topology.env();
+  const int local = std::max(1, env.local_world_size);
+  const int nodes = std::max(1, topology.world_size() / local);
+  if (device == "cuda") {
+    const std::string name = GpuName(env.local_rank);
+    const bool half = precision.find("16") != std::string::npos;
+    for (const GpuPeak& gpu : kGpus) {
+      if (name.find(gpu.name) != std::string::npos) return (half ? gpu.half : gpu.fp32) * topology.world_size();
+    }
+    return 0.0;
+  }
+  // One rank per node measures (and caches) while the others wait.
+  double per_core = 0;
+  if (env.local_rank == 0) per_core = MeasureCorePeakFlops();
+  TRIDENT_RETURN_IF_ERROR(topology.world().Barrier());
+  if (env.local_rank != 0) per_core = MeasureCorePeakFlops();  // read from the cache
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int share = std::max(1, cores / local);  // each rank's BLAS pool
+  return per_core * std::min(cores, local * share) * nodes;
+}
+
+}  // namespace internal
+}  // namespace trident

@@ -1,0 +1,66 @@
+// The Trainer's state, shared by the loop (trainer.cc), checkpoints
+// (checkpoints.cc) and sampling (sampling.cc). Private to //trainer.
+#ifndef TRIDENT_TRAINER_INTERNAL_TRAINER_IMPL_H_
+#define TRIDENT_TRAINER_INTERNAL_TRAINER_IMPL_H_
+
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "data/data.h"
+#include "parallel/parallel.h"
+#include "trainer/internal/metrics.h"
+#include "trainer/trainer.h"
+
+namespace trident {
+
+class Trainer::Impl {
+ public:
+  TrainerConfig config;
+  std::unique_ptr<ParallelModel> model;
+  std::unique_ptr<Dataset> train_data, val_data;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<BatchSampler> sampler;
+  std::vector<std::shared_ptr<TrainerHooks>> hooks;
+  std::unique_ptr<internal::JsonLinesWriter> metrics;
+  std::unique_ptr<internal::TensorBoardWriter> tensorboard;
+  std::optional<double> last_val_loss;
+  int64_t step = 0;
+  double peak_flops = 0;  // the job's, in FLOP/s (0: unknown)
+  bool progress_bar = false;
+
+  Topology& topology() const { return model->topology(); }
+  bool is_rank0() const { return topology().rank() == 0; }
+  int64_t epoch() const { return sampler->Epoch(step); }
+  TrainerState State() { return TrainerState{config, *model, topology(), step, epoch()}; }
+  template <typename Fn>
+  void ForHooks(Fn&& fn) {
+    for (auto& h : hooks) fn(*h);
+  }
+  void Print(const std::string& line) const {
+    if (!is_rank0()) return;
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  }
+
+  // This rank's micro-batches of `step` (empty batches where the model reads no data).
+  absl::StatusOr<std::vector<Batch>> MicroBatches(const Dataset& data, const BatchSampler& batches,
+                                                  int64_t step) const;
+  absl::StatusOr<double> Evaluate();
+  // Metrics to the JSON lines, TensorBoard and the console (report.cc).
+  void Report(const StepMetrics& m, int64_t max_steps);
+  // Checkpoints (checkpoints.cc).
+  absl::Status LoadInitialWeights(const std::string& path);
+  absl::Status SaveCheckpoint();
+  absl::Status LoadCheckpoint();
+  absl::Status ExportSafetensors(const std::string& path);
+  // Every rank's pipeline timeline of this step as Chrome trace JSON and SVG.
+  absl::Status WriteTrace();
+};
+
+}  // namespace trident
+
+#endif  // TRIDENT_TRAINER_INTERNAL_TRAINER_IMPL_H_
