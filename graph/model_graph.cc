@@ -10,6 +10,7 @@
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/csrc/jit/passes/inliner.h>
 #include <torch/nn/module.h>
 #include <ATen/ATen.h>
 
@@ -22,8 +23,15 @@
 namespace trident {
 namespace {
 
+constexpr char kUseLayerSequence[] =
+    "Declare the model as a LayerSequence (graph/graph.h) and use trace_method=layers to split "
+    "it at layer boundaries instead (or trace_method=none to run it untraced with pp=1)";
+
 // Tracer warnings mean the trace may not represent the model; make them errors.
-void ThrowOnTracerWarning(const std::string& message) { throw std::runtime_error(message); }
+struct TracerWarning : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+void ThrowOnTracerWarning(const std::string& message) { throw TracerWarning(message); }
 void LogTracerWarning(const std::string& message) { LOG(WARNING) << "tracer: " << message; }
 
 bool IsMatrixProduct(const std::string& kind) {
@@ -129,9 +137,6 @@ const std::vector<std::string>& ModelGraph::parameter_names() const { return imp
 const std::vector<at::Tensor>& ModelGraph::parameters() const { return impl_->parameters; }
 const std::map<std::string, std::string>& ModelGraph::aliases() const { return impl_->aliases; }
 
-constexpr char kUseLayerSequence[] =
-    "Declare the model as a LayerSequence (graph/graph.h) and use trace_method=layers to split "
-    "it at layer boundaries instead (or trace_method=none to run it untraced with pp=1)";
 
 absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
     torch::nn::Module& module, const std::vector<at::Tensor>& example_inputs,
@@ -141,10 +146,74 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   return Trace(parameters, example_inputs, forward, check_inputs);
 }
 
+namespace {
+
+bool ReadsTensorValue(const std::string& kind) {
+  return kind == "aten::item" || kind == "aten::_local_scalar_dense" || kind == "aten::Int" ||
+         kind == "aten::Float" || kind == "aten::Bool" || kind == "aten::is_nonzero";
+}
+
+// Whether `value` is computed from the values (not only the shapes) of tensors:
+// the module's tensor inputs, parameters or buffers.
+bool DependsOnTensorData(const torch::jit::Value* value, std::map<const torch::jit::Value*, bool>& memo) {
+  auto found = memo.find(value);
+  if (found != memo.end()) return found->second;
+  memo[value] = false;  // cycles through loops: decided by the other paths
+  const torch::jit::Node* node = value->node();
+  const std::string kind = node->kind().toQualString();
+  bool depends = false;
+  if (node->kind() == c10::prim::Param || node->kind() == c10::prim::GetAttr) {
+    depends = value->type()->cast<c10::TensorType>() != nullptr;
+  } else if (kind != "aten::size" && kind != "aten::dim" && kind != "aten::numel" &&
+             node->kind() != c10::prim::Constant) {
+    for (const torch::jit::Value* input : node->inputs()) depends |= DependsOnTensorData(input, memo);
+  }
+  memo[value] = depends;
+  return depends;
+}
+
+// The first node of `block` (or a block inside it) that turns tensor data
+// into a Python value: control flow after it may depend on the data. Shape
+// arithmetic (int(x.size(1) // heads) in traced code) is not such a read.
+const torch::jit::Node* FindValueRead(const torch::jit::Block* block,
+                                      std::map<const torch::jit::Value*, bool>& memo) {
+  for (const torch::jit::Node* node : block->nodes()) {
+    if (ReadsTensorValue(node->kind().toQualString()) && !node->inputs().empty() &&
+        DependsOnTensorData(node->input(0), memo)) {
+      return node;
+    }
+    for (const torch::jit::Block* inner : node->blocks()) {
+      if (const torch::jit::Node* found = FindValueRead(inner, memo)) return found;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& path) {
   auto module = std::make_shared<torch::jit::Module>();
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("loading TorchScript module ", path),
                                           [&] { *module = torch::jit::load(path); }));
+  // A scripted forward whose control flow reads tensor values traces one path
+  // only (the interpreter runs its `if` without the tracer seeing it): refuse.
+  std::string value_read;
+  TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("reading forward of ", path), [&] {
+    std::shared_ptr<torch::jit::Graph> graph = module->get_method("forward").graph()->copy();
+    torch::jit::Inline(*graph);
+    std::map<const torch::jit::Value*, bool> memo;
+    if (const torch::jit::Node* node = FindValueRead(graph->block(), memo)) {
+      std::ostringstream where;
+      node->sourceRange().highlight(where);
+      value_read = absl::StrCat(node->kind().toQualString(), " in\n", where.str());
+    }
+  }));
+  if (!value_read.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "forward of ", path, " reads a tensor's value (", value_read,
+        "), so its control flow may depend on the data and a trace would record one branch only. ",
+        kUseLayerSequence));
+  }
   TorchScriptModule loaded;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     loaded.parameters.emplace_back(item.name, item.value);
@@ -208,8 +277,10 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   }
   std::shared_ptr<torch::jit::tracer::TracingState> state;
   torch::jit::tracer::setWarn(ThrowOnTracerWarning);
+  bool warned = false;  // a tracer warning, rather than a failing forward
   absl::Status traced = CatchExceptions("tracing the model", [&] {
-    state = torch::jit::tracer::trace(
+    try {
+      state = torch::jit::tracer::trace(
                 stack,
                 [&](torch::jit::Stack) {
                   torch::jit::Stack outputs;
@@ -221,10 +292,19 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
                   return it == names.end() ? std::string() : it->second;
                 })
                 .first;
+    } catch (const TracerWarning&) {
+      warned = true;
+      throw;
+    }
   });
   torch::jit::tracer::setWarn(LogTracerWarning);
   if (!traced.ok()) {
     torch::jit::tracer::abandon();
+    if (!warned) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          traced.message(), " (the forward failed on the example batch: do its shapes and values "
+          "fit the model?)"));
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         traced.message(),
         ". The tracer records one execution; a forward that reads tensor values to decide what "
@@ -235,8 +315,7 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   for (const torch::jit::Node* node : impl->graph->nodes()) {
     const std::string kind = node->kind().toQualString();
     ++position;
-    if (kind == "aten::item" || kind == "aten::_local_scalar_dense" || kind == "aten::Int" ||
-        kind == "aten::Float" || kind == "aten::Bool" || kind == "aten::is_nonzero") {
+    if (ReadsTensorValue(kind)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tracing the model: its forward reads a tensor's value (node ", position, ", ", kind,
           node->sourceRange().source() ? absl::StrCat(" at ", node->sourceRange().str()) : "",
@@ -288,7 +367,14 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   for (const torch::jit::Value* output : impl->graph->outputs()) {
     impl->output_ids.push_back(static_cast<int64_t>(output->unique()));
   }
-  impl->function = std::make_unique<torch::jit::GraphFunction>("forward", impl->graph, nullptr);
+  // A graph function returns one value: several outputs travel as a tuple.
+  std::shared_ptr<torch::jit::Graph> runnable = impl->graph->copy();
+  if (runnable->outputs().size() != 1) {
+    std::vector<torch::jit::Value*> outputs(runnable->outputs().begin(), runnable->outputs().end());
+    while (!runnable->outputs().empty()) runnable->eraseOutput(0);
+    runnable->registerOutput(runnable->insertNode(runnable->createTuple(outputs))->output());
+  }
+  impl->function = std::make_unique<torch::jit::GraphFunction>("forward", runnable, nullptr);
   std::unique_ptr<ModelGraph> model_graph(new ModelGraph(std::move(impl)));
   if (!check_inputs.empty()) {
     at::NoGradGuard no_grad;

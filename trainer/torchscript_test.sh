@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# A model written and traced in Python (trainer/testdata/torchscript_gpt.py,
+# Debian's python3-torch) trains through `train --model=torchscript:PATH` at
+# dp=2, pp=2 and dp=2 x pp=2 with the losses of the same module run eagerly in
+# Python from the same weights (20 steps, 1e-5 relative); its tied weights stay
+# tied across pipeline stages; a model returning logits trains with a named
+# loss; untraceable models, bad input names and models without a loss are
+# refused with errors that say why.
+set -u
+bin="$TEST_SRCDIR/trident"
+train="$bin/trainer/train"
+model_py="$bin/trainer/testdata/torchscript_gpt.py"
+python=/usr/bin/python3
+work="$TEST_TMPDIR"
+out="$work/out"
+fail() { echo "FAIL: $*"; echo "--- output:"; tail -30 "$out"; exit 1; }
+
+printf 'It was the best of times, it was the worst of times.\n%.0s' $(seq 400) >"$work/text.txt"
+"$bin/tools/prepare_data" --input="$work/text.txt" --output_dir="$work/data" >"$out" 2>&1 || fail "prepare_data"
+"$python" "$model_py" save "$work/gpt.pt" >"$out" 2>&1 || fail "tracing the model in Python"
+"$python" "$model_py" save_logits "$work/logits.pt" >"$out" 2>&1 || fail "tracing the logits model"
+"$python" "$model_py" save_branching "$work/branching.pt" >"$out" 2>&1 || fail "scripting the branching model"
+"$python" "$model_py" train "$work/gpt.pt" "$work/data" 20 >"$work/python.txt" 2>"$out" || fail "Python training"
+
+common=(--data="$work/data" --block_size=16 --micro_batch_size=2 --global_batch_size=8 --max_steps=20
+        --lr=3e-3 --warmup_steps=5 --eval_every=0 --sample_tokens=0 --noshuffle)
+
+# train_and_compare TAG FLAGS...: 20 steps, losses against Python's.
+train_and_compare() {
+  local tag=$1; shift
+  rm -f "$work/$tag.jsonl"
+  timeout 300 "$train" "${common[@]}" --metrics_file="$work/$tag.jsonl" "$@" >"$out" 2>&1 ||
+    fail "$tag: train exited $?"
+  "$python" - "$work/python.txt" "$work/$tag.jsonl" "$tag" <<'PY' || fail "$tag: losses differ from Python's"
+import json, sys
+python = [float(line) for line in open(sys.argv[1])]
+trident = [json.loads(line)["loss"] for line in open(sys.argv[2])]
+assert len(python) == len(trident) == 20, (len(python), len(trident))
+worst = max(abs(p - t) / abs(p) for p, t in zip(python, trident))
+print(f"{sys.argv[3]}: largest relative loss difference against Python eager over 20 steps: {worst:.3g}")
+assert worst <= 1e-5, worst
+PY
+}
+
+train_and_compare dp2 --model=torchscript:"$work/gpt.pt" --dp=2
+train_and_compare pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 \
+  --export_safetensors="$work/pp2.safetensors"
+"$python" "$model_py" tied "$work/pp2.safetensors" >"$out" 2>&1 || fail "tied weights differ after pp=2"
+train_and_compare dp2_pp2 --model=torchscript:"$work/gpt.pt" --dp=2 --pp=2 --schedule=zb_h1
+# The model's own loss is absent: a registered loss on its logits, fed the inputs by name.
+train_and_compare logits --model=torchscript:"$work/logits.pt" --dp=1 --pp=2 --loss=cross_entropy \
+  --input_names=input_ids
+
+# refused MESSAGE FLAGS...: train fails and says MESSAGE.
+refused() {
+  local message=$1; shift
+  timeout 120 "$train" "${common[@]}" --max_steps=2 "$@" >"$out" 2>&1 && fail "accepted: $*"
+  grep -aq -- "$message" "$out" || fail "want '$message' for: $*"
+}
+refused "reads a tensor's value (aten::Bool" --model=torchscript:"$work/branching.pt" --dp=1
+refused "use trace_method=layers" --model=torchscript:"$work/branching.pt" --dp=1
+refused "input_names names 'tokens', which the batch does not have; its fields are input_ids, labels" \
+  --model=torchscript:"$work/logits.pt" --dp=1 --input_names=tokens
+refused "takes 1 input(s) (idx) but is given 2 (input_ids, labels); choose them with input_names" \
+  --model=torchscript:"$work/logits.pt" --dp=1
+refused "hold no scalar loss" --model=torchscript:"$work/logits.pt" --dp=1 --input_names=input_ids
+refused "tp > 1 with a TorchScript model needs automatic tensor parallelism" \
+  --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2
+refused "cannot read TorchScript file $work/missing.pt" --model=torchscript:"$work/missing.pt"
+echo "torchscript_test: all checks passed"
