@@ -1,35 +1,31 @@
-"""Macros that hold Trident's copts, defines and tags in one place."""
+"""Macros that hold Trident's build conventions (test mains, tags) in one place.
 
-# The LibTorch C++ API headers live below this root on Debian (libtorch-dev).
-TRIDENT_COPTS = [
-    "-isystem",
-    "/usr/include/torch/csrc/api/include",
-]
+The LibTorch include paths come with @libtorch itself (third_party/libtorch.BUILD),
+so a workspace that uses Trident needs no copts of its own.
+"""
 
-def trident_cc_library(name, copts = [], **kwargs):
-    native.cc_library(name = name, copts = TRIDENT_COPTS + copts, **kwargs)
+def trident_cc_library(name, **kwargs):
+    native.cc_library(name = name, **kwargs)
 
-def trident_cc_binary(name, copts = [], **kwargs):
-    native.cc_binary(name = name, copts = TRIDENT_COPTS + copts, **kwargs)
+def trident_cc_binary(name, **kwargs):
+    native.cc_binary(name = name, **kwargs)
 
-def trident_cc_test(name, copts = [], deps = [], gtest_main = True, **kwargs):
+def trident_cc_test(name, deps = [], gtest_main = True, **kwargs):
     """A GoogleTest test. Multi-process tests use //testing:multiprocess."""
     main = ["@gtest//:gtest_main"] if gtest_main else []
     native.cc_test(
         name = name,
-        copts = TRIDENT_COPTS + copts,
         deps = deps + main + ["@gtest"],
         **kwargs
     )
 
-def trident_cc_benchmark(name, copts = [], deps = [], tags = [], benchmark_main = True, **kwargs):
+def trident_cc_benchmark(name, deps = [], tags = [], benchmark_main = True, **kwargs):
     """A Google Benchmark binary: built by `bazel test //...`, run only with `bazel run`.
 
     `benchmark_main = False` for binaries with their own main (benchmark::Initialize).
     """
     native.cc_test(
         name = name,
-        copts = TRIDENT_COPTS + copts,
         deps = deps + ["@benchmark//:benchmark_main" if benchmark_main else "@benchmark"],
         tags = tags + ["benchmark"],
         testonly = True,
@@ -46,12 +42,18 @@ def trident_proto_library(name, srcs, deps = [], **kwargs):
     for src in srcs:
         base = src[:-len(".proto")]
         outs += [base + ".pb.h", base + ".pb.cc"]
+
+    # Imports are relative to Trident's root, which is external/trident when
+    # another workspace builds Trident.
+    repository = native.repository_name()
+    root = "." if repository == "@" else "external/" + repository[1:]
     native.genrule(
         name = name + "_genproto",
         srcs = srcs + [d + "_srcs" for d in deps],
         outs = outs,
-        cmd = "protoc --proto_path=. --cpp_out=$(GENDIR) " +
-              " ".join([(pkg + "/" if pkg else "") + s for s in srcs]),
+        cmd = "protoc --proto_path=" + root + " --cpp_out=$(GENDIR)" +
+              ("" if root == "." else "/" + root) + " " +
+              " ".join([("" if root == "." else root + "/") + (pkg + "/" if pkg else "") + s for s in srcs]),
     )
     native.filegroup(name = name + "_srcs", srcs = srcs)
     native.cc_library(

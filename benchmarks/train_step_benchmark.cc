@@ -1,7 +1,8 @@
 // Tokens/s, step time and peak memory of gpt-tiny training: one rank, 2
-// data-parallel ranks, 2 tensor-parallel ranks, ZeRO stages 1 to 3 at dp = 2
-// and 4, and bf16 against fp32; each rank on one intra-op thread (so 2 ranks on
-// 2 cores measure scaling; 4 ranks oversubscribe them).
+// data-parallel ranks, 2 tensor-parallel ranks, 2 pipeline stages (1f1b, 4
+// micro-batches), ZeRO stages 1 to 3 at dp = 2 and 4, and bf16 against fp32;
+// each rank on one intra-op thread (so 2 ranks on 2 cores measure scaling; 4
+// ranks oversubscribe them).
 //
 //   bazel run -c opt //benchmarks:train_step_benchmark
 //
@@ -31,7 +32,7 @@ constexpr int kWarmupSteps = 3;
 constexpr int kTimedSteps = 20;
 constexpr char kWorkerFlag[] = "--train_step_worker";
 
-TrainerConfig BenchmarkConfig(int dp, int tp, int zero_stage, bool bf16) {
+TrainerConfig BenchmarkConfig(int dp, int tp, int pp, int zero_stage, bool bf16) {
   TrainerConfig c;
   c.set_zero_stage(zero_stage);
   c.set_zero_reduce_bucket_size(1 << 20);
@@ -40,8 +41,9 @@ TrainerConfig BenchmarkConfig(int dp, int tp, int zero_stage, bool bf16) {
   c.set_preset("gpt-tiny");  // n_layer 4, n_head 4, n_embd 256, block 128, vocab 256
   c.set_dp(dp);
   c.set_tp(tp);
+  c.set_pp(pp);
   c.set_global_batch_size(16);
-  c.set_micro_batch_size(16 / dp);
+  c.set_micro_batch_size(pp > 1 ? 4 : 16 / dp);
   c.set_max_steps(kWarmupSteps + kTimedSteps);
   c.set_eval_every(0);
   c.set_eval_steps(1);
@@ -60,15 +62,15 @@ class StepTimer : public TrainerHooks {
   double total_ms = 0;
 };
 
-absl::Status RunWorker(int tp, int zero_stage, bool bf16, const std::string& result_path) {
+absl::Status RunWorker(int tp, int pp, int zero_stage, bool bf16, const std::string& result_path) {
   TuneAllocatorForTraining();
   at::set_num_threads(1);
   TopologyOptions options;
-  options.mesh_axes = {{"tensor", tp}, {"data", DeviceMesh::kInferSize}};
+  options.mesh_axes = {{"tensor", tp}, {"pipeline", pp}, {"data", DeviceMesh::kInferSize}};
   TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment(options));
   TRIDENT_ASSIGN_OR_RETURN(
       auto trainer,
-      Trainer::Create(BenchmarkConfig(topology->world_size() / tp, tp, zero_stage, bf16),
+      Trainer::Create(BenchmarkConfig(topology->world_size() / tp / pp, tp, pp, zero_stage, bf16),
                       topology.get()));
   auto timer = std::make_shared<StepTimer>();
   trainer->AddHooks(timer);
@@ -83,14 +85,15 @@ absl::Status RunWorker(int tp, int zero_stage, bool bf16, const std::string& res
 
 void BM_TrainStep_GptTiny(benchmark::State& state) {
   const int dp = static_cast<int>(state.range(0)), tp = static_cast<int>(state.range(1));
-  const int zero_stage = static_cast<int>(state.range(2));
-  const bool bf16 = state.range(3) != 0;
+  const int pp = static_cast<int>(state.range(2));
+  const int zero_stage = static_cast<int>(state.range(3));
+  const bool bf16 = state.range(4) != 0;
   const std::string result_path = absl::StrCat("/tmp/trident_train_step_", getpid(), ".txt");
   double step_ms = 0, peak_mb = 0;
   for (auto _ : state) {
     LaunchOptions launch;
-    launch.nproc_per_node = dp * tp;
-    launch.command = {"/proc/self/exe", kWorkerFlag, std::to_string(tp),
+    launch.nproc_per_node = dp * tp * pp;
+    launch.command = {"/proc/self/exe", kWorkerFlag, std::to_string(tp), std::to_string(pp),
                       std::to_string(zero_stage), bf16 ? "1" : "0", result_path};
     launch.env["OMP_NUM_THREADS"] = "1";
     launch.env["OPENBLAS_NUM_THREADS"] = "1";
@@ -109,21 +112,22 @@ void BM_TrainStep_GptTiny(benchmark::State& state) {
   state.counters["tokens_per_s"] = benchmark::Counter(16.0 * 128 / (step_ms / 1000.0));
 }
 BENCHMARK(BM_TrainStep_GptTiny)
-    ->Args({1, 1, 0, 0})->Args({2, 1, 0, 0})->Args({1, 2, 0, 0})  // dp, tp scaling
-    ->Args({2, 1, 1, 0})->Args({2, 1, 2, 0})->Args({2, 1, 3, 0})->Args({4, 1, 0, 0})
-    ->Args({4, 1, 1, 0})->Args({4, 1, 2, 0})->Args({4, 1, 3, 0})  // ZeRO stages
-    ->Args({1, 1, 0, 1})                                          // bf16
-    ->ArgNames({"dp", "tp", "zero", "bf16"})->UseManualTime()->Iterations(1)
+    ->Args({1, 1, 1, 0, 0})->Args({2, 1, 1, 0, 0})->Args({1, 2, 1, 0, 0})  // dp, tp scaling
+    ->Args({1, 1, 2, 0, 0})                                                // pp
+    ->Args({2, 1, 1, 1, 0})->Args({2, 1, 1, 2, 0})->Args({2, 1, 1, 3, 0})->Args({4, 1, 1, 0, 0})
+    ->Args({4, 1, 1, 1, 0})->Args({4, 1, 1, 2, 0})->Args({4, 1, 1, 3, 0})  // ZeRO stages
+    ->Args({1, 1, 1, 0, 1})                                                // bf16
+    ->ArgNames({"dp", "tp", "pp", "zero", "bf16"})->UseManualTime()->Iterations(1)
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trident
 
 int main(int argc, char** argv) {
-  if (argc == 6 && std::string(argv[1]) == trident::kWorkerFlag) {
+  if (argc == 7 && std::string(argv[1]) == trident::kWorkerFlag) {
     return trident::ExitCodeFor("train_step_worker",
-                                trident::RunWorker(std::atoi(argv[2]), std::atoi(argv[3]),
-                                                   std::string(argv[4]) == "1", argv[5]));
+                                trident::RunWorker(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
+                                                   std::string(argv[5]) == "1", argv[6]));
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

@@ -40,8 +40,9 @@ class LayerObserver {
  public:
   virtual ~LayerObserver() = default;
   virtual void BeforeLayer(int64_t layer) = 0;
-  // `outputs` are the layer's results (it may register gradient hooks on them).
-  virtual void AfterLayer(int64_t layer, const Values& outputs) = 0;
+  // `outputs` are the layer's results (it may register gradient hooks on
+  // them); those that are also among `inputs` were passed through unchanged.
+  virtual void AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) = 0;
 };
 
 // A model as an ordered list of layers: layer 0 reads the micro-batch, layer
@@ -56,7 +57,7 @@ class LayerSequence {
     if (observer_ == nullptr) return ForwardLayer(i, inputs, batch);
     observer_->BeforeLayer(i);
     Values outputs = ForwardLayer(i, inputs, batch);
-    observer_->AfterLayer(i, outputs);
+    observer_->AfterLayer(i, inputs, outputs);
     return outputs;
   }
   // Not owned; nullptr removes it.

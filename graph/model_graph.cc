@@ -6,7 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
@@ -62,6 +62,14 @@ bool Cloneable(const torch::jit::Node* node) {
   return true;
 }
 
+// Runs `code` op by op in the interpreter: autograd records every operator as
+// eager execution would (no profiling, fusion or differentiable subgraphs), so
+// gradients, hooks and ZeRO-3's parameter gathering behave as for eager layers.
+void RunCode(const torch::jit::Code& code, torch::jit::Stack& stack) {
+  torch::jit::InterpreterState state(code);
+  state.run(stack);
+}
+
 }  // namespace
 
 class ModelGraph::Impl {
@@ -74,7 +82,7 @@ class ModelGraph::Impl {
   std::vector<torch::jit::Node*> ops;  // the graph's nodes behind `nodes`, in order
   std::map<const torch::jit::Node*, int64_t> op_index;
   std::vector<int64_t> output_ids;
-  std::unique_ptr<torch::jit::GraphFunction> function;
+  std::unique_ptr<torch::jit::Code> code;
   std::shared_ptr<void> keep_alive;  // a loaded TorchScript module that owns the parameters
   std::map<std::string, std::string> aliases;
 
@@ -106,7 +114,7 @@ struct StageGraph::Impl {
   std::vector<std::pair<Source, size_t>> inputs;
   std::vector<at::Tensor> parameters;
   std::shared_ptr<torch::jit::Graph> graph;
-  std::unique_ptr<torch::jit::GraphFunction> function;
+  std::unique_ptr<torch::jit::Code> code;
 };
 
 StageGraph::StageGraph() : impl_(std::make_unique<Impl>()) {}
@@ -374,7 +382,7 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
     while (!runnable->outputs().empty()) runnable->eraseOutput(0);
     runnable->registerOutput(runnable->insertNode(runnable->createTuple(outputs))->output());
   }
-  impl->function = std::make_unique<torch::jit::GraphFunction>("forward", runnable, nullptr);
+  impl->code = std::make_unique<torch::jit::Code>(runnable, "forward");
   std::unique_ptr<ModelGraph> model_graph(new ModelGraph(std::move(impl)));
   if (!check_inputs.empty()) {
     at::NoGradGuard no_grad;
@@ -404,7 +412,7 @@ absl::StatusOr<std::vector<at::Tensor>> ModelGraph::Run(const std::vector<at::Te
   for (const at::Tensor& t : inputs) stack.emplace_back(t);
   for (const at::Tensor& p : impl_->parameters) stack.emplace_back(p);
   TRIDENT_RETURN_IF_ERROR(
-      CatchExceptions("running the traced graph", [&] { impl_->function->run(stack); }));
+      CatchExceptions("running the traced graph", [&] { RunCode(*impl_->code, stack); }));
   return Unpack(stack);
 }
 
@@ -500,8 +508,7 @@ absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> ModelGraph::Split(
     st.graph->registerOutput(outputs.size() == 1
                                  ? outputs[0]
                                  : st.graph->insertNode(st.graph->createTuple(outputs))->output());
-    st.function = std::make_unique<torch::jit::GraphFunction>(
-        absl::StrCat("stage", s), st.graph, nullptr);
+    st.code = std::make_unique<torch::jit::Code>(st.graph, absl::StrCat("stage", s));
     stages.push_back(std::move(stage));
   }
   return stages;
@@ -564,7 +571,7 @@ absl::StatusOr<std::vector<at::Tensor>> StageGraph::Run(
     }
   }
   TRIDENT_RETURN_IF_ERROR(
-      CatchExceptions("running a pipeline stage", [&] { impl_->function->run(stack); }));
+      CatchExceptions("running a pipeline stage", [&] { RunCode(*impl_->code, stack); }));
   return Unpack(stack);
 }
 

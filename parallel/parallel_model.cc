@@ -640,15 +640,21 @@ std::optional<double> ParallelModel::loss_scale() const {
 const std::vector<TimelineEvent>& ParallelModel::timeline() const { return impl_->runner->timeline(); }
 
 std::string ParallelModel::Describe() const {
-  const Plan& plan = impl_->part.stage_plan;
+  const Impl& m = *impl_;
+  const Plan& plan = m.part.stage_plan;
   std::string text;
   for (const StagePlan& s : plan.stages()) {
-    const int64_t count = s.end_layer() - s.first_layer();
-    absl::StrAppend(&text, absl::StrFormat(
-                               "  virtual stage %d: %s %d-%d (%s .. %s)\n", s.stage(),
-                               impl_->part.traced ? "shards" : "layers", s.first_layer(), s.end_layer() - 1,
-                               count > 0 && s.layer_names_size() > 0 ? s.layer_names(0) : "",
-                               count > 0 && s.layer_names_size() > 0 ? s.layer_names(s.layer_names_size() - 1) : ""));
+    const bool named = s.layer_names_size() > 0;
+    absl::StrAppend(&text, absl::StrFormat("  virtual stage %d: %s %d-%d (%s .. %s)\n", s.stage(),
+                                           m.part.traced ? "shards" : "layers", s.first_layer(),
+                                           s.end_layer() - 1, named ? s.layer_names(0) : "",
+                                           named ? s.layer_names(s.layer_names_size() - 1) : ""));
+  }
+  auto tensors = [](size_t n) { return absl::StrCat(n, n == 1 ? " tensor" : " tensors"); };
+  for (size_t c = 0; c < m.part.chunks.size(); ++c) {
+    const StageChunk& chunk = m.part.chunks[c];
+    absl::StrAppend(&text, "  here, virtual stage ", c * m.stages() + m.stage, " receives ",
+                    tensors(chunk.received.size()), " and sends ", tensors(chunk.sent.size()), "\n");
   }
   return text;
 }

@@ -75,22 +75,28 @@ absl::Status PendingWork::Wait() {
   } catch (...) {
     return group_->Failure(operation_);
   }
+  if (after_) std::exchange(after_, nullptr)();
   return absl::OkStatus();
 }
 
 bool PendingWork::IsCompleted() const { return work_ && work_->isCompleted(); }
 
 ProcessGroup::ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
-                           c10::intrusive_ptr<internal::C10dBackend> backend,
+                           c10::intrusive_ptr<internal::C10dBackend> backend, at::Device device,
                            std::chrono::milliseconds timeout, FailureDiagnosis diagnosis)
     : name_(std::move(name)),
       global_ranks_(std::move(global_ranks)),
       rank_(rank),
       backend_(std::move(backend)),
+      device_(device),
       timeout_(timeout),
       diagnosis_(std::move(diagnosis)) {}
 
 ProcessGroup::~ProcessGroup() = default;
+
+at::Tensor ProcessGroup::OnDevice(const at::Tensor& tensor) const {
+  return tensor.device() == device_ ? tensor : tensor.to(device_);
+}
 
 absl::Status ProcessGroup::Failure(const char* operation) const {
   absl::Status cause = StatusFromCurrentException(
@@ -131,7 +137,7 @@ absl::Status ProcessGroup::Run(const char* operation,
 
 absl::Status ProcessGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   TRIDENT_RETURN_IF_ERROR(CheckAverageable(tensor, op));
-  std::vector<at::Tensor> tensors = {tensor.is_contiguous() ? tensor : tensor.contiguous()};
+  std::vector<at::Tensor> tensors = {OnDevice(tensor.is_contiguous() ? tensor : tensor.contiguous())};
   c10d::AllreduceOptions options;
   options.reduceOp = ToC10d(op);
   options.timeout = timeout_;
@@ -147,15 +153,18 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
     return absl::InvalidArgumentError(absl::StrCat(
         "all_reduce on process group '", name_, "': IAllReduce needs a contiguous tensor"));
   }
-  std::vector<at::Tensor> tensors = {tensor};
+  std::vector<at::Tensor> tensors = {OnDevice(tensor)};
   c10d::AllreduceOptions options;
   options.timeout = timeout_;
-  return Start("all_reduce", [&] { return backend_->allreduce(tensors, options); });
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending,
+                           Start("all_reduce", [&] { return backend_->allreduce(tensors, options); }));
+  if (!tensors[0].is_same(tensor)) pending.after_ = [tensor, staged = tensors[0]]() mutable { tensor.copy_(staged); };
+  return pending;
 }
 
 absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
   TRIDENT_RETURN_IF_ERROR(CheckPeer(root, "broadcast"));
-  std::vector<at::Tensor> tensors = {tensor.is_contiguous() ? tensor : tensor.contiguous()};
+  std::vector<at::Tensor> tensors = {OnDevice(tensor.is_contiguous() ? tensor : tensor.contiguous())};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.timeout = timeout_;
@@ -166,14 +175,14 @@ absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
 }
 
 absl::StatusOr<at::Tensor> ProcessGroup::AllGather(const at::Tensor& input, int64_t dim) const {
-  std::vector<at::Tensor> inputs = {input.contiguous()};
+  std::vector<at::Tensor> inputs = {OnDevice(input.contiguous())};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
   TRIDENT_RETURN_IF_ERROR(
       Run("all_gather", [&] { return backend_->allgather(outputs, inputs, options); }));
-  return at::cat(outputs[0], dim);
+  return at::cat(outputs[0], dim).to(input.device());
 }
 
 absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
@@ -184,14 +193,18 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
         "all_gather on process group '", name_, "': IAllGather needs contiguous tensors and an "
         "output of size() times the input's elements"));
   }
-  std::vector<at::Tensor> inputs = {input};
+  std::vector<at::Tensor> inputs = {OnDevice(input)};
+  at::Tensor staged = OnDevice(output);
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (const at::Tensor& part : output.view({size(), -1}).unbind(0)) {
+  for (const at::Tensor& part : staged.view({size(), -1}).unbind(0)) {
     outputs[0].push_back(part.view(input.sizes()));
   }
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
-  return Start("all_gather", [&] { return backend_->allgather(outputs, inputs, options); });
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending,
+                           Start("all_gather", [&] { return backend_->allgather(outputs, inputs, options); }));
+  if (!staged.is_same(output)) pending.after_ = [output, staged]() mutable { output.copy_(staged); };
+  return pending;
 }
 
 absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, int64_t dim,
@@ -212,7 +225,7 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
   }
   // NOTE: Gloo has no reduce-scatter; an all-to-all of the chunks followed by a
   // local reduction moves the same bytes as a ring reduce-scatter.
-  at::Tensor chunks = input.movedim(dim, 0).contiguous();
+  at::Tensor chunks = OnDevice(input.movedim(dim, 0).contiguous());
   std::vector<int64_t> shape = chunks.sizes().vec();
   shape[0] /= size();
   shape.insert(shape.begin(), size());
@@ -224,7 +237,7 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
   TRIDENT_RETURN_IF_ERROR(Run("reduce_scatter", [&] {
     return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
   }));
-  return ReduceLocally(received, op).movedim(0, dim).contiguous();
+  return ReduceLocally(received, op).movedim(0, dim).contiguous().to(input.device());
 }
 
 absl::Status ProcessGroup::Barrier() const {
@@ -245,7 +258,7 @@ absl::Status ProcessGroup::CheckPeer(int peer, const char* operation) const {
 absl::StatusOr<PendingWork> ProcessGroup::ISend(const at::Tensor& tensor, int dst, int tag) const {
   TRIDENT_RETURN_IF_ERROR(CheckPeer(dst, "send"));
   // The c10d work keeps the (possibly copied) tensor alive until it completes.
-  std::vector<at::Tensor> tensors = {tensor.contiguous()};
+  std::vector<at::Tensor> tensors = {OnDevice(tensor.contiguous())};
   return Start("send", [&] { return backend_->send(tensors, dst, tag); });
 }
 
@@ -256,8 +269,11 @@ absl::StatusOr<PendingWork> ProcessGroup::IRecv(at::Tensor& tensor, int src, int
         "recv on process group '", name_, "' needs a contiguous tensor; pass tensor.contiguous()"
         " and copy the result"));
   }
-  std::vector<at::Tensor> tensors = {tensor};
-  return Start("recv", [&] { return backend_->recv(tensors, src, tag); });
+  std::vector<at::Tensor> tensors = {OnDevice(tensor)};
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending,
+                           Start("recv", [&] { return backend_->recv(tensors, src, tag); }));
+  if (!tensors[0].is_same(tensor)) pending.after_ = [tensor, staged = tensors[0]]() mutable { tensor.copy_(staged); };
+  return pending;
 }
 
 absl::Status ProcessGroup::Send(const at::Tensor& tensor, int dst, int tag) const {

@@ -2,7 +2,9 @@
 // LibTorch's c10d (Gloo on CPU, NCCL on GPU). Every operation blocks until done
 // or until the group's timeout, and returns a status instead of throwing: a peer
 // that died or timed out gives an error that names the group, the operation and,
-// where it can be told, the rank at fault.
+// where it can be told, the rank at fault. Tensors may live on any device: one
+// that is not the backend's (a CPU scalar for NCCL, a GPU tensor for Gloo) is
+// copied there and the result copied back, so callers write one code path.
 //
 //   ProcessGroup& dp = *topology->Group("dp").value();
 //   at::Tensor grad = ...;
@@ -61,6 +63,7 @@ class PendingWork {
   const class ProcessGroup* group_ = nullptr;
   const char* operation_ = "";
   c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void()> after_;  // copies a result back from the backend's device
 };
 
 class ProcessGroup {
@@ -69,9 +72,10 @@ class ProcessGroup {
   // responding ..."), or "" when it cannot tell. Called after an operation failed.
   using FailureDiagnosis = std::function<std::string(const std::vector<int>& global_ranks)>;
 
-  // Wraps `backend`. `global_ranks[i]` is the global rank of group rank i.
+  // Wraps `backend`, whose tensors live on `device`. `global_ranks[i]` is the
+  // global rank of group rank i.
   ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
-               c10::intrusive_ptr<internal::C10dBackend> backend,
+               c10::intrusive_ptr<internal::C10dBackend> backend, at::Device device,
                std::chrono::milliseconds timeout, FailureDiagnosis diagnosis);
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
@@ -84,6 +88,8 @@ class ProcessGroup {
   // Global rank of every group rank, in group-rank order.
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // Where the backend wants its tensors.
+  const at::Device& device() const { return device_; }
 
   // In place: `tensor` becomes the reduction of every rank's `tensor`.
   absl::Status AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) const;
@@ -123,11 +129,14 @@ class ProcessGroup {
   // The one place c10d exceptions become statuses.
   absl::Status Failure(const char* operation) const;
   absl::Status CheckPeer(int peer, const char* operation) const;
+  // `tensor` on the backend's device (itself when it is there).
+  at::Tensor OnDevice(const at::Tensor& tensor) const;
 
   std::string name_;
   std::vector<int> global_ranks_;
   int rank_;
   c10::intrusive_ptr<internal::C10dBackend> backend_;
+  at::Device device_;
   std::chrono::milliseconds timeout_;
   FailureDiagnosis diagnosis_;
 };

@@ -323,8 +323,12 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
     return absl::UnavailableError(
         diagnosis.empty() ? connected.message() : absl::StrCat(connected.message(), "; ", diagnosis));
   }
+  const at::Device device = backend_name_ == "nccl"
+                                ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(
+                                                            env_.local_rank % std::max<int64_t>(1, torch::cuda::device_count())))
+                                : at::Device(at::kCPU);
   impl.groups.push_back(std::make_unique<ProcessGroup>(
-      name, ranks, group_rank, backend, timeout,
+      name, ranks, group_rank, backend, device, timeout,
       [heartbeat](const std::vector<int>& peers) { return heartbeat->Diagnose(peers); }));
   ProcessGroup* group = impl.groups.back().get();
   groups_by_name_[name] = group;

@@ -85,6 +85,7 @@ absl::Status RunRank(TrainerConfig config) {
   TuneAllocatorForTraining();
   TopologyOptions options;
   options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
+  options.backend = config.device() == "cuda" ? CommBackend::kNccl : CommBackend::kGloo;
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, topology.get()));
   return trainer->Train().status();

@@ -106,8 +106,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   TRIDENT_ASSIGN_OR_RETURN(Batch example, parts.train_data->Get(first));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ParallelModel> model,
                            Parallelize(std::move(parts.model), plan, topology, example, parts.optimizer));
-  return Create(std::move(config), TrainerInputs{std::move(model), std::move(parts.train_data),
-                                                 std::move(parts.val_data), std::move(parts.tokenizer)});
+  const std::string name = ModelComponent(config).first;
+  TRIDENT_ASSIGN_OR_RETURN(
+      auto trainer, Create(std::move(config), TrainerInputs{std::move(model), std::move(parts.train_data),
+                                                            std::move(parts.val_data), std::move(parts.tokenizer)}));
+  trainer->impl_->model_name = name;
+  return trainer;
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, TrainerInputs inputs) {
@@ -194,9 +198,9 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   t.Print(absl::StrCat("per rank: ", t.model->Memory().ToString()));
   t.Print(absl::StrCat("stages:\n", t.model->Describe()));
   t.Print(absl::StrFormat(
-      "model %s: %s parameters | data: %d samples%s | %d rank(s), global batch %d (micro %d x "
+      "model%s: %s parameters | data: %d samples%s | %d rank(s), global batch %d (micro %d x "
       "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | peak RSS %.0f MB",
-      c.has_model_config() ? c.model_config().type() : c.model(), HumanCount(t.model->num_parameters()),
+      t.model_name.empty() ? "" : " " + t.model_name, HumanCount(t.model->num_parameters()),
       t.train_data->size(), tokens_per_sample > 0 ? absl::StrCat(" of ", tokens_per_sample, " tokens") : "",
       t.topology().world_size(), c.global_batch_size(), c.micro_batch_size(), c.grad_accumulation_steps(),
       c.dp(), at::get_num_threads(), t.peak_flops / 1e9, PeakResidentMb()));

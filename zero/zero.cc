@@ -297,11 +297,13 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
   if (next != layer_buckets_.end()) Prefetch(next->first);
 }
 
-void ZeroOptimizer::AfterLayer(int64_t layer, const Values& outputs) {
+void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) {
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
     // An output passed on unchanged from an earlier layer belongs to that layer.
-    if (!hooked_.insert(output.unsafeGetTensorImpl()).second) continue;
+    const bool passed_on = std::any_of(inputs.begin(), inputs.end(),
+                                       [&](const at::Tensor& input) { return input.is_same(output); });
+    if (passed_on) continue;
     // Backward of this layer starts when an output's gradient is ready.
     output.register_hook([this, layer](const at::Tensor& grad) {
       BackwardReached(layer);
@@ -371,7 +373,6 @@ absl::Status ZeroOptimizer::ReduceScatter(Bucket& bucket, const at::Tensor& full
 }
 
 absl::Status ZeroOptimizer::FinishBackward() {
-  hooked_.clear();
   for (int64_t layer : backward_held_) {
     for (int b : layer_buckets_[layer]) Release(buckets_[b]);
   }

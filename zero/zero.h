@@ -38,7 +38,6 @@
 #include <memory>
 #include <set>
 #include <string>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -154,7 +153,7 @@ class ZeroOptimizer : private LayerObserver {
   void GatherLayer(int64_t layer);
   void Prefetch(int64_t layer);  // starts the all-gathers of a layer's buckets
   void BeforeLayer(int64_t layer) override;
-  void AfterLayer(int64_t layer, const Values& outputs) override;
+  void AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) override;
   void BackwardReached(int64_t layer);
 
   const ProcessGroup* group_ = nullptr;
@@ -164,7 +163,6 @@ class ZeroOptimizer : private LayerObserver {
   GradientAccumulatedHooks hooks_;  // stage 2 and 3: gradients move into buckets
   std::map<int64_t, std::vector<int>> layer_buckets_;  // stage 3: the buckets a layer reads
   std::set<int64_t> backward_held_;  // stage 3: layers gathered for backward
-  std::unordered_set<const c10::TensorImpl*> hooked_;  // stage 3: outputs hooked this step
   bool last_micro_batch_ = false;
   absl::Status first_error_;
 };

@@ -28,6 +28,7 @@ class Trainer::Impl {
   std::unique_ptr<internal::JsonLinesWriter> metrics;
   std::unique_ptr<internal::TensorBoardWriter> tensorboard;
   std::optional<double> last_val_loss;
+  std::string model_name;  // the registered type, when built from a config
   int64_t step = 0;
   double peak_flops = 0;  // the job's, in FLOP/s (0: unknown)
   bool progress_bar = false;
