@@ -1,9 +1,11 @@
 // Callbacks that run after autograd accumulates a gradient into a parameter's
-// .grad (post hooks on the parameter's grad accumulator), for reducers that
-// start communication as soon as gradients are ready.
+// .grad (post hooks on the parameter's grad accumulator), and the grouping of
+// parameters into buckets, for reducers that start communication as soon as
+// gradients are ready.
 #ifndef TRIDENT_BASE_GRADIENT_HOOKS_H_
 #define TRIDENT_BASE_GRADIENT_HOOKS_H_
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -15,6 +17,13 @@ struct Node;
 }  // namespace torch::autograd
 
 namespace trident {
+
+// `parameters` grouped into buckets of at most `bucket_bytes` (a larger
+// parameter alone), in reverse order, roughly the order backward produces
+// their gradients. With `kind`, a bucket holds parameters of one kind only.
+std::vector<std::vector<at::Tensor>> BucketsInBackwardOrder(
+    const std::vector<at::Tensor>& parameters, int64_t bucket_bytes,
+    const std::function<int(const at::Tensor&)>& kind = nullptr);
 
 // The hooks live as long as this object: its destructor removes them.
 class GradientAccumulatedHooks {

@@ -17,18 +17,18 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "models/models.h"
-#include "topology/launcher.h"
+#include "testing/rank_workers.h"
 #include "topology/topology.h"
 
 namespace trident {
 namespace {
 
-constexpr char kWorkerFlag[] = "--tensor_parallel_worker";
 constexpr int kWarmup = 2, kTimed = 10;
 
-// One rank: times kTimed forward + backward passes of block 0 and writes
-// "milliseconds bytes" per pass to `result` (rank 0).
-absl::Status RunWorker(bool sequence_parallel, const std::string& result) {
+// One rank: times kTimed forward + backward passes of block 0; rank 0 reports
+// "milliseconds bytes" per pass. args: {sequence_parallel 0|1}.
+absl::Status RunWorker(const std::vector<std::string>& args, std::string* result) {
+  const bool sequence_parallel = args.at(0) == "1";
   at::set_num_threads(1);
   TopologyOptions options;
   options.mesh_axes = {{"tensor", DeviceMesh::kInferSize}};
@@ -51,31 +51,23 @@ absl::Status RunWorker(bool sequence_parallel, const std::string& result) {
     }
   }
   TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
-  if (rank == 0) std::ofstream(result) << 1000 * seconds / kTimed << " " << bytes / kTimed;
+  if (rank == 0) *result = absl::StrCat(1000 * seconds / kTimed, " ", bytes / kTimed);
   return absl::OkStatus();
 }
 
 void BM_TransformerBlock(benchmark::State& state) {
   const int tp = static_cast<int>(state.range(0));
   const bool sequence_parallel = state.range(1) != 0;
-  const std::string result = absl::StrCat("/tmp/trident_tp_bench_", getpid(), ".txt");
   double ms = 0, bytes = 0;
   for (auto _ : state) {
-    LaunchOptions launch;
-    launch.nproc_per_node = tp;
-    launch.command = {"/proc/self/exe", kWorkerFlag, sequence_parallel ? "1" : "0", result};
-    launch.env["OMP_NUM_THREADS"] = "1";
-    launch.env["OPENBLAS_NUM_THREADS"] = "1";
-    launch.on_output = [](int, bool, absl::string_view) {};
-    LaunchResult launched = RunLocalGroup(launch);
-    if (!launched.status.ok()) {
-      state.SkipWithError(std::string(launched.status.message()).c_str());
+    auto results = testing::RunRankWorkers(tp, {sequence_parallel ? "1" : "0"});
+    if (!results.ok()) {
+      state.SkipWithError(std::string(results.status().message()).c_str());
       return;
     }
-    std::ifstream(result) >> ms >> bytes;
+    std::istringstream((*results)[0]) >> ms >> bytes;
     state.SetIterationTime(ms / 1000);
   }
-  std::remove(result.c_str());
   state.counters["fwd_bwd_ms"] = ms;
   state.counters["bytes_per_rank"] = bytes;
 }
@@ -86,10 +78,7 @@ BENCHMARK(BM_TransformerBlock)->Args({1, 0})->Args({2, 0})->Args({4, 0})->Args({
 }  // namespace trident
 
 int main(int argc, char** argv) {
-  if (argc == 4 && std::string(argv[1]) == trident::kWorkerFlag) {
-    return trident::ExitCodeFor("tensor_parallel_worker",
-                                trident::RunWorker(std::string(argv[2]) == "1", argv[3]));
-  }
+  if (auto code = trident::testing::RunIfRankWorker(argc, argv, trident::RunWorker)) return *code;
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   return 0;

@@ -6,22 +6,23 @@
 //
 //   bazel run -c opt //benchmarks:train_step_benchmark
 //
-// Each benchmark run launches the ranks as processes of this binary (through
-// the local launcher); they train warm-up steps, then time `kTimedSteps` steps,
-// and rank 0 reports the mean step time back through a file.
+// Each benchmark run launches the ranks as processes of this binary
+// (testing/rank_workers.h); they train warm-up steps, then time `kTimedSteps`
+// steps, and rank 0 reports the mean step time.
 #include <benchmark/benchmark.h>
 
 #include <sys/resource.h>
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
+#include <sstream>
 #include <string>
 
 #include <ATen/Parallel.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "testing/rank_workers.h"
 #include "topology/topology.h"
 #include "trainer/trainer.h"
 
@@ -30,7 +31,6 @@ namespace {
 
 constexpr int kWarmupSteps = 3;
 constexpr int kTimedSteps = 20;
-constexpr char kWorkerFlag[] = "--train_step_worker";
 
 TrainerConfig BenchmarkConfig(int dp, int tp, int pp, int zero_stage, bool bf16) {
   TrainerConfig c;
@@ -62,7 +62,10 @@ class StepTimer : public TrainerHooks {
   double total_ms = 0;
 };
 
-absl::Status RunWorker(int tp, int pp, int zero_stage, bool bf16, const std::string& result_path) {
+// args: {tp, pp, zero_stage, bf16 0|1}; rank 0 reports "step_ms peak_rss_mb".
+absl::Status RunWorker(const std::vector<std::string>& args, std::string* result) {
+  const int tp = std::stoi(args.at(0)), pp = std::stoi(args.at(1)), zero_stage = std::stoi(args.at(2));
+  const bool bf16 = args.at(3) == "1";
   TuneAllocatorForTraining();
   at::set_num_threads(1);
   TopologyOptions options;
@@ -77,9 +80,7 @@ absl::Status RunWorker(int tp, int pp, int zero_stage, bool bf16, const std::str
   TRIDENT_RETURN_IF_ERROR(trainer->Train().status());
   struct rusage usage;
   getrusage(RUSAGE_SELF, &usage);
-  if (topology->rank() == 0) {
-    std::ofstream(result_path) << timer->total_ms / kTimedSteps << " " << usage.ru_maxrss / 1024.0;
-  }
+  if (topology->rank() == 0) *result = absl::StrCat(timer->total_ms / kTimedSteps, " ", usage.ru_maxrss / 1024.0);
   return absl::OkStatus();
 }
 
@@ -88,25 +89,17 @@ void BM_TrainStep_GptTiny(benchmark::State& state) {
   const int pp = static_cast<int>(state.range(2));
   const int zero_stage = static_cast<int>(state.range(3));
   const bool bf16 = state.range(4) != 0;
-  const std::string result_path = absl::StrCat("/tmp/trident_train_step_", getpid(), ".txt");
   double step_ms = 0, peak_mb = 0;
   for (auto _ : state) {
-    LaunchOptions launch;
-    launch.nproc_per_node = dp * tp * pp;
-    launch.command = {"/proc/self/exe", kWorkerFlag, std::to_string(tp), std::to_string(pp),
-                      std::to_string(zero_stage), bf16 ? "1" : "0", result_path};
-    launch.env["OMP_NUM_THREADS"] = "1";
-    launch.env["OPENBLAS_NUM_THREADS"] = "1";
-    launch.on_output = [](int, bool, absl::string_view) {};
-    LaunchResult result = RunLocalGroup(launch);
-    if (!result.status.ok()) {
-      state.SkipWithError(std::string(result.status.message()).c_str());
+    auto results = testing::RunRankWorkers(dp * tp * pp, {std::to_string(tp), std::to_string(pp),
+                                                          std::to_string(zero_stage), bf16 ? "1" : "0"});
+    if (!results.ok()) {
+      state.SkipWithError(std::string(results.status().message()).c_str());
       return;
     }
-    std::ifstream(result_path) >> step_ms >> peak_mb;
+    std::istringstream((*results)[0]) >> step_ms >> peak_mb;
     state.SetIterationTime(step_ms / 1000.0);
   }
-  std::remove(result_path.c_str());
   state.counters["step_ms"] = step_ms;
   state.counters["peak_rss_mb_rank0"] = peak_mb;
   state.counters["tokens_per_s"] = benchmark::Counter(16.0 * 128 / (step_ms / 1000.0));
@@ -124,11 +117,7 @@ BENCHMARK(BM_TrainStep_GptTiny)
 }  // namespace trident
 
 int main(int argc, char** argv) {
-  if (argc == 7 && std::string(argv[1]) == trident::kWorkerFlag) {
-    return trident::ExitCodeFor("train_step_worker",
-                                trident::RunWorker(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
-                                                   std::string(argv[5]) == "1", argv[6]));
-  }
+  if (auto code = trident::testing::RunIfRankWorker(argc, argv, trident::RunWorker)) return *code;
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   return 0;

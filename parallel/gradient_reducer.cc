@@ -11,18 +11,7 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
                                  double predivide_factor)
     : group_(group != nullptr && group->size() > 1 ? group : nullptr),
       predivide_factor_(predivide_factor) {
-  // Bucket assignment in reverse order: the last layers' gradients come first.
-  std::vector<std::vector<at::Tensor>> members(1);
-  int64_t bytes = 0;
-  for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
-    const int64_t size = it->numel() * it->element_size();
-    if (!members.back().empty() && bytes + size > bucket_bytes) {
-      members.emplace_back();
-      bytes = 0;
-    }
-    members.back().push_back(*it);
-    bytes += size;
-  }
+  const std::vector<std::vector<at::Tensor>> members = BucketsInBackwardOrder(parameters, bucket_bytes);
   buckets_.resize(members.size());
   for (size_t b = 0; b < members.size(); ++b) {
     int64_t total = 0;

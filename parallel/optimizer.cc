@@ -172,31 +172,6 @@ const bool kSgd = OptimizerRegistry().Register("sgd", [](const ComponentArgs& ar
 
 }  // namespace
 
-absl::StatusOr<double> ClipGradNorm(const std::vector<at::Tensor>& counted,
-                                    const std::vector<at::Tensor>& parameters, double max_norm,
-                                    const ProcessGroup* group) {
-  at::NoGradGuard no_grad;
-  auto grads_of = [](const std::vector<at::Tensor>& tensors) {
-    std::vector<at::Tensor> grads;
-    for (const at::Tensor& p : tensors) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
-    return grads;
-  };
-  const std::vector<at::Tensor> counted_grads = grads_of(counted);
-  at::Tensor squares =
-      counted_grads.empty()
-          ? at::zeros({1}, at::kDouble)
-          : at::stack(at::_foreach_norm(counted_grads)).to(at::kDouble).pow(2).sum().reshape({1}).cpu();
-  if (group != nullptr && group->size() > 1) TRIDENT_RETURN_IF_ERROR(group->AllReduce(squares));
-  const double norm = std::sqrt(squares.item<double>());
-  std::vector<at::Tensor> grads = grads_of(parameters);
-  if (max_norm > 0 && norm > max_norm && !grads.empty()) {
-    at::_foreach_mul_(grads, max_norm / (norm + 1e-6));
-  }
-  return norm;
-}
-
 double LearningRate(const std::string& schedule, double lr, double min_lr, int64_t warmup_steps,
                     int64_t max_steps, int64_t step) {
   if (step < warmup_steps) return lr * static_cast<double>(step + 1) / (warmup_steps + 1);

@@ -1,7 +1,7 @@
 // Optimizers for Parallelize: a registry of torch::optim optimizers by name
 // (the same factory builds the optimizer over whole parameters under plain
-// data parallelism and over ZeRO's chunks), Trident's fused AdamW, global-norm
-// clipping across ranks and learning-rate schedules.
+// data parallelism and over ZeRO's chunks), Trident's fused AdamW and
+// learning-rate schedules.
 //
 //   TRIDENT_ASSIGN_OR_RETURN(OptimizerFactory make, MakeOptimizerFactory("adamw",
 //       ComponentArgs("optimizer 'adamw'", {{"weight_decay", "0.1"}})));
@@ -20,7 +20,6 @@
 
 #include "absl/status/statusor.h"
 #include "base/registry.h"
-#include "topology/topology.h"
 #include "zero/zero.h"
 
 namespace trident {
@@ -46,14 +45,6 @@ absl::StatusOr<OptimizerFactory> MakeOptimizerFactory(const std::string& type, c
 
 // Sets every param group's learning rate.
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr);
-
-// Global L2 norm of the .grad of `counted` (summed over `group` when given, so
-// ranks that each hold part of the model count their own parameters once);
-// when `max_norm` > 0 and the norm exceeds it, scales the gradients of
-// `parameters` down to `max_norm`. Returns the norm before clipping.
-absl::StatusOr<double> ClipGradNorm(const std::vector<at::Tensor>& counted,
-                                    const std::vector<at::Tensor>& parameters, double max_norm,
-                                    const ProcessGroup* group = nullptr);
 
 // Learning rate at `step` (0-based): linear warmup over `warmup_steps`, then
 // "constant", "cosine" or "linear" decay to `min_lr` at `max_steps`.

@@ -1,6 +1,5 @@
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <numeric>
 #include <set>
 
@@ -16,70 +15,13 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "parallel/internal/model_part.h"
+#include "parallel/internal/parallel_model_impl.h"
 #include "parallel/internal/transfer.h"
 #include "parallel/parallel.h"
 #include "parallel/parameter_update.h"
 #include "pipeline/stage_runner.h"
 
 namespace trident {
-
-class ParallelModel::Impl {
- public:
-  ParallelPlan plan;
-  Topology* topology = nullptr;
-  const ProcessGroup *dp = nullptr, *tp = nullptr, *pp = nullptr, *norm = nullptr;
-  int stage = 0;
-  at::Device device{at::kCPU};
-  ModelSource source;
-  internal::ModelPart part;
-  std::unique_ptr<PipelineSchedule> schedule;
-  std::unique_ptr<PipelineStageRunner> runner;
-  NamedTensors parameters;  // stored, each tensor once
-  std::map<std::string, ShardSpec> shards;
-  // Parameters other stages hold too, and which stages hold each (ascending).
-  NamedTensors tied;
-  std::vector<std::vector<int>> tied_holders;
-  std::vector<at::Tensor> replicated;  // not tensor-parallel: partial gradients under SP
-  std::vector<at::Tensor> counted;     // in the gradient norm
-  std::unique_ptr<ParameterUpdate> update;
-  PrecisionPolicy precision;
-  std::optional<LossScaler> scaler;
-  int64_t num_parameters = 0;
-  double flops_per_sample = 0;
-  bool reads_data = false;
-
-  int stages() const { return plan.pp; }
-  bool HoldsLastStage() const {
-    return stage == stages() - 1;  // the last virtual stage is chunk V-1 of the last rank
-  }
-  int DataParallelSize() const { return dp != nullptr ? dp->size() : 1; }
-  StageLoss Loss() const {
-    if (part.traced || !source.loss) return StageLoss();
-    return [loss = source.loss](const Values& outputs, const Batch& batch) { return loss(batch, outputs); };
-  }
-  std::vector<Batch> OnDevice(const std::vector<Batch>& batches) const {
-    std::vector<Batch> moved;
-    for (const Batch& batch : batches) {
-      Batch b;
-      for (const at::Tensor& t : batch) b.push_back(t.defined() ? t.to(device) : t);
-      moved.push_back(std::move(b));
-    }
-    return moved;
-  }
-  // The last stage's `local` value on every rank, reduced over data parallelism.
-  absl::StatusOr<double> Share(double local, ReduceOp over_data) const {
-    at::Tensor value = at::full({1}, HoldsLastStage() ? local : 0.0, at::kDouble);
-    if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->Broadcast(value, stages() - 1));
-    if (dp != nullptr) TRIDENT_RETURN_IF_ERROR(dp->AllReduce(value, over_data));
-    return value.item<double>();
-  }
-  absl::StatusOr<std::vector<double>> LossWeights(const std::vector<Batch>& batches) const;
-  absl::Status Setup(OptimizerFactory make_optimizer, const Batch& example);
-  absl::Status FindBoundaries(const Batch& example);
-  absl::Status ClassifyParameters(const Batch& example);
-  void PlanRecomputation();
-};
-
 namespace {
 
 // The topology's group for `axis` when the plan has `size` ranks there
@@ -117,106 +59,6 @@ absl::StatusOr<at::Device> PlanDevice(const ParallelPlan& plan, const Topology& 
 }
 
 }  // namespace
-
-absl::Status ValidatePlan(const ParallelPlan& p) {
-  auto invalid = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
-  if (p.dp < 1 || p.tp < 1 || p.pp < 1) {
-    return invalid("dp=", p.dp, ", tp=", p.tp, ", pp=", p.pp, ": each must be at least 1");
-  }
-  if (p.sequence_parallel && p.tp == 1) {
-    return invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
-  }
-  if (p.zero_stage < 0 || p.zero_stage > 3) {
-    return invalid("zero_stage=", p.zero_stage, " is unknown; choose 0, 1, 2 or 3");
-  }
-  if (p.zero_stage == 3 && p.pp > 1 && p.schedule == "zb_h1") {
-    return invalid("zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
-                   "has released the layer's parameters; use zero_stage <= 2 or another schedule");
-  }
-  if (p.zero_reduce_bucket_bytes < 1 || p.zero_allgather_bucket_bytes < 1 || p.bucket_bytes < 1) {
-    return invalid("bucket sizes must be positive");
-  }
-  if (!(p.gradient_predivide_factor > 0)) return invalid("gradient_predivide_factor must be positive");
-  if (p.micro_batch_size < 1 || p.num_micro_batches < 1) {
-    return invalid("micro_batch_size=", p.micro_batch_size, " and the number of micro-batches (",
-                   p.num_micro_batches, ") must be at least 1");
-  }
-  for (const auto& [name, value, allowed] :
-       std::vector<std::tuple<const char*, std::string, std::vector<std::string>>>{
-           {"activation_checkpointing", p.activation_checkpointing, {"none", "full", "stage_aware"}},
-           {"grad_reduction", p.grad_reduction, {"mean", "sum", "per-token-mean"}},
-           {"loss_reduction", p.loss_reduction, {"mean", "sum"}},
-           {"trace_method", p.trace_method, {"jit", "layers", "none"}},
-           {"split_method", p.split_method, {"", "layer_split", "farthest_min_deps", "nearest_min_deps"}},
-           {"device", p.device, {"cpu", "cuda"}}}) {
-    if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
-      return invalid(name, "='", value, "' is unknown; choose ", absl::StrJoin(allowed, ", "));
-    }
-  }
-  if (p.checkpoint_num_layers < 1 || p.activation_checkpoint_ratio < 0 ||
-      p.activation_checkpoint_ratio > 1) {
-    return invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
-  }
-  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(p.precision, p.precision_table));
-  if (p.device == "cpu" && (precision.compute == at::kHalf || precision.param == at::kHalf)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "precision=", p.precision, " computes or stores float16, which needs a GPU; on CPU, whose "
-        "kernels lack float16 (LayerNorm, matrix products), use bf16 or pure_bf16 (or device=cuda)"));
-  }
-  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(p.schedule, p.virtual_stages));
-  if (p.pp == 1 && schedule->num_chunks() > 1) {
-    return invalid("schedule ", p.schedule, " with virtual_stages=", p.virtual_stages, " needs pp > 1");
-  }
-  if (p.pp > 1) TRIDENT_RETURN_IF_ERROR(schedule->Check(p.pp, static_cast<int>(p.num_micro_batches)));
-  if (!p.custom_split_points.empty() &&
-      static_cast<int64_t>(p.custom_split_points.size()) != static_cast<int64_t>(p.pp) * p.virtual_stages - 1) {
-    return invalid("custom_split_points names ", p.custom_split_points.size(),
-                   " layer(s) but pp*virtual_stages = ", p.pp * p.virtual_stages, " stages need ",
-                   p.pp * p.virtual_stages - 1, " (the first layer of every stage after the first)");
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan) {
-  const bool layers = source.kind == ModelSource::Kind::kLayers ||
-                      (source.kind == ModelSource::Kind::kModule && plan.trace_method == "layers");
-  const int64_t stages = static_cast<int64_t>(plan.pp) * plan.virtual_stages;
-  if (plan.tp > 1 && !layers) {
-    return absl::UnimplementedError(
-        "tp > 1 with a traced model needs automatic tensor parallelism, which Trident does not have "
-        "yet; build the model's layers tensor-parallel (ParallelLinear and ApplyTensorParallel) as a "
-        "LayerSequence, or use tp=1");
-  }
-  if (source.kind == ModelSource::Kind::kLayers) {
-    if (!plan.split_method.empty() && plan.split_method != "layer_split") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "split_method=", plan.split_method, " cuts traced graphs; this model is a layer "
-          "sequence, cut at layer boundaries: use layer_split (with custom_split_points to choose "
-          "the cuts)"));
-    }
-    if (source.num_layers < stages) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "pp*virtual_stages = ", stages, " pipeline stages but the model has ", source.num_layers,
-          " layers; lower pp or virtual_stages or use a deeper model"));
-    }
-  }
-  if (source.kind == ModelSource::Kind::kTorchScript && !std::ifstream(source.torchscript_path)) {
-    return absl::NotFoundError(absl::StrCat("cannot read TorchScript file ", source.torchscript_path,
-                                            " (save one with torch.jit.save)"));
-  }
-  if (!layers && plan.split_method == "layer_split") {
-    return absl::InvalidArgumentError(
-        "split_method=layer_split cuts a LayerSequence at layer boundaries; a traced model is cut "
-        "with farthest_min_deps or nearest_min_deps (or declare it as a LayerSequence and use "
-        "trace_method=layers)");
-  }
-  if (plan.trace_method == "none" && !layers && stages > 1) {
-    return absl::InvalidArgumentError(
-        "trace_method=none runs the model whole, untraced: it cannot be cut into pipeline stages; "
-        "use pp=1, or trace_method=jit");
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
                                                            Topology* topology, const Batch& example,
@@ -519,107 +361,6 @@ const std::map<std::string, ShardSpec>& ParallelModel::shard_specs() const { ret
 absl::Status ParallelModel::GatherFullParameters() { return impl_->update->GatherFullParameters(); }
 absl::Status ParallelModel::ReleaseFullParameters(bool keep_changes) {
   return impl_->update->ReleaseFullParameters(keep_changes);
-}
-
-absl::Status ParallelModel::LoadWeights(const SafetensorsContents& weights) {
-  Impl& m = *impl_;
-  std::map<std::string, std::string> aliases = m.source.aliases;
-  aliases.insert(m.part.aliases.begin(), m.part.aliases.end());
-  TRIDENT_RETURN_IF_ERROR(GatherFullParameters());
-  std::vector<std::string> missing;
-  absl::Status loaded = absl::OkStatus();
-  {
-    at::NoGradGuard no_grad;
-    for (auto& [name, parameter] : m.parameters) {
-      absl::StatusOr<at::Tensor> saved = weights.Get(name);
-      for (const auto& [alias, stored] : aliases) {
-        if (!saved.ok() && stored == name) saved = weights.Get(alias);
-      }
-      if (!saved.ok()) {
-        missing.push_back(name);
-        continue;
-      }
-      at::Tensor value = *saved;
-      auto shard = m.shards.find(name);
-      if (shard != m.shards.end()) {  // the file holds the whole tensor; keep this rank's slice
-        auto shape = shard->second.ShardShape(value.sizes().vec());
-        if (shape.ok() && at::IntArrayRef(*shape).equals(parameter.sizes())) value = shard->second.Slice(value);
-      }
-      if (!value.sizes().equals(parameter.sizes())) {
-        loaded = absl::InvalidArgumentError(absl::StrCat(
-            weights.path, ": tensor '", name, "' has shape ", c10::str(value.sizes()),
-            " but the model's parameter is ", c10::str(parameter.sizes()),
-            "; the file is for another model size"));
-        break;
-      }
-      parameter.copy_(value);
-    }
-  }
-  TRIDENT_RETURN_IF_ERROR(ReleaseFullParameters(/*keep_changes=*/true));
-  TRIDENT_RETURN_IF_ERROR(loaded);
-  if (!missing.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(weights.path, " lacks ", missing.size(),
-                                                   " parameter(s) of the model: ", absl::StrJoin(missing, ", ")));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<NamedTensors> ParallelModel::FullWeights() {
-  Impl& m = *impl_;
-  TRIDENT_RETURN_IF_ERROR(GatherFullParameters());
-  NamedTensors tensors;
-  for (const auto& [name, p] : m.parameters) tensors.emplace_back(name, p.detach().cpu().clone());
-  TRIDENT_RETURN_IF_ERROR(ReleaseFullParameters(/*keep_changes=*/false));
-  if (m.tp != nullptr) {  // join the shards into the single-process tensors
-    for (auto& [name, tensor] : tensors) {
-      auto shard = m.shards.find(name);
-      if (shard == m.shards.end()) continue;
-      TRIDENT_ASSIGN_OR_RETURN(at::Tensor gathered, m.tp->AllGather(tensor, shard->second.dim));
-      tensor = shard->second.Unslice(gathered.chunk(m.tp->size(), shard->second.dim));
-    }
-  }
-  // Each stage's first data- and tensor-parallel rank holds its part whole;
-  // stage 0's (global rank 0) collects the others' through the pipeline group.
-  const bool writer = (m.dp == nullptr || m.dp->rank() == 0) && (m.tp == nullptr || m.tp->rank() == 0);
-  if (m.pp != nullptr && writer) {
-    if (m.stage > 0) {
-      TRIDENT_RETURN_IF_ERROR(internal::SendNamedTensors(*m.pp, 0, tensors));
-      tensors.clear();
-    } else {
-      std::set<std::string> seen;
-      for (const auto& [name, t] : tensors) seen.insert(name);
-      for (int s = 1; s < m.stages(); ++s) {
-        TRIDENT_ASSIGN_OR_RETURN(NamedTensors part, internal::RecvNamedTensors(*m.pp, s));
-        for (auto& [name, t] : part) {
-          if (seen.insert(name).second) tensors.emplace_back(name, t);  // tied: the lowest stage's
-        }
-      }
-    }
-  }
-  TRIDENT_RETURN_IF_ERROR(m.topology->world().Barrier());
-  if (m.topology->rank() != 0) return NamedTensors();
-  std::map<std::string, std::string> aliases = m.source.aliases;
-  aliases.insert(m.part.aliases.begin(), m.part.aliases.end());
-  const size_t stored = tensors.size();
-  for (const auto& [alias, owner] : aliases) {
-    for (size_t i = 0; i < stored; ++i) {
-      if (tensors[i].first == owner) tensors.emplace_back(alias, tensors[i].second);
-    }
-  }
-  return tensors;
-}
-
-NamedTensors ParallelModel::State() const {
-  NamedTensors state = impl_->update->State();
-  if (impl_->scaler) {
-    for (auto& item : impl_->scaler->State()) state.push_back(item);
-  }
-  return state;
-}
-
-absl::Status ParallelModel::LoadState(const NamedTensors& state) {
-  TRIDENT_RETURN_IF_ERROR(impl_->update->LoadState(state));
-  return impl_->scaler ? impl_->scaler->LoadState(state) : absl::OkStatus();
 }
 
 const ParallelPlan& ParallelModel::plan() const { return impl_->plan; }

@@ -51,9 +51,16 @@ class PlainDataParallel : public ParameterUpdate {
       if (p.grad().defined()) p.grad().mul_(factor);
     }
   }
-  absl::StatusOr<double> ClipGradNorm(double max_norm) override {
-    return trident::ClipGradNorm(options_.counted, list_, max_norm, options_.norm_group);
+  double LocalSquaredGradNorm() const override {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : options_.counted) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    if (grads.empty()) return 0;
+    at::NoGradGuard no_grad;
+    return at::stack(at::_foreach_norm(grads)).to(at::kDouble).pow(2).sum().item<double>();
   }
+  const ProcessGroup* NormGroup() const override { return options_.norm_group; }
   absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) override {
     if (options_.tensor_parallel == nullptr) return absl::OkStatus();
     return SequenceParallelGradients(parameters, options_.tensor_parallel->name());
@@ -123,14 +130,9 @@ class Zero : public ParameterUpdate {
     if (options_.tensor_parallel == nullptr) return absl::OkStatus();
     return zero_->SumGradientsOver(*options_.tensor_parallel, parameters);
   }
-  absl::StatusOr<double> ClipGradNorm(double max_norm) override {
-    // Each rank holds its chunk of every gradient: the sum runs over all ranks.
-    at::Tensor squares = at::full({1}, zero_->LocalSquaredGradNorm(), at::kDouble);
-    if (options_.world->size() > 1) TRIDENT_RETURN_IF_ERROR(options_.world->AllReduce(squares));
-    const double norm = std::sqrt(squares.item<double>());
-    if (max_norm > 0 && norm > max_norm) zero_->ScaleGradients(max_norm / (norm + 1e-6));
-    return norm;
-  }
+  double LocalSquaredGradNorm() const override { return zero_->LocalSquaredGradNorm(); }
+  // Each rank holds its chunk of every gradient: the sum runs over all ranks.
+  const ProcessGroup* NormGroup() const override { return options_.world; }
   absl::Status Step(double lr) override { return zero_->Step(lr); }
   NamedTensors State() const override { return zero_->State(); }
   absl::Status LoadState(const NamedTensors& state) override { return zero_->LoadState(state); }
@@ -147,6 +149,15 @@ class Zero : public ParameterUpdate {
 };
 
 }  // namespace
+
+absl::StatusOr<double> ParameterUpdate::ClipGradNorm(double max_norm) {
+  at::Tensor squares = at::full({1}, LocalSquaredGradNorm(), at::kDouble);
+  const ProcessGroup* group = NormGroup();
+  if (group != nullptr && group->size() > 1) TRIDENT_RETURN_IF_ERROR(group->AllReduce(squares));
+  const double norm = std::sqrt(squares.item<double>());
+  if (max_norm > 0 && norm > max_norm) ScaleGradients(max_norm / (norm + 1e-6));
+  return norm;
+}
 
 absl::StatusOr<std::unique_ptr<ParameterUpdate>> MakeParameterUpdate(ParameterUpdateOptions options) {
   if (!options.make_optimizer) {

@@ -36,7 +36,7 @@ class ParameterUpdate {
   virtual absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) = 0;
   // The global gradient norm, counting every stored value once; when
   // `max_norm` > 0 and the norm exceeds it, gradients are scaled down to it.
-  virtual absl::StatusOr<double> ClipGradNorm(double max_norm) = 0;
+  absl::StatusOr<double> ClipGradNorm(double max_norm);
   virtual absl::Status Step(double lr) = 0;
   // The optimizer's state (its own serialisation), and its restoration into
   // the same layout.
@@ -49,6 +49,12 @@ class ParameterUpdate {
   // written meanwhile (a load). No-ops otherwise.
   virtual absl::Status GatherFullParameters() { return absl::OkStatus(); }
   virtual absl::Status ReleaseFullParameters(bool /*keep_changes*/) { return absl::OkStatus(); }
+
+ protected:
+  // Squared L2 norm of the gradient values this rank counts, and the group
+  // whose ranks together count every value once (nullptr: this rank alone).
+  virtual double LocalSquaredGradNorm() const = 0;
+  virtual const ProcessGroup* NormGroup() const = 0;
 };
 
 struct ParameterUpdateOptions {

@@ -117,14 +117,39 @@ absl::StatusOr<std::vector<int64_t>> PartitionLayers(absl::string_view method,
                                                    num_stages, " stages; use 1 to ", layers,
                                                    " stages"));
   }
-  if (method == "uniform") return Uniform(layers, num_stages, /*floor=*/false);
-  if (method == "uniform_floor") return Uniform(layers, num_stages, /*floor=*/true);
-  if (method == "parameters") return MinimiseBottleneckBySearch(weights, num_stages);
-  if (method == "cost") return MinimiseBottleneckByDynamicProgram(weights, num_stages);
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown partition_method '", method,
-      "'; choose uniform, uniform_floor, parameters, cost or custom"));
+  if (method == "custom") {
+    return absl::InvalidArgumentError(
+        "partition_method 'custom' takes its boundaries from PartitionOptions::custom_boundaries");
+  }
+  TRIDENT_ASSIGN_OR_RETURN(PartitionMethod partition, PartitionMethodRegistry().Find(method));
+  return partition(weights, num_stages);
 }
+
+Registry<PartitionMethod>& PartitionMethodRegistry() {
+  static auto* registry = new Registry<PartitionMethod>("partition_method");
+  return *registry;
+}
+
+namespace {
+
+const bool kRegistered = [] {
+  Registry<PartitionMethod>& r = PartitionMethodRegistry();
+  r.Register("uniform", [](const std::vector<double>& w, int s) -> absl::StatusOr<std::vector<int64_t>> {
+    return Uniform(static_cast<int64_t>(w.size()), s, /*floor=*/false);
+  });
+  r.Register("uniform_floor", [](const std::vector<double>& w, int s) -> absl::StatusOr<std::vector<int64_t>> {
+    return Uniform(static_cast<int64_t>(w.size()), s, /*floor=*/true);
+  });
+  r.Register("parameters", [](const std::vector<double>& w, int s) -> absl::StatusOr<std::vector<int64_t>> {
+    return MinimiseBottleneckBySearch(w, s);
+  });
+  r.Register("cost", [](const std::vector<double>& w, int s) -> absl::StatusOr<std::vector<int64_t>> {
+    return MinimiseBottleneckByDynamicProgram(w, s);
+  });
+  return true;
+}();
+
+}  // namespace
 
 absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
                                 const PartitionOptions& options) {

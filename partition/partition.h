@@ -15,11 +15,13 @@
 #define TRIDENT_PARTITION_PARTITION_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/registry.h"
 #include "graph/graph.h"
 #include "partition/plan.pb.h"
 
@@ -34,9 +36,15 @@ namespace trident {
 //   cost           the same objective by the linear-partition dynamic program;
 //                  weights are estimated or measured times
 // Errors when S < 1 or S exceeds the number of layers.
+// Methods are registered by name; a user's own registers a PartitionMethod
+// with PartitionMethodRegistry() at static initialisation ("parameters" is fed
+// parameter counts, any other method the FLOPs or measured times).
 absl::StatusOr<std::vector<int64_t>> PartitionLayers(absl::string_view method,
                                                      const std::vector<double>& weights,
                                                      int num_stages);
+using PartitionMethod =
+    std::function<absl::StatusOr<std::vector<int64_t>>(const std::vector<double>& weights, int num_stages)>;
+Registry<PartitionMethod>& PartitionMethodRegistry();
 
 struct PartitionOptions {
   int num_stages = 1;

@@ -10,12 +10,14 @@
 #ifndef TRIDENT_PIPELINE_PIPELINE_H_
 #define TRIDENT_PIPELINE_PIPELINE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/registry.h"
 
 namespace trident {
 
@@ -79,8 +81,15 @@ class PipelineSchedule {
 // `virtual_stages` model chunks per rank; micro-batches a multiple of the
 // stages) or "zb_h1" (zero-bubble H1: backward split into the input gradient,
 // sent at once, and the weight gradient, deferred into the bubbles).
+//
+// Schedules are registered by name (a user's own too: register a factory with
+// ScheduleRegistry() at static initialisation); a factory gets the number of
+// model chunks per rank and errors when it cannot run that many.
 absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name,
                                                                int virtual_stages = 1);
+using ScheduleFactory =
+    std::function<absl::StatusOr<std::unique_ptr<PipelineSchedule>>(int virtual_stages)>;
+Registry<ScheduleFactory>& ScheduleRegistry();
 std::vector<std::string> ScheduleNames();
 
 // One timed instruction of a timeline.

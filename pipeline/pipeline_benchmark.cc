@@ -11,7 +11,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
-#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -19,20 +19,21 @@
 #include "models/models.h"
 #include "partition/partition.h"
 #include "pipeline/stage_runner.h"
+#include "testing/rank_workers.h"
 
 namespace trident {
 namespace {
 
-constexpr char kWorkerFlag[] = "--pipeline_worker";
 constexpr int kMicroBatches = 8, kSteps = 3;
 
 // Model chunks per rank for a schedule.
 int Chunks(const std::string& schedule) { return schedule == "interleaved_1f1b" ? 2 : 1; }
 
-// One rank: runs kSteps steps and writes, for the last, "step_seconds
-// forward_seconds backward_seconds compute_seconds weight_grad_seconds" to
-// `result`.rank<r>.
-absl::Status RunWorker(const std::string& schedule_name, const std::string& result) {
+// One rank: runs kSteps steps and reports, for the last, "step_seconds
+// forward_seconds backward_seconds compute_seconds weight_grad_seconds".
+// args: {schedule}.
+absl::Status RunWorker(const std::vector<std::string>& args, std::string* result) {
+  const std::string& schedule_name = args.at(0);
   at::set_num_threads(1);
   TRIDENT_ASSIGN_OR_RETURN(auto env, DistributedEnvFromEnvironment());
   TopologyOptions options;
@@ -69,15 +70,13 @@ absl::Status RunWorker(const std::string& schedule_name, const std::string& resu
     if (e.op == Op::kBackward || e.op == Op::kBackwardInput) backward += e.end - e.start;
     if (e.op == Op::kBackwardWeight) weight += e.end - e.start;
   }
-  std::ofstream(absl::StrCat(result, ".rank", stage))
-      << end << " " << forward / kMicroBatches << " " << (backward + weight) / kMicroBatches
-      << " " << forward + backward + weight << " " << weight / kMicroBatches;
+  *result = absl::StrCat(end, " ", forward / kMicroBatches, " ", (backward + weight) / kMicroBatches, " ",
+                         forward + backward + weight, " ", weight / kMicroBatches);
   return absl::OkStatus();
 }
 
 void BM_PipelineStep(benchmark::State& state, const char* schedule) {
   const int stages = static_cast<int>(state.range(0));
-  const std::string result = absl::StrCat("/tmp/trident_pipeline_bench_", getpid());
   double step = 0, compute = 0, weight_share = 0;
   SimulationOptions simulated;
   simulated.num_stages = stages;
@@ -85,19 +84,13 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule) {
   simulated.forward_seconds.clear();
   simulated.backward_seconds.clear();
   for (auto _ : state) {
-    LaunchOptions launch;
-    launch.nproc_per_node = stages;
-    launch.command = {"/proc/self/exe", kWorkerFlag, schedule, result};
-    launch.env["OMP_NUM_THREADS"] = "1";
-    launch.env["OPENBLAS_NUM_THREADS"] = "1";
-    launch.on_output = [](int, bool, absl::string_view) {};
-    LaunchResult launched = RunLocalGroup(launch);
-    if (!launched.status.ok()) {
-      state.SkipWithError(std::string(launched.status.message()).c_str());
+    auto results = testing::RunRankWorkers(stages, {schedule});
+    if (!results.ok()) {
+      state.SkipWithError(std::string(results.status().message()).c_str());
       return;
     }
     for (int s = 0; s < stages; ++s) {
-      std::ifstream in(absl::StrCat(result, ".rank", s));
+      std::istringstream in((*results)[s]);
       double end, forward, backward, busy, weight;
       in >> end >> forward >> backward >> busy >> weight;
       step = std::max(step, end);
@@ -105,7 +98,6 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule) {
       weight_share += weight / backward / stages;
       simulated.forward_seconds.push_back(forward);
       simulated.backward_seconds.push_back(backward);
-      std::remove(absl::StrCat(result, ".rank", s).c_str());
     }
     state.SetIterationTime(step);
   }
@@ -130,9 +122,7 @@ BENCHMARK_CAPTURE(BM_PipelineStep, interleaved_1f1b, "interleaved_1f1b")->Arg(2)
 }  // namespace trident
 
 int main(int argc, char** argv) {
-  if (argc == 4 && std::string(argv[1]) == trident::kWorkerFlag) {
-    return trident::ExitCodeFor("pipeline_worker", trident::RunWorker(argv[2], argv[3]));
-  }
+  if (auto code = trident::testing::RunIfRankWorker(argc, argv, trident::RunWorker)) return *code;
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   return 0;

@@ -238,8 +238,8 @@ TEST(TimelineTest, ChromeTraceAndSvgShowEveryStage) {
 
 TEST(ScheduleTest, UnknownNamesAndEmptyShapesAreClearErrors) {
   EXPECT_THAT(std::string(MakeSchedule("zigzag").status().message()),
-              HasSubstr("unknown schedule 'zigzag'; choose gpipe, 1f1b, last_no_recompute_1f1b, "
-                        "pre_recompute_1f1b, shifted_critical_path, interleaved_1f1b, zb_h1"));
+              HasSubstr("unknown schedule 'zigzag'; choose 1f1b, gpipe, interleaved_1f1b, "
+                        "last_no_recompute_1f1b, pre_recompute_1f1b, shifted_critical_path, zb_h1"));
   EXPECT_THAT(std::string(MakeSchedule("1f1b", 2).status().message()),
               HasSubstr("virtual_stages = 2 needs schedule interleaved_1f1b"));
   EXPECT_THAT(std::string((*MakeSchedule("interleaved_1f1b", 1))->Check(2, 4).message()),

@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status.h"
 #include "pipeline/pipeline.h"
 
 namespace trident {
@@ -228,41 +229,73 @@ absl::Status PipelineSchedule::Check(int num_stages, int num_micro_batches) cons
   return absl::OkStatus();
 }
 
-std::vector<std::string> ScheduleNames() {
-  return {"gpipe",           "1f1b",          "last_no_recompute_1f1b", "pre_recompute_1f1b",
-          "shifted_critical_path", "interleaved_1f1b", "zb_h1"};
+Registry<ScheduleFactory>& ScheduleRegistry() {
+  static auto* registry = new Registry<ScheduleFactory>("schedule");
+  return *registry;
 }
+
+std::vector<std::string> ScheduleNames() { return ScheduleRegistry().Names(); }
 
 absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name,
                                                                int virtual_stages) {
-  if (virtual_stages != 1 && name != "interleaved_1f1b") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "virtual_stages = ", virtual_stages, " needs schedule interleaved_1f1b; schedule ", name,
-        " runs one model chunk per pipeline rank"));
-  }
-  OneFOneB::Variant variant;
-  variant.name = std::string(name);
-  if (name == "last_no_recompute_1f1b") variant.last_recomputes = false;
-  if (name == "pre_recompute_1f1b") variant.pre_recompute = true;
-  if (name == "shifted_critical_path") {
-    variant.last_recomputes = false;
-    variant.pre_recompute = true;
-    variant.extra_warmup = true;
-    variant.min_micro_batches = 4;
-  }
-  if (name == "zb_h1") variant.split_backward = true;
-  std::unique_ptr<PipelineSchedule> schedule;
-  if (name == "gpipe") schedule.reset(new GPipe());
-  if (name == "1f1b" || name == "last_no_recompute_1f1b" || name == "pre_recompute_1f1b" ||
-      name == "shifted_critical_path" || name == "zb_h1") {
-    schedule.reset(new OneFOneB(variant));
-  }
-  if (name == "interleaved_1f1b") schedule.reset(new Interleaved1F1B(virtual_stages));
-  if (schedule == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown schedule '", name, "'; choose ",
-                                                   absl::StrJoin(ScheduleNames(), ", ")));
-  }
-  return schedule;
+  TRIDENT_ASSIGN_OR_RETURN(ScheduleFactory make, ScheduleRegistry().Find(name));
+  return make(virtual_stages);
 }
+
+namespace {
+
+// A schedule of one model chunk per rank: `variant` of 1F1B, or GPipe.
+ScheduleFactory OneChunk(std::function<PipelineSchedule*()> make) {
+  return [make](int virtual_stages) -> absl::StatusOr<std::unique_ptr<PipelineSchedule>> {
+    std::unique_ptr<PipelineSchedule> schedule(make());
+    if (virtual_stages != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "virtual_stages = ", virtual_stages, " needs schedule interleaved_1f1b; schedule ",
+          schedule->name(), " runs one model chunk per pipeline rank"));
+    }
+    return schedule;
+  };
+}
+
+OneFOneB::Variant Variant(const char* name) {
+  OneFOneB::Variant variant;
+  variant.name = name;
+  return variant;
+}
+
+const bool kRegistered = [] {
+  Registry<ScheduleFactory>& r = ScheduleRegistry();
+  r.Register("gpipe", OneChunk([] { return new GPipe(); }));
+  r.Register("1f1b", OneChunk([] { return new OneFOneB(Variant("1f1b")); }));
+  r.Register("last_no_recompute_1f1b", OneChunk([] {
+               OneFOneB::Variant v = Variant("last_no_recompute_1f1b");
+               v.last_recomputes = false;
+               return new OneFOneB(v);
+             }));
+  r.Register("pre_recompute_1f1b", OneChunk([] {
+               OneFOneB::Variant v = Variant("pre_recompute_1f1b");
+               v.pre_recompute = true;
+               return new OneFOneB(v);
+             }));
+  r.Register("shifted_critical_path", OneChunk([] {
+               OneFOneB::Variant v = Variant("shifted_critical_path");
+               v.last_recomputes = false;
+               v.pre_recompute = true;
+               v.extra_warmup = true;
+               v.min_micro_batches = 4;
+               return new OneFOneB(v);
+             }));
+  r.Register("zb_h1", OneChunk([] {
+               OneFOneB::Variant v = Variant("zb_h1");
+               v.split_backward = true;
+               return new OneFOneB(v);
+             }));
+  r.Register("interleaved_1f1b", [](int virtual_stages) -> absl::StatusOr<std::unique_ptr<PipelineSchedule>> {
+    return std::unique_ptr<PipelineSchedule>(new Interleaved1F1B(virtual_stages));
+  });
+  return true;
+}();
+
+}  // namespace
 
 }  // namespace trident

@@ -511,13 +511,29 @@ TEST(TrainerExportTest, ExportedWeightsCarryTheReferenceNamesAndInitialiseAnothe
 class RecordingHooks : public TrainerHooks {
  public:
   void OnTrainStart(const TrainerState&) override { events.push_back("train_start"); }
+  void OnEpochStart(const TrainerState& s) override { events.push_back("epoch_start " + std::to_string(s.epoch)); }
   void OnStepStart(const TrainerState& s) override { events.push_back("step_start " + std::to_string(s.step)); }
+  void BeforeZeroGrad(const TrainerState&) override { events.push_back("before_zero_grad"); }
+  void AfterZeroGrad(const TrainerState&) override { events.push_back("after_zero_grad"); }
+  void AfterAggregateTrainStepOutputs(const TrainerState&, double loss) override {
+    events.push_back(loss > 0 ? "aggregated" : "aggregated zero");
+  }
+  void BeforeGnormClip(const TrainerState&) override { events.push_back("before_gnorm_clip"); }
+  void AfterGnormClip(const TrainerState&, double norm) override {
+    events.push_back(norm > 0 ? "after_gnorm_clip" : "after_gnorm_clip zero");
+  }
   void BeforeOptimizerStep(const TrainerState&) override { events.push_back("before_optimizer"); }
   void AfterOptimizerStep(const TrainerState& s) override { events.push_back("after_optimizer " + std::to_string(s.step)); }
   void OnStepEnd(const TrainerState&, const StepMetrics& m) override {
     events.push_back("step_end " + std::to_string(m.step));
   }
-  void OnValEnd(const TrainerState&, double) override { events.push_back("eval_end"); }
+  void BeforeLogTrainMetrics(const TrainerState&, StepMetrics& m) override {
+    events.push_back("before_log");
+    m.loss = 42;  // what is logged may be changed here
+  }
+  void OnEpochEnd(const TrainerState&) override { events.push_back("epoch_end"); }
+  void OnValStart(const TrainerState&) override { events.push_back("val_start"); }
+  void OnValEnd(const TrainerState&, double) override { events.push_back("val_end"); }
   void OnSaveCheckpoint(const TrainerState&, const std::string&) override { events.push_back("save"); }
   void OnTrainEnd(const TrainerState&) override { events.push_back("train_end"); }
   std::vector<std::string> events;
@@ -537,15 +553,21 @@ TEST(TrainerHooksTest, HooksRunInOrder) {
     auto hooks = std::make_shared<RecordingHooks>();
     (*trainer)->AddHooks(hooks);
     ASSERT_TRUE((*trainer)->Train().ok());
-    EXPECT_EQ(hooks->events,
-              (std::vector<std::string>{"train_start", "step_start 0", "before_optimizer",
-                                        "after_optimizer 1", "step_end 1", "step_start 1",
-                                        "before_optimizer", "after_optimizer 2", "step_end 2",
-                                        "eval_end", "save", "train_end"}));
+    const std::vector<std::string> step = {"before_zero_grad", "after_zero_grad", "aggregated",
+                                           "before_gnorm_clip", "after_gnorm_clip", "before_optimizer"};
+    std::vector<std::string> expected = {"train_start", "epoch_start 0", "step_start 0"};
+    expected.insert(expected.end(), step.begin(), step.end());
+    for (const char* e : {"after_optimizer 1", "step_end 1", "before_log", "step_start 1"}) expected.push_back(e);
+    expected.insert(expected.end(), step.begin(), step.end());
+    for (const char* e : {"after_optimizer 2", "step_end 2", "before_log", "epoch_end", "val_start", "val_end",
+                          "save", "train_end"}) {
+      expected.push_back(e);
+    }
+    EXPECT_EQ(hooks->events, expected);
     std::ifstream metrics(TestDir() + "/hooks/metrics.jsonl");
     std::string first;
     std::getline(metrics, first);
-    EXPECT_THAT(first, HasSubstr("{\"step\": 1, \"loss\": "));
+    EXPECT_THAT(first, HasSubstr("{\"step\": 1, \"loss\": 42, "));
     EXPECT_THAT(first, HasSubstr("\"tokens_per_s\": "));
   });
 }

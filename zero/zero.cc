@@ -105,20 +105,10 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   std::vector<size_t> member_group;
   if (o.stage < 3) {
     for (size_t g = 0; g < groups.size(); ++g) {
-      // Reverse order: the last layers' gradients come first in backward.
-      int64_t bytes = 0;
-      bool open = false, open_keep = false;
-      for (auto it = groups[g].rbegin(); it != groups[g].rend(); ++it) {
-        const bool keep = keep_full(*it);
-        if (!open || bytes + Bytes(*it) > o.reduce_bucket_bytes || open_keep != keep) {
-          members.emplace_back();
-          member_group.push_back(g);
-          bytes = 0;
-          open = true;
-          open_keep = keep;
-        }
-        members.back().push_back(*it);
-        bytes += Bytes(*it);
+      for (auto& bucket : BucketsInBackwardOrder(groups[g], o.reduce_bucket_bytes,
+                                                 [&](const at::Tensor& p) { return keep_full(p) ? 1 : 0; })) {
+        members.push_back(std::move(bucket));
+        member_group.push_back(g);
       }
     }
   } else {

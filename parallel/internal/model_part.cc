@@ -164,6 +164,7 @@ absl::Status TraceGraph(const ModelSource& source, const ParallelPlan& plan, con
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<GraphLayers> layers, GraphLayers::Create(shared, shards));
   part->layers = std::move(layers);
   part->traced = true;
+  part->loss_inside = true;
   return absl::OkStatus();
 }
 
@@ -212,6 +213,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
                              SelectInputs(plan.input_names, plan.batch_fields, example.size()));
     part.layers = std::make_shared<EagerModuleLayer>(
         source.module, ForwardWithLoss(source.forward, inputs, source.loss), static_cast<int>(example.size()));
+    part.loss_inside = true;
     TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
   } else if (plan.trace_method == "jit") {
     TRIDENT_RETURN_IF_ERROR(TraceGraph(source, plan, device, example, &part));

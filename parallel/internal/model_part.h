@@ -26,6 +26,9 @@ struct ModelPart {
   std::map<std::string, std::string> aliases;  // second names of tied parameters
   double flops_per_sample = 0;            // known for traced graphs
   bool traced = false;
+  // Module sources: a given loss function runs inside the layers, its result
+  // first among the last layer's outputs.
+  bool loss_inside = false;
 };
 
 // Builds `stage`'s part of `source`. `example` is one micro-batch.

@@ -1,0 +1,190 @@
+// ParallelModel behaviours below the trainer: gradient and loss reductions,
+// the three ways a module runs (traced, eager, as layers), missing topology
+// axes, and the errors Parallelize gives on every rank before any step.
+#include "parallel/parallel.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "testing/multiprocess.h"
+
+namespace trident {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A small MLP with a skip connection, returning its prediction.
+struct TinyNetImpl : torch::nn::Module {
+  TinyNetImpl() {
+    torch::manual_seed(3);
+    a = register_module("a", torch::nn::Linear(4, 8));
+    b = register_module("b", torch::nn::Linear(8, 8));
+    c = register_module("c", torch::nn::Linear(8, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor h = torch::tanh(a(x));
+    return c(torch::tanh(b(h)) + h);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(TinyNet);
+
+// The same network declared as two layers (for trace_method=layers).
+class TinyLayers : public TinyNetImpl, public LayerSequence {
+ public:
+  int64_t NumLayers() const override { return 2; }
+  std::string LayerName(int64_t i) const override { return i == 0 ? "a" : "bc"; }
+  Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) override {
+    if (i == 0) return {torch::tanh(a(batch.at(0)))};
+    return {c(torch::tanh(b(inputs.at(0))) + inputs.at(0))};
+  }
+  NamedTensors LayerParameters(int64_t i) override {
+    NamedTensors out;
+    for (const auto& item : named_parameters()) {
+      if ((i == 0) == (item.key()[0] == 'a')) out.emplace_back(item.key(), item.value());
+    }
+    return out;
+  }
+};
+
+ModelSource TinySource(const LossFunction& loss = nullptr) {
+  auto net = std::make_shared<TinyNetImpl>();
+  ModelSource source = ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
+  source.loss = loss ? loss : *LossRegistry().Find("mse");
+  return source;
+}
+
+// Micro-batch m: inputs [2, 4] and targets [2, 1], the same on every rank.
+Batch MicroBatch(int m) {
+  torch::manual_seed(100 + m);
+  return {torch::randn({2, 4}), torch::randn({2, 1})};
+}
+
+OptimizerFactory Sgd() { return *MakeOptimizerFactory("sgd", ComponentArgs()); }
+
+// Gradients after one ForwardBackward of `plan` on `source`, by name, and the loss.
+std::map<std::string, at::Tensor> Gradients(ParallelModel& model, const std::vector<Batch>& batches,
+                                            double* loss) {
+  model.ZeroGrad();
+  auto result = model.ForwardBackward(batches);
+  EXPECT_TRUE(result.ok()) << result.status();
+  if (result.ok()) *loss = *result;
+  std::map<std::string, at::Tensor> grads;
+  for (const auto& [name, p] : model.parameters()) grads[name] = p.grad().clone();
+  return grads;
+}
+
+// On 2 data-parallel ranks with 2 micro-batches each: "sum" gives the mean's
+// gradients times M * dp and reports the summed loss; "per-token-mean" with
+// equal token counts gives the mean's gradients.
+TEST(ParallelModelTest, GradientAndLossReductions) {
+  testing::RunOnRanks(2, [](int rank) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    std::vector<Batch> batches = {MicroBatch(2 * rank), MicroBatch(2 * rank + 1)};
+    std::map<std::string, std::map<std::string, at::Tensor>> grads;
+    std::map<std::string, double> losses;
+    for (const char* reduction : {"mean", "sum", "per-token-mean"}) {
+      ParallelPlan plan;
+      plan.dp = 2;
+      plan.num_micro_batches = 2;
+      plan.micro_batch_size = 2;
+      plan.grad_reduction = reduction;
+      plan.loss_reduction = std::string(reduction) == "sum" ? "sum" : "mean";
+      auto model = Parallelize(TinySource(), plan, topology->get(), batches[0], Sgd());
+      ASSERT_TRUE(model.ok()) << model.status();
+      grads[reduction] = Gradients(**model, batches, &losses[reduction]);
+    }
+    EXPECT_NEAR(losses["sum"], 4 * losses["mean"], 1e-5);
+    EXPECT_NEAR(losses["per-token-mean"], losses["mean"], 1e-6);
+    for (const auto& [name, mean] : grads["mean"]) {
+      EXPECT_TRUE(torch::allclose(grads["sum"][name], mean * 4, 1e-5, 1e-6)) << name;
+      EXPECT_TRUE(torch::allclose(grads["per-token-mean"][name], mean, 1e-5, 1e-7)) << name;
+    }
+  });
+}
+
+// The module traced, run eagerly (trace_method none) and declared as layers
+// (trace_method layers) gives the same loss and gradients; a topology with
+// only a data axis serves a pipeline of one with recomputation.
+TEST(ParallelModelTest, TracedEagerAndLayersAgree) {
+  testing::RunOnRanks(1, [](int) {
+    auto topology = testing::JoinTopology({{"data", 1}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    std::vector<Batch> batches = {MicroBatch(0), MicroBatch(1)};
+    std::map<std::string, std::map<std::string, at::Tensor>> grads;
+    std::map<std::string, double> losses;
+    for (const char* method : {"jit", "none", "layers"}) {
+      ParallelPlan plan;
+      plan.num_micro_batches = 2;
+      plan.micro_batch_size = 2;
+      plan.trace_method = method;
+      plan.activation_checkpointing = "full";
+      ModelSource source = TinySource();
+      if (std::string(method) == "layers") {
+        auto layers = std::make_shared<TinyLayers>();
+        source = ModelSource::FromModule(layers, nullptr);
+        source.loss = *LossRegistry().Find("mse");
+      }
+      auto model = Parallelize(source, plan, topology->get(), batches[0], Sgd());
+      ASSERT_TRUE(model.ok()) << method << ": " << model.status();
+      grads[method] = Gradients(**model, batches, &losses[method]);
+    }
+    for (const char* method : {"none", "layers"}) {
+      EXPECT_NEAR(losses[method], losses["jit"], 1e-6) << method;
+      for (const auto& [name, g] : grads["jit"]) {
+        EXPECT_TRUE(torch::allclose(grads[method][name], g, 1e-5, 1e-7)) << method << " " << name;
+      }
+    }
+  });
+}
+
+// Problems found while setting up on one stage reach every rank as errors
+// before any step, and problems of the plan and source come first.
+TEST(ParallelModelTest, SetupErrorsReachEveryRank) {
+  testing::RunOnRanks(2, [](int rank) {
+    auto topology = testing::JoinTopology({{"pipeline", 2}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    ParallelPlan plan;
+    plan.pp = 2;
+    plan.num_micro_batches = 2;
+    plan.micro_batch_size = 2;
+    plan.split_method = "nearest_min_deps";
+    plan.shard_count = 3;
+    const Batch example = MicroBatch(0);
+    // The loss is not a scalar: the last stage finds out, both ranks fail.
+    auto vector_loss = Parallelize(
+        TinySource([](const Batch& b, const Values& out) { return (out[0] - b.back()).pow(2); }), plan,
+        topology->get(), example, Sgd());
+    ASSERT_FALSE(vector_loss.ok());
+    EXPECT_THAT(std::string(vector_loss.status().message()),
+                HasSubstr(rank == 1 ? "the loss must be a floating-point scalar" : "rank 1 failed"));
+    // Checked before any rank builds anything.
+    ModelSource no_loss = TinySource();
+    no_loss.loss = nullptr;
+    plan.trace_method = "none";
+    EXPECT_THAT(std::string(Parallelize(no_loss, plan, topology->get(), example, Sgd()).status().message()),
+                HasSubstr("trace_method=none runs the model whole"));
+    plan.trace_method = "jit";
+    plan.split_method = "layer_split";
+    EXPECT_THAT(std::string(Parallelize(no_loss, plan, topology->get(), example, Sgd()).status().message()),
+                HasSubstr("a traced model is cut with farthest_min_deps or nearest_min_deps"));
+    plan.split_method = "nearest_min_deps";
+    plan.tp = 2;
+    EXPECT_THAT(std::string(CheckSource(no_loss, plan).message()), HasSubstr("needs automatic tensor parallelism"));
+    plan.tp = 1;
+    plan.dp = 2;
+    EXPECT_THAT(std::string(Parallelize(no_loss, plan, topology->get(), example, Sgd()).status().message()),
+                HasSubstr("dp*tp*pp = 4 but the job has 2 ranks"));
+    plan.dp = 1;
+    // The model computes no loss and none is given.
+    auto missing = Parallelize(no_loss, plan, topology->get(), example, Sgd());
+    ASSERT_FALSE(missing.ok());
+    EXPECT_THAT(std::string(missing.status().message()),
+                HasSubstr(rank == 1 ? "hold no scalar loss" : "rank 1 failed"));
+  });
+}
+
+}  // namespace
+}  // namespace trident

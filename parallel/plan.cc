@@ -1,0 +1,115 @@
+// Checks of a ParallelPlan and a ModelSource, made before any rank builds anything.
+#include <algorithm>
+#include <fstream>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "amp/amp.h"
+#include "base/status.h"
+#include "parallel/parallel.h"
+#include "pipeline/pipeline.h"
+
+namespace trident {
+
+absl::Status ValidatePlan(const ParallelPlan& p) {
+  auto invalid = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (p.dp < 1 || p.tp < 1 || p.pp < 1) {
+    return invalid("dp=", p.dp, ", tp=", p.tp, ", pp=", p.pp, ": each must be at least 1");
+  }
+  if (p.sequence_parallel && p.tp == 1) {
+    return invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
+  }
+  if (p.zero_stage < 0 || p.zero_stage > 3) {
+    return invalid("zero_stage=", p.zero_stage, " is unknown; choose 0, 1, 2 or 3");
+  }
+  if (p.zero_stage == 3 && p.pp > 1 && p.schedule == "zb_h1") {
+    return invalid("zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
+                   "has released the layer's parameters; use zero_stage <= 2 or another schedule");
+  }
+  if (p.zero_reduce_bucket_bytes < 1 || p.zero_allgather_bucket_bytes < 1 || p.bucket_bytes < 1) {
+    return invalid("bucket sizes must be positive");
+  }
+  if (!(p.gradient_predivide_factor > 0)) return invalid("gradient_predivide_factor must be positive");
+  if (p.micro_batch_size < 1 || p.num_micro_batches < 1) {
+    return invalid("micro_batch_size=", p.micro_batch_size, " and the number of micro-batches (",
+                   p.num_micro_batches, ") must be at least 1");
+  }
+  for (const auto& [name, value, allowed] :
+       std::vector<std::tuple<const char*, std::string, std::vector<std::string>>>{
+           {"activation_checkpointing", p.activation_checkpointing, {"none", "full", "stage_aware"}},
+           {"grad_reduction", p.grad_reduction, {"mean", "sum", "per-token-mean"}},
+           {"loss_reduction", p.loss_reduction, {"mean", "sum"}},
+           {"trace_method", p.trace_method, {"jit", "layers", "none"}},
+           {"split_method", p.split_method, {"", "layer_split", "farthest_min_deps", "nearest_min_deps"}},
+           {"device", p.device, {"cpu", "cuda"}}}) {
+    if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
+      return invalid(name, "='", value, "' is unknown; choose ", absl::StrJoin(allowed, ", "));
+    }
+  }
+  if (p.checkpoint_num_layers < 1 || p.activation_checkpoint_ratio < 0 ||
+      p.activation_checkpoint_ratio > 1) {
+    return invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
+  }
+  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(p.precision, p.precision_table));
+  if (p.device == "cpu" && (precision.compute == at::kHalf || precision.param == at::kHalf)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "precision=", p.precision, " computes or stores float16, which needs a GPU; on CPU, whose "
+        "kernels lack float16 (LayerNorm, matrix products), use bf16 or pure_bf16 (or device=cuda)"));
+  }
+  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(p.schedule, p.virtual_stages));
+  if (p.pp == 1 && schedule->num_chunks() > 1) {
+    return invalid("schedule ", p.schedule, " with virtual_stages=", p.virtual_stages, " needs pp > 1");
+  }
+  if (p.pp > 1) TRIDENT_RETURN_IF_ERROR(schedule->Check(p.pp, static_cast<int>(p.num_micro_batches)));
+  if (!p.custom_split_points.empty() &&
+      static_cast<int64_t>(p.custom_split_points.size()) != static_cast<int64_t>(p.pp) * p.virtual_stages - 1) {
+    return invalid("custom_split_points names ", p.custom_split_points.size(),
+                   " layer(s) but pp*virtual_stages = ", p.pp * p.virtual_stages, " stages need ",
+                   p.pp * p.virtual_stages - 1, " (the first layer of every stage after the first)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan) {
+  const bool layers = source.kind == ModelSource::Kind::kLayers ||
+                      (source.kind == ModelSource::Kind::kModule && plan.trace_method == "layers");
+  const int64_t stages = static_cast<int64_t>(plan.pp) * plan.virtual_stages;
+  if (plan.tp > 1 && !layers) {
+    return absl::UnimplementedError(
+        "tp > 1 with a traced model needs automatic tensor parallelism, which Trident does not have "
+        "yet; build the model's layers tensor-parallel (ParallelLinear and ApplyTensorParallel) as a "
+        "LayerSequence, or use tp=1");
+  }
+  if (source.kind == ModelSource::Kind::kLayers) {
+    if (!plan.split_method.empty() && plan.split_method != "layer_split") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "split_method=", plan.split_method, " cuts traced graphs; this model is a layer "
+          "sequence, cut at layer boundaries: use layer_split (with custom_split_points to choose "
+          "the cuts)"));
+    }
+    if (source.num_layers < stages) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pp*virtual_stages = ", stages, " pipeline stages but the model has ", source.num_layers,
+          " layers; lower pp or virtual_stages or use a deeper model"));
+    }
+  }
+  if (source.kind == ModelSource::Kind::kTorchScript && !std::ifstream(source.torchscript_path)) {
+    return absl::NotFoundError(absl::StrCat("cannot read TorchScript file ", source.torchscript_path,
+                                            " (save one with torch.jit.save)"));
+  }
+  if (!layers && plan.split_method == "layer_split") {
+    return absl::InvalidArgumentError(
+        "split_method=layer_split cuts a LayerSequence at layer boundaries; a traced model is cut "
+        "with farthest_min_deps or nearest_min_deps (or declare it as a LayerSequence and use "
+        "trace_method=layers)");
+  }
+  if (plan.trace_method == "none" && !layers && stages > 1) {
+    return absl::InvalidArgumentError(
+        "trace_method=none runs the model whole, untraced: it cannot be cut into pipeline stages; "
+        "use pp=1, or trace_method=jit");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace trident
