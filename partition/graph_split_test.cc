@@ -68,6 +68,40 @@ struct Case {
 
 class GraphSplitTest : public ::testing::TestWithParam<Case> {};
 
+// A leaf module (Merak's leaf_modules, here by parameter-name prefix) is never
+// cut: no shard boundary falls between the first and the last operator that
+// reads its parameters, though without it the split cuts there.
+TEST(LeafModulesTest, NoCutInsideALeafModule) {
+  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+  config.n_layer = 2;
+  auto model = *CreateModel(config, 9);
+  auto tokens = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
+  auto graph = ModelGraph::Trace(*model, {tokens, tokens}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{model->Loss(in[0], in[1])};
+  });
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  int64_t first = -1, last = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>((*graph)->nodes().size()); ++i) {
+    for (const std::string& name : (*graph)->nodes()[i].parameters) {
+      if (name.rfind("transformer.h.0.", 0) != 0) continue;
+      if (first < 0) first = i;
+      last = i;
+    }
+  }
+  ASSERT_GE(first, 0);
+  auto inside = [&](const std::vector<int64_t>& bounds) {
+    return std::count_if(bounds.begin(), bounds.end(), [&](int64_t b) { return first < b && b <= last; });
+  };
+  for (const char* method : {"farthest_min_deps", "nearest_min_deps"}) {
+    SCOPED_TRACE(method);
+    auto free = SplitIntoShards(**graph, method, 12);
+    auto kept = SplitIntoShards(**graph, method, 12, {"transformer.h.0"});
+    ASSERT_TRUE(free.ok() && kept.ok());
+    EXPECT_GT(inside(*free), 0);
+    EXPECT_EQ(inside(*kept), 0);
+  }
+}
+
 TEST_P(GraphSplitTest, StagesOfTheTracedGraphEqualTheEagerModel) {
   const Case c = GetParam();
   const std::string preset = c.preset;

@@ -47,6 +47,20 @@ train_and_compare pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 \
   --export_safetensors="$work/pp2.safetensors"
 "$python" "$model_py" tied "$work/pp2.safetensors" >"$out" 2>&1 || fail "tied weights differ after pp=2"
 train_and_compare dp2_pp2 --model=torchscript:"$work/gpt.pt" --dp=2 --pp=2 --schedule=zb_h1
+# ZeRO-3 (parameters gathered shard by shard) and recomputation on the traced graph.
+train_and_compare zero3 --model=torchscript:"$work/gpt.pt" --dp=2 --zero_stage=3
+train_and_compare recompute --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 --activation_checkpointing=full
+# bf16 compute runs (its losses track fp32, not to 1e-5).
+timeout 300 "$train" "${common[@]}" --model=torchscript:"$work/gpt.pt" --dp=2 --precision=bf16 \
+  --max_steps=5 >"$out" 2>&1 || fail "bf16 run exited $?"
+grep -aq '^\[rank 0\] step 5/5 | loss ' "$out" || fail "bf16 step line"
+# init_from reads the export by the module's own names (the tied head too):
+# training resumes from the trained weights, below the untrained first loss.
+timeout 300 "$train" "${common[@]}" --model=torchscript:"$work/gpt.pt" --dp=1 --max_steps=1 --log_every=1 \
+  --init_from="$work/pp2.safetensors" >"$out" 2>&1 || fail "init_from run exited $?"
+first=$(grep -a '^\[rank 0\] step 1/1 | loss' "$out" | sed 's/.*| loss \([0-9.]*\).*/\1/')
+untrained=$(head -1 "$work/python.txt")
+awk -v a="$first" -v b="$untrained" 'BEGIN { exit !(a < b - 0.5) }' || fail "init_from: loss $first vs untrained $untrained"
 # The model's own loss is absent: a registered loss on its logits, fed the inputs by name.
 train_and_compare logits --model=torchscript:"$work/logits.pt" --dp=1 --pp=2 --loss=cross_entropy \
   --input_names=input_ids
