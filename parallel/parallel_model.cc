@@ -4,7 +4,6 @@
 #include <set>
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -13,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/rng.h"
 #include "base/status.h"
 #include "parallel/internal/model_part.h"
 #include "parallel/internal/parallel_model_impl.h"
@@ -181,11 +181,7 @@ void ParallelModel::Impl::PlanRecomputation() {
 // boundary tensor says whether a gradient flows back; autocast as in
 // training, so dtypes match; the RNG left as it was) fixes the boundaries.
 absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  const at::Tensor rng = [&] {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    return generator.get_state();
-  }();
+  const at::Tensor rng = CpuRngState();
   Batch on_device = OnDevice({example})[0];
   absl::StatusOr<StagePass> pass;
   {
@@ -204,10 +200,7 @@ absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
       if (!checked.ok()) pass = checked;
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(rng);
-  }
+  SetCpuRngState(rng);
   return internal::AgreeOnFailure(topology->world(), pass.status(), "running the first forward");
 }
 

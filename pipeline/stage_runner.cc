@@ -6,10 +6,10 @@
 #include <optional>
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/rng.h"
 #include "base/status.h"
 #include "pipeline/weight_gradients.h"
 
@@ -23,18 +23,6 @@ at::Tensor Allocate(const TensorSpec& spec) {
 // The input leaf a received tensor becomes (a gradient flows back where its spec says).
 at::Tensor AsInput(const at::Tensor& received, const TensorSpec& spec) {
   return spec.requires_grad && at::GradMode::is_enabled() ? received.requires_grad_(true) : received;
-}
-
-at::Tensor RngState() {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  return generator.get_state();
-}
-
-void SetRngState(const at::Tensor& state) {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  generator.set_state(state);
 }
 
 }  // namespace
@@ -137,7 +125,7 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
         continue;
       }
       // Keep only the segment's inputs and the RNG state; rerun it in backward.
-      Checkpointed segment{first, std::min(end, checkpoint_end), x, {}, RngState(), {}};
+      Checkpointed segment{first, std::min(end, checkpoint_end), x, {}, CpuRngState(), {}};
       Values out = x;
       {
         at::NoGradGuard no_grad;
@@ -173,14 +161,14 @@ absl::Status PipelineStageRunner::Impl::Recompute(int chunk, int m, const Batch&
     std::vector<Checkpointed>& saved = slots_[chunk * micro_ + m].checkpoints;
     if (saved.empty() || !saved.front().recomputed.empty()) return;
     // Each segment reruns with the RNG state of its forward, so dropout masks match.
-    const at::Tensor state = RngState();
+    const at::Tensor state = CpuRngState();
     for (Checkpointed& c : saved) {
-      SetRngState(c.rng);
+      SetCpuRngState(c.rng);
       Values out = c.inputs;
       for (int64_t i = c.first; i < c.end; ++i) out = layers_.RunLayer(i, out, batch);
       c.recomputed = out;
     }
-    SetRngState(state);
+    SetCpuRngState(state);
   });
 }
 
@@ -572,24 +560,25 @@ absl::Status ReduceTiedGradients(const NamedTensors& tied, const std::vector<std
     const std::vector<int>& owners = holders[i];
     if (owners.size() < 2) continue;
     at::Tensor parameter = tied[i].second;
-    at::Tensor mine = parameter.grad().defined() ? parameter.grad() : at::zeros_like(parameter);
-    at::Tensor sum;
-    if (stage == owners.front()) {
-      // The first holder adds the others' parts in stage order and sends the sum back.
-      sum = mine.clone();
-      for (size_t k = 1; k < owners.size(); ++k) {
-        at::Tensor theirs = at::empty_like(mine);
-        TRIDENT_RETURN_IF_ERROR(pipeline.Recv(theirs, owners[k], tag));
-        sum.add_(theirs);
+    at::Tensor mine = parameter.grad().defined() ? parameter.grad().contiguous() : at::zeros_like(parameter);
+    // Every holder sends its part to every other at once and adds all parts
+    // in stage order, so every copy gets the same sum.
+    std::vector<at::Tensor> parts(owners.size());
+    std::vector<PendingWork> works;
+    for (size_t k = 0; k < owners.size(); ++k) {
+      if (owners[k] == stage) {
+        parts[k] = mine;
+        continue;
       }
-      for (size_t k = 1; k < owners.size(); ++k) {
-        TRIDENT_RETURN_IF_ERROR(pipeline.Send(sum, owners[k], tag));
-      }
-    } else {
-      TRIDENT_RETURN_IF_ERROR(pipeline.Send(mine.contiguous(), owners.front(), tag));
-      sum = at::empty_like(mine);
-      TRIDENT_RETURN_IF_ERROR(pipeline.Recv(sum, owners.front(), tag));
+      parts[k] = at::empty_like(mine);
+      TRIDENT_ASSIGN_OR_RETURN(PendingWork recv, pipeline.IRecv(parts[k], owners[k], tag));
+      TRIDENT_ASSIGN_OR_RETURN(PendingWork send, pipeline.ISend(mine, owners[k], tag));
+      works.push_back(std::move(recv));
+      works.push_back(std::move(send));
     }
+    for (PendingWork& work : works) TRIDENT_RETURN_IF_ERROR(work.Wait());
+    at::Tensor sum = parts[0] + parts[1];
+    for (size_t k = 2; k < parts.size(); ++k) sum.add_(parts[k]);
     if (parameter.grad().defined()) {
       parameter.grad().copy_(sum);
     } else {

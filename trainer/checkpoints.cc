@@ -3,9 +3,9 @@
 #include <fstream>
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/rng.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
 #include "pipeline/pipeline.h"
@@ -19,18 +19,6 @@ namespace fs = std::filesystem;
 constexpr char kModel[] = "model/";
 constexpr char kState[] = "state/";  // optimizer and loss-scaler state
 constexpr char kRng[] = "rng/cpu";
-
-at::Tensor RngState() {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  return generator.get_state();
-}
-
-void SetRngState(const at::Tensor& state) {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  generator.set_state(state);
-}
 
 }  // namespace
 
@@ -47,7 +35,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   TRIDENT_RETURN_IF_ERROR(model->GatherFullParameters());
   for (const auto& [name, p] : model->parameters()) tensors.emplace_back(kModel + name, p.detach().cpu());
   for (const auto& [name, t] : model->State()) tensors.emplace_back(kState + name, t.cpu());
-  tensors.emplace_back(kRng, RngState());
+  tensors.emplace_back(kRng, CpuRngState());
   absl::Status written = WriteSafetensors(
       absl::StrCat(staging, "/rank_", topology().rank(), ".safetensors"), tensors,
       {{"step", absl::StrCat(step)}, {"rank", absl::StrCat(topology().rank())}});
@@ -98,7 +86,7 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   TRIDENT_RETURN_IF_ERROR(model->LoadWeights(weights));
   TRIDENT_RETURN_IF_ERROR(model->LoadState(state));
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor rng, contents.Get(kRng));
-  SetRngState(rng);
+  SetCpuRngState(rng);
   step = resolved->manifest.step();
   if (resolved->manifest.has_val_loss()) last_val_loss = resolved->manifest.val_loss();
   Print(absl::StrCat("resumed from ", resolved->path, " at step ", step));
