@@ -99,8 +99,8 @@ absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, co
                          ModelPart* part) {
   PartitionOptions options = StagePartition(plan);
   std::vector<LayerProfile> profile;
-  const bool weighed = options.custom_split_points.empty() &&
-                       (options.partition_method == "parameters" || options.partition_method == "cost");
+  const bool weighed = options.custom_split_points.empty() && options.partition_method != "uniform" &&
+                       options.partition_method != "uniform_floor" && options.partition_method != "custom";
   if (!weighed) {
     // Only the layer names are needed: any one-layer part knows them all.
     const int64_t probe = std::min<int64_t>(1, source.num_layers - 1);
@@ -141,7 +141,10 @@ absl::Status TraceGraph(const ModelSource& source, const ParallelPlan& plan, con
                            SelectInputs(plan.input_names, plan.batch_fields, example.size()));
   if (!arguments.empty() && arguments.size() != inputs.size()) {
     std::vector<std::string> given;
-    for (int f : inputs) given.push_back(f < static_cast<int>(plan.batch_fields.size()) ? plan.batch_fields[f] : absl::StrCat("field ", f));
+    for (int f : inputs) {
+      given.push_back(f < static_cast<int>(plan.batch_fields.size()) ? plan.batch_fields[f]
+                                                                      : absl::StrCat("field ", f));
+    }
     return absl::InvalidArgumentError(absl::StrCat(
         "forward of ", source.torchscript_path, " takes ", arguments.size(), " input(s) (",
         absl::StrJoin(arguments, ", "), ") but is given ", inputs.size(), " (",
@@ -207,7 +210,8 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
     TRIDENT_RETURN_IF_ERROR(BuildLayers(source, plan, example, &part));
   } else if (plan.trace_method == "none") {
     if (source.kind != ModelSource::Kind::kModule) {
-      return absl::InvalidArgumentError("trace_method=none runs a C++ module; a TorchScript file is traced (trace_method=jit)");
+      return absl::InvalidArgumentError(
+          "trace_method=none runs a C++ module; a TorchScript file is traced (trace_method=jit)");
     }
     TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs,
                              SelectInputs(plan.input_names, plan.batch_fields, example.size()));
