@@ -143,7 +143,10 @@ struct ParallelPlan {
   // fields, in order), and those names.
   std::vector<std::string> input_names;
   std::vector<std::string> batch_fields;
-  std::string activation_checkpointing = "none";  // none, full or stage_aware
+  // none, full, stage_aware, or selected (the layers checkpoint_layers names
+  // or prefixes: "transformer.h.1", "shard3").
+  std::string activation_checkpointing = "none";
+  std::vector<std::string> checkpoint_layers;
   int64_t checkpoint_num_layers = 1;
   double activation_checkpoint_ratio = 0.5;
   int zero_stage = 0;

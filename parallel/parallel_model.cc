@@ -167,13 +167,24 @@ void ParallelModel::Impl::PlanRecomputation() {
     const int64_t layers = chunk.end_layer - chunk.first_layer;
     if (plan.activation_checkpointing == "full") {
       chunk.checkpointed_layers = layers;
+    } else if (plan.activation_checkpointing == "selected") {
+      chunk.recomputed.assign(layers, false);
+      for (int64_t i = 0; i < layers; ++i) {
+        const std::string name = part.layers->LayerName(chunk.first_layer + i);
+        for (const std::string& prefix : plan.checkpoint_layers) {
+          if (name.rfind(prefix, 0) == 0) chunk.recomputed[i] = true;
+        }
+      }
     } else if (plan.activation_checkpointing == "stage_aware" && v < V - 1) {
       const double r0 = plan.activation_checkpoint_ratio;
       const int s = v + 1;  // 1-based, as the formula is written
       const double fraction = 1.0 - (1.0 - r0) * (V - 1) / (V - s);
       chunk.checkpointed_layers = std::clamp<int64_t>(std::llround(fraction * layers), 0, layers);
     }
-    if (v == V - 1 && !schedule->RecomputesOnLastStage()) chunk.checkpointed_layers = 0;
+    if (v == V - 1 && !schedule->RecomputesOnLastStage()) {
+      chunk.checkpointed_layers = 0;
+      chunk.recomputed.clear();
+    }
   }
 }
 

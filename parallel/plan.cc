@@ -37,7 +37,7 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
   }
   for (const auto& [name, value, allowed] :
        std::vector<std::tuple<const char*, std::string, std::vector<std::string>>>{
-           {"activation_checkpointing", p.activation_checkpointing, {"none", "full", "stage_aware"}},
+           {"activation_checkpointing", p.activation_checkpointing, {"none", "full", "stage_aware", "selected"}},
            {"grad_reduction", p.grad_reduction, {"mean", "sum", "per-token-mean"}},
            {"loss_reduction", p.loss_reduction, {"mean", "sum"}},
            {"trace_method", p.trace_method, {"jit", "layers", "none"}},
@@ -46,6 +46,10 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
     if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
       return invalid(name, "='", value, "' is unknown; choose ", absl::StrJoin(allowed, ", "));
     }
+  }
+  if ((p.activation_checkpointing == "selected") != !p.checkpoint_layers.empty()) {
+    return invalid("activation_checkpointing=selected recomputes the layers checkpoint_layers names; "
+                   "give both or neither");
   }
   if (p.checkpoint_num_layers < 1 || p.activation_checkpoint_ratio < 0 ||
       p.activation_checkpoint_ratio > 1) {

@@ -111,21 +111,20 @@ class PipelineStageRunner::Impl {
 absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, const Values& inputs,
                                                           const Batch& batch) {
   const StageChunk& c = options_.chunks[chunk];
-  const int64_t checkpoint_end = c.first_layer + c.checkpointed_layers;
   Values x = inputs;
   std::vector<Checkpointed>& saved = slots_[chunk * micro_ + m].checkpoints;
   saved.clear();
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("forward of micro-batch ", m), [&] {
     for (int64_t first = c.first_layer; first < c.end_layer;) {
-      const int64_t end =
-          std::min(first + std::max<int64_t>(1, options_.checkpoint_num_layers), c.end_layer);
-      if (first >= checkpoint_end) {
-        for (int64_t i = first; i < end; ++i) x = layers_.RunLayer(i, x, batch);
-        first = end;
+      if (!c.Recomputes(first)) {
+        x = layers_.RunLayer(first++, x, batch);
         continue;
       }
-      // Keep only the segment's inputs and the RNG state; rerun it in backward.
-      Checkpointed segment{first, std::min(end, checkpoint_end), x, {}, CpuRngState(), {}};
+      // A segment of up to checkpoint_num_layers recomputed layers keeps only
+      // its inputs and the RNG state; it reruns in backward.
+      int64_t end = first + 1;
+      while (end < c.end_layer && end - first < options_.checkpoint_num_layers && c.Recomputes(end)) ++end;
+      Checkpointed segment{first, end, x, {}, CpuRngState(), {}};
       Values out = x;
       {
         at::NoGradGuard no_grad;

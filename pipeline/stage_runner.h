@@ -38,11 +38,17 @@ struct TensorSpec {
 
 // A model chunk of a pipeline rank: layers [first_layer, end_layer) of the
 // LayerSequence. Activation checkpointing: its first `checkpointed_layers`
-// layers keep only their inputs in forward and run again in backward (0: none).
+// layers keep only their inputs in forward and run again in backward (0:
+// none), or, when `recomputed` is not empty, the layers it marks
+// (recomputed[i] for layer first_layer + i).
 struct StageChunk {
   int64_t first_layer = 0;
   int64_t end_layer = 0;
   int64_t checkpointed_layers = 0;
+  std::vector<bool> recomputed;
+  bool Recomputes(int64_t layer) const {
+    return recomputed.empty() ? layer < first_layer + checkpointed_layers : recomputed[layer - first_layer];
+  }
   // What the chunk receives from the virtual stage before it (empty for the
   // first) and sends to the one after it (empty for the last), per micro-batch.
   std::vector<TensorSpec> received, sent;

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "base/status.h"
 
@@ -97,7 +98,46 @@ absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* con
   return absl::OkStatus();
 }
 
+absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, TrainerConfig* c) {
+  ParallelPlan plan = PlanFromConfig(*c);
+  const int64_t micro_batches = plan.num_micro_batches;
+  TRIDENT_RETURN_IF_ERROR(ApplyStrategy(strategy, world_size, &plan));
+  c->set_dp(plan.dp);
+  c->set_tp(plan.tp);
+  c->set_pp(plan.pp);
+  c->set_sequence_parallel(plan.sequence_parallel);
+  c->set_zero_stage(plan.zero_stage);
+  c->set_precision(plan.precision);
+  if (plan.loss_scaling) c->set_loss_scale(plan.loss_scaler.loss_scale);
+  c->set_activation_checkpointing(plan.activation_checkpointing);
+  c->set_checkpoint_layers(absl::StrJoin(plan.checkpoint_layers, ","));
+  c->set_activation_checkpoint_ratio(plan.activation_checkpoint_ratio);
+  c->set_checkpoint_num_layers(plan.checkpoint_num_layers);
+  c->set_schedule(plan.schedule);
+  c->set_virtual_stages(plan.virtual_stages);
+  c->set_split_method(plan.split_method);
+  c->set_partition_method(plan.partition_method);
+  // The global batch stays (strong scaling, as the reference has it): the
+  // micro-batch size follows dp and the micro-batch count.
+  const int64_t m = plan.num_micro_batches != micro_batches  // pipeline_parallel's micro_batches
+                        ? plan.num_micro_batches
+                        : (c->has_grad_accumulation_steps() ? c->grad_accumulation_steps() : 1);
+  if (c->has_global_batch_size()) {
+    if (c->global_batch_size() % (plan.dp * m) != 0) {
+      return Invalid(absl::StrCat("strategy: global_batch_size=", c->global_batch_size(),
+                                  " is not divisible by dp*micro_batches = ", plan.dp, "*", m));
+    }
+    c->set_micro_batch_size(c->global_batch_size() / (plan.dp * m));
+  }
+  c->set_grad_accumulation_steps(m);
+  return absl::OkStatus();
+}
+
 absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
+  if (!c->load_strategy().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(c->load_strategy()));
+    TRIDENT_RETURN_IF_ERROR(ApplyStrategyToConfig(strategy, world_size, c));
+  }
   if (c->dp() < 1 || c->tp() < 1 || c->pp() < 1) {
     return Invalid(absl::StrCat("dp=", c->dp(), ", tp=", c->tp(), ", pp=", c->pp(),
                                 ": each must be at least 1"));
@@ -206,6 +246,7 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.leaf_modules = CommaList(c.leaf_modules());
   plan.input_names = CommaList(c.input_names());
   plan.activation_checkpointing = c.activation_checkpointing();
+  plan.checkpoint_layers = CommaList(c.checkpoint_layers());
   plan.checkpoint_num_layers = c.checkpoint_num_layers();
   plan.activation_checkpoint_ratio = c.activation_checkpoint_ratio();
   plan.zero_stage = c.zero_stage();

@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "parallel/parallel.h"
+#include "strategy/strategy.h"
 #include "trainer/config.pb.h"
 
 namespace trident {
@@ -22,8 +23,13 @@ absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* con
 
 // Fills in global_batch_size / grad_accumulation_steps and checks every field
 // against `world_size` ranks (the layout through ValidatePlan); the first
-// problem found is the error, naming the field and what to do.
+// problem found is the error, naming the field and what to do. A
+// load_strategy is applied first.
 absl::Status ResolveConfig(TrainerConfig* config, int world_size);
+
+// Sets the fields `strategy` decides (layout, precision, ZeRO, recomputation,
+// schedule, micro-batches within the global batch) for `world_size` ranks.
+absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, TrainerConfig* config);
 
 // The parallel plan `config` describes (after ResolveConfig).
 ParallelPlan PlanFromConfig(const TrainerConfig& config);

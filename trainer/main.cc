@@ -94,7 +94,11 @@ absl::Status RunRank(TrainerConfig config) {
 absl::Status Run(int argc, char** argv) {
   TRIDENT_ASSIGN_OR_RETURN(TrainerConfig config, ConfigFromCommandLine(&argc, &argv));
   if (HasDistributedEnv()) return RunRank(config);
-  const int nproc = FLAGS_nproc > 0 ? FLAGS_nproc : config.dp() * config.tp() * config.pp();
+  int nproc = FLAGS_nproc > 0 ? FLAGS_nproc : config.dp() * config.tp() * config.pp();
+  if (FLAGS_nproc <= 0 && !config.load_strategy().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(config.load_strategy()));
+    nproc = StrategyWorldSize(strategy, nproc);
+  }
   // Check the configuration once, here, before any rank starts.
   TRIDENT_RETURN_IF_ERROR(Trainer::Preflight(config, nproc));
   if (isatty(STDOUT_FILENO)) setenv("TRIDENT_STDOUT_IS_TTY", "1", /*overwrite=*/0);

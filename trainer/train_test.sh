@@ -30,6 +30,12 @@ expect_error "n_head=2 is not divisible by tp=4" --tp=4 --dp=1
 expect_error "sequence_parallel needs tp > 1" --sequence_parallel
 expect_error "precision=pure_fp16 computes or stores float16, which needs a GPU" --precision=pure_fp16
 expect_error "zero_stage=5 is unknown" --zero_stage=5
+printf 'methods { name: "zero2" schedule: "1f1b" }\n' >"$TEST_TMPDIR/bad.strategy"
+expect_error "strategy: method 'zero2' takes no 'schedule'" --load_strategy="$TEST_TMPDIR/bad.strategy"
+printf 'methods { name: "zero1" } methods { name: "fsdp" }\n' >"$TEST_TMPDIR/pair.strategy"
+expect_error "methods 'zero1' and 'fsdp' do not go together" --load_strategy="$TEST_TMPDIR/pair.strategy"
+printf 'methods { name: ' >"$TEST_TMPDIR/broken.strategy"
+expect_error "is not a valid Strategy (line 1" --load_strategy="$TEST_TMPDIR/broken.strategy"
 
 timeout 120 "$train" "${small[@]}" --max_steps=6 --log_every=2 --eval_every=3 --eval_steps=2 \
   --sample_tokens=20 --save_dir="$TEST_TMPDIR/run" --metrics_file="$TEST_TMPDIR/run/metrics.jsonl" \
@@ -63,4 +69,18 @@ timeout 120 "$train" "${small[@]}" --tp=2 --dp=1 --sequence_parallel --max_steps
 grep -aq '^\[rank 0\] step 2/2 | loss ' "$out" || fail "tensor-parallel step line"
 grep -aq '^\[rank 0\] sample (temperature' "$out" || fail "tensor-parallel sample"
 grep -aq 'exported the model to' "$out" || fail "tensor-parallel export"
+# The semi-automatic mode: a strategy file lays out the ranks (2: its
+# parallel_mode), is timed first when asked, and the strategy in use is saved
+# and loads back.
+printf 'methods { name: "parallel_mode" parallel_mode { name: "pipeline" size: 2 } }\nmethods { name: "zero1" }\nmethods { name: "pipeline_parallel" schedule: "zb_h1" micro_batches: 4 }\n' \
+  >"$TEST_TMPDIR/pp.strategy"
+timeout 120 "$train" "${small[@]}" --load_strategy="$TEST_TMPDIR/pp.strategy" --noignore_dryrun_on_load_strategy \
+  --save_strategy="$TEST_TMPDIR/saved.strategy" --max_steps=2 --eval_steps=1 --sample_tokens=0 >"$out" 2>&1 ||
+  fail "strategy run exited $?"
+grep -aq '^\[rank 0\] dry run of the loaded strategy (pp2 zb_h1 mb8x4 zero1): [0-9]* ms/step' "$out" ||
+  fail "dry run line"
+grep -aq '^\[rank 0\] step 2/2 | loss ' "$out" || fail "strategy step line"
+grep -q 'schedule: "zb_h1"' "$TEST_TMPDIR/saved.strategy" || fail "saved strategy"
+timeout 120 "$train" "${small[@]}" --load_strategy="$TEST_TMPDIR/saved.strategy" --max_steps=1 --eval_steps=1 \
+  --sample_tokens=0 >"$out" 2>&1 || fail "saved strategy does not load back"
 echo "train_test: all checks passed"

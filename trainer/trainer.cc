@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/rng.h"
 #include "base/status.h"
 #include "trainer/internal/components.h"
 #include "trainer/internal/peak_flops.h"
@@ -148,6 +149,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.progress_bar = t.is_rank0() && t.config.enable_progress_bar() &&
                    (isatty(STDOUT_FILENO) || (terminal != nullptr && std::string(terminal) == "1"));
   TRIDENT_ASSIGN_OR_RETURN(t.peak_flops, internal::JobPeakFlops(t.topology(), plan.device, plan.precision));
+  if (t.is_rank0() && !t.config.save_strategy().empty()) {
+    TRIDENT_RETURN_IF_ERROR(SaveStrategy(StrategyFromPlan(plan), t.config.save_strategy()));
+  }
+  if (!t.config.load_strategy().empty() && !t.config.ignore_dryrun_on_load_strategy()) {
+    TRIDENT_ASSIGN_OR_RETURN(const double ms, t.DryRun(3));
+    t.Print(absl::StrFormat("dry run of the loaded strategy (%s): %.0f ms/step", DescribePlan(plan), ms));
+  }
   return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
 }
 
@@ -159,6 +167,21 @@ const TrainerConfig& Trainer::config() const { return impl_->config; }
 int64_t Trainer::step() const { return impl_->step; }
 absl::StatusOr<double> Trainer::Evaluate() { return impl_->Evaluate(); }
 absl::Status Trainer::ExportSafetensors(const std::string& path) { return impl_->ExportSafetensors(path); }
+
+absl::StatusOr<double> Trainer::Impl::DryRun(int steps) {
+  const at::Tensor rng = CpuRngState();
+  double seconds = 0;
+  for (int s = 0; s <= steps; ++s) {  // the first one warms up
+    TRIDENT_ASSIGN_OR_RETURN(std::vector<Batch> batches, MicroBatches(*train_data, *sampler, step + s));
+    const auto start = Clock::now();
+    model->ZeroGrad();
+    TRIDENT_RETURN_IF_ERROR(model->ForwardBackward(batches).status());
+    if (s > 0) seconds += Seconds(Clock::now() - start);
+  }
+  model->ZeroGrad();
+  SetCpuRngState(rng);
+  return 1000 * seconds / steps;
+}
 
 absl::StatusOr<double> Trainer::Impl::Evaluate() {
   if (val_data == nullptr) return absl::NotFoundError("no validation data (val.bin in the data directory)");

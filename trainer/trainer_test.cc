@@ -202,6 +202,50 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
   }
 }
 
+// The semi-automatic mode: each optimization method of a strategy file, alone
+// and combined as in the reference's examples, trains the losses of one
+// process where it is a layout; precision methods train.
+TEST(TrainerStrategyTest, StrategyMethodsTrainWithParity) {
+  const std::vector<double> single = TrainOnRanks(SmallConfig(1), "strategy_reference");
+  struct Case {
+    const char* tag;
+    int world_size;
+    const char* methods;
+    bool parity = true;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"data", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 2 } })"},
+           {"zero1", 2, R"(methods { name: "zero1" })"},
+           {"zero2", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "zero" size: 2 } } methods { name: "zero2" })"},
+           {"fsdp", 2, R"(methods { name: "fsdp" })"},
+           {"checkpoint", 1, R"(methods { name: "checkpoint" layers: "transformer.h.1" })"},
+           {"tensor_sp", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "tensor" size: 2 } }
+                              methods { name: "tensor_parallel" sequence_parallel: true })"},
+           {"pipeline_zb", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "pipeline" size: 2 } }
+                                methods { name: "pipeline_parallel" schedule: "zb_h1" micro_batches: 4 })"},
+           {"mixed", 4, R"(methods { name: "parallel_mode" parallel_mode { name: "tensor" size: 2 }
+                              parallel_mode { name: "pipeline" size: 2 } }
+                          methods { name: "mixed_parallel" } methods { name: "zero1" }
+                          methods { name: "checkpoint" activation_checkpoint_ratio: 0.5 }
+                          methods { name: "pipeline_parallel" micro_batches: 2 })"},
+           {"amp_bf16", 2, R"(methods { name: "amp_native" dtype: "bf16" skip_if_nonfinite: true } methods { name: "zero2" })", false},
+           {"half_bf16", 1, R"(methods { name: "half" dtype: "bf16" })", false}}) {
+    SCOPED_TRACE(c.tag);
+    const std::string path = absl::StrCat(TestDir(), "/", c.tag, ".strategy");
+    if (!testing::IsRankProcess()) std::ofstream(path) << c.methods;
+    TrainerConfig config = SmallConfig(1);
+    config.set_load_strategy(path);
+    ASSERT_TRUE(ResolveConfig(&config, c.world_size).ok()) << ResolveConfig(&config, c.world_size);
+    const std::vector<double> losses = TrainOnRanks(config, absl::StrCat("strategy_", c.tag));
+    if (c.parity) {
+      ExpectSameLosses(single, losses, 1e-5);
+    } else {
+      ASSERT_EQ(losses.size(), single.size());
+      EXPECT_NEAR(losses.back(), single.back(), 0.05 * single.back());
+    }
+  }
+}
+
 // ZeRO stages 1, 2 and 3 at dp = 2 and 4, and inside dp x tp and dp x pp layouts
 // (the pipeline's tied embedding keeps whole gradients), train the losses of
 // plain data parallelism (equal to one process's).

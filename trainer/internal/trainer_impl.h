@@ -51,6 +51,9 @@ class Trainer::Impl {
   absl::StatusOr<std::vector<Batch>> MicroBatches(const Dataset& data, const BatchSampler& batches,
                                                   int64_t step) const;
   absl::StatusOr<double> Evaluate();
+  // Mean milliseconds of `steps` forward-backward passes after a warm-up one,
+  // updating nothing (the RNG is restored).
+  absl::StatusOr<double> DryRun(int steps);
   // Metrics to the JSON lines, TensorBoard and the console (report.cc).
   void Report(const StepMetrics& m, int64_t max_steps);
   // Checkpoints (checkpoints.cc).

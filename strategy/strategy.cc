@@ -1,0 +1,297 @@
+#include "strategy/strategy.h"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+
+namespace trident {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+
+absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
+
+// The fields each method may set (besides its name).
+const std::map<std::string, std::set<std::string>>& MethodFields() {
+  static const auto* fields = new std::map<std::string, std::set<std::string>>{
+      {"parallel_mode", {"parallel_mode", "rank_order"}},
+      {"amp_native", {"dtype", "skip_if_nonfinite"}},
+      {"half", {"dtype"}},
+      {"zero1", {}},
+      {"zero2", {}},
+      {"fsdp", {"wrap", "min_num_params", "ignored"}},
+      {"checkpoint", {"layers", "activation_checkpoint_ratio", "checkpoint_num_layers"}},
+      {"tensor_parallel", {"sequence_parallel"}},
+      {"pipeline_parallel",
+       {"schedule", "micro_batches", "virtual_stages", "split_method", "partition_method"}},
+      {"mixed_parallel", {}},
+  };
+  return *fields;
+}
+
+class FirstError : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    if (text.empty()) text = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
+  }
+  std::string text;
+};
+
+// Checks each method's name and fields, and that no method comes twice.
+absl::Status CheckMethods(const Strategy& strategy) {
+  std::set<std::string> seen;
+  for (const OptimizationMethod& method : strategy.methods()) {
+    auto allowed = MethodFields().find(method.name());
+    if (allowed == MethodFields().end()) {
+      std::vector<std::string> names;
+      for (const auto& [name, fields] : MethodFields()) names.push_back(name);
+      return Invalid(absl::StrCat("strategy: unknown method '", method.name(), "'; choose ",
+                                  absl::StrJoin(names, ", ")));
+    }
+    if (!seen.insert(method.name()).second) {
+      return Invalid(absl::StrCat("strategy: method '", method.name(), "' is given twice"));
+    }
+    std::vector<const FieldDescriptor*> set;
+    method.GetReflection()->ListFields(method, &set);
+    for (const FieldDescriptor* field : set) {
+      if (field->name() != "name" && !allowed->second.count(field->name())) {
+        return Invalid(absl::StrCat("strategy: method '", method.name(), "' takes no '", field->name(), "'"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The layout of parallel_mode: sizes by axis name, data adjusted to the world size.
+absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size, ParallelPlan* plan,
+                               bool* zero_axis) {
+  std::map<std::string, int> sizes;
+  for (const ParallelAxis& axis : method.parallel_mode()) {
+    if (axis.name() != "data" && axis.name() != "zero" && axis.name() != "tensor" && axis.name() != "pipeline") {
+      return Invalid(absl::StrCat("strategy: parallel_mode axis '", axis.name(),
+                                  "' is unknown; choose data, zero, tensor or pipeline"));
+    }
+    if (axis.size() < 1) return Invalid(absl::StrCat("strategy: parallel_mode axis '", axis.name(), "' has size ", axis.size()));
+    if (!sizes.emplace(axis.name(), axis.size()).second) {
+      return Invalid(absl::StrCat("strategy: parallel_mode names axis '", axis.name(), "' twice"));
+    }
+  }
+  for (int i = 0; i < method.rank_order_size(); ++i) {
+    if (method.rank_order(i) != i) {
+      return absl::UnimplementedError(
+          "strategy: parallel_mode's explicit rank_order is not available; the axes' order gives it "
+          "(the first axis varies fastest)");
+    }
+  }
+  const int tp = sizes.count("tensor") ? sizes["tensor"] : 1;
+  const int pp = sizes.count("pipeline") ? sizes["pipeline"] : 1;
+  const int zero = sizes.count("zero") ? sizes["zero"] : 1;
+  if (zero > 1 && sizes.count("data") && sizes["data"] > 1) {
+    return absl::UnimplementedError(
+        "strategy: parallel_mode with both 'data' and 'zero' ranks would shard over part of the "
+        "data-parallel ranks (hybrid sharding), which is not available; give one of them");
+  }
+  if (world_size % (tp * pp) != 0) {
+    return Invalid(absl::StrCat("strategy: parallel_mode's tensor x pipeline = ", tp, " x ", pp,
+                                " does not divide the ", world_size, " ranks"));
+  }
+  plan->tp = tp;
+  plan->pp = pp;
+  plan->dp = world_size / (tp * pp);  // data (or zero) takes the rest, as the reference adjusts it
+  *zero_axis = sizes.count("zero") > 0;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Strategy> LoadStrategy(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read strategy file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  Strategy strategy;
+  FirstError error;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&error);
+  if (!parser.ParseFromString(text.str(), &strategy)) {
+    return Invalid(absl::StrCat("strategy file ", path, " is not a valid Strategy (", error.text,
+                                "); see strategy/strategy.proto"));
+  }
+  return strategy;
+}
+
+std::string StrategyToText(const Strategy& strategy) {
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(strategy, &text);
+  return text;
+}
+
+absl::Status SaveStrategy(const Strategy& strategy, const std::string& path) {
+  std::ofstream out(path);
+  out << StrategyToText(strategy);
+  return out ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write strategy file ", path));
+}
+
+absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPlan* plan) {
+  TRIDENT_RETURN_IF_ERROR(CheckMethods(strategy));
+  std::map<std::string, const OptimizationMethod*> by_name;
+  for (const OptimizationMethod& method : strategy.methods()) by_name[method.name()] = &method;
+  auto has = [&](const char* name) { return by_name.count(name) > 0; };
+  for (const auto& [a, b] : std::vector<std::pair<const char*, const char*>>{
+           {"amp_native", "half"}, {"zero1", "zero2"}, {"zero1", "fsdp"}, {"zero2", "fsdp"}}) {
+    if (has(a) && has(b)) return Invalid(absl::StrCat("strategy: methods '", a, "' and '", b, "' do not go together; keep one"));
+  }
+  // Without parallel_mode: data parallelism over every rank.
+  bool zero_axis = false;
+  plan->dp = world_size;
+  plan->tp = plan->pp = 1;
+  if (has("parallel_mode")) {
+    TRIDENT_RETURN_IF_ERROR(ApplyParallelMode(*by_name["parallel_mode"], world_size, plan, &zero_axis));
+  }
+  plan->zero_stage = has("zero1") ? 1 : has("zero2") ? 2 : has("fsdp") ? 3 : zero_axis ? 1 : 0;
+  if (has("fsdp")) {
+    const OptimizationMethod& fsdp = *by_name["fsdp"];
+    if (fsdp.wrap_size() > 0 || fsdp.has_min_num_params() || fsdp.ignored_size() > 0) {
+      return absl::UnimplementedError(
+          "strategy: fsdp's wrap, min_num_params and ignored are not available: ZeRO-3 wraps every "
+          "layer of a LayerSequence (every shard of a traced model); leave them out");
+    }
+  }
+  if (has("amp_native")) {
+    const OptimizationMethod& amp = *by_name["amp_native"];
+    const std::string dtype = amp.has_dtype() ? amp.dtype() : "fp16";
+    if (dtype != "bf16" && dtype != "fp16") return Invalid(absl::StrCat("strategy: amp_native dtype '", dtype, "'; choose bf16 or fp16"));
+    plan->precision = dtype;
+    if (dtype == "bf16" && amp.skip_if_nonfinite()) {
+      plan->loss_scaling = true;  // a static scale of 1: only the skip
+      plan->loss_scaler.loss_scale = 1;
+    }
+  }
+  if (has("half")) {
+    const std::string dtype = by_name["half"]->has_dtype() ? by_name["half"]->dtype() : "fp16";
+    if (dtype != "bf16" && dtype != "fp16") return Invalid(absl::StrCat("strategy: half dtype '", dtype, "'; choose bf16 or fp16"));
+    plan->precision = "pure_" + dtype;
+  }
+  if (has("checkpoint")) {
+    const OptimizationMethod& checkpoint = *by_name["checkpoint"];
+    plan->checkpoint_layers.assign(checkpoint.layers().begin(), checkpoint.layers().end());
+    if (checkpoint.has_activation_checkpoint_ratio() && !plan->checkpoint_layers.empty()) {
+      return Invalid("strategy: checkpoint takes layers or activation_checkpoint_ratio, not both");
+    }
+    plan->activation_checkpointing = !plan->checkpoint_layers.empty()           ? "selected"
+                                     : checkpoint.has_activation_checkpoint_ratio() ? "stage_aware"
+                                                                                    : "full";
+    if (checkpoint.has_activation_checkpoint_ratio()) {
+      plan->activation_checkpoint_ratio = checkpoint.activation_checkpoint_ratio();
+    }
+    if (checkpoint.has_checkpoint_num_layers()) plan->checkpoint_num_layers = checkpoint.checkpoint_num_layers();
+  }
+  if (has("tensor_parallel")) {
+    if (plan->tp == 1) return Invalid("strategy: tensor_parallel needs tensor ranks: add (\"tensor\", N) to parallel_mode");
+    plan->sequence_parallel = by_name["tensor_parallel"]->sequence_parallel();
+  }
+  if (has("pipeline_parallel")) {
+    if (plan->pp == 1) return Invalid("strategy: pipeline_parallel needs pipeline ranks: add (\"pipeline\", N) to parallel_mode");
+    const OptimizationMethod& pipeline = *by_name["pipeline_parallel"];
+    if (pipeline.has_schedule()) plan->schedule = pipeline.schedule();
+    if (pipeline.has_micro_batches()) plan->num_micro_batches = pipeline.micro_batches();
+    if (pipeline.has_virtual_stages()) plan->virtual_stages = pipeline.virtual_stages();
+    if (pipeline.has_split_method()) plan->split_method = pipeline.split_method();
+    if (pipeline.has_partition_method()) plan->partition_method = pipeline.partition_method();
+    if (has("fsdp") && plan->schedule == "zb_h1") {
+      return Invalid("strategy: fsdp with pipeline_parallel schedule zb_h1 do not go together: zb_h1 runs "
+                     "weight gradients after ZeRO-3 released the layer; use zero2 or another schedule");
+    }
+  }
+  if (has("mixed_parallel") && (plan->tp == 1) + (plan->pp == 1) + (plan->dp == 1) > 1) {
+    return Invalid("strategy: mixed_parallel needs at least two of data, tensor and pipeline ranks in parallel_mode");
+  }
+  return ValidatePlan(*plan);
+}
+
+Strategy StrategyFromPlan(const ParallelPlan& plan) {
+  Strategy strategy;
+  OptimizationMethod* mode = strategy.add_methods();
+  mode->set_name("parallel_mode");
+  for (const auto& [name, size] : std::vector<std::pair<const char*, int>>{
+           {"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}) {
+    if (size == 1 && std::string(name) != "data") continue;
+    ParallelAxis* axis = mode->add_parallel_mode();
+    axis->set_name(name);
+    axis->set_size(size);
+  }
+  if (plan.zero_stage > 0) strategy.add_methods()->set_name(plan.zero_stage == 1 ? "zero1" : plan.zero_stage == 2 ? "zero2" : "fsdp");
+  if (plan.precision == "bf16" || plan.precision == "fp16") {
+    OptimizationMethod* amp = strategy.add_methods();
+    amp->set_name("amp_native");
+    amp->set_dtype(plan.precision);
+    if (plan.precision == "bf16" && plan.loss_scaling) amp->set_skip_if_nonfinite(true);
+  } else if (plan.precision == "pure_bf16" || plan.precision == "pure_fp16") {
+    OptimizationMethod* half = strategy.add_methods();
+    half->set_name("half");
+    half->set_dtype(plan.precision.substr(5));
+  }
+  if (plan.activation_checkpointing != "none") {
+    OptimizationMethod* checkpoint = strategy.add_methods();
+    checkpoint->set_name("checkpoint");
+    for (const std::string& layer : plan.checkpoint_layers) checkpoint->add_layers(layer);
+    if (plan.activation_checkpointing == "stage_aware") {
+      checkpoint->set_activation_checkpoint_ratio(plan.activation_checkpoint_ratio);
+    }
+    if (plan.checkpoint_num_layers != 1) checkpoint->set_checkpoint_num_layers(plan.checkpoint_num_layers);
+  }
+  if (plan.tp > 1) {
+    OptimizationMethod* tensor = strategy.add_methods();
+    tensor->set_name("tensor_parallel");
+    if (plan.sequence_parallel) tensor->set_sequence_parallel(true);
+  }
+  if (plan.pp > 1) {
+    OptimizationMethod* pipeline = strategy.add_methods();
+    pipeline->set_name("pipeline_parallel");
+    pipeline->set_schedule(plan.schedule);
+    pipeline->set_micro_batches(static_cast<int>(plan.num_micro_batches));
+    if (plan.virtual_stages > 1) pipeline->set_virtual_stages(plan.virtual_stages);
+    if (!plan.split_method.empty()) pipeline->set_split_method(plan.split_method);
+    pipeline->set_partition_method(plan.partition_method);
+  }
+  return strategy;
+}
+
+int StrategyWorldSize(const Strategy& strategy, int fallback) {
+  for (const OptimizationMethod& method : strategy.methods()) {
+    if (method.name() != "parallel_mode") continue;
+    int world = 1;
+    for (const ParallelAxis& axis : method.parallel_mode()) world *= std::max(1, axis.size());
+    return world;
+  }
+  return fallback;
+}
+
+std::string DescribePlan(const ParallelPlan& plan) {
+  std::vector<std::string> parts;
+  for (const auto& [name, size] : std::vector<std::pair<const char*, int>>{
+           {"dp", plan.dp}, {"tp", plan.tp}, {"pp", plan.pp}}) {
+    if (size > 1) parts.push_back(absl::StrCat(name, size));
+  }
+  std::string text = parts.empty() ? "1 rank" : absl::StrJoin(parts, " x ");
+  if (plan.pp > 1) {
+    absl::StrAppend(&text, " ", plan.schedule, plan.virtual_stages > 1 ? absl::StrCat("x", plan.virtual_stages) : "");
+  }
+  absl::StrAppend(&text, " mb", plan.micro_batch_size, "x", plan.num_micro_batches);
+  if (plan.sequence_parallel) absl::StrAppend(&text, " sp");
+  if (plan.zero_stage > 0) absl::StrAppend(&text, " zero", plan.zero_stage);
+  if (plan.precision != "fp32") absl::StrAppend(&text, " ", plan.precision);
+  if (plan.activation_checkpointing != "none") absl::StrAppend(&text, " recompute=", plan.activation_checkpointing);
+  return text;
+}
+
+}  // namespace trident
