@@ -6,22 +6,38 @@
 
 namespace trident {
 
+std::vector<std::vector<int>> BucketIndicesInBackwardOrder(const std::vector<int64_t>& bytes,
+                                                           int64_t bucket_bytes,
+                                                           const std::vector<int>& kinds) {
+  std::vector<std::vector<int>> buckets;
+  int64_t filled = 0;
+  int open_kind = 0;
+  for (int i = static_cast<int>(bytes.size()) - 1; i >= 0; --i) {
+    const int kind = kinds.empty() ? 0 : kinds[i];
+    if (buckets.empty() || filled + bytes[i] > bucket_bytes || kind != open_kind) {
+      if (buckets.empty() || !buckets.back().empty()) buckets.emplace_back();
+      filled = 0;
+      open_kind = kind;
+    }
+    buckets.back().push_back(i);
+    filled += bytes[i];
+  }
+  return buckets;
+}
+
 std::vector<std::vector<at::Tensor>> BucketsInBackwardOrder(
     const std::vector<at::Tensor>& parameters, int64_t bucket_bytes,
     const std::function<int(const at::Tensor&)>& kind) {
+  std::vector<int64_t> bytes;
+  std::vector<int> kinds;
+  for (const at::Tensor& p : parameters) {
+    bytes.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+    kinds.push_back(kind ? kind(p) : 0);
+  }
   std::vector<std::vector<at::Tensor>> buckets;
-  int64_t bytes = 0;
-  int open_kind = 0;
-  for (auto it = parameters.rbegin(); it != parameters.rend(); ++it) {
-    const int64_t size = it->numel() * static_cast<int64_t>(it->element_size());
-    const int this_kind = kind ? kind(*it) : 0;
-    if (buckets.empty() || bytes + size > bucket_bytes || this_kind != open_kind) {
-      if (buckets.empty() || !buckets.back().empty()) buckets.emplace_back();
-      bytes = 0;
-      open_kind = this_kind;
-    }
-    buckets.back().push_back(*it);
-    bytes += size;
+  for (const std::vector<int>& indices : BucketIndicesInBackwardOrder(bytes, bucket_bytes, kinds)) {
+    buckets.emplace_back();
+    for (int i : indices) buckets.back().push_back(parameters[i]);
   }
   return buckets;
 }

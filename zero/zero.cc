@@ -71,6 +71,83 @@ int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer, int64_t pa
   return held > 0 ? held : std::max(0, StatePerElement(optimizer)) * parameter_bytes;
 }
 
+absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& parameters, int stage,
+                                           int64_t reduce_bucket_bytes, int group_size,
+                                           const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads) {
+  ZeroLayout layout;
+  auto open = [&](int group, bool keep) {
+    ZeroBucket bucket;
+    bucket.group = group;
+    bucket.keep_full = keep;
+    bucket.sharded = stage == 3 && !keep;
+    layout.buckets.push_back(bucket);
+    return static_cast<int>(layout.buckets.size()) - 1;
+  };
+  if (stage < 3) {
+    int groups = 0;
+    for (const ZeroParameter& p : parameters) groups = std::max(groups, p.group + 1);
+    for (int g = 0; g < groups; ++g) {
+      std::vector<int> members;
+      std::vector<int64_t> bytes;
+      std::vector<int> kinds;
+      for (int i = 0; i < static_cast<int>(parameters.size()); ++i) {
+        if (parameters[i].group != g) continue;
+        members.push_back(i);
+        bytes.push_back(parameters[i].numel * parameters[i].element_size);
+        kinds.push_back(parameters[i].keep_full ? 1 : 0);
+      }
+      for (const std::vector<int>& bucket : BucketIndicesInBackwardOrder(bytes, reduce_bucket_bytes, kinds)) {
+        const int b = open(g, parameters[members[bucket.front()]].keep_full);
+        for (int k : bucket) layout.buckets[b].parameters.push_back(members[k]);
+      }
+    }
+  } else {
+    std::vector<int> bucket_of(parameters.size(), -1);
+    for (const auto& [layer, reads] : layer_reads) {
+      std::map<std::pair<int, bool>, int> opened;  // (group, keep) -> bucket
+      for (int i : reads) {
+        if (bucket_of[i] >= 0) continue;
+        const auto key = std::make_pair(parameters[i].group, parameters[i].keep_full);
+        if (!opened.count(key)) opened[key] = open(key.first, key.second);
+        bucket_of[i] = opened[key];
+        layout.buckets[bucket_of[i]].parameters.push_back(i);
+      }
+    }
+    if (std::count(bucket_of.begin(), bucket_of.end(), -1) > 0) {
+      return absl::InvalidArgumentError(
+          "ZeRO stage 3: a parameter is read by none of the given layers; list every layer "
+          "this rank holds in ZeroOptions::layer_indices");
+    }
+    for (const auto& [layer, reads] : layer_reads) {
+      std::vector<int>& needed = layout.layer_buckets[layer];
+      for (int i : reads) {
+        if (std::find(needed.begin(), needed.end(), bucket_of[i]) == needed.end()) needed.push_back(bucket_of[i]);
+      }
+    }
+  }
+  for (ZeroBucket& bucket : layout.buckets) {
+    for (int i : bucket.parameters) bucket.numel += parameters[i].numel;
+    bucket.numel = (bucket.numel + group_size - 1) / group_size * group_size;
+    bucket.element_size = parameters[bucket.parameters.front()].element_size;
+  }
+  return layout;
+}
+
+MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int state_per_element) {
+  MemoryReport report;
+  int64_t largest_scratch = 0, chunk_bytes = 0;
+  for (const ZeroBucket& bucket : layout.buckets) {
+    const int64_t full = bucket.numel * bucket.element_size, chunk = full / group_size;
+    report.parameter_bytes += bucket.sharded ? chunk : full;
+    report.gradient_bytes += chunk + (bucket.keep_full ? full : 0);
+    if (!bucket.keep_full) largest_scratch = std::max(largest_scratch, full);
+    chunk_bytes += chunk;
+  }
+  report.gradient_bytes += largest_scratch;  // one stage-2 bucket fills at a time
+  report.optimizer_bytes = state_per_element * chunk_bytes;
+  return report;
+}
+
 std::string MemoryReport::ToString() const {
   return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
                          parameter_bytes / 1e6, gradient_bytes / 1e6, optimizer_bytes / 1e6);
@@ -100,60 +177,39 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   auto keep_full = [&](const at::Tensor& p) {
     return o.stage == 1 || (o.keep_full_gradient && o.keep_full_gradient(p));
   };
-  // Bucket membership, each bucket of one group and one gradient kind.
-  std::vector<std::vector<at::Tensor>> members;
-  std::vector<size_t> member_group;
-  if (o.stage < 3) {
-    for (size_t g = 0; g < groups.size(); ++g) {
-      for (auto& bucket : BucketsInBackwardOrder(groups[g], o.reduce_bucket_bytes,
-                                                 [&](const at::Tensor& p) { return keep_full(p) ? 1 : 0; })) {
-        members.push_back(std::move(bucket));
-        member_group.push_back(g);
-      }
+  // The parameters by index (groups in order), and for stage 3 which each
+  // layer reads; the bucket layout follows from their sizes alone.
+  std::vector<at::Tensor> flat;
+  std::vector<ZeroParameter> planned;
+  std::unordered_map<const c10::TensorImpl*, int> index_of;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const at::Tensor& p : groups[g]) {
+      index_of[p.unsafeGetTensorImpl()] = static_cast<int>(flat.size());
+      flat.push_back(p);
+      planned.push_back({p.numel(), static_cast<int64_t>(p.element_size()), static_cast<int>(g), keep_full(p)});
     }
-  } else {
-    // Stage 3: a layer's parameters (each in the first layer that reads it).
-    std::unordered_map<const c10::TensorImpl*, size_t> group_of;
-    for (size_t g = 0; g < groups.size(); ++g) {
-      for (const at::Tensor& p : groups[g]) group_of[p.unsafeGetTensorImpl()] = g;
-    }
-    std::unordered_map<const c10::TensorImpl*, int> bucket_of;
-    std::vector<std::pair<int64_t, const c10::TensorImpl*>> reads;  // (layer, parameter)
+  }
+  std::vector<std::pair<int64_t, std::vector<int>>> layer_reads;
+  if (o.stage == 3) {
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("listing the layers' parameters", [&] {
       for (int64_t layer : o.layer_indices) {
-        std::map<std::pair<size_t, bool>, int> opened;  // (group, keep) -> bucket
+        layer_reads.emplace_back(layer, std::vector<int>());
         for (const auto& [name, p] : o.layers->LayerParameters(layer)) {
-          const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-          reads.emplace_back(layer, impl);
-          if (!group_of.count(impl) || bucket_of.count(impl)) continue;
-          const auto key = std::make_pair(group_of[impl], keep_full(p));
-          if (!opened.count(key)) {
-            opened[key] = static_cast<int>(members.size());
-            members.emplace_back();
-            member_group.push_back(key.first);
-          }
-          bucket_of[impl] = opened[key];
-          members[opened[key]].push_back(p);
+          auto found = index_of.find(p.unsafeGetTensorImpl());
+          if (found != index_of.end()) layer_reads.back().second.push_back(found->second);
         }
       }
     }));
-    for (const auto& group : groups) {
-      for (const at::Tensor& p : group) {
-        if (!bucket_of.count(p.unsafeGetTensorImpl())) {
-          return absl::InvalidArgumentError(
-              "ZeRO stage 3: a parameter is read by none of the given layers; list every layer "
-              "this rank holds in ZeroOptions::layer_indices");
-        }
-      }
-    }
-    for (const auto& [layer, impl] : reads) {
-      auto found = bucket_of.find(impl);
-      if (found == bucket_of.end()) continue;
-      std::vector<int>& needed = zero->layer_buckets_[layer];
-      if (std::find(needed.begin(), needed.end(), found->second) == needed.end()) {
-        needed.push_back(found->second);
-      }
-    }
+  }
+  TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, PlanZeroBuckets(planned, o.stage, o.reduce_bucket_bytes,
+                                                              static_cast<int>(parts), layer_reads));
+  zero->layout_ = std::move(layout);
+  std::vector<std::vector<at::Tensor>> members;
+  std::vector<size_t> member_group;
+  for (const ZeroBucket& planned_bucket : zero->layout_.buckets) {
+    members.emplace_back();
+    for (int i : planned_bucket.parameters) members.back().push_back(flat[i]);
+    member_group.push_back(static_cast<size_t>(planned_bucket.group));
   }
   for (size_t m = 0; m < members.size(); ++m) {
     Bucket bucket;
@@ -263,14 +319,14 @@ void ZeroOptimizer::Release(Bucket& bucket) {
 
 // Gathers a layer's buckets and starts the all-gathers of the next layer's.
 void ZeroOptimizer::GatherLayer(int64_t layer) {
-  for (int b : layer_buckets_[layer]) {
+  for (int b : layout_.layer_buckets[layer]) {
     absl::Status status = Gather(buckets_[b]);  // thrown: the layer cannot run without it
     TORCH_CHECK(status.ok(), std::string(status.message()));
   }
 }
 
 void ZeroOptimizer::Prefetch(int64_t layer) {
-  for (int b : layer_buckets_[layer]) {
+  for (int b : layout_.layer_buckets[layer]) {
     Bucket& bucket = buckets_[b];
     if (!bucket.sharded || bucket.holders > 0 || bucket.prefetch) continue;
     bucket.incoming = at::empty({bucket.numel}, bucket.chunk.options());
@@ -283,8 +339,8 @@ void ZeroOptimizer::Prefetch(int64_t layer) {
 void ZeroOptimizer::BeforeLayer(int64_t layer) {
   GatherLayer(layer);
   // The next layer's chunks travel while this one computes.
-  auto next = layer_buckets_.upper_bound(layer);
-  if (next != layer_buckets_.end()) Prefetch(next->first);
+  auto next = layout_.layer_buckets.upper_bound(layer);
+  if (next != layout_.layer_buckets.end()) Prefetch(next->first);
 }
 
 void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) {
@@ -300,17 +356,17 @@ void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values
       return grad;
     });
   }
-  for (int b : layer_buckets_[layer]) Release(buckets_[b]);
+  for (int b : layout_.layer_buckets[layer]) Release(buckets_[b]);
 }
 
 void ZeroOptimizer::BackwardReached(int64_t layer) {
   if (backward_held_.insert(layer).second) GatherLayer(layer);
   // Backward goes down the layers: prefetch the one below.
-  auto below = layer_buckets_.lower_bound(layer);
-  if (below != layer_buckets_.begin()) Prefetch(std::prev(below)->first);
+  auto below = layout_.layer_buckets.lower_bound(layer);
+  if (below != layout_.layer_buckets.begin()) Prefetch(std::prev(below)->first);
   // Layers two or more above are done with backward: release them.
   for (auto it = backward_held_.upper_bound(layer + 1); it != backward_held_.end();) {
-    for (int b : layer_buckets_[*it]) Release(buckets_[b]);
+    for (int b : layout_.layer_buckets[*it]) Release(buckets_[b]);
     it = backward_held_.erase(it);
   }
 }
@@ -364,7 +420,7 @@ absl::Status ZeroOptimizer::ReduceScatter(Bucket& bucket, const at::Tensor& full
 
 absl::Status ZeroOptimizer::FinishBackward() {
   for (int64_t layer : backward_held_) {
-    for (int b : layer_buckets_[layer]) Release(buckets_[b]);
+    for (int b : layout_.layer_buckets[layer]) Release(buckets_[b]);
   }
   backward_held_.clear();
   for (Bucket& bucket : buckets_) {
@@ -476,19 +532,9 @@ absl::Status ZeroOptimizer::Step(double lr) {
 }
 
 MemoryReport ZeroOptimizer::Memory() const {
-  MemoryReport report;
-  int64_t largest_scratch = 0, chunk_bytes = 0;
-  for (const Bucket& bucket : buckets_) {
-    report.parameter_bytes += bucket.sharded ? Bytes(bucket.chunk) : Bytes(bucket.buffer);
-    report.gradient_bytes += Bytes(bucket.chunk_grad);
-    if (bucket.keep_full) {
-      report.gradient_bytes += Bytes(bucket.full_grad);
-    } else {
-      largest_scratch = std::max(largest_scratch, bucket.numel * bucket.chunk.element_size());
-    }
-    chunk_bytes += Bytes(bucket.chunk);
-  }
-  report.gradient_bytes += largest_scratch;  // one stage-2 bucket fills at a time
+  MemoryReport report = ZeroLayoutMemory(layout_, group_->size(), /*state_per_element=*/0);
+  int64_t chunk_bytes = 0;
+  for (const Bucket& bucket : buckets_) chunk_bytes += Bytes(bucket.chunk);
   report.optimizer_bytes = OptimizerStateBytes(*optimizer_, chunk_bytes);
   return report;
 }

@@ -90,6 +90,39 @@ struct MemoryReport {
   std::string ToString() const;
 };
 
+// ZeRO's bucket layout from parameter sizes alone: ZeroOptimizer builds its
+// buckets from it, and the strategy's memory model predicts a rank's bytes
+// with the same function.
+struct ZeroParameter {
+  int64_t numel = 0;
+  int64_t element_size = 4;
+  int group = 0;           // the optimizer param group it belongs to
+  bool keep_full = false;  // its gradient stays whole until FinishBackward
+};
+struct ZeroBucket {
+  std::vector<int> parameters;  // indices into the planned parameters, in bucket order
+  int group = 0;
+  bool keep_full = false;
+  bool sharded = false;  // stage 3: only this rank's chunk exists at rest
+  int64_t numel = 0;     // padded to a multiple of the group size
+  int64_t element_size = 4;
+};
+struct ZeroLayout {
+  std::vector<ZeroBucket> buckets;
+  std::map<int64_t, std::vector<int>> layer_buckets;  // stage 3: the buckets each layer reads
+};
+// Stages 1 and 2: each group's parameters, in reverse order, in buckets of at
+// most `reduce_bucket_bytes` of one gradient kind. Stage 3: a layer's
+// parameters (each in the first of `layer_reads` that reads it; `layer_reads`
+// lists the layers in order, each with the parameters it reads). Stage 1
+// keeps every gradient whole.
+absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& parameters, int stage,
+                                           int64_t reduce_bucket_bytes, int group_size,
+                                           const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads);
+// A rank's parameter, gradient and optimizer bytes under `layout` before the
+// first step, `state_per_element` state values per parameter value (Adam: 2).
+MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int state_per_element);
+
 // Bytes of the state tensors `optimizer` holds (Adam, AdamW and SGD state;
 // before the first step, their state per element times `parameter_bytes`).
 int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer, int64_t parameter_bytes);
@@ -161,7 +194,7 @@ class ZeroOptimizer : private LayerObserver {
   std::vector<Bucket> buckets_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   GradientAccumulatedHooks hooks_;  // stage 2 and 3: gradients move into buckets
-  std::map<int64_t, std::vector<int>> layer_buckets_;  // stage 3: the buckets a layer reads
+  ZeroLayout layout_;  // stage 3: layout_.layer_buckets are the buckets a layer reads
   std::set<int64_t> backward_held_;  // stage 3: layers gathered for backward
   bool last_micro_batch_ = false;
   absl::Status first_error_;
