@@ -1,40 +1,82 @@
 #include "base/memory_counter.h"
 
+#include <malloc.h>
+
 #include <mutex>
+#include <unordered_map>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <torch/version.h>
 
 namespace trident {
 namespace {
 
-// Wraps an allocation of the underlying allocator with its size.
-struct Counted {
-  c10::DataPtr original;
+// Allocations by address, with their size and the underlying deleter (LibTorch
+// requires a CPU DataPtr's context to be its data, so the size cannot ride in
+// the context).
+struct Allocation {
   int64_t bytes;
-  MemoryCounter* counter;
+  c10::DeleterFnPtr deleter;
 };
+std::mutex& TableMutex() {
+  static std::mutex* mutex = new std::mutex;
+  return *mutex;
+}
+std::unordered_map<void*, Allocation>& Table() {
+  static auto* table = new std::unordered_map<void*, Allocation>;
+  return *table;
+}
+MemoryCounter* counter_instance = nullptr;
+c10::DeleterFnPtr base_raw_deleter = nullptr;  // for memory the base allocator handed out uncounted
 
-void DeleteCounted(void* context) {
-  auto* counted = static_cast<Counted*>(context);
-  counted->counter->Remove(counted->bytes);
-  delete counted;  // frees the original allocation
+void DeleteCounted(void* data) {
+  Allocation allocation;
+  {
+    std::lock_guard<std::mutex> lock(TableMutex());
+    auto it = Table().find(data);
+    if (it == Table().end()) {
+      if (base_raw_deleter != nullptr) base_raw_deleter(data);
+      return;
+    }
+    allocation = it->second;
+    Table().erase(it);
+  }
+  counter_instance->Remove(allocation.bytes);
+  allocation.deleter(data);
 }
 
 class CountingAllocator : public c10::Allocator {
  public:
-  CountingAllocator(c10::Allocator* base, MemoryCounter* counter) : base_(base), counter_(counter) {}
-  c10::DataPtr allocate(size_t n) const override {
-    c10::DataPtr original = base_->allocate(n);
-    void* data = original.get();
-    const c10::Device device = original.device();
-    counter_->Add(static_cast<int64_t>(n));
-    return {data, new Counted{std::move(original), static_cast<int64_t>(n), counter_}, &DeleteCounted, device};
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  // LibTorch 2.x made allocate non-const and added copy_data; 1.13 (Debian's) has neither.
+#if TORCH_VERSION_MAJOR >= 2
+  c10::DataPtr allocate(size_t n) override { return Allocate(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
   }
+#else
+  c10::DataPtr allocate(size_t n) const override { return Allocate(n); }
+#endif
+  c10::DeleterFnPtr raw_deleter() const override { return &DeleteCounted; }
 
  private:
+  c10::DataPtr Allocate(size_t n) const {
+    c10::DataPtr original = base_->allocate(n);
+    void* data = original.get();
+    if (data == nullptr || original.get_context() != data) return original;  // not ours to count
+    const c10::Device device = original.device();
+    c10::DeleterFnPtr deleter = original.get_deleter();
+    original.release_context();
+    {
+      std::lock_guard<std::mutex> lock(TableMutex());
+      Table()[data] = {static_cast<int64_t>(n), deleter};
+    }
+    counter_instance->Add(static_cast<int64_t>(n));
+    return {data, data, &DeleteCounted, device};
+  }
+
   c10::Allocator* base_;
-  MemoryCounter* counter_;
 };
 
 }  // namespace
@@ -51,10 +93,14 @@ MemoryCounter& MemoryCounter::Install() {
   static MemoryCounter* counter = new MemoryCounter();
   static std::once_flag once;
   std::call_once(once, [] {
-    static CountingAllocator* allocator = new CountingAllocator(c10::GetCPUAllocator(), counter);
+    counter_instance = counter;
+    base_raw_deleter = c10::GetCPUAllocator()->raw_deleter();
+    static CountingAllocator* allocator = new CountingAllocator(c10::GetCPUAllocator());
     c10::SetCPUAllocator(allocator, /*priority=*/255);
   });
   return *counter;
 }
+
+void ReleaseFreedMemory() { malloc_trim(0); }
 
 }  // namespace trident

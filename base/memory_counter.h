@@ -36,6 +36,12 @@ class MemoryCounter {
   std::atomic<int64_t> live_{0}, peak_{0}, allocations_{0};
 };
 
+// Hands the heap memory this process has freed back to the operating system
+// (glibc's malloc_trim; the trainer's allocator tuning otherwise keeps up to
+// 1 GiB of it). Call after a phase that built and dropped large objects, such
+// as a strategy search's dry runs, so that they stop counting as resident.
+void ReleaseFreedMemory();
+
 }  // namespace trident
 
 #endif  // TRIDENT_BASE_MEMORY_COUNTER_H_

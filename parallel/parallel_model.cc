@@ -3,6 +3,7 @@
 #include <numeric>
 #include <set>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
@@ -95,12 +96,12 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   // Built locally first; one rank's failure reaches all before any messages.
   absl::StatusOr<internal::ModelPart> built =
       internal::BuildModelPart(source, plan, stage, device, example);
-  TRIDENT_RETURN_IF_ERROR(internal::AgreeOnFailure(topology->world(), built.status(), "building the model"));
+  TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), built.status(), "building the model"));
   part = *std::move(built);
   if (auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get())) {
     ApplyPrecision(*module, precision);
   } else {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     for (const StageChunk& c : part.chunks) {
       for (int64_t i = c.first_layer; i < c.end_layer; ++i) {
         for (auto& [name, p] : part.layers->LayerParameters(i)) {
@@ -132,7 +133,7 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   options.bucket_bytes = plan.zero_stage > 0 ? plan.zero_reduce_bucket_bytes : plan.bucket_bytes;
   options.zero_allgather_bucket_bytes = plan.zero_allgather_bucket_bytes;
   auto made = MakeParameterUpdate(std::move(options));
-  TRIDENT_RETURN_IF_ERROR(internal::AgreeOnFailure(topology->world(), made.status(), "building the optimizer"));
+  TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), made.status(), "building the optimizer"));
   update = *std::move(made);
   if (precision.loss_scaling || plan.loss_scaling) scaler.emplace(plan.loss_scaler);
   StageRunnerOptions runner_options;
@@ -196,7 +197,7 @@ absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
   Batch on_device = OnDevice({example})[0];
   absl::StatusOr<StagePass> pass;
   {
-    at::AutoGradMode grad(true);
+    c10::AutoGradMode grad(true);
     AutocastScope autocast(precision, device.type());
     pass = ForwardThroughStages(*part.layers, part.chunks, pp, on_device);
     if (pass.ok() && HoldsLastStage()) {
@@ -212,7 +213,7 @@ absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
     }
   }
   SetCpuRngState(rng);
-  return internal::AgreeOnFailure(topology->world(), pass.status(), "running the first forward");
+  return AgreeOnFailure(topology->world(), pass.status(), "running the first forward");
 }
 
 absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {
@@ -238,7 +239,7 @@ absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {
   // A parameter several stages hold (by name) is tied: its gradients are summed.
   std::vector<std::vector<std::string>> by_stage = {names};
   if (pp != nullptr) {
-    TRIDENT_ASSIGN_OR_RETURN(by_stage, internal::AllGatherStrings(*pp, names));
+    TRIDENT_ASSIGN_OR_RETURN(by_stage, AllGatherStrings(*pp, names));
   }
   std::map<std::string, std::vector<int>> holders;
   for (int s = 0; s < static_cast<int>(by_stage.size()); ++s) {
@@ -349,7 +350,7 @@ absl::StatusOr<double> ParallelModel::EvaluateLoss(const std::vector<Batch>& mic
 
 absl::StatusOr<Values> ParallelModel::Forward(const Batch& batch) {
   Impl& m = *impl_;
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   AutocastScope autocast(m.precision, m.device.type());
   std::vector<StageChunk> chunks = m.part.chunks;  // the training specs stay as they are
   TRIDENT_ASSIGN_OR_RETURN(StagePass pass, ForwardThroughStages(*m.part.layers, chunks, m.pp,

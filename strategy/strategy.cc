@@ -212,6 +212,11 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
                      "weight gradients after ZeRO-3 released the layer; use zero2 or another schedule");
     }
   }
+  if (strategy.has_gradient_accumulation_steps()) {
+    if (plan->pp > 1) return Invalid("strategy: gradient_accumulation_steps is for layouts without pipeline ranks; give pipeline_parallel's micro_batches");
+    if (strategy.gradient_accumulation_steps() < 1) return Invalid("strategy: gradient_accumulation_steps must be at least 1");
+    plan->num_micro_batches = strategy.gradient_accumulation_steps();
+  }
   if (has("mixed_parallel") && (plan->tp == 1) + (plan->pp == 1) + (plan->dp == 1) > 1) {
     return Invalid("strategy: mixed_parallel needs at least two of data, tensor and pipeline ranks in parallel_mode");
   }
@@ -262,6 +267,8 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
     if (plan.virtual_stages > 1) pipeline->set_virtual_stages(plan.virtual_stages);
     if (!plan.split_method.empty()) pipeline->set_split_method(plan.split_method);
     pipeline->set_partition_method(plan.partition_method);
+  } else if (plan.num_micro_batches > 1) {
+    strategy.set_gradient_accumulation_steps(static_cast<int>(plan.num_micro_batches));
   }
   return strategy;
 }

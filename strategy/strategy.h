@@ -2,20 +2,40 @@
 // ordered list of optimization methods (strategy.proto); applied to a
 // ParallelPlan it sets the layout, precision, ZeRO stage, recomputation and
 // pipeline schedule. Loaded from a file it is the semi-automatic mode; chosen
-// by the search (search.h) it is the fully automatic one.
+// by SearchStrategy it is the fully automatic one.
 //
 //   TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy("zero2_bf16.pbtxt"));
 //   ParallelPlan plan;
 //   TRIDENT_RETURN_IF_ERROR(ApplyStrategy(strategy, /*world_size=*/4, &plan));
 //   TRIDENT_RETURN_IF_ERROR(SaveStrategy(StrategyFromPlan(plan), "in_use.pbtxt"));
+//
+// The fully automatic mode profiles the model on the job's ranks (cached on
+// disk), ranks every layout, schedule, ZeRO stage, recomputation and
+// micro-batch size with a memory model and a time model built on the
+// profile, drops what does not fit the memory limit, and dry-runs the best
+// few on the real ranks, keeping the fastest measured:
+//
+//   AutoAccelerateOptions options;
+//   options.memory_limit_bytes = 8ll << 30;
+//   TRIDENT_ASSIGN_OR_RETURN(AcceleratedModel run,
+//       AutoAccelerate(make_source, dataset, /*global_batch_size=*/32, adamw, topology.get(), options));
+//   for (int64_t step = 0; step < steps; ++step) {
+//     TRIDENT_ASSIGN_OR_RETURN(std::vector<Batch> micro, run.micro_batches(step));
+//     ...run.model->ForwardBackward(micro), ClipGradNorm, Step...
+//   }
 #ifndef TRIDENT_STRATEGY_STRATEGY_H_
 #define TRIDENT_STRATEGY_STRATEGY_H_
 
+#include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "data/data.h"
 #include "parallel/parallel.h"
 #include "strategy/strategy.pb.h"
+#include "topology/topology.h"
 
 namespace trident {
 
@@ -40,6 +60,93 @@ int StrategyWorldSize(const Strategy& strategy, int fallback);
 
 // A short one-line description ("dp2 x pp2 zb_h1 M4 zero2 bf16 recompute=full").
 std::string DescribePlan(const ParallelPlan& plan);
+
+// The model source for a tensor-parallel place (ModelContext::tp says which
+// shard to build; the zoo's factories take it). A fixed source (FixedSource)
+// builds the same model whatever it is asked, so the search leaves tensor
+// parallelism out.
+using SourceFactory = std::function<absl::StatusOr<ModelSource>(const ModelContext& context)>;
+SourceFactory FixedSource(ModelSource source);
+
+struct AutoAccelerateOptions {
+  // Methods the search never uses: data, tensor_parallel, pipeline_parallel,
+  // zero1, zero2, fsdp, checkpoint, amp_native.
+  std::vector<std::string> excluded;
+  double time_limit_s = 120;       // for profiling, ranking and dry runs together
+  int64_t memory_limit_bytes = 0;  // per rank, resident; 0: the rank's share of physical memory
+  // Semi-automatic: apply this strategy file (no search), or with
+  // finetune_strategy search only the layouts of its parallel_mode.
+  std::string load_strategy;
+  bool finetune_strategy = false;
+  bool ignore_dryrun_on_load_strategy = true;
+  std::string save_strategy_to_file;  // rank 0 writes the strategy chosen
+  bool verbose = false;               // rank 0 prints the table of candidates
+  int dry_runs = 3;                   // the best predicted candidates measured on the ranks
+  int dry_run_steps = 3;              // steps measured each, after one warm-up
+  bool allow_precision_change = false;  // bf16 candidates
+  // Where profiles are cached ("": $XDG_CACHE_HOME or $HOME/.cache, under trident/profiles).
+  std::string profile_cache_dir;
+  std::string model_fingerprint;  // names the model (type, arguments) in the cache key
+  // What the search leaves as given: loss and gradient reduction, device, seed,
+  // bucket sizes, trace and split methods.
+  ParallelPlan base;
+};
+
+// What a strategy is chosen for: the model (options.model_fingerprint), the
+// world size, the global batch's shapes, the memory limit, the methods
+// excluded and whether precision may change. SearchStrategy stamps it on the
+// strategy; a saved one with another fingerprint was chosen for something else.
+std::string StrategyFingerprint(const AutoAccelerateOptions& options, int world_size, const Batch& global_batch);
+
+// One candidate the search ranked.
+struct CandidateReport {
+  ParallelPlan plan;
+  int64_t predicted_resident_bytes = 0;  // the worst rank: the process and its tensors
+  MemoryReport predicted_state;          // the worst rank's parameters, gradients, optimizer
+  double predicted_step_s = 0;
+  double measured_step_s = -1;  // negative: not dry-run
+  std::string dry_run_error;
+};
+
+struct SearchResult {
+  Strategy strategy;  // the winner, its fingerprint set
+  ParallelPlan plan;
+  std::vector<CandidateReport> ranked;  // the candidates that fit, best predicted first
+  int64_t considered = 0;                // candidates modelled
+  int64_t over_memory_limit = 0;
+  int64_t memory_limit_bytes = 0;
+  double profile_s = 0, search_s = 0;    // search_s includes profile_s
+  bool profile_cached = false;
+  // The first `rows` candidates: strategy, predicted memory and step time,
+  // measured step time where dry-run.
+  std::string Table(int rows) const;
+};
+
+// Chooses the strategy for `make_source` on `topology`'s ranks (every rank
+// calls it; all get the same result) for global batches like
+// `global_batch` (its first dimension is the global batch size). Leaves
+// `topology` laid out for the winner: axes tensor, pipeline, data.
+absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, const Batch& global_batch,
+                                            const OptimizerFactory& make_optimizer, Topology* topology,
+                                            const AutoAccelerateOptions& options);
+
+// What AutoAccelerate hands back: the model on this rank (its optimizer
+// inside), the strategy, and this rank's micro-batches of each step's global
+// batch (the trainer's batch rule: every layout sees the same samples).
+struct AcceleratedModel {
+  std::unique_ptr<ParallelModel> model;
+  Strategy strategy;
+  SearchResult search;
+  std::function<absl::StatusOr<std::vector<Batch>>(int64_t step)> micro_batches;
+};
+
+// The reference design's auto_accelerate: SearchStrategy (or the loaded
+// strategy), then Parallelize with it. `loss`, when set, replaces the
+// source's.
+absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source, std::shared_ptr<const Dataset> dataset,
+                                                int64_t global_batch_size, const OptimizerFactory& make_optimizer,
+                                                Topology* topology, const AutoAccelerateOptions& options,
+                                                LossFunction loss = nullptr);
 
 }  // namespace trident
 

@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 
 namespace trident {
@@ -65,6 +66,7 @@ PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
 PendingWork::~PendingWork() = default;
 
 absl::Status PendingWork::Wait() {
+  if (std::exchange(done_, false)) return absl::OkStatus();
   if (!work_) return absl::FailedPreconditionError("PendingWork::Wait on an empty or used handle");
   c10::intrusive_ptr<c10d::Work> work = std::move(work_);
   try {
@@ -79,7 +81,13 @@ absl::Status PendingWork::Wait() {
   return absl::OkStatus();
 }
 
-bool PendingWork::IsCompleted() const { return work_ && work_->isCompleted(); }
+bool PendingWork::IsCompleted() const { return done_ || (work_ && work_->isCompleted()); }
+
+PendingWork PendingWork::Done() {
+  PendingWork done;
+  done.done_ = true;
+  return done;
+}
 
 ProcessGroup::ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
                            c10::intrusive_ptr<internal::C10dBackend> backend, at::Device device,
@@ -90,7 +98,10 @@ ProcessGroup::ProcessGroup(std::string name, std::vector<int> global_ranks, int 
       backend_(std::move(backend)),
       device_(device),
       timeout_(timeout),
-      diagnosis_(std::move(diagnosis)) {}
+      diagnosis_(std::move(diagnosis)) {
+  TORCH_CHECK(backend_ || global_ranks_.size() == 1, "process group '", name_,
+              "' of several ranks needs a backend");
+}
 
 ProcessGroup::~ProcessGroup() = default;
 
@@ -137,6 +148,7 @@ absl::Status ProcessGroup::Run(const char* operation,
 
 absl::Status ProcessGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   TRIDENT_RETURN_IF_ERROR(CheckAverageable(tensor, op));
+  if (local()) return absl::OkStatus();
   std::vector<at::Tensor> tensors = {OnDevice(tensor.is_contiguous() ? tensor : tensor.contiguous())};
   c10d::AllreduceOptions options;
   options.reduceOp = ToC10d(op);
@@ -153,6 +165,7 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
     return absl::InvalidArgumentError(absl::StrCat(
         "all_reduce on process group '", name_, "': IAllReduce needs a contiguous tensor"));
   }
+  if (local()) return PendingWork::Done();
   std::vector<at::Tensor> tensors = {OnDevice(tensor)};
   c10d::AllreduceOptions options;
   options.timeout = timeout_;
@@ -164,6 +177,7 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
 
 absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
   TRIDENT_RETURN_IF_ERROR(CheckPeer(root, "broadcast"));
+  if (local()) return absl::OkStatus();
   std::vector<at::Tensor> tensors = {OnDevice(tensor.is_contiguous() ? tensor : tensor.contiguous())};
   c10d::BroadcastOptions options;
   options.rootRank = root;
@@ -175,6 +189,7 @@ absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
 }
 
 absl::StatusOr<at::Tensor> ProcessGroup::AllGather(const at::Tensor& input, int64_t dim) const {
+  if (local()) return input.clone(at::MemoryFormat::Contiguous);
   std::vector<at::Tensor> inputs = {OnDevice(input.contiguous())};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
@@ -192,6 +207,10 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
     return absl::InvalidArgumentError(absl::StrCat(
         "all_gather on process group '", name_, "': IAllGather needs contiguous tensors and an "
         "output of size() times the input's elements"));
+  }
+  if (local()) {
+    output.copy_(input.view(output.sizes()));
+    return PendingWork::Done();
   }
   std::vector<at::Tensor> inputs = {OnDevice(input)};
   at::Tensor staged = OnDevice(output);
@@ -223,6 +242,7 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
         input.size(dim), " is not divisible by the group size ", size(),
         "; pad the tensor or choose a size that divides"));
   }
+  if (local()) return input.clone(at::MemoryFormat::Contiguous);
   // NOTE: Gloo has no reduce-scatter; an all-to-all of the chunks followed by a
   // local reduction moves the same bytes as a ring reduce-scatter.
   at::Tensor chunks = OnDevice(input.movedim(dim, 0).contiguous());
@@ -243,6 +263,7 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
 absl::Status ProcessGroup::Barrier() const {
   c10d::BarrierOptions options;
   options.timeout = timeout_;
+  if (local()) return absl::OkStatus();
   return Run("barrier", [&] { return backend_->barrier(options); });
 }
 
@@ -255,15 +276,23 @@ absl::Status ProcessGroup::CheckPeer(int peer, const char* operation) const {
   return absl::OkStatus();
 }
 
+absl::Status ProcessGroup::CheckMessagePeer(int peer, const char* operation) const {
+  if (size() == 1) {
+    return absl::InvalidArgumentError(absl::StrCat(operation, " on process group '", name_,
+                                                   "': a group of one rank has no peer"));
+  }
+  return CheckPeer(peer, operation);
+}
+
 absl::StatusOr<PendingWork> ProcessGroup::ISend(const at::Tensor& tensor, int dst, int tag) const {
-  TRIDENT_RETURN_IF_ERROR(CheckPeer(dst, "send"));
+  TRIDENT_RETURN_IF_ERROR(CheckMessagePeer(dst, "send"));
   // The c10d work keeps the (possibly copied) tensor alive until it completes.
   std::vector<at::Tensor> tensors = {OnDevice(tensor.contiguous())};
   return Start("send", [&] { return backend_->send(tensors, dst, tag); });
 }
 
 absl::StatusOr<PendingWork> ProcessGroup::IRecv(at::Tensor& tensor, int src, int tag) const {
-  TRIDENT_RETURN_IF_ERROR(CheckPeer(src, "recv"));
+  TRIDENT_RETURN_IF_ERROR(CheckMessagePeer(src, "recv"));
   if (!tensor.is_contiguous()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "recv on process group '", name_, "' needs a contiguous tensor; pass tensor.contiguous()"
@@ -284,6 +313,43 @@ absl::Status ProcessGroup::Send(const at::Tensor& tensor, int dst, int tag) cons
 absl::Status ProcessGroup::Recv(at::Tensor& tensor, int src, int tag) const {
   TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, IRecv(tensor, src, tag));
   return pending.Wait();
+}
+
+namespace {
+
+std::string Text(const at::Tensor& bytes) {
+  return std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel());
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
+    const ProcessGroup& group, const std::vector<std::string>& strings) {
+  const std::string joined = absl::StrJoin(strings, "\n");
+  at::Tensor length = at::full({1}, static_cast<int64_t>(joined.size()), at::kLong);
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor lengths, group.AllGather(length, 0));
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor padded = at::zeros({longest}, at::kByte);
+  if (!joined.empty()) padded.narrow(0, 0, joined.size()).copy_(at::from_blob(const_cast<char*>(joined.data()), {static_cast<int64_t>(joined.size())}, at::kByte));
+  TRIDENT_ASSIGN_OR_RETURN(at::Tensor all, group.AllGather(padded.view({1, longest}), 0));
+  std::vector<std::vector<std::string>> gathered;
+  for (int r = 0; r < group.size(); ++r) {
+    const std::string text = Text(all[r].narrow(0, 0, lengths[r].item<int64_t>()).contiguous());
+    gathered.push_back(text.empty() ? std::vector<std::string>()
+                                    : std::vector<std::string>(absl::StrSplit(text, '\n')));
+  }
+  return gathered;
+}
+
+absl::Status AgreeOnFailure(const ProcessGroup& group, const absl::Status& local, const char* what) {
+  // The lowest failed rank + 1, or 0 when none failed.
+  at::Tensor failed = at::full({1}, local.ok() ? group.size() + 1 : group.rank() + 1, at::kLong);
+  TRIDENT_RETURN_IF_ERROR(group.AllReduce(failed, ReduceOp::kMin));
+  if (!local.ok()) return local;
+  const int64_t first = failed.item<int64_t>();
+  if (first > group.size()) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat("rank ", first - 1, " failed while ", what,
+                                         "; its own error says why"));
 }
 
 }  // namespace trident

@@ -60,6 +60,9 @@ class PendingWork {
 
  private:
   friend class ProcessGroup;
+  // Work that finished as it started (a group of one rank).
+  static PendingWork Done();
+  bool done_ = false;
   const class ProcessGroup* group_ = nullptr;
   const char* operation_ = "";
   c10::intrusive_ptr<c10d::Work> work_;
@@ -73,7 +76,8 @@ class ProcessGroup {
   using FailureDiagnosis = std::function<std::string(const std::vector<int>& global_ranks)>;
 
   // Wraps `backend`, whose tensors live on `device`. `global_ranks[i]` is the
-  // global rank of group rank i.
+  // global rank of group rank i. A group of one rank may have no backend (null):
+  // its collectives are then local copies, or nothing.
   ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
                c10::intrusive_ptr<internal::C10dBackend> backend, at::Device device,
                std::chrono::milliseconds timeout, FailureDiagnosis diagnosis);
@@ -129,6 +133,10 @@ class ProcessGroup {
   // The one place c10d exceptions become statuses.
   absl::Status Failure(const char* operation) const;
   absl::Status CheckPeer(int peer, const char* operation) const;
+  // CheckPeer, and a group of one rank has no peer to send to or receive from.
+  absl::Status CheckMessagePeer(int peer, const char* operation) const;
+  // A one-rank group without a backend: collectives are done here.
+  bool local() const { return !backend_; }
   // `tensor` on the backend's device (itself when it is there).
   at::Tensor OnDevice(const at::Tensor& tensor) const;
 
@@ -140,6 +148,14 @@ class ProcessGroup {
   std::chrono::milliseconds timeout_;
   FailureDiagnosis diagnosis_;
 };
+
+// Every rank's `strings`, by group rank.
+absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
+    const ProcessGroup& group, const std::vector<std::string>& strings);
+
+// Whether any rank of `group` failed: every rank gets `local` back when it
+// failed itself, otherwise an error naming the lowest failed rank when one did.
+absl::Status AgreeOnFailure(const ProcessGroup& group, const absl::Status& local, const char* what);
 
 }  // namespace trident
 

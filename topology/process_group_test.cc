@@ -165,6 +165,49 @@ TEST_P(CollectivesTest, SendRecvCarriesEveryDtypeAndShape) {
   });
 }
 
+// A group of one rank has no c10d backend: every collective is a local copy or
+// nothing, with the same results (and fresh tensors) a backend would give.
+TEST(OneRankGroupTest, CollectivesAreLocal) {
+  testing::RunOnRanks(1, [](int) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& group = (*topology)->world();
+    ASSERT_EQ(group.size(), 1);
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+      at::Tensor t = RankTensor(0);
+      ASSERT_TRUE(group.AllReduce(t, op).ok());
+      EXPECT_TRUE(at::equal(t, RankTensor(0)));
+    }
+    at::Tensor pending_sum = RankTensor(0);
+    auto started = group.IAllReduce(pending_sum);
+    ASSERT_TRUE(started.ok()) << started.status();
+    EXPECT_TRUE(started->IsCompleted());
+    EXPECT_TRUE(started->Wait().ok());
+    EXPECT_FALSE(started->Wait().ok()) << "a handle waits once";
+
+    at::Tensor input = at::arange(6, at::kFloat).view({2, 3});
+    auto gathered = group.AllGather(input, /*dim=*/1);
+    ASSERT_TRUE(gathered.ok());
+    EXPECT_TRUE(at::equal(*gathered, input));
+    gathered->zero_();
+    EXPECT_EQ(input.sum().item<float>(), 15.0f) << "the result is a copy";
+    at::Tensor output = at::zeros({6});
+    auto gathering = group.IAllGather(input, output);
+    ASSERT_TRUE(gathering.ok() && gathering->Wait().ok());
+    EXPECT_TRUE(at::equal(output, at::arange(6, at::kFloat)));
+
+    auto scattered = group.ReduceScatter(input, /*dim=*/1, ReduceOp::kAvg);
+    ASSERT_TRUE(scattered.ok());
+    EXPECT_TRUE(at::equal(*scattered, input));
+    EXPECT_FALSE(scattered->is_same(input));
+    at::Tensor broadcast = RankTensor(0);
+    EXPECT_TRUE(group.Broadcast(broadcast, 0).ok());
+    EXPECT_EQ(group.Broadcast(broadcast, 1).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(group.Barrier().ok());
+    EXPECT_THAT(std::string(group.Send(input, 0).message()), HasSubstr("a group of one rank has no peer"));
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(TwoAndFourRanks, CollectivesTest, ::testing::Values(2, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 

@@ -3,11 +3,17 @@
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <utility>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+// PyTorch's wheels define USE_C10D_GLOO but ship no Gloo headers; without them
+// CPU process groups can have one rank only.
+#if defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
+#define TRIDENT_GLOO 1
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 #ifdef USE_C10D_NCCL
@@ -183,8 +189,11 @@ class Topology::Impl {
   TopologyOptions options;
   c10::intrusive_ptr<c10d::Store> store;
   std::unique_ptr<HeartbeatMonitor> heartbeat;
+#ifdef TRIDENT_GLOO
   std::shared_ptr<::gloo::transport::Device> gloo_device;
+#endif
   std::vector<std::unique_ptr<ProcessGroup>> groups;
+  int generation = 0;  // Reshape calls so far: keeps the groups' store keys apart
 };
 
 std::string AxisAlias(absl::string_view axis) {
@@ -250,7 +259,8 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv&
   impl.heartbeat =
       std::make_unique<HeartbeatMonitor>(env, heartbeat_store, options.heartbeat_interval);
 
-  if (!use_nccl) {
+#ifdef TRIDENT_GLOO
+  if (!use_nccl && env.world_size > 1) {
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("creating the Gloo transport", [&] {
       if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {
         impl.gloo_device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);
@@ -261,19 +271,9 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv&
       }
     }));
   }
+#endif
 
-  std::vector<std::string> all_axes;
-  for (const MeshAxis& axis : topology->mesh_.axes()) all_axes.push_back(axis.name);
-  TRIDENT_ASSIGN_OR_RETURN(topology->world_, topology->AddGroup(all_axes));
-  topology->groups_by_name_["world"] = topology->world_;
-  for (const std::string& axis : all_axes) {
-    TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * group, topology->GroupSpanning({axis}));
-    std::string alias = AxisAlias(axis);
-    if (!alias.empty()) topology->groups_by_name_[alias] = group;
-  }
-  // Return only once every rank has connected all of its groups, so that no rank
-  // starts work (or exits) while another is still connecting.
-  TRIDENT_RETURN_IF_ERROR(topology->world_->Barrier());
+  TRIDENT_RETURN_IF_ERROR(topology->ConnectGroups());
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     if (live_topology != nullptr) {
@@ -284,6 +284,34 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv&
   return topology;
 }
 
+absl::Status Topology::ConnectGroups() {
+  std::vector<std::string> all_axes;
+  for (const MeshAxis& axis : mesh_.axes()) all_axes.push_back(axis.name);
+  TRIDENT_ASSIGN_OR_RETURN(world_, AddGroup(all_axes));
+  groups_by_name_["world"] = world_;
+  for (const std::string& axis : all_axes) {
+    TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * group, GroupSpanning({axis}));
+    std::string alias = AxisAlias(axis);
+    if (!alias.empty()) groups_by_name_[alias] = group;
+  }
+  // Return only once every rank has connected all of its groups, so that no rank
+  // starts work (or exits) while another is still connecting.
+  return world_->Barrier();
+}
+
+absl::Status Topology::Reshape(std::vector<MeshAxis> mesh_axes) {
+  if (mesh_axes.empty()) mesh_axes = {{"data", env_.world_size}};
+  TRIDENT_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(mesh_axes, env_.world_size));
+  // Every rank is done with the old groups before any is torn down.
+  TRIDENT_RETURN_IF_ERROR(world_->Barrier());
+  groups_by_name_.clear();
+  world_ = nullptr;
+  impl_->groups.clear();
+  mesh_ = std::move(mesh);
+  ++impl_->generation;
+  return ConnectGroups();
+}
+
 absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>& axes) {
   const std::string name = absl::StrJoin(axes, "+");
   std::vector<int> ranks = mesh_.GroupRanks(axes, env_.rank);
@@ -292,18 +320,28 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
   Impl& impl = *impl_;
   const std::chrono::milliseconds timeout = ToChrono(impl.options.timeout);
   auto store = c10::make_intrusive<c10d::PrefixStore>(
-      absl::StrCat("trident/pg/", name, "/", absl::StrJoin(ranks, ",")), impl.store);
+      absl::StrCat("trident/pg/", impl.generation, "/", name, "/", absl::StrJoin(ranks, ",")), impl.store);
+  // A CPU group of one rank needs no backend: its collectives are local. (A GPU
+  // one keeps NCCL's, so that one GPU runs the code path of many.)
   c10::intrusive_ptr<internal::C10dBackend> backend;
-  absl::Status connected = CatchExceptions(
+  const bool local = ranks.size() == 1 && backend_name_ == "gloo";
+  absl::Status connected = local ? absl::OkStatus() : CatchExceptions(
       absl::StrCat("connecting process group '", name, "' (global ranks ",
                    absl::StrJoin(ranks, ","), ")"),
       [&] {
         if (backend_name_ == "gloo") {
+#ifdef TRIDENT_GLOO
           auto options = c10d::ProcessGroupGloo::Options::create(timeout);
           options->devices = {impl.gloo_device};
           backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank,
                                                                 static_cast<int>(ranks.size()),
                                                                 options);
+#else
+          throw std::runtime_error(
+              "this LibTorch ships without Gloo's headers (PyTorch's wheels), so CPU process groups "
+              "can have one rank only; train on GPUs (device=cuda, NCCL) or build against a "
+              "LibTorch with Gloo (Debian's, or PyTorch built from source)");
+#endif
         } else {
 #ifdef USE_C10D_NCCL
           auto options = c10d::ProcessGroupNCCL::Options::create();

@@ -89,11 +89,19 @@ class Topology {
   // rank must call this with the same axes in the same order. Later calls return
   // the same group.
   absl::StatusOr<ProcessGroup*> GroupSpanning(const std::vector<std::string>& axes);
+  // Lays the same ranks out on a new mesh (empty: one "data" axis), keeping
+  // the rendezvous store and the heartbeats: every group is replaced, so
+  // pointers to the old ones (and whatever holds them, a ParallelModel) must
+  // be gone first. Collective: every rank calls it with the same axes. The
+  // strategy search runs each candidate layout in one job this way.
+  absl::Status Reshape(std::vector<MeshAxis> mesh_axes);
 
  private:
   class Impl;
   Topology(DistributedEnv env, DeviceMesh mesh);
   absl::StatusOr<ProcessGroup*> AddGroup(const std::vector<std::string>& axes);
+  // The world group and one per mesh axis, then a barrier.
+  absl::Status ConnectGroups();
 
   DistributedEnv env_;
   DeviceMesh mesh_;

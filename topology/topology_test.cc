@@ -57,6 +57,34 @@ TEST(TopologyTest, EightRanksGetTheirMeshGroupsByNameAndAlias) {
   });
 }
 
+TEST(TopologyTest, ReshapeReplacesTheGroupsOnTheSameRanks) {
+  testing::RunOnRanks(4, [](int rank) {
+    auto created = testing::JoinTopology({{"data", 4}});
+    ASSERT_TRUE(created.ok()) << created.status();
+    Topology& topology = **created;
+    for (int round = 0; round < 2; ++round) {  // back and forth: old store keys never collide
+      ASSERT_TRUE(topology.Reshape({{"tensor", 2}, {"pipeline", 2}}).ok());
+      EXPECT_FALSE(topology.Group("data").ok());
+      ProcessGroup* tp = *topology.Group("tp");
+      EXPECT_EQ(*FindProcessGroup("tp"), tp);
+      EXPECT_THAT(tp->global_ranks(), ElementsAre(rank / 2 * 2, rank / 2 * 2 + 1));
+      at::Tensor value = at::full({1}, static_cast<double>(rank), at::kDouble);
+      ASSERT_TRUE(tp->AllReduce(value).ok());
+      EXPECT_EQ(value.item<double>(), 2 * (rank / 2 * 2) + 1);
+
+      ASSERT_TRUE(topology.Reshape({}).ok());  // one data axis over all ranks
+      ProcessGroup* dp = *topology.Group("dp");
+      EXPECT_EQ(dp->size(), 4);
+      at::Tensor ones = at::ones({1});
+      ASSERT_TRUE(dp->AllReduce(ones).ok());
+      EXPECT_EQ(ones.item<float>(), 4.0f);
+    }
+    auto bad = topology.Reshape({{"tensor", 3}});
+    ASSERT_FALSE(bad.ok());
+    EXPECT_THAT(std::string(bad.message()), HasSubstr("world size is 4"));
+  });
+}
+
 TEST(TopologyTest, MeshThatDoesNotFitTheWorldFailsBeforeConnecting) {
   testing::RunOnRanks(2, [](int) {
     auto created = testing::JoinTopology({{"tensor", 4}});

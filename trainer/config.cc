@@ -1,6 +1,7 @@
 #include "trainer/config.h"
 
 #include <algorithm>
+#include <set>
 #include <fstream>
 #include <sstream>
 
@@ -98,9 +99,16 @@ absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* con
   return absl::OkStatus();
 }
 
+std::vector<std::string> CommaList(const std::string& text) {
+  std::vector<std::string> items;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    items.emplace_back(absl::StripAsciiWhitespace(item));
+  }
+  return items;
+}
+
 absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, TrainerConfig* c) {
   ParallelPlan plan = PlanFromConfig(*c);
-  const int64_t micro_batches = plan.num_micro_batches;
   TRIDENT_RETURN_IF_ERROR(ApplyStrategy(strategy, world_size, &plan));
   c->set_dp(plan.dp);
   c->set_tp(plan.tp);
@@ -119,9 +127,10 @@ absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, Tra
   c->set_partition_method(plan.partition_method);
   // The global batch stays (strong scaling, as the reference has it): the
   // micro-batch size follows dp and the micro-batch count.
-  const int64_t m = plan.num_micro_batches != micro_batches  // pipeline_parallel's micro_batches
-                        ? plan.num_micro_batches
-                        : (c->has_grad_accumulation_steps() ? c->grad_accumulation_steps() : 1);
+  bool counted = strategy.has_gradient_accumulation_steps();
+  for (const OptimizationMethod& method : strategy.methods()) counted |= method.has_micro_batches();
+  const int64_t m = counted ? plan.num_micro_batches
+                            : (c->has_grad_accumulation_steps() ? c->grad_accumulation_steps() : 1);
   if (c->has_global_batch_size()) {
     if (c->global_batch_size() % (plan.dp * m) != 0) {
       return Invalid(absl::StrCat("strategy: global_batch_size=", c->global_batch_size(),
@@ -133,8 +142,54 @@ absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, Tra
   return absl::OkStatus();
 }
 
+namespace {
+
+// The automatic mode's fields; the global batch stays as the config gives it
+// and the layout becomes a placeholder (one rank's) until the search sets it.
+absl::Status ResolveAutomaticStrategy(TrainerConfig* c) {
+  if (c->strategy() != "auto") return Invalid(absl::StrCat("strategy='", c->strategy(), "' is unknown; use auto (or leave it empty)"));
+  if (!c->load_strategy().empty() && !c->finetune_strategy()) {
+    return Invalid("strategy=auto with load_strategy: the loaded strategy already decides; add "
+                   "--finetune_strategy to search around it, or drop --strategy=auto");
+  }
+  if (c->run_mode() != "run" && c->run_mode() != "compile") {
+    return Invalid(absl::StrCat("run_mode='", c->run_mode(), "' is unknown; choose run or compile"));
+  }
+  const std::set<std::string> reuse = {"auto", "match", "override", "moo"};
+  if (!reuse.count(c->strategy_reuse())) {
+    return Invalid(absl::StrCat("strategy_reuse='", c->strategy_reuse(), "' is unknown; choose auto, match, override or moo"));
+  }
+  const std::set<std::string> methods = {"data", "tensor_parallel", "pipeline_parallel", "zero1",
+                                         "zero2", "fsdp", "checkpoint", "amp_native"};
+  for (const std::string& method : CommaList(c->strategy_excluded())) {
+    if (!methods.count(method)) {
+      return Invalid(absl::StrCat("strategy_excluded names '", method, "'; the methods are ", absl::StrJoin(methods, ", ")));
+    }
+  }
+  if (c->memory_limit_mb() < 0 || !(c->strategy_time_limit_s() > 0) || c->strategy_dry_runs() < 0) {
+    return Invalid("memory_limit_mb and strategy_dry_runs must not be negative and strategy_time_limit_s must be positive");
+  }
+  const int64_t accumulation = std::max<int64_t>(1, c->grad_accumulation_steps());
+  const int64_t global = c->has_global_batch_size() ? c->global_batch_size() : c->micro_batch_size() * accumulation * c->dp();
+  if (global < 1) return Invalid(absl::StrCat("global_batch_size=", global, " must be at least 1"));
+  c->set_global_batch_size(global);
+  c->set_dp(1);
+  c->set_tp(1);
+  c->set_pp(1);
+  c->set_micro_batch_size(global);
+  c->set_grad_accumulation_steps(1);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
-  if (!c->load_strategy().empty()) {
+  const bool automatic = !c->strategy().empty();
+  if (automatic) {
+    TRIDENT_RETURN_IF_ERROR(ResolveAutomaticStrategy(c));
+  } else if (c->run_mode() != "run") {
+    return Invalid(absl::StrCat("run_mode=", c->run_mode(), " needs strategy=auto (compile chooses a strategy and stops)"));
+  } else if (!c->load_strategy().empty()) {
     TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(c->load_strategy()));
     TRIDENT_RETURN_IF_ERROR(ApplyStrategyToConfig(strategy, world_size, c));
   }
@@ -142,7 +197,7 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
     return Invalid(absl::StrCat("dp=", c->dp(), ", tp=", c->tp(), ", pp=", c->pp(),
                                 ": each must be at least 1"));
   }
-  if (c->dp() * c->tp() * c->pp() != world_size) {
+  if (!automatic && c->dp() * c->tp() * c->pp() != world_size) {
     return Invalid(absl::StrCat("dp*tp*pp = ", c->dp(), "*", c->tp(), "*", c->pp(), " = ",
                                 c->dp() * c->tp() * c->pp(), " but ", world_size,
                                 " ranks were started; make the product equal the number of "
@@ -217,18 +272,6 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   }
   return ValidatePlan(PlanFromConfig(*c));
 }
-
-namespace {
-
-std::vector<std::string> CommaList(const std::string& text) {
-  std::vector<std::string> items;
-  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
-    items.emplace_back(absl::StripAsciiWhitespace(item));
-  }
-  return items;
-}
-
-}  // namespace
 
 ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   ParallelPlan plan;

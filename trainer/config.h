@@ -43,6 +43,9 @@ std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& config
 std::pair<std::string, ComponentArgs> OptimizerComponent(const TrainerConfig& config);
 double GradientClip(const TrainerConfig& config);
 
+// The items of a comma-separated field, trimmed.
+std::vector<std::string> CommaList(const std::string& text);
+
 // The config as text format, for printing and saving.
 std::string ConfigToText(const TrainerConfig& config);
 

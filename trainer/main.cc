@@ -69,7 +69,7 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
 
 absl::Status RunRank(TrainerConfig config) {
   TRIDENT_ASSIGN_OR_RETURN(DistributedEnv env, DistributedEnvFromEnvironment());
-  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
+  if (config.strategy().empty()) TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
   // This rank's share of the cores goes to the BLAS pool (OPENBLAS_NUM_THREADS,
   // set by the launcher; set here at run time under mpirun or srun) and ATen's
   // intra-op threads default to 1: measured fastest on CPU (see config.proto).
@@ -85,8 +85,14 @@ absl::Status RunRank(TrainerConfig config) {
   TuneAllocatorForTraining();
   TopologyOptions options;
   options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
+  if (!config.strategy().empty()) options.mesh_axes = {};  // the search lays the ranks out
   options.backend = config.device() == "cuda" ? CommBackend::kNccl : CommBackend::kGloo;
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));
+  if (!config.strategy().empty()) {
+    const bool compile_only = config.run_mode() == "compile";
+    TRIDENT_ASSIGN_OR_RETURN(config, Trainer::ChooseStrategy(config, topology.get()));
+    if (compile_only) return absl::OkStatus();
+  }
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, topology.get()));
   return trainer->Train().status();
 }

@@ -36,6 +36,11 @@ printf 'methods { name: "zero1" } methods { name: "fsdp" }\n' >"$TEST_TMPDIR/pai
 expect_error "methods 'zero1' and 'fsdp' do not go together" --load_strategy="$TEST_TMPDIR/pair.strategy"
 printf 'methods { name: ' >"$TEST_TMPDIR/broken.strategy"
 expect_error "is not a valid Strategy (line 1" --load_strategy="$TEST_TMPDIR/broken.strategy"
+expect_error "strategy='best' is unknown; use auto" --strategy=best
+expect_error "strategy_excluded names 'ddp'" --strategy=auto --strategy_excluded=ddp
+expect_error "run_mode=compile needs strategy=auto" --run_mode=compile
+expect_error "strategy=auto with load_strategy: the loaded strategy already decides" --strategy=auto \
+  --load_strategy="$TEST_TMPDIR/pair.strategy"
 
 timeout 120 "$train" "${small[@]}" --max_steps=6 --log_every=2 --eval_every=3 --eval_steps=2 \
   --sample_tokens=20 --save_dir="$TEST_TMPDIR/run" --metrics_file="$TEST_TMPDIR/run/metrics.jsonl" \
@@ -83,4 +88,30 @@ grep -aq '^\[rank 0\] step 2/2 | loss ' "$out" || fail "strategy step line"
 grep -q 'schedule: "zb_h1"' "$TEST_TMPDIR/saved.strategy" || fail "saved strategy"
 timeout 120 "$train" "${small[@]}" --load_strategy="$TEST_TMPDIR/saved.strategy" --max_steps=1 --eval_steps=1 \
   --sample_tokens=0 >"$out" 2>&1 || fail "saved strategy does not load back"
+# The fully automatic mode on 2 ranks. A compile run profiles, ranks the
+# candidates, dry-runs the best two, prints the table and saves the winner
+# with its fingerprint, and trains nothing; a run reuses it; a run for
+# another global batch is refused under strategy_reuse=match (the default)
+# and searches again under moo; a memory limit nothing fits is one error
+# naming the smallest requirement.
+auto=(--strategy=auto --nproc=2 --profile_cache_dir="$TEST_TMPDIR/profiles" --strategy_dry_runs=2
+      --save_strategy="$TEST_TMPDIR/auto.strategy" --eval_steps=1 --sample_tokens=0)
+timeout 300 "$train" "${small[@]}" "${auto[@]}" --run_mode=compile >"$out" 2>&1 || fail "compile run exited $?"
+grep -aq '^\[rank 0\] .*candidates modelled, 0 over the memory limit' "$out" || fail "candidate table"
+[ "$(grep -ac '^\[rank 0\] [0-9].* [0-9.]* *<- chosen' "$out")" -eq 1 ] || fail "one dry-run winner"
+grep -aq 'step 1/' "$out" && fail "compile mode trained"
+grep -q '^fingerprint: ".*world=2' "$TEST_TMPDIR/auto.strategy" || fail "strategy fingerprint"
+timeout 300 "$train" "${small[@]}" "${auto[@]}" --max_steps=2 >"$out" 2>&1 || fail "reuse run exited $?"
+grep -aq "reusing the strategy in $TEST_TMPDIR/auto.strategy" "$out" || fail "strategy not reused"
+grep -aq '^\[rank 0\] step 2/2 | loss ' "$out" || fail "automatic step line"
+timeout 300 "$train" "${small[@]}" "${auto[@]}" --global_batch_size=32 --max_steps=1 >"$out" 2>&1 &&
+  fail "reused a strategy chosen for another batch"
+grep -aq 'was chosen for another run' "$out" || fail "strategy_reuse=match error"
+timeout 300 "$train" "${small[@]}" "${auto[@]}" --global_batch_size=32 --max_steps=1 --strategy_reuse=moo \
+  >"$out" 2>&1 || fail "moo run exited $?"
+grep -aq 'candidates modelled' "$out" || fail "moo did not search again"
+timeout 300 "$train" "${small[@]}" "${auto[@]}" --strategy_reuse=override --memory_limit_mb=1 >"$out" 2>&1 &&
+  fail "trained over the memory limit"
+grep -aq 'no strategy fits the memory limit of 1 MB per rank: the smallest found (.*) needs [0-9]* MB' "$out" ||
+  fail "memory limit error"
 echo "train_test: all checks passed"

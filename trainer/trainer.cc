@@ -42,22 +42,6 @@ std::string HumanCount(double value) {
   return absl::StrFormat("%.0f", value);
 }
 
-// Rank 0 prepares the default corpus (Debian's fortunes) once; the others wait.
-absl::Status PrepareDefaultCorpus(const TrainerConfig& config, const Topology& topology) {
-  if (!config.data().empty() || config.has_dataset_config()) return absl::OkStatus();
-  const std::string dir = internal::DataDirectory(config);
-  if (topology.rank() == 0 && !fs::exists(dir + "/train.bin")) {
-    std::printf("preparing the default corpus (Debian's fortunes, byte tokens) in %s\n", dir.c_str());
-    // Written aside and renamed, so a concurrent run never reads half a file.
-    PrepareOptions options;
-    options.output_dir = absl::StrCat(dir, ".tmp-", getpid());
-    TRIDENT_RETURN_IF_ERROR(PrepareTextCorpus(options).status());
-    std::error_code error;
-    fs::rename(options.output_dir, dir, error);
-    if (error) fs::remove_all(options.output_dir, error);  // another run got there first
-  }
-  return topology.world().Barrier();
-}
 
 }  // namespace
 
@@ -92,7 +76,7 @@ absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, Topology* topology) {
   TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, topology->world_size()));
-  TRIDENT_RETURN_IF_ERROR(PrepareDefaultCorpus(config, *topology));
+  TRIDENT_RETURN_IF_ERROR(internal::PrepareDefaultCorpus(config, *topology));
   ModelContext context;
   context.seed = config.seed();
   if (config.tp() > 1) {
@@ -312,8 +296,11 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     t.Print("sample: skipped (sampling needs a model whose outputs are next-token logits, such as the zoo's)");
   }
   if (!c.export_safetensors().empty()) TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.export_safetensors()));
-  t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB", t.step - result.first_step,
-                          internal::FormatDuration(Seconds(Clock::now() - start)), PeakResidentMb()));
+  at::Tensor peak = at::full({1}, PeakResidentMb(), at::kDouble);  // of the fullest rank
+  TRIDENT_RETURN_IF_ERROR(t.topology().world().AllReduce(peak, ReduceOp::kMax));
+  t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB (the largest of any rank)",
+                          t.step - result.first_step, internal::FormatDuration(Seconds(Clock::now() - start)),
+                          peak.item<double>()));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainEnd(t.State()); });
   return result;
 }

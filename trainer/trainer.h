@@ -120,6 +120,12 @@ class Trainer {
   // the data directory's files. Reads no data beyond the tokenizer.
   static absl::Status Preflight(TrainerConfig config, int world_size);
 
+  // The fully automatic mode (config.strategy "auto"): chooses the strategy
+  // on `topology`'s ranks (strategy/strategy.h), or reuses the one saved for
+  // this run (strategy_reuse), and returns `config` with it applied. Leaves
+  // `topology` laid out for it (axes tensor, pipeline, data). Every rank calls it.
+  static absl::StatusOr<TrainerConfig> ChooseStrategy(TrainerConfig config, Topology* topology);
+
   void AddHooks(std::shared_ptr<TrainerHooks> hooks);
   // Trains until max_steps (or max_epochs), then evaluates, samples and exports.
   absl::StatusOr<TrainResult> Train();

@@ -42,24 +42,6 @@ absl::StatusOr<at::Tensor> RecvSized(const ProcessGroup& group, int peer, at::Sc
 
 }  // namespace
 
-absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
-    const ProcessGroup& group, const std::vector<std::string>& strings) {
-  const std::string joined = absl::StrJoin(strings, "\n");
-  at::Tensor length = at::full({1}, static_cast<int64_t>(joined.size()), at::kLong);
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor lengths, group.AllGather(length, 0));
-  const int64_t longest = lengths.max().item<int64_t>();
-  at::Tensor padded = at::zeros({longest}, at::kByte);
-  if (!joined.empty()) padded.narrow(0, 0, joined.size()).copy_(Bytes(joined));
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor all, group.AllGather(padded.view({1, longest}), 0));
-  std::vector<std::vector<std::string>> gathered;
-  for (int r = 0; r < group.size(); ++r) {
-    const std::string text = Text(all[r].narrow(0, 0, lengths[r].item<int64_t>()).contiguous());
-    gathered.push_back(text.empty() ? std::vector<std::string>()
-                                    : std::vector<std::string>(absl::StrSplit(text, '\n')));
-  }
-  return gathered;
-}
-
 absl::Status SendNamedTensors(const ProcessGroup& group, int peer, const NamedTensors& tensors) {
   std::vector<std::string> names;
   std::vector<int64_t> layout;  // per tensor: dtype, rank, sizes...
@@ -96,17 +78,6 @@ absl::StatusOr<NamedTensors> RecvNamedTensors(const ProcessGroup& group, int pee
     tensors.emplace_back(name, t);
   }
   return tensors;
-}
-
-absl::Status AgreeOnFailure(const ProcessGroup& world, const absl::Status& local, const char* what) {
-  // The lowest failed rank + 1, or 0 when none failed.
-  at::Tensor failed = at::full({1}, local.ok() ? world.size() + 1 : world.rank() + 1, at::kLong);
-  TRIDENT_RETURN_IF_ERROR(world.AllReduce(failed, ReduceOp::kMin));
-  if (!local.ok()) return local;
-  const int64_t first = failed.item<int64_t>();
-  if (first > world.size()) return absl::OkStatus();
-  return absl::AbortedError(absl::StrCat("rank ", first - 1, " failed while ", what,
-                                         "; its own error says why"));
 }
 
 }  // namespace internal

@@ -1,7 +1,10 @@
 #include "trainer/internal/components.h"
 
 #include <cstdlib>
+#include <cstdio>
 #include <filesystem>
+
+#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -80,6 +83,22 @@ absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const Mode
     TRIDENT_ASSIGN_OR_RETURN(parts.val_data, Open("tokens", "val", data_args));
   }
   return parts;
+}
+
+absl::Status PrepareDefaultCorpus(const TrainerConfig& config, const Topology& topology) {
+  if (!config.data().empty() || config.has_dataset_config()) return absl::OkStatus();
+  const std::string dir = internal::DataDirectory(config);
+  if (topology.rank() == 0 && !fs::exists(dir + "/train.bin")) {
+    std::printf("preparing the default corpus (Debian's fortunes, byte tokens) in %s\n", dir.c_str());
+    // Written aside and renamed, so a concurrent run never reads half a file.
+    PrepareOptions options;
+    options.output_dir = absl::StrCat(dir, ".tmp-", getpid());
+    TRIDENT_RETURN_IF_ERROR(PrepareTextCorpus(options).status());
+    std::error_code error;
+    fs::rename(options.output_dir, dir, error);
+    if (error) fs::remove_all(options.output_dir, error);  // another run got there first
+  }
+  return topology.world().Barrier();
 }
 
 }  // namespace internal

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "data/data.h"
 #include "parallel/parallel.h"
+#include "topology/topology.h"
 #include "trainer/config.pb.h"
 
 namespace trident {
@@ -28,6 +29,9 @@ std::string DataDirectory(const TrainerConfig& config);
 // `open_data` false the datasets are only checked to exist (before ranks start).
 absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const ModelContext& context,
                                          bool open_data);
+
+// Rank 0 prepares the default corpus (Debian's fortunes) once; the others wait.
+absl::Status PrepareDefaultCorpus(const TrainerConfig& config, const Topology& topology);
 
 }  // namespace internal
 }  // namespace trident

@@ -11,6 +11,7 @@
 #include <functional>
 #include <thread>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -81,7 +82,7 @@ double MeasureCorePeakFlops() {
     double flops = 0;
     if (cached >> flops && flops > 0) return flops;
   }
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   const int threads = at::get_num_threads();
   const int blas = BlasThreads(1);
   at::set_num_threads(1);

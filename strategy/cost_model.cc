@@ -1,0 +1,398 @@
+#include "strategy/internal/cost_model.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "amp/amp.h"
+#include "base/status.h"
+#include "partition/partition.h"
+#include "pipeline/pipeline.h"
+#include "strategy/internal/profile.h"
+#include "zero/zero.h"
+
+namespace trident {
+namespace internal {
+namespace {
+
+double At(const Linear& line, int64_t b) { return line.base() + line.per_sample() * static_cast<double>(b); }
+
+absl::StatusOr<const LayerShard*> ShardFor(const ProfiledLayer& layer, int tp) {
+  for (const LayerShard& shard : layer.shards()) {
+    if (shard.tp() == tp) return &shard;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("tp=", tp, " was not profiled (the model's shapes do not divide it)"));
+}
+
+// One layer's costs at the plan's micro-batch size, tensor-parallel degree and precision.
+struct LayerCost {
+  const LayerShard* shard = nullptr;
+  double forward = 0, backward = 0;
+  double kept = 0, transient = 0, output = 0;
+};
+
+// A pipeline rank's view of the plan: its chunks' layers and what they cost.
+struct RankView {
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // [first, end) per chunk
+  std::vector<std::vector<bool>> recomputed;        // per chunk, per layer
+};
+
+class PlanCosts {
+ public:
+  static absl::StatusOr<PlanCosts> Make(const ModelProfile& profile, const ParallelPlan& plan) {
+    PlanCosts c(profile, plan);
+    TRIDENT_ASSIGN_OR_RETURN(c.precision_, MakePrecisionPolicy(plan.precision, plan.precision_table));
+    const bool bf16 = c.precision_.compute == at::kBFloat16;
+    if (bf16 && !profile.has_bf16()) {
+      return absl::InvalidArgumentError("bf16 was not profiled (precision changes were not allowed)");
+    }
+    for (int i = 0; i < profile.layers_size(); ++i) {
+      TRIDENT_ASSIGN_OR_RETURN(const LayerShard* shard, ShardFor(profile.layers(i), plan.tp));
+      TRIDENT_ASSIGN_OR_RETURN(const LayerShard* whole, ShardFor(profile.layers(i), 1));
+      const int64_t b = plan.micro_batch_size;
+      LayerCost cost;
+      cost.shard = shard;
+      cost.forward = At(shard->forward_seconds(), b);
+      cost.backward = At(shard->backward_seconds(), b);
+      cost.kept = At(shard->kept_bytes(), b);
+      cost.transient = At(shard->backward_transient_bytes(), b);
+      cost.output = At(shard->output_bytes(), b);
+      if (bf16) {  // tp 1's bf16 / fp32 ratio applied to this degree
+        auto ratio = [&](const Linear& low, const Linear& full) {
+          const double f = At(full, b);
+          return f > 0 ? At(low, b) / f : 1.0;
+        };
+        cost.forward *= ratio(whole->bf16_forward_seconds(), whole->forward_seconds());
+        cost.backward *= ratio(whole->bf16_backward_seconds(), whole->backward_seconds());
+        cost.kept *= ratio(whole->bf16_kept_bytes(), whole->kept_bytes());
+      }
+      c.layers_.push_back(cost);
+    }
+    TRIDENT_ASSIGN_OR_RETURN(c.bounds_, StageBoundaries(profile, plan));
+    TRIDENT_ASSIGN_OR_RETURN(c.schedule_, MakeSchedule(plan.pp > 1 ? plan.schedule : "1f1b", plan.virtual_stages));
+    TRIDENT_RETURN_IF_ERROR(c.schedule_->Check(plan.pp, static_cast<int>(plan.num_micro_batches)));
+    for (int s = 0; s < plan.pp; ++s) c.ranks_.push_back(c.View(s));
+    return c;
+  }
+
+  const ParallelPlan& plan() const { return plan_; }
+  const RankView& rank(int s) const { return ranks_[s]; }
+  const LayerCost& layer(int64_t i) const { return layers_[i]; }
+  const PipelineSchedule& schedule() const { return *schedule_; }
+
+  // The parameters rank `s` stores, once each by name, in the order Parallelize lists them.
+  std::vector<const ProfiledParameter*> Parameters(int s) const {
+    std::vector<const ProfiledParameter*> list;
+    std::set<std::string> seen;
+    for (const auto& [first, end] : ranks_[s].chunks) {
+      for (int64_t i = first; i < end; ++i) {
+        for (const ProfiledParameter& p : layers_[i].shard->parameters()) {
+          if (seen.insert(p.name()).second) list.push_back(&p);
+        }
+      }
+    }
+    return list;
+  }
+  int64_t ElementSize(const ProfiledParameter& p) const {
+    return precision_.param == at::kFloat ? p.element_size() : static_cast<int64_t>(c10::elementSize(precision_.param));
+  }
+  int64_t ParameterBytes(int s) const {
+    int64_t bytes = 0;
+    for (const ProfiledParameter* p : Parameters(s)) bytes += p->numel() * ElementSize(*p);
+    return bytes;
+  }
+  int64_t ParameterCount(int s) const {
+    int64_t count = 0;
+    for (const ProfiledParameter* p : Parameters(s)) count += p->numel();
+    return count;
+  }
+  // Bytes a chunk keeps per micro-batch between its forward and backward:
+  // its received input, every layer's saved tensors, and of a recomputed
+  // segment (up to checkpoint_num_layers layers) only its output.
+  double Kept(int s, size_t c) const {
+    const auto [first, end] = ranks_[s].chunks[c];
+    double bytes = first > 0 ? layers_[first - 1].output : 0;
+    ForSegments(s, c, [&](int64_t i, bool recomputed, bool segment_end, double) {
+      if (!recomputed) bytes += layers_[i].kept;
+      if (recomputed && segment_end) bytes += layers_[i].output;
+    });
+    return bytes;
+  }
+  // The scratch of the chunk's backward: a layer's backward, on top of the
+  // recomputed segment it belongs to.
+  double Scratch(int s, size_t c) const {
+    double scratch = 0;
+    ForSegments(s, c, [&](int64_t i, bool, bool, double segment) {
+      scratch = std::max(scratch, segment + layers_[i].transient);
+    });
+    return scratch;
+  }
+  // Seconds per micro-batch on rank `s`.
+  double Forward(int s) const { return Sum(s, [](const LayerCost& l, bool) { return l.forward; }); }
+  double Backward(int s) const { return Sum(s, [](const LayerCost& l, bool) { return l.backward; }); }
+  double Recompute(int s) const {
+    return Sum(s, [](const LayerCost& l, bool recomputed) { return recomputed ? l.forward : 0.0; });
+  }
+
+ private:
+  PlanCosts(const ModelProfile& profile, const ParallelPlan& plan) : profile_(&profile), plan_(plan) {}
+
+  template <typename Fn>
+  double Sum(int s, Fn value) const {
+    double total = 0;
+    for (size_t c = 0; c < ranks_[s].chunks.size(); ++c) {
+      const auto [first, end] = ranks_[s].chunks[c];
+      for (int64_t i = first; i < end; ++i) total += value(layers_[i], ranks_[s].recomputed[c][i - first]);
+    }
+    return total;
+  }
+
+  // Calls fn(layer, recomputed, last of its segment, bytes the segment
+  // rematerialises up to this layer) for the chunk's layers in order, with
+  // the stage runner's segments.
+  template <typename Fn>
+  void ForSegments(int s, size_t c, Fn fn) const {
+    const auto [first, end] = ranks_[s].chunks[c];
+    const std::vector<bool>& recomputed = ranks_[s].recomputed[c];
+    double segment = 0;
+    int64_t length = 0;
+    for (int64_t i = first; i < end; ++i) {
+      const bool r = recomputed[i - first];
+      if (!r || length == plan_.checkpoint_num_layers) segment = 0, length = 0;
+      if (r) {
+        segment += layers_[i].kept - layers_[i].output;
+        ++length;
+      }
+      const bool next_joins = i + 1 < end && recomputed[i + 1 - first] && length < plan_.checkpoint_num_layers;
+      fn(i, r, r && !next_joins, segment);
+    }
+  }
+
+  // Rank s's chunks and which of their layers recompute (as ParallelModel plans it).
+  RankView View(int s) const {
+    RankView view;
+    const int V = plan_.pp * plan_.virtual_stages;
+    for (int c = 0; c < plan_.virtual_stages; ++c) {
+      const int v = c * plan_.pp + s;
+      const int64_t first = bounds_[v], end = bounds_[v + 1], n = end - first;
+      std::vector<bool> recomputed(n, false);
+      int64_t checkpointed = 0;
+      if (plan_.activation_checkpointing == "full") {
+        checkpointed = n;
+      } else if (plan_.activation_checkpointing == "selected") {
+        for (int64_t i = 0; i < n; ++i) {
+          for (const std::string& prefix : plan_.checkpoint_layers) {
+            if (profile_->layers(first + i).name().rfind(prefix, 0) == 0) recomputed[i] = true;
+          }
+        }
+      } else if (plan_.activation_checkpointing == "stage_aware" && v < V - 1) {
+        const double fraction = 1.0 - (1.0 - plan_.activation_checkpoint_ratio) * (V - 1) / (V - (v + 1));
+        checkpointed = std::clamp<int64_t>(std::llround(fraction * n), 0, n);
+      }
+      for (int64_t i = 0; i < checkpointed; ++i) recomputed[i] = true;
+      if (v == V - 1 && !schedule_->RecomputesOnLastStage()) recomputed.assign(n, false);
+      view.chunks.emplace_back(first, end);
+      view.recomputed.push_back(recomputed);
+    }
+    return view;
+  }
+
+  const ModelProfile* profile_;
+  ParallelPlan plan_;
+  PrecisionPolicy precision_;
+  std::vector<LayerCost> layers_;
+  std::vector<int64_t> bounds_;
+  std::unique_ptr<PipelineSchedule> schedule_;
+  std::vector<RankView> ranks_;
+};
+
+// The bucket layout ZeroOptimizer builds on rank `s` (as ParallelModel feeds it).
+absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vector<ZeroParameter>* planned) {
+  const ParallelPlan& plan = costs.plan();
+  std::set<std::string> elsewhere;  // names other pipeline ranks hold: tied
+  for (int other = 0; other < plan.pp; ++other) {
+    if (other == s) continue;
+    for (const ProfiledParameter* p : costs.Parameters(other)) elsewhere.insert(p->name());
+  }
+  std::map<std::string, int> index_of;
+  for (int group : {0, 1}) {  // weight-decay group (matrices) first
+    for (const ProfiledParameter* p : costs.Parameters(s)) {
+      if ((p->dim() >= 2 ? 0 : 1) != group) continue;
+      index_of[p->name()] = static_cast<int>(planned->size());
+      planned->push_back({p->numel(), costs.ElementSize(*p), group,
+                          plan.zero_stage == 1 || elsewhere.count(p->name()) > 0});
+    }
+  }
+  std::vector<std::pair<int64_t, std::vector<int>>> layer_reads;
+  if (plan.zero_stage == 3) {
+    for (const auto& [first, end] : costs.rank(s).chunks) {
+      for (int64_t i = first; i < end; ++i) {
+        layer_reads.emplace_back(i, std::vector<int>());
+        for (const ProfiledParameter& p : costs.layer(i).shard->parameters()) {
+          layer_reads.back().second.push_back(index_of.at(p.name()));
+        }
+      }
+    }
+  }
+  return PlanZeroBuckets(*planned, plan.zero_stage, plan.zero_reduce_bucket_bytes, plan.dp, layer_reads);
+}
+
+// The most bytes rank `s` holds for backward at once, walking its schedule:
+// a forward adds its chunk's activations, a backward (the weight half, when
+// split) releases them; a backward's scratch comes on top while it runs.
+double PeakActivations(const PlanCosts& costs, int s) {
+  const ParallelPlan& plan = costs.plan();
+  const size_t chunks = costs.rank(s).chunks.size();
+  std::vector<double> kept(chunks), scratch(chunks);
+  for (size_t c = 0; c < chunks; ++c) {
+    kept[c] = costs.Kept(s, c);
+    scratch[c] = costs.Scratch(s, c);
+  }
+  double held = 0, peak = 0;
+  for (const Instruction& inst : costs.schedule().Instructions(s, plan.pp, static_cast<int>(plan.num_micro_batches))) {
+    const size_t c = static_cast<size_t>(inst.chunk);
+    switch (inst.op) {
+      case Op::kForward:
+        held += kept[c];
+        peak = std::max(peak, held);
+        break;
+      case Op::kBackward:
+      case Op::kBackwardInput:
+        peak = std::max(peak, held + scratch[c]);
+        if (inst.op == Op::kBackward) held -= kept[c];
+        break;
+      case Op::kBackwardWeight:
+        held -= kept[c];
+        break;
+      default:
+        break;
+    }
+  }
+  return peak;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int64_t>> StageBoundaries(const ModelProfile& profile, const ParallelPlan& plan) {
+  std::vector<LayerProfile> units;
+  for (const ProfiledLayer& layer : profile.layers()) {
+    TRIDENT_ASSIGN_OR_RETURN(const LayerShard* shard, ShardFor(layer, plan.tp));
+    LayerProfile unit;
+    unit.name = layer.name();
+    int64_t matrix_scalars = 0;
+    for (const ProfiledParameter& p : shard->parameters()) {
+      unit.parameter_names.push_back(p.name());
+      unit.parameters += p.numel();
+      unit.parameter_bytes += p.numel() * p.element_size();
+      if (p.dim() >= 2) matrix_scalars += p.numel();
+    }
+    unit.forward_flops = 2.0 * static_cast<double>(layer.rows_per_sample()) * static_cast<double>(matrix_scalars);
+    units.push_back(std::move(unit));
+  }
+  PartitionOptions options;
+  options.num_stages = plan.pp * plan.virtual_stages;
+  options.partition_method = plan.partition_method;
+  options.custom_split_points = plan.custom_split_points;
+  TRIDENT_ASSIGN_OR_RETURN(Plan stages, PlanStages(units, options));
+  return std::vector<int64_t>(stages.boundaries().begin(), stages.boundaries().end());
+}
+
+absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, const ParallelPlan& plan) {
+  TRIDENT_ASSIGN_OR_RETURN(PlanCosts costs, PlanCosts::Make(profile, plan));
+  MemoryPrediction prediction;
+  const int state_per_element = profile.optimizer_state_per_element();
+  for (int s = 0; s < plan.pp; ++s) {
+    MemoryReport state;
+    int64_t transient = 0;
+    const int64_t parameter_bytes = costs.ParameterBytes(s);
+    if (plan.zero_stage == 0) {
+      state.parameter_bytes = state.gradient_bytes = parameter_bytes;
+      state.optimizer_bytes = state_per_element * parameter_bytes;
+      if (plan.dp > 1) transient += parameter_bytes;  // the reducer's bucket buffers
+    } else {
+      std::vector<ZeroParameter> planned;
+      TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayoutOf(costs, s, &planned));
+      state = ZeroLayoutMemory(layout, plan.dp, state_per_element);
+      if (plan.zero_stage == 3) {  // a layer gathered, the next prefetched, its full gradient
+        int64_t largest = 0;
+        for (const auto& [layer, buckets] : layout.layer_buckets) {
+          int64_t bytes = 0;
+          for (int b : buckets) bytes += layout.buckets[b].numel * layout.buckets[b].element_size;
+          largest = std::max(largest, bytes);
+        }
+        transient += 3 * largest;
+      } else {  // the step's all-gather
+        transient += std::min(plan.zero_allgather_bucket_bytes, parameter_bytes);
+      }
+    }
+    const double activations = PeakActivations(costs, s);
+    prediction.state.push_back(state);
+    prediction.activations.push_back(static_cast<int64_t>(activations));
+    prediction.transient.push_back(transient);
+    prediction.tensor_peak.push_back(state.total() + static_cast<int64_t>(activations) + transient);
+    prediction.max_tensor_peak = std::max(prediction.max_tensor_peak, prediction.tensor_peak.back());
+  }
+  prediction.max_resident = profile.baseline_rss_bytes() + prediction.max_tensor_peak;
+  return prediction;
+}
+
+absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, const ParallelPlan& plan) {
+  TRIDENT_ASSIGN_OR_RETURN(PlanCosts costs, PlanCosts::Make(profile, plan));
+  const int S = plan.pp, dp = plan.dp;
+  SimulationOptions sim;
+  sim.num_stages = S;
+  sim.num_micro_batches = static_cast<int>(plan.num_micro_batches);
+  sim.forward_seconds.clear();
+  sim.backward_seconds.clear();
+  sim.recompute_seconds.clear();
+  std::vector<double> after(S, 0), optimizer(S, 0);
+  double message_bytes = 0;
+  for (int s = 0; s < S; ++s) {
+    double forward = costs.Forward(s), backward = costs.Backward(s);
+    const int64_t parameter_bytes = costs.ParameterBytes(s);
+    if (plan.zero_stage > 0) {
+      std::vector<ZeroParameter> planned;
+      TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayoutOf(costs, s, &planned));
+      for (const ZeroBucket& bucket : layout.buckets) {
+        const double bytes = static_cast<double>(bucket.numel * bucket.element_size);
+        if (bucket.sharded) {  // stage 3: gathered for forward and for backward
+          forward += CollectiveSeconds(profile, "all_gather", dp, bytes);
+          backward += CollectiveSeconds(profile, "all_gather", dp, bytes);
+        }
+        if (bucket.keep_full) {
+          after[s] += CollectiveSeconds(profile, "reduce_scatter", dp, bytes);
+        } else {  // reduced as each micro-batch's backward fills it
+          backward += CollectiveSeconds(profile, "reduce_scatter", dp, bytes);
+        }
+        if (!bucket.sharded) after[s] += CollectiveSeconds(profile, "all_gather", dp, bytes);
+      }
+      optimizer[s] = profile.optimizer_seconds_per_element() * static_cast<double>(costs.ParameterCount(s)) / dp;
+    } else {
+      for (int64_t left = parameter_bytes; left > 0; left -= plan.bucket_bytes) {
+        after[s] += CollectiveSeconds(profile, "all_reduce", dp, static_cast<double>(std::min(left, plan.bucket_bytes)));
+      }
+      optimizer[s] = profile.optimizer_seconds_per_element() * static_cast<double>(costs.ParameterCount(s));
+    }
+    sim.forward_seconds.push_back(forward);
+    sim.backward_seconds.push_back(backward);
+    sim.recompute_seconds.push_back(costs.Recompute(s));
+    for (const auto& [first, end] : costs.rank(s).chunks) {
+      if (end < profile.layers_size()) message_bytes = std::max(message_bytes, costs.layer(end - 1).output);
+    }
+  }
+  sim.comm_seconds = CollectiveSeconds(profile, "send_recv", 2, message_bytes);
+  TRIDENT_ASSIGN_OR_RETURN(SimulationResult pipeline, Simulate(costs.schedule(), sim));
+  TimePrediction prediction;
+  prediction.pipeline_seconds = pipeline.makespan;
+  for (int s = 0; s < S; ++s) {
+    prediction.reduction_seconds = std::max(prediction.reduction_seconds, after[s]);
+    prediction.optimizer_seconds = std::max(prediction.optimizer_seconds, optimizer[s]);
+  }
+  prediction.step_seconds = prediction.pipeline_seconds + prediction.reduction_seconds + prediction.optimizer_seconds;
+  return prediction;
+}
+
+}  // namespace internal
+}  // namespace trident

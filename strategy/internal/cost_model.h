@@ -1,0 +1,46 @@
+// The automatic strategy search's models of a plan on a profiled model: each
+// rank's memory (state bytes exactly as the optimizer lays them out,
+// activations by the schedule's in-flight micro-batches, transient buffers)
+// and the step time (stage times from the profile, the pipeline simulator,
+// data-parallel and ZeRO collectives from the measured curves). Private to
+// //strategy.
+#ifndef TRIDENT_STRATEGY_INTERNAL_COST_MODEL_H_
+#define TRIDENT_STRATEGY_INTERNAL_COST_MODEL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "parallel/parallel.h"
+#include "strategy/profile.pb.h"
+
+namespace trident {
+namespace internal {
+
+struct MemoryPrediction {
+  // Per pipeline rank (tensor- and data-parallel rank 0).
+  std::vector<MemoryReport> state;      // what ParallelModel::Memory() reports
+  std::vector<int64_t> activations;     // peak bytes kept for backward, at once
+  std::vector<int64_t> transient;       // backward scratch, buckets, gathered layers
+  std::vector<int64_t> tensor_peak;     // the three together
+  int64_t max_tensor_peak = 0;          // of the worst rank
+  int64_t max_resident = 0;             // plus the process's own memory
+};
+absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, const ParallelPlan& plan);
+
+struct TimePrediction {
+  double step_seconds = 0;
+  double pipeline_seconds = 0;  // forward, backward and messages of every micro-batch
+  double reduction_seconds = 0;  // gradient reductions and gathers outside the pipeline
+  double optimizer_seconds = 0;
+};
+absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, const ParallelPlan& plan);
+
+// The first layer of each virtual stage and the end of the last (what
+// Parallelize's partition of `plan` gives on this profile).
+absl::StatusOr<std::vector<int64_t>> StageBoundaries(const ModelProfile& profile, const ParallelPlan& plan);
+
+}  // namespace internal
+}  // namespace trident
+
+#endif  // TRIDENT_STRATEGY_INTERNAL_COST_MODEL_H_

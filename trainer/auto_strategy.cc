@@ -1,0 +1,97 @@
+// strategy=auto in the trainer: the search on the job's ranks (or a saved
+// strategy reused), applied to the config.
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "strategy/strategy.h"
+#include "trainer/internal/components.h"
+#include "trainer/trainer.h"
+
+namespace trident {
+namespace {
+
+std::string Component(const std::pair<std::string, ComponentArgs>& component) {
+  std::vector<std::string> args;
+  for (const auto& [key, value] : component.second.values()) args.push_back(absl::StrCat(key, "=", value));
+  return absl::StrCat(component.first, "(", absl::StrJoin(args, ","), ")");
+}
+
+}  // namespace
+
+absl::StatusOr<TrainerConfig> Trainer::ChooseStrategy(TrainerConfig config, Topology* topology) {
+  const int world = topology->world_size();
+  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, world));
+  TRIDENT_RETURN_IF_ERROR(internal::PrepareDefaultCorpus(config, *topology));
+  ModelContext whole;
+  whole.seed = config.seed();
+  TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, whole, /*open_data=*/true));
+  // The first global batch, by the trainer's batch rule: what the profile and the dry runs run on.
+  BatchSampler sampler(parts.train_data->size(), config.global_batch_size(), config.seed(), config.shuffle());
+  std::vector<int64_t> first;
+  for (int64_t j = 0; j < config.global_batch_size(); ++j) first.push_back(sampler.SampleIndex(0, j));
+  TRIDENT_ASSIGN_OR_RETURN(Batch global, parts.train_data->Get(first));
+
+  AutoAccelerateOptions options;
+  options.base = PlanFromConfig(config);
+  options.base.batch_fields = parts.train_data->field_names();
+  options.excluded = CommaList(config.strategy_excluded());
+  options.time_limit_s = config.strategy_time_limit_s();
+  options.memory_limit_bytes = config.memory_limit_mb() << 20;
+  options.load_strategy = config.load_strategy();
+  options.finetune_strategy = config.finetune_strategy();
+  options.save_strategy_to_file = config.save_strategy();
+  options.verbose = true;
+  options.dry_runs = config.strategy_dry_runs();
+  options.allow_precision_change = config.allow_precision_change();
+  options.profile_cache_dir = config.profile_cache_dir();
+  options.model_fingerprint = absl::StrCat(Component(ModelComponent(config)), ";optimizer=",
+                                           Component(OptimizerComponent(config)), ";data=",
+                                           internal::DataDirectory(config));
+
+  // A strategy saved for this very run is reused (strategy_reuse).
+  const std::string reuse = config.strategy_reuse() != "auto" ? config.strategy_reuse()
+                            : config.run_mode() == "compile" ? "moo"
+                                                             : "match";
+  const std::string& saved_path = config.save_strategy();
+  std::optional<Strategy> chosen;
+  if (reuse != "override" && !saved_path.empty() && std::filesystem::exists(saved_path)) {
+    TRIDENT_ASSIGN_OR_RETURN(Strategy saved, LoadStrategy(saved_path));
+    const std::string wanted = StrategyFingerprint(options, world, global);
+    if (saved.fingerprint() == wanted) {
+      chosen = saved;
+      if (topology->rank() == 0) std::cout << "reusing the strategy in " << saved_path << " (it was chosen for this run)\n";
+    } else if (reuse == "match") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "save_strategy ", saved_path, " was chosen for another run (", saved.fingerprint(), "; this run is ",
+          wanted, "); pass --strategy_reuse=override to search again, or moo to search whenever they differ"));
+    }
+  }
+  if (chosen) {
+    ParallelPlan plan;
+    TRIDENT_RETURN_IF_ERROR(ApplyStrategy(*chosen, world, &plan));
+    TRIDENT_RETURN_IF_ERROR(topology->Reshape({{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}));
+  } else {
+    auto make_source = [&config](const ModelContext& context) -> absl::StatusOr<ModelSource> {
+      TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts built, internal::BuildParts(config, context, false));
+      return std::move(built.model);
+    };
+    TRIDENT_ASSIGN_OR_RETURN(SearchResult result,
+                             SearchStrategy(make_source, global, parts.optimizer, topology, options));
+    chosen = result.strategy;
+  }
+  // The strategy decides the layout, micro-batches (one unless it says), ZeRO,
+  // recomputation and precision; the search saved it with its fingerprint.
+  config.clear_strategy();
+  config.clear_load_strategy();
+  config.clear_finetune_strategy();
+  config.clear_save_strategy();
+  config.clear_run_mode();
+  config.set_grad_accumulation_steps(1);
+  TRIDENT_RETURN_IF_ERROR(ApplyStrategyToConfig(*chosen, world, &config));
+  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, world));
+  return config;
+}
+
+}  // namespace trident
