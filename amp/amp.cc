@@ -3,6 +3,7 @@
 #include <cmath>
 #include <map>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
@@ -97,7 +98,7 @@ absl::StatusOr<PrecisionPolicy> MakePrecisionPolicy(const std::string& mode, con
 }
 
 void ApplyPrecision(torch::nn::Module& module, const PrecisionPolicy& policy) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (auto& p : module.parameters()) {
     if (p.is_floating_point() && p.scalar_type() != policy.param) p.set_data(p.to(policy.param));
   }

@@ -11,4 +11,14 @@
 
 #include <c10/util/Logging.h>
 
+// Recent PyTorch builds define CHECK but no longer the comparison forms.
+#ifndef CHECK_EQ
+#define CHECK_EQ(a, b) CHECK((a) == (b))
+#define CHECK_NE(a, b) CHECK((a) != (b))
+#define CHECK_LT(a, b) CHECK((a) < (b))
+#define CHECK_LE(a, b) CHECK((a) <= (b))
+#define CHECK_GT(a, b) CHECK((a) > (b))
+#define CHECK_GE(a, b) CHECK((a) >= (b))
+#endif
+
 #endif  // TRIDENT_BASE_LOGGING_H_

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
@@ -19,7 +20,7 @@ at::Tensor LayerSequence::Loss(const Values& outputs, const Batch&) {
 }
 
 void LayerSequence::To(const at::Device& device) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (int64_t i = 0; i < NumLayers(); ++i) {
     NamedTensors parameters;
     try {
@@ -44,7 +45,7 @@ int64_t Bytes(const Values& values) {
 // Profiles layer i of `layers` on `inputs`; sets `outputs` to its result.
 absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, const Values& inputs,
                                           const Batch& batch, Values* outputs) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   LayerProfile p;
   p.name = layers.LayerName(i);
   int64_t matrix_scalars = 0;

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <c10/core/GradMode.h>
 #include <torch/csrc/jit/runtime/interpreter.h>
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/jit/frontend/tracer.h>
@@ -385,7 +386,7 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   impl->code = std::make_unique<torch::jit::Code>(runnable, "forward");
   std::unique_ptr<ModelGraph> model_graph(new ModelGraph(std::move(impl)));
   if (!check_inputs.empty()) {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     TRIDENT_ASSIGN_OR_RETURN(std::vector<at::Tensor> traced_outputs, model_graph->Run(check_inputs));
     std::vector<at::Tensor> eager_outputs;
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("running the model on check_inputs",

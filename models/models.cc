@@ -5,6 +5,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -224,6 +225,14 @@ at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::T
     keys = k.repeat_interleave(repeat, /*dim=*/1);
     values = v.repeat_interleave(repeat, /*dim=*/1);
   }
+#if TORCH_VERSION_MAJOR >= 2
+  // On GPUs LibTorch 2's fused attention (flash or memory-efficient kernels):
+  // the [B*H, T, T] scores never reach memory.
+  if (q.is_cuda()) {
+    return at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, training ? dropout : 0.0,
+                                            /*is_causal=*/true);
+  }
+#endif
   // NOTE: one batched GEMM computes mask + scale * q k^T (baddbmm), so the
   // [B*H, T, T] scores are written once instead of three times (matmul, scale,
   // masked_fill), forward and backward.

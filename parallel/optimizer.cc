@@ -1,7 +1,11 @@
 #include "parallel/optimizer.h"
 
 #include <cmath>
+#include <sstream>
+#include <string>
+#include <type_traits>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/optim/adam.h>
@@ -29,6 +33,19 @@ void FusedAdamWStep(float* p, const float* g, float* m, float* v, int64_t n, flo
   });
 }
 
+// The key LibTorch's optimizers file a parameter's state under: the address of
+// its TensorImpl, printed (LibTorch 1.x) or as it is (2.x).
+template <typename Key>
+Key StateKey(c10::TensorImpl* impl) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream printed;
+    printed << impl;
+    return printed.str();
+  } else {
+    return impl;
+  }
+}
+
 bool Fusable(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
 }
@@ -36,10 +53,10 @@ bool Fusable(const at::Tensor& t) {
 }  // namespace
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
+    c10::AutoGradMode enable_grad(true);
     loss = closure();
   }
   for (auto& group : param_groups()) {
@@ -50,7 +67,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const at::Tensor& grad = p.grad();
-      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      using Key = typename std::decay_t<decltype(state())>::key_type;
+      const Key key = StateKey<Key>(p.unsafeGetTensorImpl());
       auto found = state().find(key);
       if (found == state().end()) {
         auto fresh = std::make_unique<torch::optim::AdamWParamState>();

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <unordered_set>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
@@ -57,7 +58,7 @@ class PlainDataParallel : public ParameterUpdate {
       if (p.grad().defined()) grads.push_back(p.grad());
     }
     if (grads.empty()) return 0;
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     return at::stack(at::_foreach_norm(grads)).to(at::kDouble).pow(2).sum().item<double>();
   }
   const ProcessGroup* NormGroup() const override { return options_.norm_group; }

@@ -1,6 +1,7 @@
 // Loading and exporting a ParallelModel's weights by single-process name, and
 // its optimizer and loss-scaler state.
 #include <set>
+#include <c10/core/GradMode.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -18,7 +19,7 @@ absl::Status ParallelModel::LoadWeights(const SafetensorsContents& weights) {
   std::vector<std::string> missing;
   absl::Status loaded = absl::OkStatus();
   {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     for (auto& [name, parameter] : m.parameters) {
       absl::StatusOr<at::Tensor> saved = weights.Get(name);
       for (const auto& [alias, stored] : aliases) {

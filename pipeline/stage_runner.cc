@@ -5,6 +5,7 @@
 #include <cmath>
 #include <optional>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -22,7 +23,7 @@ at::Tensor Allocate(const TensorSpec& spec) {
 
 // The input leaf a received tensor becomes (a gradient flows back where its spec says).
 at::Tensor AsInput(const at::Tensor& received, const TensorSpec& spec) {
-  return spec.requires_grad && at::GradMode::is_enabled() ? received.requires_grad_(true) : received;
+  return spec.requires_grad && c10::GradMode::is_enabled() ? received.requires_grad_(true) : received;
 }
 
 }  // namespace
@@ -127,14 +128,14 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
       Checkpointed segment{first, end, x, {}, CpuRngState(), {}};
       Values out = x;
       {
-        at::NoGradGuard no_grad;
+        c10::NoGradGuard no_grad;
         for (int64_t i = segment.first; i < segment.end; ++i) out = layers_.RunLayer(i, out, batch);
       }
       // NOTE: new leaves (detached aliases), also for tensors passed through
       // unchanged, so their gradients stay apart from the inputs'.
       for (const at::Tensor& t : out) {
         at::Tensor leaf = t.detach();
-        if (at::GradMode::is_enabled() && at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
+        if (c10::GradMode::is_enabled() && at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
         segment.after.push_back(leaf);
       }
       x = segment.after;
@@ -433,7 +434,7 @@ absl::StatusOr<std::vector<double>> PipelineStageRunner::RunStep(
 }
 
 absl::StatusOr<std::vector<double>> PipelineStageRunner::RunForward(const std::vector<Batch>& batches) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   return impl_->Run(batches, {}, /*train=*/false);
 }
 

@@ -1,6 +1,7 @@
 // Tensor-parallel layers, shard specifications and the user-model mapping.
 #include <algorithm>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <torch/nn/functional/linear.h>
 
@@ -140,7 +141,7 @@ ParallelLinearImpl::ParallelLinearImpl(int64_t in_features, int64_t out_features
   if (bias) this->bias = register_parameter("bias", at::zeros({out_features}));
   // The default nn::Linear initialisation.
   const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   weight.uniform_(-bound, bound);
   if (bias) this->bias.uniform_(-bound, bound);
 }
@@ -184,7 +185,7 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
   };
   std::vector<int> column_hits(layers.column.size()), row_hits(layers.row.size()),
       attribute_hits(layers.attributes.size());
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (const auto& item : model.named_modules()) {
     const std::string& name = item.key();
     auto match = [&](const std::vector<std::string>& patterns, std::vector<int>& hits) {

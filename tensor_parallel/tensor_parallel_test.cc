@@ -4,6 +4,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <c10/core/GradMode.h>
 #include <torch/torch.h>
 
 #include "graph/model_graph.h"
@@ -133,7 +134,7 @@ TEST_P(TensorParallelLayersTest, LayersEqualTheirUnshardedForm) {
     const ShardSpec row_spec{1, p, r, 3};
     VocabParallelEmbedding embedding(tp, V, C);
     {
-      at::NoGradGuard no_grad;
+      c10::NoGradGuard no_grad;
       column->weight.copy_(column->weight_shard().Slice(W1));
       column->bias.copy_(column->weight_shard().Slice(b1));
       row->weight.copy_(row_spec.Slice(W2));

@@ -5,6 +5,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -173,7 +174,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   const ZeroOptions& o = zero->options_;
   const int64_t parts = data_parallel->size(), rank = data_parallel->rank();
   std::vector<std::vector<at::Tensor>> shards(groups.size());
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   auto keep_full = [&](const at::Tensor& p) {
     return o.stage == 1 || (o.keep_full_gradient && o.keep_full_gradient(p));
   };
@@ -301,7 +302,7 @@ absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
   bucket.prefetch.reset();
   TRIDENT_RETURN_IF_ERROR(waited);
   bucket.buffer = std::move(bucket.incoming);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (size_t i = 0; i < bucket.params.size(); ++i) {
     at::Tensor param = bucket.params[i];
     const int64_t n = c10::multiply_integers(bucket.shapes[i]);
@@ -312,7 +313,7 @@ absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
 
 void ZeroOptimizer::Release(Bucket& bucket) {
   if (!bucket.sharded || --bucket.holders > 0) return;
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (at::Tensor param : bucket.params) param.set_data(at::empty({0}, bucket.chunk.options()));
   bucket.buffer = at::Tensor();
 }
@@ -503,7 +504,7 @@ absl::Status ZeroOptimizer::Step(double lr) {
     for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
     optimizer_->step();
   }));
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   const int64_t parts = group_->size();
   std::vector<Bucket*> whole;  // stage 3 gathers its buckets when layers run
   for (Bucket& bucket : buckets_) {

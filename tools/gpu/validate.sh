@@ -2,14 +2,19 @@
 # GPU validation, on a machine with a GPU and PyTorch (no Bazel): builds
 # Trident with CMake against PyTorch's CUDA LibTorch, runs the gpu tests
 # (amp_gpu_test, parallel_gpu_test: CUDA against CPU, NCCL), then trains
-# gpt2-124m for 50 steps on one GPU in fp32 and in bf16 and prints the
-# tokens/s and MFU lines.
+# gpt2-124m for 50 steps on one GPU (a one-rank NCCL job) in fp32 and in bf16
+# and runs the PyTorch eager peer (benchmarks/peer/gpt_eager.py) on the same
+# model, batch and GPU, and prints median tokens/s and Trident's MFU.
 #
 #   tools/gpu/fetch_deps.sh        # first, where Debian's archive is reachable
-#   tools/gpu/validate.sh          # then on the GPU machine, from the repository root
+#   tools/gpu/validate.sh [LOGDIR] # then on the GPU machine, from the repository root
+#
+# LOGDIR (default build/) receives build.log, errors.txt and the metrics files.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
+logs="${1:-$root/build}"
+mkdir -p "$logs" build
 prefix="$root/.gpu_deps/root"
 if ls .gpu_deps/*.deb >/dev/null 2>&1; then
   mkdir -p "$prefix"
@@ -20,23 +25,65 @@ fi
 torch_dir=$(python3 -c 'import os, torch; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))') ||
   { echo "validate: no PyTorch with CMake files found"; exit 1; }
 nvidia-smi -L || { echo "validate: no GPU visible"; exit 1; }
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+# NCCL's header comes with the nvidia-nccl wheel beside PyTorch.
+nccl_header=$(find /usr/include /usr/local/cuda/include \
+  "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null)" -name nccl.h 2>/dev/null | head -1)
+nccl_include=$(dirname "${nccl_header:-/nonexistent/nccl.h}")
+echo "nccl.h: ${nccl_header:-not found}"
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+start=$SECONDS
 echo "== configure and build (LibTorch from $torch_dir)"
-cmake -S tools/gpu -B build -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
-  -DCMAKE_PREFIX_PATH="$prefix/usr" -DProtobuf_PROTOC_EXECUTABLE="$prefix/usr/bin/protoc" >build.log 2>&1 ||
-  { tail -40 build.log; exit 1; }
+cmake -S tools/gpu -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
+  -DCMAKE_PREFIX_PATH="$prefix/usr" -DProtobuf_PROTOC_EXECUTABLE="$prefix/usr/bin/protoc" \
+  -DNCCL_INCLUDE_DIR="$nccl_include" >"$logs/build.log" 2>&1 ||
+  { tail -60 "$logs/build.log"; exit 1; }
+# Keep going past errors so that one run lists every file that does not compile.
+keep_going=(-k 0)
+[ ${#generator[@]} -gt 0 ] || keep_going=(-k)
 cmake --build build -j"$(nproc)" --target train prepare_data amp_amp_gpu_test parallel_parallel_gpu_test \
-  >>build.log 2>&1 || { grep -m 20 -B2 -A8 'error' build.log; exit 1; }
-echo "== gpu tests"
+  -- "${keep_going[@]}" >>"$logs/build.log" 2>&1
+built=$?
+grep -E 'error:|undefined reference' "$logs/build.log" | sort -u >"$logs/errors.txt"
+echo "build: exit $built after $((SECONDS - start)) s, $(wc -l <"$logs/errors.txt") distinct error lines"
+compile_rest() {  # the other targets, to list every file that does not compile (VALIDATE_REST_S=0 skips)
+  [ "${VALIDATE_REST_S:-300}" != 0 ] || return 0
+  echo "== compile check of the rest of the tree (tests, benchmarks)"
+  timeout "${VALIDATE_REST_S:-300}" cmake --build build -j"$(nproc)" -- "${keep_going[@]}" >"$logs/build_rest.log" 2>&1 ||
+    { grep -E 'error:|undefined reference' "$logs/build_rest.log" | sort -u | head -60; return 1; }
+}
+if [ $built -ne 0 ]; then head -80 "$logs/errors.txt"; compile_rest; exit 1; fi
+
 status=0
-ctest --test-dir build -R 'gpu_test' --output-on-failure || status=1
-echo "== 50 steps of gpt2-124m on one GPU"
+echo "== gpu tests"
+timeout 120 ctest --test-dir build -R 'gpu_test' --output-on-failure || status=1
+
+steps=${VALIDATE_STEPS:-50}
+echo "== gpt2-124m, batch 8 x 1024 tokens, $steps steps, one GPU"
 find /usr/share/doc -name copyright | head -400 | xargs cat >build/text.txt 2>/dev/null
 build/prepare_data --input=build/text.txt --output_dir=build/data >/dev/null || exit 1
+median() {  # median tokens/s (and mfu) of a metrics file after the first 10 steps
+  python3 -c 'import json,statistics,sys
+rows=[json.loads(l) for l in open(sys.argv[1])][10:]
+print("%.0f tokens/s" % statistics.median(r["tokens_per_s"] for r in rows),
+      *("mfu %.1f%%" % (100 * statistics.median(r["mfu"] for r in rows)),) if rows and "mfu" in rows[0] else ())' "$1"
+}
 for precision in fp32 bf16; do
-  echo "-- precision=$precision"
   timeout 240 build/train --data=build/data --model=gpt --preset=gpt2-124m --block_size=1024 --device=cuda \
-    --dp=1 --precision="$precision" --micro_batch_size=8 --global_batch_size=8 --max_steps=50 --log_every=10 \
-    --eval_every=0 --eval_steps=1 --sample_tokens=0 --lr=3e-4 2>&1 | grep -E 'step [0-9]+/50|error|model gpt' ||
-    status=1
+    --dp=1 --precision="$precision" --micro_batch_size=8 --global_batch_size=8 --max_steps="$steps" --log_every=10 \
+    --eval_every=0 --eval_steps=1 --sample_tokens=0 --lr=3e-4 --metrics_file="$logs/trident_$precision.jsonl" \
+    >"$logs/trident_$precision.log" 2>&1 || { status=1; tail -20 "$logs/trident_$precision.log"; }
+  grep -E "step $steps/$steps|model gpt" "$logs/trident_$precision.log"
+  echo "trident $precision: $(median "$logs/trident_$precision.jsonl")"
 done
+for peer in manual:fp32 manual:bf16 sdpa:bf16; do
+  attention=${peer%:*} precision=${peer#*:}
+  rate=$(timeout 180 python3 benchmarks/peer/gpt_eager.py --data=build/data --device=cuda --precision="$precision" \
+    --attention="$attention" --vocab=50257 --n_layer=12 --n_head=12 --n_embd=768 --block=1024 --batch=8 \
+    --steps="$steps" --warmup=10 2>&1 | tail -1)
+  echo "pytorch eager ($attention attention) $precision: $rate"
+done
+compile_rest || status=1
+echo "validate: done after $((SECONDS - start)) s"
 exit $status
