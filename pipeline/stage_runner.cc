@@ -81,7 +81,10 @@ class PipelineStageRunner::Impl {
 
   absl::Status Execute(const Instruction& inst, const std::vector<Batch>& batches);
   absl::StatusOr<Values> Forward(int chunk, int m, const Values& inputs, const Batch& batch);
-  // Reruns a slot's checkpointed segments (once; Backward calls it too).
+  // Reruns checkpointed segment `c` with gradients (once).
+  void RecomputeSegment(Checkpointed& c, const Batch& batch);
+  // Reruns a slot's last checkpointed segment ahead of its backward (which
+  // reruns the others one at a time).
   absl::Status Recompute(int chunk, int m, const Batch& batch);
   // The input gradients, and the weight gradients too unless `split`.
   absl::Status Backward(int chunk, int m, bool split, const Batch& batch);
@@ -156,19 +159,21 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
   return x;
 }
 
+void PipelineStageRunner::Impl::RecomputeSegment(Checkpointed& c, const Batch& batch) {
+  if (!c.recomputed.empty()) return;
+  // The segment reruns with the RNG state of its forward, so dropout masks match.
+  const at::Tensor state = CpuRngState();
+  SetCpuRngState(c.rng);
+  Values out = c.inputs;
+  for (int64_t i = c.first; i < c.end; ++i) out = layers_.RunLayer(i, out, batch);
+  c.recomputed = out;
+  SetCpuRngState(state);
+}
+
 absl::Status PipelineStageRunner::Impl::Recompute(int chunk, int m, const Batch& batch) {
   return CatchExceptions(absl::StrCat("recomputation of micro-batch ", m), [&] {
     std::vector<Checkpointed>& saved = slots_[chunk * micro_ + m].checkpoints;
-    if (saved.empty() || !saved.front().recomputed.empty()) return;
-    // Each segment reruns with the RNG state of its forward, so dropout masks match.
-    const at::Tensor state = CpuRngState();
-    for (Checkpointed& c : saved) {
-      SetCpuRngState(c.rng);
-      Values out = c.inputs;
-      for (int64_t i = c.first; i < c.end; ++i) out = layers_.RunLayer(i, out, batch);
-      c.recomputed = out;
-    }
-    SetCpuRngState(state);
+    if (!saved.empty()) RecomputeSegment(saved.back(), batch);
   });
 }
 
@@ -187,7 +192,6 @@ void PipelineStageRunner::Impl::BackwardFrom(Slot& slot, const Values& roots, co
 }
 
 absl::Status PipelineStageRunner::Impl::Backward(int chunk, int m, bool split, const Batch& batch) {
-  TRIDENT_RETURN_IF_ERROR(Recompute(chunk, m, batch));
   if (options_.before_backward) options_.before_backward(--backwards_left_ == 0);
   return CatchExceptions(absl::StrCat("backward of micro-batch ", m), [&] {
     Slot& slot = slots_[chunk * micro_ + m];
@@ -202,11 +206,15 @@ absl::Status PipelineStageRunner::Impl::Backward(int chunk, int m, bool split, c
       }
       BackwardFrom(slot, slot.outputs, grads, split);
     }
-    // Carry the gradients through the recomputed segments, latest first.
+    // Carry the gradients through the checkpointed segments, latest first, each
+    // recomputed just before its backward and freed after it, so that one
+    // segment's activations are alive at a time.
     for (auto it = slot.checkpoints.rbegin(); it != slot.checkpoints.rend(); ++it) {
+      RecomputeSegment(*it, batch);
       Values grads;
       for (const at::Tensor& leaf : it->after) grads.push_back(leaf.requires_grad() ? leaf.grad() : at::Tensor());
       BackwardFrom(slot, it->recomputed, grads, split);
+      *it = Checkpointed{};
     }
     slot.checkpoints.clear();
     slot.outputs.clear();  // free the activations as soon as they are used
