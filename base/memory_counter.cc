@@ -89,16 +89,28 @@ void MemoryCounter::Add(int64_t bytes) {
   }
 }
 
+namespace {
+
+c10::Allocator* base_allocator = nullptr;
+CountingAllocator* counting_allocator = nullptr;
+
+}  // namespace
+
 MemoryCounter& MemoryCounter::Install() {
   static MemoryCounter* counter = new MemoryCounter();
   static std::once_flag once;
   std::call_once(once, [] {
     counter_instance = counter;
-    base_raw_deleter = c10::GetCPUAllocator()->raw_deleter();
-    static CountingAllocator* allocator = new CountingAllocator(c10::GetCPUAllocator());
-    c10::SetCPUAllocator(allocator, /*priority=*/255);
+    base_allocator = c10::GetCPUAllocator();
+    base_raw_deleter = base_allocator->raw_deleter();
+    counting_allocator = new CountingAllocator(base_allocator);
   });
+  c10::SetCPUAllocator(counting_allocator, /*priority=*/255);
   return *counter;
+}
+
+void MemoryCounter::Uninstall() {
+  if (base_allocator != nullptr) c10::SetCPUAllocator(base_allocator, /*priority=*/255);
 }
 
 void ReleaseFreedMemory() { malloc_trim(0); }

@@ -21,6 +21,10 @@ class MemoryCounter {
   // first call; later calls return the same counter). Tensors allocated
   // before are not counted.
   static MemoryCounter& Install();
+  // Takes the counting allocator out (it costs a lock per allocation): new
+  // tensors are no longer counted, counted ones are still subtracted when
+  // freed. Install() puts it back, with the same counter.
+  static void Uninstall();
 
   int64_t live_bytes() const { return live_.load(); }
   int64_t peak_bytes() const { return peak_.load(); }

@@ -23,5 +23,22 @@ TEST(MemoryCounterTest, CountsLiveAndPeakBytesOfCpuTensors) {
   EXPECT_EQ(counter.allocations(), allocations + 1);
 }
 
+// Uninstalled, the counter sees no new tensors but still subtracts the ones
+// it counted when they are freed; installed again, it counts again.
+TEST(MemoryCounterTest, UninstallStopsCountingNewTensors) {
+  MemoryCounter& counter = MemoryCounter::Install();
+  const int64_t before = counter.live_bytes();
+  at::Tensor counted = at::zeros({256});
+  MemoryCounter::Uninstall();
+  at::Tensor uncounted = at::zeros({256});
+  EXPECT_EQ(counter.live_bytes() - before, 256 * 4);
+  counted = at::Tensor();
+  uncounted = at::Tensor();
+  EXPECT_EQ(counter.live_bytes(), before);
+  MemoryCounter::Install();
+  at::Tensor again = at::zeros({256});
+  EXPECT_EQ(counter.live_bytes() - before, 256 * 4);
+}
+
 }  // namespace
 }  // namespace trident

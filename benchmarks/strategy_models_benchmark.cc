@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -158,6 +159,13 @@ absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
     TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(measured, ReduceOp::kMax));
     int stage = 0;
     if (plan.pp > 1) stage = (*topology->Group("pipeline"))->rank();
+    if (const char* detail = std::getenv("STRATEGY_MODELS_DETAIL"); detail != nullptr && topology->rank() == 0) {
+      std::FILE* out = std::fopen(detail, "a");
+      if (out != nullptr) std::fprintf(out, "%s: pipeline %.1f ms (compute %.1f, message %.2f), reduction %.1f, optimizer %.1f\n",
+                   DescribePlan(plan).c_str(), 1e3 * time.pipeline_seconds, 1e3 * time.compute_seconds,
+                   1e3 * time.message_seconds, 1e3 * time.reduction_seconds, 1e3 * time.optimizer_seconds);
+      if (out != nullptr) std::fclose(out);
+    }
     if (topology->rank() == 0) {
       absl::StrAppend(result, absl::StrFormat("%s|%d|%d|%d|%.0f|%.6f|%.6f\n", DescribePlan(plan),
                                               memory.state[stage].total(), state, memory.max_tensor_peak,

@@ -33,20 +33,20 @@ run() {  # run NAME FLAGS...: trains and prints the steady tokens/s
 }
 
 # The hand layouts for this world size: "name|flags".
-layouts=("dp$world|--dp=$world --micro_batch_size=$((global / world))")
+layouts=("dp$world|--dp=$world --tp=1 --pp=1 --micro_batch_size=$((global / world))")
 for zero in 1 2 3; do
-  layouts+=("dp$world zero$zero|--dp=$world --zero_stage=$zero --micro_batch_size=$((global / world))")
+  layouts+=("dp$world zero$zero|--dp=$world --tp=1 --pp=1 --zero_stage=$zero --micro_batch_size=$((global / world))")
 done
-layouts+=("tp$world|--tp=$world --micro_batch_size=$global")
+layouts+=("tp$world|--dp=1 --tp=$world --pp=1 --micro_batch_size=$global")
 for schedule in 1f1b zb_h1; do
-  layouts+=("pp$world $schedule|--pp=$world --schedule=$schedule --micro_batch_size=$((global / (2 * world)))")
+  layouts+=("pp$world $schedule|--dp=1 --tp=1 --pp=$world --schedule=$schedule --micro_batch_size=$((global / (2 * world)))")
 done
 if [ "$world" -ge 4 ]; then
   half=$((world / 2))
-  layouts+=("dp$half x tp2|--dp=$half --tp=2 --micro_batch_size=$((global / half))")
+  layouts+=("dp$half x tp2|--dp=$half --tp=2 --pp=1 --micro_batch_size=$((global / half))")
   for schedule in 1f1b zb_h1; do
-    layouts+=("dp$half x pp2 $schedule|--dp=$half --pp=2 --schedule=$schedule --micro_batch_size=$((global / half / 4))")
-    layouts+=("tp$half x pp2 $schedule|--tp=$half --pp=2 --schedule=$schedule --micro_batch_size=$((global / 4))")
+    layouts+=("dp$half x pp2 $schedule|--dp=$half --tp=1 --pp=2 --schedule=$schedule --micro_batch_size=$((global / half / 4))")
+    layouts+=("tp$half x pp2 $schedule|--dp=1 --tp=$half --pp=2 --schedule=$schedule --micro_batch_size=$((global / 4))")
   done
 fi
 

@@ -273,6 +273,18 @@ double PeakActivations(const PlanCosts& costs, int s) {
   return peak;
 }
 
+// Layers were timed with every rank of a node busy at once. Where a node has
+// more ranks than cores, ranks share the cores only while they are busy
+// together: a pipeline's ranks, idle in its bubbles, run faster than profiled.
+// The factor scales the pipeline by the share of a core the ranks busy on
+// average get, against the share they had when profiled.
+double OversubscriptionFactor(const ModelProfile& profile, const ParallelPlan& plan, double bubble_fraction) {
+  const double ranks = profile.ranks_per_node(), cores = profile.cores_per_node();
+  if (plan.device != "cpu" || cores <= 0 || ranks <= cores) return 1;
+  const double busy = ranks * (1 - bubble_fraction);
+  return std::max(1.0, busy / cores) / (ranks / cores);
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<int64_t>> StageBoundaries(const ModelProfile& profile, const ParallelPlan& plan) {
@@ -385,7 +397,12 @@ absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, cons
   sim.comm_seconds = CollectiveSeconds(profile, "send_recv", 2, message_bytes);
   TRIDENT_ASSIGN_OR_RETURN(SimulationResult pipeline, Simulate(costs.schedule(), sim));
   TimePrediction prediction;
-  prediction.pipeline_seconds = pipeline.makespan;
+  prediction.pipeline_seconds = pipeline.makespan * OversubscriptionFactor(profile, plan, pipeline.bubble_fraction);
+  prediction.message_seconds = sim.comm_seconds;
+  for (int s = 0; s < S; ++s) {
+    const double rank_compute = sim.num_micro_batches * (sim.forward_seconds[s] + sim.backward_seconds[s]);
+    prediction.compute_seconds = std::max(prediction.compute_seconds, rank_compute);
+  }
   for (int s = 0; s < S; ++s) {
     prediction.reduction_seconds = std::max(prediction.reduction_seconds, after[s]);
     prediction.optimizer_seconds = std::max(prediction.optimizer_seconds, optimizer[s]);

@@ -1,3 +1,5 @@
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -6,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
@@ -346,12 +349,21 @@ int64_t PeakResidentBytes() { return StatusField("VmHWM:"); }
 
 absl::StatusOr<ModelProfile> ProfileModel(const ProfileRequest& request, Topology* topology) {
   const auto start = Clock::now();
+  // The layers count their bytes through MemoryCounter, which costs a lock per
+  // allocation: it stays in front of the allocator only while profiling.
+  struct CounterOff {
+    ~CounterOff() { MemoryCounter::Uninstall(); }
+  } counter_off;
   const at::Tensor rng = CpuRngState();
   const int world = topology->world_size();
   ModelProfile profile;
   profile.set_fingerprint(request.fingerprint);
   profile.set_baseline_rss_bytes(ResidentBytes());
   profile.set_has_bf16(request.bf16);
+  profile.set_ranks_per_node(topology->env().local_world_size);
+  cpu_set_t cores;
+  profile.set_cores_per_node(sched_getaffinity(0, sizeof(cores), &cores) == 0 ? CPU_COUNT(&cores)
+                                                                              : static_cast<int>(std::thread::hardware_concurrency()));
   for (int64_t b : request.micro_batch_sizes) profile.add_micro_batch_sizes(b);
   TRIDENT_RETURN_IF_ERROR(topology->Reshape({}));
   absl::Status layers = ProfileLayers(request, TensorParallelism{}, request.bf16, &profile);

@@ -24,6 +24,10 @@
 namespace trident {
 namespace {
 
+// Memory figures are in MiB, printed "MB" as the trainer prints them (and as
+// memory_limit_mb counts them).
+constexpr double kMiB = 1 << 20;
+
 using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -238,13 +242,13 @@ std::string SearchResult::Table(int rows) const {
                                                             : "-";
     const bool chosen = DescribePlan(c.plan) == DescribePlan(plan) && c.plan.micro_batch_size == plan.micro_batch_size;
     absl::StrAppend(&table, absl::StrFormat("%-3d %-48s %12.1f %13.1f %12s%s\n", i + 1, DescribePlan(c.plan),
-                                            c.predicted_resident_bytes / 1e6, 1000 * c.predicted_step_s, measured,
+                                            c.predicted_resident_bytes / kMiB, 1000 * c.predicted_step_s, measured,
                                             chosen ? "  <- chosen" : ""));
   }
   absl::StrAppend(&table, absl::StrFormat(
                               "%d candidates modelled, %d over the memory limit (%.0f MB per rank); search %.1f s "
                               "(profile %.1f s%s)\n",
-                              considered, over_memory_limit, memory_limit_bytes / 1e6, search_s, profile_s,
+                              considered, over_memory_limit, memory_limit_bytes / kMiB, search_s, profile_s,
                               profile_cached ? ", cached" : ""));
   return table;
 }
@@ -344,7 +348,7 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     return absl::ResourceExhaustedError(absl::StrFormat(
         "no strategy fits the memory limit of %.0f MB per rank: the smallest found (%s) needs %.0f MB; raise "
         "memory_limit_mb, add ranks, or shorten the sequences or the global batch",
-        result.memory_limit_bytes / 1e6, DescribePlan(smallest->plan), smallest->predicted_resident_bytes / 1e6));
+        result.memory_limit_bytes / kMiB, DescribePlan(smallest->plan), smallest->predicted_resident_bytes / kMiB));
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const CandidateReport& a, const CandidateReport& b) {
     return a.predicted_step_s < b.predicted_step_s;

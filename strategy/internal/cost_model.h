@@ -33,6 +33,8 @@ struct TimePrediction {
   double pipeline_seconds = 0;  // forward, backward and messages of every micro-batch
   double reduction_seconds = 0;  // gradient reductions and gathers outside the pipeline
   double optimizer_seconds = 0;
+  double message_seconds = 0;  // one pipeline message's flight (part of pipeline_seconds)
+  double compute_seconds = 0;  // the busiest rank's forward and backward (part of pipeline_seconds)
 };
 absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, const ParallelPlan& plan);
 
