@@ -12,7 +12,8 @@
 // thread each, on random tokens (global batch 16, 128 tokens). Each layout
 // trains 1 warm-up and 5 measured steps; memory is the peak of the bytes
 // LibTorch's CPU tensors hold during those steps (base/memory_counter.h),
-// the largest over ranks.
+// the largest over ranks. STRATEGY_MODELS_DETAIL=FILE appends each layout's
+// predicted breakdown (pipeline, compute, message, reduction, optimizer) to FILE.
 #include <sys/resource.h>
 
 #include <algorithm>

@@ -136,7 +136,9 @@ TEST(AutoAccelerateTest, TrainsWithTheLossesOfOneProcess) {
               std::make_tuple(chosen.dp, chosen.tp, chosen.pp, chosen.zero_stage, chosen.precision,
                               chosen.activation_checkpointing))
         << StrategyToText(*strategy);
-    if (chosen.pp > 1) EXPECT_EQ(reapplied.schedule, chosen.schedule);
+    if (chosen.pp > 1) {
+      EXPECT_EQ(reapplied.schedule, chosen.schedule);
+    }
 
     // Nothing fits 1 MB: the error names the smallest requirement found, on both ranks.
     options.memory_limit_bytes = 1 << 20;
