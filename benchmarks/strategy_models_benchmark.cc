@@ -119,6 +119,7 @@ absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
   for (int tp = 2; tp <= topology->world_size(); tp *= 2) request.tp_degrees.push_back(tp);
   request.fingerprint = preset;
   TRIDENT_ASSIGN_OR_RETURN(ModelProfile profile, internal::ProfileModel(request, topology.get()));
+  MemoryCounter::Install();  // profiling takes the counter out when it is done
   for (const Layout& layout : Layouts(topology->world_size())) {
     const ParallelPlan plan = PlanOf(layout);
     TRIDENT_ASSIGN_OR_RETURN(internal::MemoryPrediction memory, internal::PredictMemory(profile, plan));

@@ -31,6 +31,7 @@ struct LayerCost {
   const LayerShard* shard = nullptr;
   double forward = 0, backward = 0;
   double kept = 0, transient = 0, output = 0;
+  double split_held = 0;  // between a split backward's halves
 };
 
 // A pipeline rank's view of the plan: its chunks' layers and what they cost.
@@ -59,6 +60,7 @@ class PlanCosts {
       cost.kept = At(shard->kept_bytes(), b);
       cost.transient = At(shard->backward_transient_bytes(), b);
       cost.output = At(shard->output_bytes(), b);
+      cost.split_held = At(shard->split_held_bytes(), b);
       if (bf16) {  // tp 1's bf16 / fp32 ratio applied to this degree
         auto ratio = [&](const Linear& low, const Linear& full) {
           const double f = At(full, b);
@@ -118,6 +120,12 @@ class PlanCosts {
       if (!recomputed) bytes += layers_[i].kept;
       if (recomputed && segment_end) bytes += layers_[i].output;
     });
+    return bytes;
+  }
+  // What the chunk's split backward holds from its input half to its weight half.
+  double SplitHeld(int s, size_t c) const {
+    double bytes = 0;
+    ForSegments(s, c, [&](int64_t i, bool, bool, double) { bytes += layers_[i].split_held; });
     return bytes;
   }
   // The scratch of the chunk's backward: a layer's backward, on top of the
@@ -245,10 +253,11 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
 double PeakActivations(const PlanCosts& costs, int s) {
   const ParallelPlan& plan = costs.plan();
   const size_t chunks = costs.rank(s).chunks.size();
-  std::vector<double> kept(chunks), scratch(chunks);
+  std::vector<double> kept(chunks), scratch(chunks), split_held(chunks);
   for (size_t c = 0; c < chunks; ++c) {
     kept[c] = costs.Kept(s, c);
     scratch[c] = costs.Scratch(s, c);
+    split_held[c] = costs.SplitHeld(s, c);
   }
   double held = 0, peak = 0;
   for (const Instruction& inst : costs.schedule().Instructions(s, plan.pp, static_cast<int>(plan.num_micro_batches))) {
@@ -262,9 +271,11 @@ double PeakActivations(const PlanCosts& costs, int s) {
       case Op::kBackwardInput:
         peak = std::max(peak, held + scratch[c]);
         if (inst.op == Op::kBackward) held -= kept[c];
+        if (inst.op == Op::kBackwardInput) held += split_held[c];
+        peak = std::max(peak, held);
         break;
       case Op::kBackwardWeight:
-        held -= kept[c];
+        held -= kept[c] + split_held[c];
         break;
       default:
         break;

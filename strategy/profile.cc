@@ -20,6 +20,7 @@
 #include "base/memory_counter.h"
 #include "base/rng.h"
 #include "base/status.h"
+#include "pipeline/weight_gradients.h"
 #include "google/protobuf/text_format.h"
 #include "strategy/internal/profile.h"
 
@@ -58,12 +59,15 @@ Linear Fit(const std::vector<int64_t>& sizes, const std::vector<double>& values)
 struct LayerRun {
   double forward = 0, backward = 0;
   int64_t kept = 0, transient = 0, output = 0;
+  int64_t split_held = 0;  // with `split`: held between the backward's input and weight halves
   Values outputs;  // detached, floating ones requiring gradients (the next layer's input)
 };
 
+// One forward and backward of layer `i`, timed and counted; with `split` the
+// backward runs as a zero-bubble schedule runs it, input half then weight half.
 absl::StatusOr<LayerRun> RunLayerOnce(LayerSequence& part, int64_t i, bool last, const Values& inputs,
                                       const Batch& batch, const LossFunction& loss,
-                                      const PrecisionPolicy& precision) {
+                                      const PrecisionPolicy& precision, bool split = false) {
   MemoryCounter& counter = MemoryCounter::Install();
   LayerRun run;
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("profiling layer ", i, " (", part.LayerName(i), ")"), [&] {
@@ -83,17 +87,25 @@ absl::StatusOr<LayerRun> RunLayerOnce(LayerSequence& part, int64_t i, bool last,
     const int64_t at_backward = counter.live_bytes();
     counter.ResetPeak();
     start = Clock::now();
+    std::vector<at::Tensor> roots, grads;
     if (last) {
-      scalar.backward();
+      roots.push_back(scalar);
     } else {
-      std::vector<at::Tensor> roots, grads;
       for (const at::Tensor& t : outputs) {
         if (t.defined() && t.requires_grad()) {
           roots.push_back(t);
           grads.push_back(at::ones_like(t));
         }
       }
-      if (!roots.empty()) torch::autograd::backward(roots, grads);
+    }
+    internal::DeferredWeightGradients deferred;
+    internal::DeferredWeightGradients::Parameters parameters;
+    for (const auto& [name, p] : part.LayerParameters(i)) parameters.insert(p.unsafeGetTensorImpl());
+    const bool deferring = split && !roots.empty() && deferred.Defer(roots, parameters);
+    if (!roots.empty()) torch::autograd::backward(roots, grads, /*keep_graph=*/deferring);
+    if (deferring) {
+      run.split_held = std::max<int64_t>(0, counter.live_bytes() - at_backward);
+      deferred.Run();
     }
     run.backward = Since(start);
     run.transient = std::max<int64_t>(0, counter.peak_bytes() - at_backward);
@@ -112,8 +124,10 @@ absl::StatusOr<LayerRun> MeasureLayer(LayerSequence& part, int64_t i, bool last,
                                       const Batch& batch, const LossFunction& loss,
                                       const PrecisionPolicy& precision) {
   std::vector<LayerRun> runs;
-  for (int r = 0; r < 4; ++r) {
-    TRIDENT_ASSIGN_OR_RETURN(LayerRun run, RunLayerOnce(part, i, last, inputs, batch, loss, precision));
+  int64_t split_held = 0;
+  for (int r = 0; r < 4; ++r) {  // the warm-up splits its backward, to count what that holds
+    TRIDENT_ASSIGN_OR_RETURN(LayerRun run, RunLayerOnce(part, i, last, inputs, batch, loss, precision, r == 0));
+    if (r == 0) split_held = run.split_held;
     if (r > 0) runs.push_back(std::move(run));
   }
   auto median = [&](double LayerRun::*field) {
@@ -125,6 +139,7 @@ absl::StatusOr<LayerRun> MeasureLayer(LayerSequence& part, int64_t i, bool last,
   LayerRun result = std::move(runs.back());
   result.forward = median(&LayerRun::forward);
   result.backward = median(&LayerRun::backward);
+  result.split_held = split_held;
   return result;
 }
 
@@ -226,6 +241,7 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
     *shard->mutable_kept_bytes() = fit(m.fp32, [](const LayerRun& r) { return r.kept; });
     *shard->mutable_backward_transient_bytes() = fit(m.fp32, [](const LayerRun& r) { return r.transient; });
     *shard->mutable_output_bytes() = fit(m.fp32, [](const LayerRun& r) { return r.output; });
+    *shard->mutable_split_held_bytes() = fit(m.fp32, [](const LayerRun& r) { return r.split_held; });
     if (bf16) {
       *shard->mutable_bf16_forward_seconds() = fit(m.bf16, [](const LayerRun& r) { return r.forward; });
       *shard->mutable_bf16_backward_seconds() = fit(m.bf16, [](const LayerRun& r) { return r.backward; });

@@ -310,7 +310,8 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     }
   }
   request.bf16 = options.allow_precision_change && Uses(options, "amp_native");
-  request.fingerprint = absl::StrCat(ProfileKey(options, world, global_batch), ";bf16=", request.bf16, ";sizes=",
+  // "v2": profiles since split backwards are measured (older caches lack them).
+  request.fingerprint = absl::StrCat("v2;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16, ";sizes=",
                                      absl::StrJoin(request.micro_batch_sizes, ","), ";tp=",
                                      absl::StrJoin(request.tp_degrees, ","));
   const std::string cache_dir = options.profile_cache_dir.empty() ? DefaultCacheDir() : options.profile_cache_dir;
