@@ -332,8 +332,7 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
     const int64_t parameter_bytes = costs.ParameterBytes(s);
     if (plan.zero_stage == 0) {
       state.parameter_bytes = state.gradient_bytes = parameter_bytes;
-      state.optimizer_bytes = state_per_element * parameter_bytes;
-      if (plan.dp > 1) transient += parameter_bytes;  // the reducer's bucket buffers
+      state.optimizer_bytes = state_per_element * parameter_bytes;  // gradients live in the reducer's buckets
     } else {
       std::vector<ZeroParameter> planned;
       TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayoutOf(costs, s, &planned));
