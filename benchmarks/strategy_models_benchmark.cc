@@ -94,10 +94,6 @@ ParallelPlan PlanOf(const Layout& l) {
   return plan;
 }
 
-Batch Rows(const Batch& batch, int64_t first, int64_t count) {
-  return {batch[0].narrow(0, first, count), batch[1].narrow(0, first, count)};
-}
-
 // args: {model type, preset}. Rank 0 reports one line per layout:
 // "description|state bytes predicted|reported|peak predicted|measured|step predicted|measured".
 absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
@@ -134,13 +130,13 @@ absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
     int64_t state = 0;
     {
       TRIDENT_ASSIGN_OR_RETURN(auto model, Parallelize(source, plan, topology.get(),
-                                                       Rows(global, 0, plan.micro_batch_size), request.make_optimizer));
+                                                       internal::BatchRows(global, 0, plan.micro_batch_size), request.make_optimizer));
       state = model->Memory().total();
       std::vector<Batch> micro(plan.num_micro_batches);
       if (model->ReadsData()) {
         const int dp_rank = model->data_parallel_group() ? model->data_parallel_group()->rank() : 0;
         for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
-          micro[m] = Rows(global, (dp_rank * plan.num_micro_batches + m) * plan.micro_batch_size, plan.micro_batch_size);
+          micro[m] = internal::BatchRows(global, (dp_rank * plan.num_micro_batches + m) * plan.micro_batch_size, plan.micro_batch_size);
         }
       }
       std::vector<double> steps;

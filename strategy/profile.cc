@@ -33,12 +33,6 @@ using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-Batch Rows(const Batch& batch, int64_t n) {
-  Batch rows;
-  for (const at::Tensor& t : batch) rows.push_back(t.dim() > 0 ? t.narrow(0, 0, n) : t);
-  return rows;
-}
-
 int64_t Bytes(const Values& values) {
   int64_t bytes = 0;
   for (const at::Tensor& t : values) bytes += t.defined() ? t.numel() * t.element_size() : 0;
@@ -179,7 +173,7 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
   }
   const std::vector<int64_t>& sizes = request.micro_batch_sizes;
   std::vector<Batch> batches;
-  for (int64_t b : sizes) batches.push_back(Rows(request.batch, b));
+  for (int64_t b : sizes) batches.push_back(BatchRows(request.batch, 0, b));
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy fp32, MakePrecisionPolicy("fp32", ""));
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy bf16_policy, MakePrecisionPolicy("bf16", ""));
   std::vector<Values> inputs(sizes.size()), inputs_bf16(sizes.size());
@@ -361,6 +355,12 @@ absl::StatusOr<ModelProfile> ShareRankZeros(const ProcessGroup& world, const Mod
 }  // namespace
 
 int64_t ResidentBytes() { return StatusField("VmRSS:"); }
+
+Batch BatchRows(const Batch& batch, int64_t first, int64_t count) {
+  Batch rows;
+  for (const at::Tensor& t : batch) rows.push_back(t.dim() > 0 ? t.narrow(0, first, count) : t);
+  return rows;
+}
 int64_t PeakResidentBytes() { return StatusField("VmHWM:"); }
 
 absl::StatusOr<ModelProfile> ProfileModel(const ProfileRequest& request, Topology* topology) {

@@ -39,12 +39,6 @@ std::vector<int64_t> Divisors(int64_t n) {
   return divisors;
 }
 
-Batch Rows(const Batch& batch, int64_t first, int64_t count) {
-  Batch rows;
-  for (const at::Tensor& t : batch) rows.push_back(t.dim() > 0 ? t.narrow(0, first, count) : t);
-  return rows;
-}
-
 int64_t MemTotalBytes() {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
@@ -167,7 +161,7 @@ std::vector<Batch> MicroBatchesOf(const Batch& global, const ParallelPlan& plan,
   const ProcessGroup* dp = model.data_parallel_group();
   const int64_t first = (dp ? dp->rank() : 0) * plan.num_micro_batches * plan.micro_batch_size;
   for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
-    micro[m] = Rows(global, first + m * plan.micro_batch_size, plan.micro_batch_size);
+    micro[m] = internal::BatchRows(global, first + m * plan.micro_batch_size, plan.micro_batch_size);
   }
   return micro;
 }
@@ -180,7 +174,7 @@ absl::StatusOr<double> DryRun(const SourceFactory& make_source, const Batch& glo
   absl::StatusOr<ModelSource> source = SourceFor(make_source, plan, topology);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ParallelModel> model,
-                           Parallelize(*std::move(source), plan, topology, Rows(global, 0, plan.micro_batch_size),
+                           Parallelize(*std::move(source), plan, topology, internal::BatchRows(global, 0, plan.micro_batch_size),
                                        make_optimizer));
   const std::vector<Batch> micro = MicroBatchesOf(global, plan, *model);
   std::vector<double> seconds;
@@ -356,7 +350,6 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   });
 
   // Dry-run the best few while time is left (rank 0's clock decides).
-  int best = 0;
   for (int i = 0; i < std::min<int>(options.dry_runs, static_cast<int>(result.ranked.size())); ++i) {
     CandidateReport& candidate = result.ranked[i];
     const double expected = Since(start) + 2 + (options.dry_run_steps + 1) * 2 * candidate.predicted_step_s;
@@ -367,14 +360,24 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     ReleaseFreedMemory();  // the dry run's model and optimizer stop counting as resident
     if (measured.ok()) {
       candidate.measured_step_s = *measured;
-      if (result.ranked[best].measured_step_s < 0 || *measured < result.ranked[best].measured_step_s) best = i;
     } else {
       candidate.dry_run_error = std::string(measured.status().message());
       if (topology->rank() == 0) LOG(WARNING) << "dry run of " << DescribePlan(candidate.plan) << " failed: " << measured.status();
-      if (best == i) best = i + 1;
     }
   }
-  if (best >= static_cast<int>(result.ranked.size())) best = 0;
+  // The fastest measured; without a measurement, the best predicted that did not fail.
+  int best = -1;
+  for (int i = 0; i < static_cast<int>(result.ranked.size()); ++i) {
+    const CandidateReport& candidate = result.ranked[i];
+    if (!candidate.dry_run_error.empty()) continue;
+    const double chosen = best < 0 ? -1 : result.ranked[best].measured_step_s;
+    if (best < 0 || (candidate.measured_step_s >= 0 && (chosen < 0 || candidate.measured_step_s < chosen))) best = i;
+  }
+  if (best < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "every candidate strategy failed its dry run (the first: ", result.ranked.front().dry_run_error,
+        "); exclude the failing methods with --strategy_excluded or give a strategy with --load_strategy"));
+  }
   result.plan = result.ranked[best].plan;
   result.strategy = StrategyFromPlan(result.plan);
   result.strategy.set_fingerprint(StrategyFingerprint(options, world, global_batch));
@@ -417,7 +420,7 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
   absl::StatusOr<ModelSource> source = SourceFor(source_with_loss, plan, topology);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
   TRIDENT_ASSIGN_OR_RETURN(accelerated.model, Parallelize(*std::move(source), plan, topology,
-                                                          Rows(global, 0, plan.micro_batch_size), make_optimizer));
+                                                          internal::BatchRows(global, 0, plan.micro_batch_size), make_optimizer));
   const bool reads = accelerated.model->ReadsData();
   const ProcessGroup* dp = accelerated.model->data_parallel_group();
   const int dp_rank = dp ? dp->rank() : 0;

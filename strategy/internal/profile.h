@@ -46,6 +46,9 @@ double CollectiveSeconds(const ModelProfile& profile, const std::string& op, int
 
 // Resident memory of this process now, from /proc/self/status (0 if unknown).
 int64_t ResidentBytes();
+
+// Rows [first, first + count) of every field of `batch` (scalars as they are).
+Batch BatchRows(const Batch& batch, int64_t first, int64_t count);
 // The peak resident memory of this process (VmHWM).
 int64_t PeakResidentBytes();
 
