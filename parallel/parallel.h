@@ -183,6 +183,20 @@ absl::Status ValidatePlan(const ParallelPlan& plan);
 // tensor parallelism on traced models, a missing TorchScript file.
 absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan);
 
+// The layers Parallelize runs `source` as under `plan`, whole: a layer source
+// as it is; a module with trace_method "layers" as its LayerSequence; a
+// traced source (trace_method "jit") as its graph's shards, traced on
+// `example` (one micro-batch, on the CPU) and cut by plan's split_method,
+// shard_count and leaf_modules, its loss inside (the first scalar of the last
+// shard's outputs). `forward_flops` holds each traced shard's forward FLOPs
+// on `example` (what the "cost" partition weighs it by); it is empty for
+// layer sources. The automatic strategy search profiles models through it.
+struct SourceLayers {
+  ModelSource layers;  // kind kLayers
+  std::vector<double> forward_flops;
+};
+absl::StatusOr<SourceLayers> LayersOf(const ModelSource& source, const ParallelPlan& plan, const Batch& example);
+
 class ParallelModel;
 
 // Builds this rank's part of `source` under `plan` on `topology` (whose axes

@@ -311,7 +311,9 @@ absl::StatusOr<std::vector<int64_t>> StageBoundaries(const ModelProfile& profile
       unit.parameter_bytes += p.numel() * p.element_size();
       if (p.dim() >= 2) matrix_scalars += p.numel();
     }
-    unit.forward_flops = 2.0 * static_cast<double>(layer.rows_per_sample()) * static_cast<double>(matrix_scalars);
+    unit.forward_flops = layer.has_partition_flops()
+                             ? layer.partition_flops()
+                             : 2.0 * static_cast<double>(layer.rows_per_sample()) * static_cast<double>(matrix_scalars);
     units.push_back(std::move(unit));
   }
   PartitionOptions options;

@@ -139,13 +139,14 @@ absl::StatusOr<LayerRun> MeasureLayer(LayerSequence& part, int64_t i, bool last,
 
 // What makes two layers cost the same: their name with digits masked, their
 // parameters' shapes and dtypes, and their inputs' shapes.
-std::string Signature(const std::string& name, const NamedTensors& parameters, const Values& inputs) {
+std::string Signature(const std::string& name, const NamedTensors& parameters, const Values& inputs,
+                      const std::string& flops) {
   std::string masked = name;
   for (char& c : masked) {
     if (c >= '0' && c <= '9') c = '#';
   }
   std::ostringstream s;
-  s << masked;
+  s << masked << "|" << flops;
   for (const auto& [n, p] : parameters) s << "|" << p.sizes() << p.scalar_type();
   s << "|in";
   for (const at::Tensor& t : inputs) {
@@ -165,15 +166,27 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
   ModelContext context;
   context.tp = tp;
   context.seed = request.seed;
-  TRIDENT_ASSIGN_OR_RETURN(ModelSource source, request.make_source(context));
-  if (source.kind != ModelSource::Kind::kLayers) {
-    return absl::UnimplementedError(
-        "the automatic strategy search profiles layer sources (LayerSequence, the zoo); give the "
-        "model as layers or choose the strategy with --load_strategy");
-  }
+  TRIDENT_ASSIGN_OR_RETURN(ModelSource made, request.make_source(context));
   const std::vector<int64_t>& sizes = request.micro_batch_sizes;
   std::vector<Batch> batches;
   for (int64_t b : sizes) batches.push_back(BatchRows(request.batch, 0, b));
+  // Per micro-batch size: a traced graph holds its example's shapes.
+  std::vector<SourceLayers> sources;
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    if (k > 0 && sources[0].forward_flops.empty()) break;
+    TRIDENT_ASSIGN_OR_RETURN(SourceLayers layers, LayersOf(made, request.plan, batches[k]));
+    if (k > 0 && layers.layers.num_layers != sources[0].layers.num_layers) {
+      return absl::InternalError(absl::StrCat("the traced model splits into ", sources[0].layers.num_layers,
+                                              " shards at micro-batch size ", sizes[0], " but ",
+                                              layers.layers.num_layers, " at ", sizes[k]));
+    }
+    sources.push_back(std::move(layers));
+  }
+  const bool traced = !sources[0].forward_flops.empty();
+  if (traced && tp.size > 1) {
+    return absl::InvalidArgumentError("tensor parallelism on a traced model is not available");
+  }
+  const ModelSource& source = sources[0].layers;
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy fp32, MakePrecisionPolicy("fp32", ""));
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy bf16_policy, MakePrecisionPolicy("bf16", ""));
   std::vector<Values> inputs(sizes.size()), inputs_bf16(sizes.size());
@@ -184,15 +197,20 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
     const bool last = i + 1 == source.num_layers;
     NamedTensors parameters;
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("listing the layer's parameters", [&] { parameters = part->LayerParameters(i); }));
-    const std::string signature = Signature(part->LayerName(i), parameters, inputs[0]);
+    const std::string flops = traced ? absl::StrCat(sources[0].forward_flops[i]) : "";
+    const std::string signature = Signature(part->LayerName(i), parameters, inputs[0], flops);
     auto found = measured.find(signature);
     if (found == measured.end()) {
       Measured m;
       for (size_t k = 0; k < sizes.size(); ++k) {
-        TRIDENT_ASSIGN_OR_RETURN(LayerRun run, MeasureLayer(*part, i, last, inputs[k], batches[k], source.loss, fp32));
+        std::shared_ptr<LayerSequence> sized = part;
+        if (k > 0 && traced) {
+          TRIDENT_ASSIGN_OR_RETURN(sized, sources[k].layers.build({{i, i + 1}}));
+        }
+        TRIDENT_ASSIGN_OR_RETURN(LayerRun run, MeasureLayer(*sized, i, last, inputs[k], batches[k], source.loss, fp32));
         m.fp32.push_back(std::move(run));
         if (bf16) {
-          TRIDENT_ASSIGN_OR_RETURN(LayerRun run16, MeasureLayer(*part, i, last, inputs_bf16[k], batches[k],
+          TRIDENT_ASSIGN_OR_RETURN(LayerRun run16, MeasureLayer(*sized, i, last, inputs_bf16[k], batches[k],
                                                                 source.loss, bf16_policy));
           m.bf16.push_back(std::move(run16));
         }
@@ -211,6 +229,7 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
         }
       }
       layer->set_rows_per_sample(rows);
+      if (traced) layer->set_partition_flops(sources[0].forward_flops[i]);
     }
     if (profile->layers(i).name() != part->LayerName(i)) {
       return absl::InternalError(absl::StrCat("layer ", i, " is '", part->LayerName(i), "' at tp=", tp.size,

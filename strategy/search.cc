@@ -292,6 +292,7 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   // Profile: micro-batch sizes spanning the candidates', tensor-parallel degrees dividing the world.
   internal::ProfileRequest request;
   request.make_source = make_source;
+  request.plan = options.base;
   request.seed = options.base.seed;
   request.batch = global_batch;
   request.make_optimizer = make_optimizer;
@@ -305,9 +306,12 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   }
   request.bf16 = options.allow_precision_change && Uses(options, "amp_native");
   // "v2": profiles since split backwards are measured (older caches lack them).
-  request.fingerprint = absl::StrCat("v2;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16, ";sizes=",
-                                     absl::StrJoin(request.micro_batch_sizes, ","), ";tp=",
-                                     absl::StrJoin(request.tp_degrees, ","));
+  const ParallelPlan& base = options.base;
+  request.fingerprint = absl::StrCat(
+      "v2;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16, ";sizes=",
+      absl::StrJoin(request.micro_batch_sizes, ","), ";tp=", absl::StrJoin(request.tp_degrees, ","), ";trace=",
+      base.trace_method, ",", base.split_method, ",", base.shard_count, ",", absl::StrJoin(base.leaf_modules, "+"),
+      ",", absl::StrJoin(base.input_names, "+"));
   const std::string cache_dir = options.profile_cache_dir.empty() ? DefaultCacheDir() : options.profile_cache_dir;
   const auto profile_start = Clock::now();
   TRIDENT_ASSIGN_OR_RETURN(ModelProfile profile,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A model written and traced in Python (trainer/testdata/torchscript_gpt.py,
 # Debian's python3-torch) trains through `train --model=torchscript:PATH` at
-# dp=2, pp=2 and dp=2 x pp=2 with the losses of the same module run eagerly in
-# Python from the same weights (20 steps, 1e-5 relative); its tied weights stay
+# dp=2, pp=2, dp=2 x pp=2 and the layout --strategy=auto chooses, with the
+# losses of the same module run eagerly in Python from the same weights (20
+# steps, 1e-5 relative); its tied weights stay
 # tied across pipeline stages; a model returning logits trains with a named
 # loss; untraceable models, bad input names and models without a loss are
 # refused with errors that say why.
@@ -50,6 +51,11 @@ train_and_compare dp2_pp2 --model=torchscript:"$work/gpt.pt" --dp=2 --pp=2 --sch
 # ZeRO-3 (parameters gathered shard by shard) and recomputation on the traced graph.
 train_and_compare zero3 --model=torchscript:"$work/gpt.pt" --dp=2 --zero_stage=3
 train_and_compare recompute --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 --activation_checkpointing=full
+# The automatic search profiles the traced model's shards on 2 ranks and trains
+# the layout it chose with the same parity.
+train_and_compare auto --model=torchscript:"$work/gpt.pt" --nproc=2 --strategy=auto \
+  --profile_cache_dir="$work/profiles"
+grep -aq "<- chosen" "$out" || fail "auto: no table of candidates"
 # bf16 compute runs (its losses track fp32, not to 1e-5).
 timeout 300 "$train" "${common[@]}" --model=torchscript:"$work/gpt.pt" --dp=2 --precision=bf16 \
   --max_steps=5 >"$out" 2>&1 || fail "bf16 run exited $?"

@@ -118,8 +118,18 @@ absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, co
   return absl::OkStatus();
 }
 
-absl::Status TraceGraph(const ModelSource& source, const ParallelPlan& plan, const at::Device& device,
-                        const Batch& example, ModelPart* part) {
+// A module or TorchScript source run whole: traced into a graph cut into
+// shards (trace_method "jit") or run eagerly as one layer ("none").
+struct WholeModel {
+  std::shared_ptr<LayerSequence> layers;  // the loss inside, first among the last layer's outputs
+  std::vector<LayerProfile> shards;       // traced: what each shard reads and computes
+  double total_flops = 0;                 // traced: forward FLOPs of one micro-batch
+  std::map<std::string, std::string> aliases;
+  bool traced = false;
+};
+
+absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelPlan& plan, const at::Device& device,
+                                      const Batch& example) {
   NamedTensors parameters;
   std::function<Values(const Values&)> forward;
   std::shared_ptr<void> owner;
@@ -158,17 +168,46 @@ absl::Status TraceGraph(const ModelSource& source, const ParallelPlan& plan, con
   const int shard_count = plan.shard_count > 0 ? plan.shard_count : DefaultShardCount(*graph);
   TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards,
                            SplitIntoShards(*graph, split, shard_count, plan.leaf_modules));
-  TRIDENT_RETURN_IF_ERROR(CheckShards(static_cast<int64_t>(shards.size()) - 1, plan));
-  TRIDENT_ASSIGN_OR_RETURN(part->stage_plan,
-                           PlanStages(ShardProfiles(*graph, shards), StagePartition(plan)));
-  part->flops_per_sample = 3.0 * graph->total_flops() / std::max<int64_t>(1, plan.micro_batch_size);
-  part->aliases = graph->aliases();
+  WholeModel whole;
+  whole.shards = ShardProfiles(*graph, shards);
+  whole.total_flops = graph->total_flops();
+  whole.aliases = graph->aliases();
+  whole.traced = true;
   std::shared_ptr<ModelGraph> shared(std::move(graph));
-  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<GraphLayers> layers, GraphLayers::Create(shared, shards));
-  part->layers = std::move(layers);
-  part->traced = true;
-  part->loss_inside = true;
-  return absl::OkStatus();
+  TRIDENT_ASSIGN_OR_RETURN(whole.layers, GraphLayers::Create(shared, shards));
+  return whole;
+}
+
+absl::StatusOr<WholeModel> RunWhole(const ModelSource& source, const ParallelPlan& plan, const at::Device& device,
+                                    const Batch& example) {
+  if (plan.trace_method == "jit") return TraceGraph(source, plan, device, example);
+  if (plan.trace_method != "none") {
+    return absl::InvalidArgumentError(absl::StrCat("trace_method='", plan.trace_method,
+                                                   "' is unknown; choose jit, layers or none"));
+  }
+  if (source.kind != ModelSource::Kind::kModule) {
+    return absl::InvalidArgumentError(
+        "trace_method=none runs a C++ module; a TorchScript file is traced (trace_method=jit)");
+  }
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs, SelectInputs(plan.input_names, plan.batch_fields, example.size()));
+  WholeModel whole;
+  whole.layers = std::make_shared<EagerModuleLayer>(
+      source.module, ForwardWithLoss(source.forward, inputs, source.loss), static_cast<int>(example.size()));
+  return whole;
+}
+
+// A module with trace_method "layers" as the layer source it is.
+absl::StatusOr<ModelSource> ResolveLayerModule(const ModelSource& source, const ParallelPlan& plan) {
+  if (source.kind != ModelSource::Kind::kModule || plan.trace_method != "layers") return source;
+  auto layers = std::dynamic_pointer_cast<LayerSequence>(source.module);
+  if (layers == nullptr) {
+    return absl::InvalidArgumentError(
+        "trace_method=layers needs a model that is a LayerSequence (graph/graph.h); this module "
+        "is not one: trace it (trace_method=jit) or declare its layers");
+  }
+  ModelSource resolved = ModelSource::FromLayers(layers);
+  resolved.loss = source.loss;
+  return resolved;
 }
 
 }  // namespace
@@ -196,34 +235,22 @@ absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& in
 absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const ParallelPlan& plan, int stage,
                                          const at::Device& device, const Batch& example) {
   ModelPart part;
-  ModelSource source = given;
-  if (source.kind == ModelSource::Kind::kModule && plan.trace_method == "layers") {
-    auto layers = std::dynamic_pointer_cast<LayerSequence>(source.module);
-    if (layers == nullptr) {
-      return absl::InvalidArgumentError(
-          "trace_method=layers needs a model that is a LayerSequence (graph/graph.h); this module "
-          "is not one: trace it (trace_method=jit) or declare its layers");
-    }
-    source = ModelSource::FromLayers(layers);
-  }
+  TRIDENT_ASSIGN_OR_RETURN(ModelSource source, ResolveLayerModule(given, plan));
   if (source.kind == ModelSource::Kind::kLayers) {
     TRIDENT_RETURN_IF_ERROR(BuildLayers(source, plan, example, &part));
-  } else if (plan.trace_method == "none") {
-    if (source.kind != ModelSource::Kind::kModule) {
-      return absl::InvalidArgumentError(
-          "trace_method=none runs a C++ module; a TorchScript file is traced (trace_method=jit)");
-    }
-    TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs,
-                             SelectInputs(plan.input_names, plan.batch_fields, example.size()));
-    part.layers = std::make_shared<EagerModuleLayer>(
-        source.module, ForwardWithLoss(source.forward, inputs, source.loss), static_cast<int>(example.size()));
-    part.loss_inside = true;
-    TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
-  } else if (plan.trace_method == "jit") {
-    TRIDENT_RETURN_IF_ERROR(TraceGraph(source, plan, device, example, &part));
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("trace_method='", plan.trace_method,
-                                                   "' is unknown; choose jit, layers or none"));
+    TRIDENT_ASSIGN_OR_RETURN(WholeModel whole, RunWhole(source, plan, device, example));
+    part.layers = std::move(whole.layers);
+    part.loss_inside = true;
+    part.traced = whole.traced;
+    if (whole.traced) {
+      TRIDENT_RETURN_IF_ERROR(CheckShards(static_cast<int64_t>(whole.shards.size()), plan));
+      TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages(whole.shards, StagePartition(plan)));
+      part.flops_per_sample = 3.0 * whole.total_flops / std::max<int64_t>(1, plan.micro_batch_size);
+      part.aliases = std::move(whole.aliases);
+    } else {
+      TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
+    }
   }
   LayerRanges ranges;
   for (int c = 0; c < plan.virtual_stages; ++c) {  // chunk c is virtual stage c * pp + stage
@@ -239,4 +266,19 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
 }
 
 }  // namespace internal
+
+absl::StatusOr<SourceLayers> LayersOf(const ModelSource& given, const ParallelPlan& plan, const Batch& example) {
+  SourceLayers result;
+  TRIDENT_ASSIGN_OR_RETURN(result.layers, internal::ResolveLayerModule(given, plan));
+  if (result.layers.kind == ModelSource::Kind::kLayers) return result;
+  TRIDENT_ASSIGN_OR_RETURN(internal::WholeModel whole, internal::RunWhole(result.layers, plan, at::kCPU, example));
+  for (const LayerProfile& shard : whole.shards) result.forward_flops.push_back(shard.forward_flops);
+  std::shared_ptr<LayerSequence> layers = std::move(whole.layers);
+  ModelSource source = ModelSource::FromLayerBuilder(
+      layers->NumLayers(), [layers](const LayerRanges&) -> absl::StatusOr<std::shared_ptr<LayerSequence>> { return layers; });
+  source.aliases = std::move(whole.aliases);
+  result.layers = std::move(source);
+  return result;
+}
+
 }  // namespace trident

@@ -19,6 +19,7 @@ using SourceFactory = std::function<absl::StatusOr<ModelSource>(const ModelConte
 
 struct ProfileRequest {
   SourceFactory make_source;
+  ParallelPlan plan;  // how Parallelize reads the source (trace and split settings, batch fields)
   uint64_t seed = 1;
   Batch batch;  // at least the largest micro-batch size of samples
   OptimizerFactory make_optimizer;
@@ -30,7 +31,8 @@ struct ProfileRequest {
 };
 
 // Profiles on every rank of `topology` at once (all ranks busy, as in
-// training), layer by layer (one layer built at a time: memory-light), each
+// training), layer by layer (one layer built at a time: memory-light; a
+// traced model's shards, as LayersOf cuts it, traced at each micro-batch size), each
 // tensor-parallel degree on real groups of that size; the collectives over
 // every group size dividing the world. Reshapes `topology` as it goes and
 // leaves it with one data axis. Every rank gets rank 0's profile.
