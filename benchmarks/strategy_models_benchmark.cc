@@ -1,8 +1,10 @@
 // How well the automatic strategy search's models predict: for hand-picked
-// layouts of a zoo model (dp, tp, pp with 1f1b, zb_h1 and interleaving, ZeRO
+// layouts of a zoo model (dp, tp, sequence parallelism, pp with 1f1b, zb_h1 and interleaving, ZeRO
 // 1-3, recomputation, micro-batch sizes) the predicted per-rank state bytes,
 // peak tensor memory and step time against what training them measures on
-// the same ranks; and the Spearman correlation of predicted and measured
+// the same ranks (each layout measured in 3 rounds over all layouts, the
+// median kept, so a slow spell of the machine does not land on one layout);
+// and the Spearman correlation of predicted and measured
 // step times (how well the model ranks layouts).
 //
 //   bazel run -c opt //benchmarks:strategy_models_benchmark -- gpt gpt-tiny 2
@@ -10,7 +12,7 @@
 //
 // The ranks run as processes of this binary (testing/rank_workers.h), one
 // thread each, on random tokens (global batch 16, 128 tokens). Each layout
-// trains 1 warm-up and 5 measured steps; memory is the peak of the bytes
+// trains 1 warm-up and 5 measured steps per round; memory is the peak of the bytes
 // LibTorch's CPU tensors hold during those steps (base/memory_counter.h),
 // the largest over ranks. STRATEGY_MODELS_DETAIL=FILE appends each layout's
 // predicted breakdown (pipeline, compute, message, reduction, optimizer) to FILE.
@@ -43,9 +45,11 @@ namespace {
 
 constexpr int64_t kGlobalBatch = 16;
 constexpr int kMeasuredSteps = 5;
+constexpr int kRounds = 3;
 
 struct Layout {
   int dp = 1, tp = 1, pp = 1, zero = 0, virtual_stages = 1;
+  bool sp = false;
   int64_t micro_batches = 1;
   std::string schedule = "1f1b", recompute = "none";
 };
@@ -60,6 +64,7 @@ std::vector<Layout> Layouts(int world) {
             {.dp = 2, .recompute = "full"},
             {.tp = 2},
             {.tp = 2, .micro_batches = 4},
+            {.tp = 2, .sp = true},
             {.pp = 2, .micro_batches = 4},
             {.pp = 2, .micro_batches = 8, .schedule = "zb_h1"},
             {.pp = 2, .virtual_stages = 2, .micro_batches = 4, .schedule = "interleaved_1f1b"},
@@ -70,6 +75,7 @@ std::vector<Layout> Layouts(int world) {
           {.dp = 4, .zero = 3},
           {.dp = 2, .tp = 2},
           {.dp = 2, .tp = 2, .zero = 2},
+          {.dp = 2, .tp = 2, .sp = true},
           {.dp = 2, .pp = 2, .micro_batches = 4},
           {.dp = 2, .pp = 2, .micro_batches = 4, .schedule = "zb_h1"},
           {.tp = 2, .pp = 2, .micro_batches = 4},
@@ -84,6 +90,7 @@ ParallelPlan PlanOf(const Layout& l) {
   plan.dp = l.dp;
   plan.tp = l.tp;
   plan.pp = l.pp;
+  plan.sequence_parallel = l.sp;
   plan.zero_stage = l.zero;
   plan.virtual_stages = l.virtual_stages;
   plan.num_micro_batches = l.micro_batches;
@@ -94,10 +101,51 @@ ParallelPlan PlanOf(const Layout& l) {
   return plan;
 }
 
+// Trains `plan` for a warm-up and kMeasuredSteps steps: {the slowest rank's
+// median step seconds, the fullest rank's peak tensor bytes}; `state` gets
+// the ParallelModel's report of the first pipeline stage (on rank 0).
+absl::StatusOr<std::vector<double>> MeasureLayout(const internal::ProfileRequest& request, const Batch& global,
+                                                  const ParallelPlan& plan, Topology* topology, int64_t* state) {
+  MemoryCounter& counter = MemoryCounter::Install();  // profiling takes it out when done
+  TRIDENT_RETURN_IF_ERROR(topology->Reshape({{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}));
+  ModelContext context;
+  if (plan.tp > 1) context.tp = {plan.tp, (*topology->Group("tensor"))->rank(), "tp", plan.sequence_parallel};
+  TRIDENT_ASSIGN_OR_RETURN(ModelSource source, request.make_source(context));
+  const int64_t before = counter.live_bytes();
+  counter.ResetPeak();
+  double seconds = 0;
+  {
+    TRIDENT_ASSIGN_OR_RETURN(auto model, Parallelize(source, plan, topology,
+                                                     internal::BatchRows(global, 0, plan.micro_batch_size), request.make_optimizer));
+    if (topology->rank() == 0) *state = model->Memory().total();
+    std::vector<Batch> micro(plan.num_micro_batches);
+    if (model->ReadsData()) {
+      const int dp_rank = model->data_parallel_group() ? model->data_parallel_group()->rank() : 0;
+      for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
+        micro[m] = internal::BatchRows(global, (dp_rank * plan.num_micro_batches + m) * plan.micro_batch_size, plan.micro_batch_size);
+      }
+    }
+    std::vector<double> steps;
+    for (int s = 0; s <= kMeasuredSteps; ++s) {
+      TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
+      const auto start = std::chrono::steady_clock::now();
+      model->ZeroGrad();
+      TRIDENT_RETURN_IF_ERROR(model->ForwardBackward(micro).status());
+      TRIDENT_RETURN_IF_ERROR(model->ClipGradNorm(1.0).status());
+      TRIDENT_RETURN_IF_ERROR(model->Step(1e-4));
+      if (s > 0) steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(steps.begin(), steps.end());
+    seconds = steps[steps.size() / 2];
+  }
+  at::Tensor measured = at::tensor({seconds, static_cast<double>(counter.peak_bytes() - before)}, at::kDouble);
+  TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(measured, ReduceOp::kMax));
+  return std::vector<double>{measured[0].item<double>(), measured[1].item<double>()};
+}
+
 // args: {model type, preset}. Rank 0 reports one line per layout:
 // "description|state bytes predicted|reported|peak predicted|measured|step predicted|measured".
 absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
-  MemoryCounter& counter = MemoryCounter::Install();
   at::set_num_threads(1);
   TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment({}));
   const std::string type = args.at(0), preset = args.at(1);
@@ -115,48 +163,23 @@ absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
   for (int tp = 2; tp <= topology->world_size(); tp *= 2) request.tp_degrees.push_back(tp);
   request.fingerprint = preset;
   TRIDENT_ASSIGN_OR_RETURN(ModelProfile profile, internal::ProfileModel(request, topology.get()));
-  MemoryCounter::Install();  // profiling takes the counter out when it is done
-  for (const Layout& layout : Layouts(topology->world_size())) {
-    const ParallelPlan plan = PlanOf(layout);
+  const std::vector<Layout> layouts = Layouts(topology->world_size());
+  std::vector<std::vector<double>> seconds(layouts.size());
+  std::vector<double> peak(layouts.size(), 0);
+  std::vector<int64_t> state(layouts.size(), 0);
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t l = 0; l < layouts.size(); ++l) {
+      TRIDENT_ASSIGN_OR_RETURN(std::vector<double> measured, MeasureLayout(request, global, PlanOf(layouts[l]),
+                                                                           topology.get(), &state[l]));
+      seconds[l].push_back(measured[0]);
+      peak[l] = std::max(peak[l], measured[1]);
+    }
+  }
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    const ParallelPlan plan = PlanOf(layouts[l]);
     TRIDENT_ASSIGN_OR_RETURN(internal::MemoryPrediction memory, internal::PredictMemory(profile, plan));
     TRIDENT_ASSIGN_OR_RETURN(internal::TimePrediction time, internal::PredictStepTime(profile, plan));
-    TRIDENT_RETURN_IF_ERROR(topology->Reshape({{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}));
-    ModelContext context;
-    if (plan.tp > 1) context.tp = {plan.tp, (*topology->Group("tensor"))->rank(), "tp", false};
-    TRIDENT_ASSIGN_OR_RETURN(ModelSource source, request.make_source(context));
-    const int64_t before = counter.live_bytes();
-    counter.ResetPeak();
-    double seconds = 0;
-    int64_t state = 0;
-    {
-      TRIDENT_ASSIGN_OR_RETURN(auto model, Parallelize(source, plan, topology.get(),
-                                                       internal::BatchRows(global, 0, plan.micro_batch_size), request.make_optimizer));
-      state = model->Memory().total();
-      std::vector<Batch> micro(plan.num_micro_batches);
-      if (model->ReadsData()) {
-        const int dp_rank = model->data_parallel_group() ? model->data_parallel_group()->rank() : 0;
-        for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
-          micro[m] = internal::BatchRows(global, (dp_rank * plan.num_micro_batches + m) * plan.micro_batch_size, plan.micro_batch_size);
-        }
-      }
-      std::vector<double> steps;
-      for (int s = 0; s <= kMeasuredSteps; ++s) {
-        TRIDENT_RETURN_IF_ERROR(topology->world().Barrier());
-        const auto start = std::chrono::steady_clock::now();
-        model->ZeroGrad();
-        TRIDENT_RETURN_IF_ERROR(model->ForwardBackward(micro).status());
-        TRIDENT_RETURN_IF_ERROR(model->ClipGradNorm(1.0).status());
-        TRIDENT_RETURN_IF_ERROR(model->Step(1e-4));
-        if (s > 0) steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      }
-      std::sort(steps.begin(), steps.end());
-      seconds = steps[steps.size() / 2];
-    }
-    // The slowest rank's step, the fullest rank's memory; state of this rank's stage.
-    at::Tensor measured = at::tensor({seconds, static_cast<double>(counter.peak_bytes() - before)}, at::kDouble);
-    TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(measured, ReduceOp::kMax));
-    int stage = 0;
-    if (plan.pp > 1) stage = (*topology->Group("pipeline"))->rank();
+    std::sort(seconds[l].begin(), seconds[l].end());
     if (const char* detail = std::getenv("STRATEGY_MODELS_DETAIL"); detail != nullptr && topology->rank() == 0) {
       std::FILE* out = std::fopen(detail, "a");
       if (out != nullptr) std::fprintf(out, "%s: pipeline %.1f ms (compute %.1f, message %.2f), reduction %.1f, optimizer %.1f\n",
@@ -166,9 +189,8 @@ absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
     }
     if (topology->rank() == 0) {
       absl::StrAppend(result, absl::StrFormat("%s|%d|%d|%d|%.0f|%.6f|%.6f\n", DescribePlan(plan),
-                                              memory.state[stage].total(), state, memory.max_tensor_peak,
-                                              measured[1].item<double>(), time.step_seconds,
-                                              measured[0].item<double>()));
+                                              memory.state[0].total(), state[l], memory.max_tensor_peak, peak[l],
+                                              time.step_seconds, seconds[l][seconds[l].size() / 2]));
     }
   }
   return absl::OkStatus();

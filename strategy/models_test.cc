@@ -1,7 +1,7 @@
 // The search's memory model against what Parallelize builds: for layouts of
 // gpt-tiny, llama-tiny and gpt-tiny traced from a plain module (its shards as
-// layers) over 4 real ranks (dp, tp, pp, interleaving, ZeRO 1-3,
-// recomputation), the predicted per-rank state bytes equal the
+// layers) over 4 real ranks (dp, tp, sequence parallelism, pp, interleaving,
+// ZeRO 1-3, recomputation), the predicted per-rank state bytes equal the
 // ParallelModel's report exactly; the time model gives every layout a
 // positive step time.
 #include <ATen/ATen.h>
@@ -19,6 +19,7 @@ namespace {
 
 struct Layout {
   int dp = 1, tp = 1, pp = 1;
+  bool sp = false;
   int zero = 0;
   std::string schedule = "1f1b";
   int virtual_stages = 1;
@@ -32,6 +33,7 @@ ParallelPlan PlanOf(const Layout& l) {
   plan.dp = l.dp;
   plan.tp = l.tp;
   plan.pp = l.pp;
+  plan.sequence_parallel = l.sp;
   plan.zero_stage = l.zero;
   plan.schedule = l.schedule;
   plan.virtual_stages = l.virtual_stages;
@@ -79,6 +81,7 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
   auto profile = internal::ProfileModel(request, &topology);
   ASSERT_TRUE(profile.ok()) << profile.status();
   ASSERT_EQ(profile->tensor_parallel_degrees_size(), degrees) << preset;
+  ASSERT_EQ(profile->sequence_parallel_degrees_size(), degrees - 1) << preset;
 
   const std::vector<Layout> layouts = {
       {.dp = 4},
@@ -87,6 +90,8 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
       {.dp = 4, .zero = 3},
       {.dp = 2, .tp = 2},
       {.dp = 2, .tp = 2, .zero = 3},
+      {.dp = 2, .tp = 2, .sp = true, .zero = 1},
+      {.tp = 2, .pp = 2, .sp = true, .micro_batches = 2},
       {.tp = 4},
       {.tp = 2, .pp = 2, .recompute = "full", .micro_batches = 4},
       {.pp = 4, .partition = "parameters", .micro_batches = 4},
@@ -102,7 +107,7 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
     const ParallelPlan plan = PlanOf(layout);
     ASSERT_TRUE(topology.Reshape({{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}).ok());
     ModelContext context;
-    if (plan.tp > 1) context.tp = {plan.tp, (*topology.Group("tensor"))->rank(), "tp", false};
+    if (plan.tp > 1) context.tp = {plan.tp, (*topology.Group("tensor"))->rank(), "tp", plan.sequence_parallel};
     auto source = request.make_source(context);
     ASSERT_TRUE(source.ok()) << source.status();
     auto model = Parallelize(*source, plan, &topology, {tokens.narrow(0, 0, plan.micro_batch_size),
@@ -113,7 +118,7 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
     ASSERT_TRUE(memory.ok()) << memory.status();
     const MemoryReport reported = (*model)->Memory();
     const MemoryReport& predicted = memory->state[(*model)->stage()];
-    const std::string what = absl::StrCat(preset, " ", layout.dp, "x", layout.tp, "x", layout.pp, " zero",
+    const std::string what = absl::StrCat(preset, " ", layout.dp, "x", layout.tp, layout.sp ? "sp" : "", "x", layout.pp, " zero",
                                           layout.zero, " ", layout.schedule, " ", layout.recompute);
     EXPECT_EQ(predicted.parameter_bytes, reported.parameter_bytes) << what;
     EXPECT_EQ(predicted.gradient_bytes, reported.gradient_bytes) << what;

@@ -57,12 +57,15 @@ struct LayerRun {
   Values outputs;  // detached, floating ones requiring gradients (the next layer's input)
 };
 
-// One forward and backward of layer `i`, timed and counted; with `split` the
-// backward runs as a zero-bubble schedule runs it, input half then weight half.
+// One forward and backward of layer `i`, timed, and with `count` its bytes
+// counted (the counter's lock per allocation stays out of timed runs); with
+// `split` the backward runs as a zero-bubble schedule runs it, input half
+// then weight half.
 absl::StatusOr<LayerRun> RunLayerOnce(LayerSequence& part, int64_t i, bool last, const Values& inputs,
                                       const Batch& batch, const LossFunction& loss,
-                                      const PrecisionPolicy& precision, bool split = false) {
+                                      const PrecisionPolicy& precision, bool count, bool split = false) {
   MemoryCounter& counter = MemoryCounter::Install();
+  if (!count) MemoryCounter::Uninstall();
   LayerRun run;
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("profiling layer ", i, " (", part.LayerName(i), ")"), [&] {
     c10::AutoGradMode grad(true);
@@ -112,28 +115,25 @@ absl::StatusOr<LayerRun> RunLayerOnce(LayerSequence& part, int64_t i, bool last,
   return run;
 }
 
-// The median of three measured runs after one warm-up (kept and output bytes
-// from the last).
+// Bytes from two counted runs (the first, also the warm-up, splits its
+// backward to count what that holds), times the median of seven uncounted
+// runs: a layer measured once stands for every layer like it.
 absl::StatusOr<LayerRun> MeasureLayer(LayerSequence& part, int64_t i, bool last, const Values& inputs,
                                       const Batch& batch, const LossFunction& loss,
                                       const PrecisionPolicy& precision) {
-  std::vector<LayerRun> runs;
-  int64_t split_held = 0;
-  for (int r = 0; r < 4; ++r) {  // the warm-up splits its backward, to count what that holds
-    TRIDENT_ASSIGN_OR_RETURN(LayerRun run, RunLayerOnce(part, i, last, inputs, batch, loss, precision, r == 0));
-    if (r == 0) split_held = run.split_held;
-    if (r > 0) runs.push_back(std::move(run));
+  TRIDENT_ASSIGN_OR_RETURN(LayerRun split, RunLayerOnce(part, i, last, inputs, batch, loss, precision, true, true));
+  TRIDENT_ASSIGN_OR_RETURN(LayerRun result, RunLayerOnce(part, i, last, inputs, batch, loss, precision, true));
+  result.split_held = split.split_held;
+  std::vector<double> forward, backward;
+  for (int r = 0; r < 7; ++r) {
+    TRIDENT_ASSIGN_OR_RETURN(LayerRun run, RunLayerOnce(part, i, last, inputs, batch, loss, precision, false));
+    forward.push_back(run.forward);
+    backward.push_back(run.backward);
   }
-  auto median = [&](double LayerRun::*field) {
-    std::vector<double> v;
-    for (const LayerRun& r : runs) v.push_back(r.*field);
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  LayerRun result = std::move(runs.back());
-  result.forward = median(&LayerRun::forward);
-  result.backward = median(&LayerRun::backward);
-  result.split_held = split_held;
+  std::sort(forward.begin(), forward.end());
+  std::sort(backward.begin(), backward.end());
+  result.forward = forward[forward.size() / 2];
+  result.backward = backward[backward.size() / 2];
   return result;
 }
 
@@ -237,6 +237,7 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
     }
     LayerShard* shard = profile->mutable_layers(i)->add_shards();
     shard->set_tp(static_cast<int>(tp.size));
+    if (tp.sequence_parallel) shard->set_sequence_parallel(true);
     for (const auto& [name, p] : parameters) {
       ProfiledParameter* q = shard->add_parameters();
       q->set_name(name);
@@ -408,13 +409,18 @@ absl::StatusOr<ModelProfile> ProfileModel(const ProfileRequest& request, Topolog
     if (tp <= 1 || world % tp != 0) continue;
     TRIDENT_RETURN_IF_ERROR(topology->Reshape({{"tensor", tp}, {"data", world / tp}}));
     TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * group, topology->Group("tensor"));
-    ModelProfile with_tp = profile;
-    absl::Status sharded = ProfileLayers(request, TensorParallelism{tp, group->rank(), "tp", false},
-                                         /*bf16=*/false, &with_tp);
-    // A degree the model's shapes do not divide fails on every rank alike: it is left out.
-    if (AgreeOnFailure(topology->world(), sharded, "profiling tensor parallelism").ok()) {
+    for (bool sequence_parallel : {false, true}) {
+      ModelProfile with_tp = profile;
+      absl::Status sharded = ProfileLayers(request, TensorParallelism{tp, group->rank(), "tp", sequence_parallel},
+                                           /*bf16=*/false, &with_tp);
+      // A degree the model's shapes do not divide fails on every rank alike: it is left out.
+      if (!AgreeOnFailure(topology->world(), sharded, "profiling tensor parallelism").ok()) break;
       profile = std::move(with_tp);
-      profile.add_tensor_parallel_degrees(tp);
+      if (sequence_parallel) {
+        profile.add_sequence_parallel_degrees(tp);
+      } else {
+        profile.add_tensor_parallel_degrees(tp);
+      }
     }
   }
   TRIDENT_RETURN_IF_ERROR(ProfileCollectives(request, topology, &profile));

@@ -68,6 +68,16 @@ bool Uses(const AutoAccelerateOptions& options, const std::string& method) {
   return std::find(options.excluded.begin(), options.excluded.end(), method) == options.excluded.end();
 }
 
+// Every (a, b) with a from `as` and b from `bs`.
+template <typename A, typename B>
+std::vector<std::pair<A, B>> Pairs(const std::vector<A>& as, const std::vector<B>& bs) {
+  std::vector<std::pair<A, B>> pairs;
+  for (const A& a : as) {
+    for (const B& b : bs) pairs.emplace_back(a, b);
+  }
+  return pairs;
+}
+
 // Every plan the search weighs: dp x tp x pp over the world (tp among the
 // profiled degrees), ZeRO, recomputation, micro-batch sizes, schedules and
 // precision, each valid on its own. `around`: only its layout (finetuning).
@@ -79,6 +89,9 @@ std::vector<ParallelPlan> Candidates(const ModelProfile& profile, int world, int
   if (options.allow_precision_change && profile.has_bf16() && Uses(options, "amp_native")) precisions.push_back("bf16");
   for (int tp : profile.tensor_parallel_degrees()) {
     if (tp > 1 && !Uses(options, "tensor_parallel")) continue;
+    std::vector<bool> sequence_parallel = {false};
+    const auto& sp_degrees = profile.sequence_parallel_degrees();
+    if (std::find(sp_degrees.begin(), sp_degrees.end(), tp) != sp_degrees.end()) sequence_parallel.push_back(true);
     for (int64_t pp : Divisors(world / tp)) {
       const int dp = world / tp / static_cast<int>(pp);
       if ((pp > 1 && !Uses(options, "pipeline_parallel")) || (dp > 1 && !Uses(options, "data")) || pp > layers ||
@@ -110,12 +123,12 @@ std::vector<ParallelPlan> Candidates(const ModelProfile& profile, int world, int
           for (int zero : zero_stages) {
             for (const std::string& recompute : recomputation) {
               if (schedule == "shifted_critical_path" && recompute == "none") continue;
-              for (const std::string& precision : precisions) {
+              for (const auto& [precision, sp] : Pairs(precisions, sequence_parallel)) {
                 ParallelPlan plan = options.base;
                 plan.dp = dp;
                 plan.tp = tp;
                 plan.pp = static_cast<int>(pp);
-                plan.sequence_parallel = false;
+                plan.sequence_parallel = sp;
                 plan.micro_batch_size = b;
                 plan.num_micro_batches = global_batch / dp / b;
                 plan.schedule = schedule;
@@ -305,10 +318,10 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     }
   }
   request.bf16 = options.allow_precision_change && Uses(options, "amp_native");
-  // "v2": profiles since split backwards are measured (older caches lack them).
+  // "v3": profiles since sequence parallelism is measured (older caches lack it).
   const ParallelPlan& base = options.base;
   request.fingerprint = absl::StrCat(
-      "v2;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16, ";sizes=",
+      "v3;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16, ";sizes=",
       absl::StrJoin(request.micro_batch_sizes, ","), ";tp=", absl::StrJoin(request.tp_degrees, ","), ";trace=",
       base.trace_method, ",", base.split_method, ",", base.shard_count, ",", absl::StrJoin(base.leaf_modules, "+"),
       ",", absl::StrJoin(base.input_names, "+"));
