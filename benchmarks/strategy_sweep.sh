@@ -62,13 +62,15 @@ for entry in "${layouts[@]}"; do
 done
 
 search_line() { grep -E 'candidates modelled' "$work/$1.log" | sed 's/^\[rank 0\] //'; }
-chosen_line() { grep -E '<- chosen' "$work/$1.log" | sed 's/^\[rank 0\] //'; }
+# The candidates dry-run (predicted and measured ms), the chosen one marked.
+dry_runs() { grep -E '^\[rank 0\] [0-9]+ .*[0-9]+\.[0-9]+ +[0-9]+\.[0-9]+ +[0-9]+\.[0-9]+' "$work/$1.log" | sed 's/^\[rank 0\] /    /'; }
 cache="$work/profiles"
 auto=$(run auto_cold --nproc="$world" --strategy=auto --profile_cache_dir="$cache")
 echo "  auto (cold profile cache): $auto tokens/s; $(search_line auto_cold)"
-echo "    chosen: $(chosen_line auto_cold)"
+dry_runs auto_cold
 warm=$(run auto_warm --nproc="$world" --strategy=auto --profile_cache_dir="$cache")
 echo "  auto (warm profile cache): $warm tokens/s; $(search_line auto_warm)"
+dry_runs auto_warm
 echo "best hand layout: $best_name at $best tokens/s"
 python3 -c "import sys; a, w, b = map(float, sys.argv[1:]); print(f'auto / best hand: {a / b:.2f}x (cold run), {w / b:.2f}x (warm run)')" \
   "$auto" "$warm" "$best"

@@ -307,13 +307,11 @@ double PeakActivations(const PlanCosts& costs, int s) {
 // more ranks than cores, ranks share the cores only while they are busy
 // together: a pipeline's ranks, idle in its bubbles, run faster than profiled.
 // The factor scales the pipeline by the share of a core the ranks busy on
-// average get, against the share they had when profiled. Tensor-parallel
-// ranks wait on each other inside every layer, so one cannot run ahead on a
-// core its idle neighbour leaves: tp layouts get no correction (measured on
-// llama-tiny, tp2 x pp2 on 4 ranks and 2 cores: -25% with it, -6% without).
+// average get, against the share they had when profiled (the profiler
+// starts every timed run on all ranks at once).
 double OversubscriptionFactor(const ModelProfile& profile, const ParallelPlan& plan, double bubble_fraction) {
   const double ranks = profile.ranks_per_node(), cores = profile.cores_per_node();
-  if (plan.device != "cpu" || cores <= 0 || ranks <= cores || plan.tp > 1) return 1;
+  if (plan.device != "cpu" || cores <= 0 || ranks <= cores) return 1;
   const double busy = ranks * (1 - bubble_fraction);
   return std::max(1.0, busy / cores) / (ranks / cores);
 }

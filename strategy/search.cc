@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include <ATen/ATen.h>
 
@@ -242,8 +244,9 @@ SourceFactory FixedSource(ModelSource source) {
 std::string SearchResult::Table(int rows) const {
   std::string table = absl::StrFormat("%-3s %-48s %12s %13s %12s\n", "#", "strategy", "memory MB", "predicted ms",
                                       "measured ms");
-  for (int i = 0; i < std::min<int>(rows, static_cast<int>(ranked.size())); ++i) {
+  for (int i = 0; i < static_cast<int>(ranked.size()); ++i) {
     const CandidateReport& c = ranked[i];
+    if (i >= rows && c.measured_step_s < 0 && c.dry_run_error.empty()) continue;  // beyond the rows, only dry runs
     const std::string measured = c.measured_step_s >= 0       ? absl::StrFormat("%.1f", 1000 * c.measured_step_s)
                                  : !c.dry_run_error.empty() ? "failed"
                                                             : "-";
@@ -366,8 +369,17 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     return a.predicted_step_s < b.predicted_step_s;
   });
 
-  // Dry-run the best few while time is left (rank 0's clock decides).
-  for (int i = 0; i < std::min<int>(options.dry_runs, static_cast<int>(result.ranked.size())); ++i) {
+  // Dry-run the best few while time is left (rank 0's clock decides): the
+  // best predicted of each of the first layouts (dp x tp x pp), so that the
+  // measurements decide between layouts, where the model errs most, rather
+  // than between variants of one (finetuning keeps one layout: its best variants).
+  std::vector<int> dry_run;
+  std::set<std::tuple<int, int, int>> layouts;
+  for (int i = 0; i < static_cast<int>(result.ranked.size()) && static_cast<int>(dry_run.size()) < options.dry_runs; ++i) {
+    const ParallelPlan& plan = result.ranked[i].plan;
+    if (layouts.insert({plan.dp, plan.tp, plan.pp}).second || loaded) dry_run.push_back(i);
+  }
+  for (int i : dry_run) {
     CandidateReport& candidate = result.ranked[i];
     const double expected = Since(start) + 2 + (options.dry_run_steps + 1) * 2 * candidate.predicted_step_s;
     TRIDENT_ASSIGN_OR_RETURN(bool go, Agree(topology->world(), expected < options.time_limit_s));

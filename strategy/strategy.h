@@ -81,7 +81,9 @@ struct AutoAccelerateOptions {
   bool ignore_dryrun_on_load_strategy = true;
   std::string save_strategy_to_file;  // rank 0 writes the strategy chosen
   bool verbose = false;               // rank 0 prints the table of candidates
-  int dry_runs = 3;                   // the best predicted candidates measured on the ranks
+  // Candidates measured on the ranks: the best predicted of each of the
+  // first `dry_runs` layouts (dp x tp x pp) in the ranking.
+  int dry_runs = 3;
   int dry_run_steps = 3;              // steps measured each, after one warm-up
   bool allow_precision_change = false;  // bf16 candidates
   // Where profiles are cached ("": $XDG_CACHE_HOME or $HOME/.cache, under trident/profiles).
@@ -117,8 +119,8 @@ struct SearchResult {
   int64_t memory_limit_bytes = 0;
   double profile_s = 0, search_s = 0;    // search_s includes profile_s
   bool profile_cached = false;
-  // The first `rows` candidates: strategy, predicted memory and step time,
-  // measured step time where dry-run.
+  // The first `rows` candidates and every one dry-run: strategy, predicted
+  // memory and step time, measured step time where dry-run.
   std::string Table(int rows) const;
 };
 
