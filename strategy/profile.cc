@@ -387,6 +387,13 @@ Batch BatchRows(const Batch& batch, int64_t first, int64_t count) {
 }
 int64_t PeakResidentBytes() { return StatusField("VmHWM:"); }
 
+bool ResetPeakResidentBytes() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";  // resets VmHWM (Linux 4.0 and later)
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
 absl::StatusOr<ModelProfile> ProfileModel(const ProfileRequest& request, Topology* topology) {
   const auto start = Clock::now();
   // The layers count their bytes through MemoryCounter, which costs a lock per

@@ -181,10 +181,16 @@ std::vector<Batch> MicroBatchesOf(const Batch& global, const ParallelPlan& plan,
   return micro;
 }
 
+struct Measurement {
+  double step_seconds = 0;  // the median step of the slowest rank
+  int64_t peak_resident_bytes = 0;  // of the fullest rank (0: unknown)
+};
+
 // Builds `plan` on the ranks and measures `steps` training steps (after one
-// warm-up): the median step time of the slowest rank.
-absl::StatusOr<double> DryRun(const SourceFactory& make_source, const Batch& global, const OptimizerFactory& make_optimizer,
-                              Topology* topology, const ParallelPlan& plan, int steps) {
+// warm-up).
+absl::StatusOr<Measurement> DryRun(const SourceFactory& make_source, const Batch& global, const OptimizerFactory& make_optimizer,
+                                   Topology* topology, const ParallelPlan& plan, int steps) {
+  const bool peak_known = internal::ResetPeakResidentBytes();
   TRIDENT_RETURN_IF_ERROR(topology->Reshape(MeshOf(plan)));
   absl::StatusOr<ModelSource> source = SourceFor(make_source, plan, topology);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
@@ -203,9 +209,10 @@ absl::StatusOr<double> DryRun(const SourceFactory& make_source, const Batch& glo
     if (s > 0) seconds.push_back(Since(start));
   }
   std::sort(seconds.begin(), seconds.end());
-  at::Tensor slowest = at::full({1}, seconds[seconds.size() / 2], at::kDouble);
-  TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(slowest, ReduceOp::kMax));
-  return slowest.item<double>();
+  at::Tensor worst = at::tensor({seconds[seconds.size() / 2],
+                                 peak_known ? static_cast<double>(internal::PeakResidentBytes()) : 0.0}, at::kDouble);
+  TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(worst, ReduceOp::kMax));
+  return Measurement{worst[0].item<double>(), static_cast<int64_t>(worst[1].item<double>())};
 }
 
 std::string BatchShapes(const Batch& global) {
@@ -242,8 +249,8 @@ SourceFactory FixedSource(ModelSource source) {
 }
 
 std::string SearchResult::Table(int rows) const {
-  std::string table = absl::StrFormat("%-3s %-48s %12s %13s %12s\n", "#", "strategy", "memory MB", "predicted ms",
-                                      "measured ms");
+  std::string table = absl::StrFormat("%-3s %-48s %12s %13s %12s %12s\n", "#", "strategy", "memory MB",
+                                      "predicted ms", "measured MB", "measured ms");
   for (int i = 0; i < static_cast<int>(ranked.size()); ++i) {
     const CandidateReport& c = ranked[i];
     if (i >= rows && c.measured_step_s < 0 && c.dry_run_error.empty()) continue;  // beyond the rows, only dry runs
@@ -251,9 +258,10 @@ std::string SearchResult::Table(int rows) const {
                                  : !c.dry_run_error.empty() ? "failed"
                                                             : "-";
     const bool chosen = DescribePlan(c.plan) == DescribePlan(plan) && c.plan.micro_batch_size == plan.micro_batch_size;
-    absl::StrAppend(&table, absl::StrFormat("%-3d %-48s %12.1f %13.1f %12s%s\n", i + 1, DescribePlan(c.plan),
-                                            c.predicted_resident_bytes / kMiB, 1000 * c.predicted_step_s, measured,
-                                            chosen ? "  <- chosen" : ""));
+    const std::string memory = c.measured_resident_bytes > 0 ? absl::StrFormat("%.1f", c.measured_resident_bytes / kMiB) : "-";
+    absl::StrAppend(&table, absl::StrFormat("%-3d %-48s %12.1f %13.1f %12s %12s%s\n", i + 1, DescribePlan(c.plan),
+                                            c.predicted_resident_bytes / kMiB, 1000 * c.predicted_step_s, memory,
+                                            measured, chosen ? "  <- chosen" : ""));
   }
   absl::StrAppend(&table, absl::StrFormat(
                               "%d candidates modelled, %d over the memory limit (%.0f MB per rank); search %.1f s "
@@ -292,8 +300,10 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
       CandidateReport report;
       report.plan = plan;
       if (!options.ignore_dryrun_on_load_strategy) {
-        TRIDENT_ASSIGN_OR_RETURN(report.measured_step_s, DryRun(make_source, global_batch, make_optimizer, topology,
-                                                                plan, options.dry_run_steps));
+        TRIDENT_ASSIGN_OR_RETURN(Measurement measured, DryRun(make_source, global_batch, make_optimizer, topology,
+                                                              plan, options.dry_run_steps));
+        report.measured_step_s = measured.step_seconds;
+        report.measured_resident_bytes = measured.peak_resident_bytes;
       }
       result.ranked.push_back(report);
       TRIDENT_RETURN_IF_ERROR(topology->Reshape(MeshOf(plan)));
@@ -384,11 +394,18 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     const double expected = Since(start) + 2 + (options.dry_run_steps + 1) * 2 * candidate.predicted_step_s;
     TRIDENT_ASSIGN_OR_RETURN(bool go, Agree(topology->world(), expected < options.time_limit_s));
     if (!go) break;
-    absl::StatusOr<double> measured = DryRun(make_source, global_batch, make_optimizer, topology, candidate.plan,
-                                             options.dry_run_steps);
+    absl::StatusOr<Measurement> measured = DryRun(make_source, global_batch, make_optimizer, topology,
+                                                  candidate.plan, options.dry_run_steps);
     ReleaseFreedMemory();  // the dry run's model and optimizer stop counting as resident
+    if (measured.ok() && measured->peak_resident_bytes > result.memory_limit_bytes) {
+      candidate.measured_resident_bytes = measured->peak_resident_bytes;
+      measured = absl::ResourceExhaustedError(absl::StrFormat(
+          "it peaked at %.0f MB resident, over the limit of %.0f MB", measured->peak_resident_bytes / kMiB,
+          result.memory_limit_bytes / kMiB));
+    }
     if (measured.ok()) {
-      candidate.measured_step_s = *measured;
+      candidate.measured_step_s = measured->step_seconds;
+      candidate.measured_resident_bytes = measured->peak_resident_bytes;
     } else {
       candidate.dry_run_error = std::string(measured.status().message());
       if (topology->rank() == 0) LOG(WARNING) << "dry run of " << DescribePlan(candidate.plan) << " failed: " << measured.status();

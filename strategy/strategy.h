@@ -107,7 +107,8 @@ struct CandidateReport {
   MemoryReport predicted_state;          // the worst rank's parameters, gradients, optimizer
   double predicted_step_s = 0;
   double measured_step_s = -1;  // negative: not dry-run
-  std::string dry_run_error;
+  int64_t measured_resident_bytes = 0;  // the dry run's peak on the fullest rank (0: unknown)
+  std::string dry_run_error;      // a failure, or a measured peak over the memory limit
 };
 
 struct SearchResult {

@@ -24,7 +24,9 @@ struct MemoryPrediction {
   std::vector<int64_t> transient;       // backward scratch, buckets, gathered layers
   std::vector<int64_t> tensor_peak;     // the three together
   int64_t max_tensor_peak = 0;          // of the worst rank
-  int64_t max_resident = 0;             // plus the process's own memory
+  // Plus the process's own memory, and what building the model left with
+  // the allocator (ZeRO-3's unsharded copies).
+  int64_t max_resident = 0;
 };
 absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, const ParallelPlan& plan);
 
