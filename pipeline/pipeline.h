@@ -125,8 +125,9 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
                                           const SimulationOptions& options);
 
 // The timeline as Chrome trace-event JSON (Perfetto, chrome://tracing): one
-// thread per stage, one complete event per instruction.
-std::string ChromeTraceJson(const std::vector<TimelineEvent>& events);
+// thread per stage (process 0), one complete event per instruction, and
+// `more_events` (trace-event objects, comma-separated) beside them.
+std::string ChromeTraceJson(const std::vector<TimelineEvent>& events, const std::string& more_events = "");
 // The timeline as an SVG picture: one row per stage, forward, backward and
 // communication in distinct colours, micro-batch numbers in the boxes.
 std::string TimelineSvg(const std::vector<TimelineEvent>& events, const std::string& title);

@@ -31,7 +31,7 @@ std::string Name(const TimelineEvent& e) {
 
 }  // namespace
 
-std::string ChromeTraceJson(const std::vector<TimelineEvent>& events) {
+std::string ChromeTraceJson(const std::vector<TimelineEvent>& events, const std::string& more_events) {
   std::string json = "{\"traceEvents\":[";
   for (size_t i = 0; i < events.size(); ++i) {
     const TimelineEvent& e = events[i];
@@ -42,6 +42,7 @@ std::string ChromeTraceJson(const std::vector<TimelineEvent>& events) {
                                     Name(e), OpName(e.op), e.stage, e.start * 1e6,
                                     (e.end - e.start) * 1e6, e.micro_batch, e.chunk));
   }
+  if (!more_events.empty()) absl::StrAppend(&json, events.empty() ? "\n" : ",\n", more_events);
   absl::StrAppend(&json, "\n],\"displayTimeUnit\":\"ms\"}\n");
   return json;
 }

@@ -10,7 +10,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "base/status.h"
 
 namespace trident {
@@ -325,7 +324,8 @@ std::string Text(const at::Tensor& bytes) {
 
 absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
     const ProcessGroup& group, const std::vector<std::string>& strings) {
-  const std::string joined = absl::StrJoin(strings, "\n");
+  std::string joined;  // each string as "<length>:<bytes>", so any bytes survive
+  for (const std::string& text : strings) absl::StrAppend(&joined, text.size(), ":", text);
   at::Tensor length = at::full({1}, static_cast<int64_t>(joined.size()), at::kLong);
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor lengths, group.AllGather(length, 0));
   const int64_t longest = lengths.max().item<int64_t>();
@@ -335,8 +335,14 @@ absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
   std::vector<std::vector<std::string>> gathered;
   for (int r = 0; r < group.size(); ++r) {
     const std::string text = Text(all[r].narrow(0, 0, lengths[r].item<int64_t>()).contiguous());
-    gathered.push_back(text.empty() ? std::vector<std::string>()
-                                    : std::vector<std::string>(absl::StrSplit(text, '\n')));
+    std::vector<std::string> parts;
+    for (size_t at = 0; at < text.size();) {
+      const size_t colon = text.find(':', at);
+      const size_t size = std::stoull(text.substr(at, colon - at));
+      parts.push_back(text.substr(colon + 1, size));
+      at = colon + 1 + size;
+    }
+    gathered.push_back(std::move(parts));
   }
   return gathered;
 }

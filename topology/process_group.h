@@ -149,7 +149,7 @@ class ProcessGroup {
   FailureDiagnosis diagnosis_;
 };
 
-// Every rank's `strings`, by group rank.
+// Every rank's `strings`, by group rank (any bytes, empty strings included).
 absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
     const ProcessGroup& group, const std::vector<std::string>& strings);
 

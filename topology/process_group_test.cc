@@ -2,6 +2,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "testing/multiprocess.h"
 #include "topology/topology.h"
 
@@ -162,6 +163,24 @@ TEST_P(CollectivesTest, SendRecvCarriesEveryDtypeAndShape) {
     at::Tensor strided = at::zeros({4, 4}).t();
     EXPECT_THAT(std::string(group.IRecv(strided, previous).status().message()),
                 HasSubstr("needs a contiguous tensor"));
+  });
+}
+
+// Strings travel whole: newlines, colons and empty strings included.
+TEST_P(CollectivesTest, AllGatherStringsKeepsEveryByte) {
+  const int world = GetParam();
+  testing::RunOnRanks(world, [world](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    std::vector<std::string> mine = {absl::StrCat("rank ", rank, "\nline: 2\n"), ""};
+    if (rank == 0) mine.clear();
+    auto gathered = AllGatherStrings((*topology)->world(), mine);
+    ASSERT_TRUE(gathered.ok()) << gathered.status();
+    ASSERT_EQ(gathered->size(), static_cast<size_t>(world));
+    EXPECT_TRUE((*gathered)[0].empty());
+    for (int r = 1; r < world; ++r) {
+      EXPECT_EQ((*gathered)[r], std::vector<std::string>({absl::StrCat("rank ", r, "\nline: 2\n"), ""}));
+    }
   });
 }
 

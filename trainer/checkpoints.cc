@@ -1,6 +1,7 @@
 // Checkpoints, init_from, exports and pipeline traces of the Trainer.
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include <ATen/ATen.h>
 
@@ -105,43 +106,48 @@ absl::Status Trainer::Impl::ExportSafetensors(const std::string& path) {
   return absl::OkStatus();
 }
 
-// Every rank writes its timeline beside trace_file; rank 0 merges them into the
-// Chrome trace and the SVG picture, one row per rank.
-absl::Status Trainer::Impl::WriteTrace() {
-  const std::string part = absl::StrCat(config.trace_file(), ".rank", topology().rank());
-  std::error_code error;
-  const fs::path parent = fs::path(config.trace_file()).parent_path();
-  if (!parent.empty()) fs::create_directories(parent, error);
-  {
-    std::ofstream out(part);
-    out.precision(9);
-    for (const TimelineEvent& e : model->timeline()) {
-      out << static_cast<int>(e.op) << " " << e.micro_batch << " " << e.chunk << " " << e.start << " "
-          << e.end << "\n";
-    }
+// Every rank's timeline (and operators) reach rank 0 through the process
+// group; rank 0 writes the Chrome trace and the SVG picture, one row per rank.
+absl::Status Trainer::Impl::WriteTrace(const std::vector<internal::OperatorEvent>* operators) {
+  const int rank = topology().rank();
+  std::ostringstream timeline;
+  timeline.precision(9);
+  for (const TimelineEvent& e : model->timeline()) {
+    timeline << static_cast<int>(e.op) << " " << e.micro_batch << " " << e.chunk << " " << e.start << " " << e.end
+             << "\n";
   }
-  TRIDENT_RETURN_IF_ERROR(topology().world().Barrier());
+  const std::string ops = operators == nullptr ? ""
+                                               : internal::OperatorTraceEvents(*operators, /*pid=*/0, 1000 * (rank + 1),
+                                                                               absl::StrCat("rank ", rank, " operators"));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<std::vector<std::string>> gathered,
+                           AllGatherStrings(topology().world(), {timeline.str(), ops}));
   if (is_rank0()) {
     std::vector<TimelineEvent> events;
-    for (int rank = 0; rank < topology().world_size(); ++rank) {
-      const std::string path = absl::StrCat(config.trace_file(), ".rank", rank);
-      std::ifstream in(path);
+    std::string more;
+    for (int r = 0; r < static_cast<int>(gathered.size()); ++r) {
+      std::istringstream in(gathered[r][0]);
       TimelineEvent e;
       int op;
       while (in >> op >> e.micro_batch >> e.chunk >> e.start >> e.end) {
-        e.stage = rank;
+        e.stage = r;
         e.op = static_cast<Op>(op);
         events.push_back(e);
       }
-      fs::remove(path, error);
+      if (!gathered[r][1].empty()) absl::StrAppend(&more, more.empty() ? "" : ",\n", gathered[r][1]);
     }
-    std::ofstream(config.trace_file()) << ChromeTraceJson(events);
-    std::ofstream(fs::path(config.trace_file()).replace_extension(".svg"))
-        << TimelineSvg(events, absl::StrCat(config.schedule(), ", step ", config.trace_step(), ", ",
-                                            topology().world_size(), " ranks (row = rank)"));
-    Print(absl::StrCat("wrote the timeline of step ", config.trace_step(), " to ", config.trace_file()));
+    std::error_code error;
+    const fs::path parent = fs::path(config.trace_file()).parent_path();
+    if (!parent.empty()) fs::create_directories(parent, error);
+    std::ofstream(config.trace_file()) << ChromeTraceJson(events, more);
+    if (!events.empty()) {
+      std::ofstream(fs::path(config.trace_file()).replace_extension(".svg"))
+          << TimelineSvg(events, absl::StrCat(config.schedule(), ", step ", config.trace_step(), ", ",
+                                              topology().world_size(), " ranks (row = rank)"));
+    }
+    Print(absl::StrCat("wrote the ", operators ? "operators and " : "", "timeline of step ", config.trace_step(),
+                       " to ", config.trace_file()));
   }
-  return topology().world().Barrier();
+  return absl::OkStatus();
 }
 
 }  // namespace trident

@@ -255,6 +255,14 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
     return Invalid("eval_every and max_val_steps must not be negative and eval_steps must be at least 1");
   }
   if (c->log_every() < 1) return Invalid("log_every must be at least 1");
+  if (c->profile_step() < 0 || c->profile_step() > c->max_steps()) {
+    return Invalid(absl::StrCat("profile_step=", c->profile_step(), " is not a step of this run (1 to max_steps=",
+                                c->max_steps(), "; 0 turns profiling off)"));
+  }
+  if (c->profile_step() > 0) {
+    c->set_trace_step(c->profile_step());
+    if (c->trace_file().empty()) c->set_trace_file("trace.json");
+  }
   if (c->save_every() < 0 || c->keep_last_n() < 0 || c->export_every() < 0) {
     return Invalid("save_every, keep_last_n and export_every must not be negative");
   }

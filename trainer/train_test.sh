@@ -63,10 +63,23 @@ grep -aq '^\[rank 0\] step 3/3 | loss ' "$out" || fail "pipeline step line"
 grep -aq '"name":"backward 3 (chunk 1)"' "$TEST_TMPDIR/trace/step.json" || fail "trace events"
 grep -aq '"tid":1' "$TEST_TMPDIR/trace/step.json" || fail "trace row of rank 1"
 grep -aq '<svg' "$TEST_TMPDIR/trace/step.svg" || fail "timeline svg"
+# With --profile_step the trace also holds every operator of the step, on each rank.
 timeout 120 "$train" "${small[@]}" --pp=2 --dp=1 --micro_batch_size=2 --global_batch_size=8 \
   --schedule=zb_h1 --max_steps=2 --eval_steps=1 --sample_tokens=0 \
-  --trace_file="$TEST_TMPDIR/zb/step.json" --trace_step=2 >"$out" 2>&1 || fail "zb_h1 run exited $?"
+  --trace_file="$TEST_TMPDIR/zb/step.json" --profile_step=2 >"$out" 2>&1 || fail "zb_h1 run exited $?"
 grep -aq '"name":"backward_weight 3"' "$TEST_TMPDIR/zb/step.json" || fail "zb_h1 weight gradients"
+/usr/bin/python3 - "$TEST_TMPDIR/zb/step.json" <<'PY' || fail "profiled operators"
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+operators = [e for e in events if e.get("cat") == "operator"]
+for rank in (0, 1):  # operator rows 1000 * (rank + 1) + thread
+    names = {e["name"] for e in operators if e["tid"] // 1000 == rank + 1}
+    assert {"aten::mm", "trident::forward_backward"} <= names, (rank, sorted(names)[:20])
+    assert any(n.startswith("gloo:") for n in names), rank
+step = [e for e in operators if e["name"] == "trident::forward_backward" and e["tid"] == 1000][0]
+pipeline = [e for e in events if e.get("cat") == "forward" and e["tid"] == 0]
+assert pipeline and all(step["ts"] - 1e3 <= e["ts"] <= step["ts"] + step["dur"] for e in pipeline), "timeline outside the step"
+PY
 # Tensor and sequence parallelism end to end, exported as one model.
 timeout 120 "$train" "${small[@]}" --tp=2 --dp=1 --sequence_parallel --max_steps=2 --eval_steps=1 \
   --sample_tokens=10 --export_safetensors="$TEST_TMPDIR/tp/model.safetensors" >"$out" 2>&1 ||

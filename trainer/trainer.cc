@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -222,12 +223,20 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     t.ForHooks([&](TrainerHooks& h) { h.OnStepStart(t.State()); });
     const auto step_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(std::vector<Batch> batches, t.MicroBatches(*t.train_data, *t.sampler, t.step));
+    const bool profiled = t.step + 1 == c.profile_step();
+    if (profiled) {  // every rank starts the profiled step together
+      TRIDENT_RETURN_IF_ERROR(t.topology().world().Barrier());
+      TRIDENT_RETURN_IF_ERROR(internal::StartOperatorRecording());
+    }
     t.ForHooks([&](TrainerHooks& h) { h.BeforeZeroGrad(t.State()); });
     t.model->ZeroGrad();
     t.ForHooks([&](TrainerHooks& h) { h.AfterZeroGrad(t.State()); });
     StepMetrics m;
-    TRIDENT_ASSIGN_OR_RETURN(m.loss, t.model->ForwardBackward(batches));
-    if (!c.trace_file().empty() && t.step + 1 == c.trace_step()) TRIDENT_RETURN_IF_ERROR(t.WriteTrace());
+    {
+      RECORD_USER_SCOPE(internal::kForwardBackwardScope);
+      TRIDENT_ASSIGN_OR_RETURN(m.loss, t.model->ForwardBackward(batches));
+    }
+    if (!c.trace_file().empty() && t.step + 1 == c.trace_step() && !profiled) TRIDENT_RETURN_IF_ERROR(t.WriteTrace());
     if (!std::isfinite(m.loss)) {
       return absl::InternalError(absl::StrCat("the loss became ", m.loss, " at step ", t.step + 1,
                                               "; lower lr or raise warmup_steps"));
@@ -248,6 +257,11 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       t.ForHooks([&](TrainerHooks& h) { h.AfterGnormClip(t.State(), m.grad_norm); });
       t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
       TRIDENT_RETURN_IF_ERROR(t.model->Step(m.lr));
+    }
+    if (profiled) {
+      TRIDENT_ASSIGN_OR_RETURN(std::vector<internal::OperatorEvent> operators,
+                               internal::StopOperatorRecording(internal::kForwardBackwardScope));
+      TRIDENT_RETURN_IF_ERROR(t.WriteTrace(&operators));
     }
     ++t.step;
     t.ForHooks([&](TrainerHooks& h) { h.AfterOptimizerStep(t.State()); });

@@ -13,6 +13,7 @@
 #include "data/data.h"
 #include "parallel/parallel.h"
 #include "trainer/internal/metrics.h"
+#include "trainer/internal/operator_trace.h"
 #include "trainer/trainer.h"
 
 namespace trident {
@@ -62,7 +63,8 @@ class Trainer::Impl {
   absl::Status LoadCheckpoint();
   absl::Status ExportSafetensors(const std::string& path);
   // Every rank's pipeline timeline of this step as Chrome trace JSON and SVG.
-  absl::Status WriteTrace();
+  // The pipeline timeline of this step, and `operators` (when given) of every rank, into trace_file.
+  absl::Status WriteTrace(const std::vector<internal::OperatorEvent>* operators = nullptr);
 };
 
 }  // namespace trident

@@ -1,0 +1,42 @@
+// Operator-level profiles of one training step: every LibTorch operator (and
+// user scope, collectives included) this process runs between
+// StartOperatorRecording and StopOperatorRecording, recorded with LibTorch's
+// profiler on the CPU. Private to //trainer.
+#ifndef TRIDENT_TRAINER_INTERNAL_OPERATOR_TRACE_H_
+#define TRIDENT_TRAINER_INTERNAL_OPERATOR_TRACE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace trident {
+namespace internal {
+
+struct OperatorEvent {
+  std::string name;
+  double start = 0, end = 0;  // seconds from the anchor scope's start
+  int thread = 0;             // 0, 1, ... in the order threads first appear
+};
+
+// The scope the trainer wraps around ForwardBackward: the pipeline
+// timeline's zero, and the anchor operator times are measured from.
+inline constexpr char kForwardBackwardScope[] = "trident::forward_backward";
+
+// Errors when a LibTorch profiler is already running in this process.
+absl::Status StartOperatorRecording();
+// The events recorded since the start, times from the first occurrence of
+// `anchor` (an error when it never ran).
+absl::StatusOr<std::vector<OperatorEvent>> StopOperatorRecording(const std::string& anchor);
+
+// Chrome trace-event objects ("ph":"X") for `events` on process `pid`, thread
+// rows `first_tid` + thread, comma-separated, with thread_name metadata
+// naming each row "`label` thread k".
+std::string OperatorTraceEvents(const std::vector<OperatorEvent>& events, int pid, int first_tid,
+                                const std::string& label);
+
+}  // namespace internal
+}  // namespace trident
+
+#endif  // TRIDENT_TRAINER_INTERNAL_OPERATOR_TRACE_H_
