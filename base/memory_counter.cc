@@ -2,7 +2,11 @@
 
 #include <malloc.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 #include <c10/core/Allocator.h>
@@ -114,5 +118,35 @@ void MemoryCounter::Uninstall() {
 }
 
 void ReleaseFreedMemory() { malloc_trim(0); }
+
+namespace {
+
+std::atomic<int64_t> peak_before_sections{0};
+
+int64_t HighWaterMark() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int64_t PeakResidentBytes() { return std::max(peak_before_sections.load(), HighWaterMark()); }
+
+bool StartResidentSection() {
+  const int64_t peak = HighWaterMark();
+  int64_t seen = peak_before_sections.load();
+  while (peak > seen && !peak_before_sections.compare_exchange_weak(seen, peak)) {
+  }
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";  // resets VmHWM to the resident size now (Linux 4.0 and later)
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+int64_t SectionPeakResidentBytes() { return HighWaterMark(); }
 
 }  // namespace trident

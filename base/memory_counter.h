@@ -46,6 +46,15 @@ class MemoryCounter {
 // as a strategy search's dry runs, so that they stop counting as resident.
 void ReleaseFreedMemory();
 
+// The most resident memory (RSS) this process has held, in bytes (0 where
+// /proc is missing), sections included.
+int64_t PeakResidentBytes();
+// Starts a section: SectionPeakResidentBytes then reports the peak since
+// now, while PeakResidentBytes keeps the process's. False where the kernel
+// cannot reset its high-water mark (/proc/self/clear_refs).
+bool StartResidentSection();
+int64_t SectionPeakResidentBytes();
+
 }  // namespace trident
 
 #endif  // TRIDENT_BASE_MEMORY_COUNTER_H_

@@ -40,5 +40,20 @@ TEST(MemoryCounterTest, UninstallStopsCountingNewTensors) {
   EXPECT_EQ(counter.live_bytes() - before, 256 * 4);
 }
 
+// A section's peak starts from what is resident when it starts; the
+// process's peak keeps what came before.
+TEST(ResidentMemoryTest, SectionsKeepTheProcessPeak) {
+  constexpr int64_t kBytes = 256 << 20;
+  {
+    at::Tensor big = at::ones({kBytes / 4});  // touched: resident
+    EXPECT_GE(PeakResidentBytes(), kBytes);
+  }
+  ReleaseFreedMemory();
+  const int64_t process_peak = PeakResidentBytes();
+  ASSERT_TRUE(StartResidentSection()) << "/proc/self/clear_refs (Linux 4.0 and later) resets the high-water mark";
+  EXPECT_LT(SectionPeakResidentBytes(), process_peak - kBytes / 2);
+  EXPECT_GE(PeakResidentBytes(), process_peak);
+}
+
 }  // namespace
 }  // namespace trident

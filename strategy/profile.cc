@@ -385,14 +385,6 @@ Batch BatchRows(const Batch& batch, int64_t first, int64_t count) {
   for (const at::Tensor& t : batch) rows.push_back(t.dim() > 0 ? t.narrow(0, first, count) : t);
   return rows;
 }
-int64_t PeakResidentBytes() { return StatusField("VmHWM:"); }
-
-bool ResetPeakResidentBytes() {
-  std::ofstream clear("/proc/self/clear_refs");
-  clear << "5";  // resets VmHWM (Linux 4.0 and later)
-  clear.flush();
-  return static_cast<bool>(clear);
-}
 
 absl::StatusOr<ModelProfile> ProfileModel(const ProfileRequest& request, Topology* topology) {
   const auto start = Clock::now();

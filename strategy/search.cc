@@ -190,7 +190,7 @@ struct Measurement {
 // warm-up).
 absl::StatusOr<Measurement> DryRun(const SourceFactory& make_source, const Batch& global, const OptimizerFactory& make_optimizer,
                                    Topology* topology, const ParallelPlan& plan, int steps) {
-  const bool peak_known = internal::ResetPeakResidentBytes();
+  const bool peak_known = StartResidentSection();
   TRIDENT_RETURN_IF_ERROR(topology->Reshape(MeshOf(plan)));
   absl::StatusOr<ModelSource> source = SourceFor(make_source, plan, topology);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
@@ -210,7 +210,7 @@ absl::StatusOr<Measurement> DryRun(const SourceFactory& make_source, const Batch
   }
   std::sort(seconds.begin(), seconds.end());
   at::Tensor worst = at::tensor({seconds[seconds.size() / 2],
-                                 peak_known ? static_cast<double>(internal::PeakResidentBytes()) : 0.0}, at::kDouble);
+                                 peak_known ? static_cast<double>(SectionPeakResidentBytes()) : 0.0}, at::kDouble);
   TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(worst, ReduceOp::kMax));
   return Measurement{worst[0].item<double>(), static_cast<int64_t>(worst[1].item<double>())};
 }

@@ -1,7 +1,6 @@
 #include "trainer/trainer.h"
 
 #include <malloc.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -16,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/memory_counter.h"
 #include "base/rng.h"
 #include "base/status.h"
 #include "trainer/internal/components.h"
@@ -30,11 +30,8 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-double PeakResidentMb() {
-  struct rusage usage;
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss / 1024.0;
-}
+// The process's, sections of a strategy search included.
+double PeakResidentMb() { return PeakResidentBytes() / 1048576.0; }
 
 std::string HumanCount(double value) {
   if (value >= 1e9) return absl::StrFormat("%.2fG", value / 1e9);

@@ -51,10 +51,6 @@ int64_t ResidentBytes();
 
 // Rows [first, first + count) of every field of `batch` (scalars as they are).
 Batch BatchRows(const Batch& batch, int64_t first, int64_t count);
-// The peak resident memory of this process (VmHWM), and a new peak from
-// what is resident now (false where the kernel does not allow it).
-int64_t PeakResidentBytes();
-bool ResetPeakResidentBytes();
 
 }  // namespace internal
 }  // namespace trident
