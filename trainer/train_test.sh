@@ -68,6 +68,8 @@ timeout 120 "$train" "${small[@]}" --pp=2 --dp=1 --micro_batch_size=2 --global_b
   --schedule=zb_h1 --max_steps=2 --eval_steps=1 --sample_tokens=0 \
   --trace_file="$TEST_TMPDIR/zb/step.json" --profile_step=2 >"$out" 2>&1 || fail "zb_h1 run exited $?"
 grep -aq '"name":"backward_weight 3"' "$TEST_TMPDIR/zb/step.json" || fail "zb_h1 weight gradients"
+grep -aq '^\[rank 0\] operators of step 2 on rank 0:' "$out" || fail "operator breakdown"
+grep -aEq '^\[rank 0\] aten::mm +[0-9.]+ +[0-9]+ +[0-9.]+%' "$out" || fail "matrix products in the breakdown"
 /usr/bin/python3 - "$TEST_TMPDIR/zb/step.json" <<'PY' || fail "profiled operators"
 import json, sys
 events = json.load(open(sys.argv[1]))["traceEvents"]

@@ -259,6 +259,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       TRIDENT_ASSIGN_OR_RETURN(std::vector<internal::OperatorEvent> operators,
                                internal::StopOperatorRecording(internal::kForwardBackwardScope));
       TRIDENT_RETURN_IF_ERROR(t.WriteTrace(&operators));
+      t.Print(absl::StrCat("operators of step ", t.step + 1, " on rank 0:\n", internal::OperatorBreakdown(operators, 15)));
     }
     ++t.step;
     t.ForHooks([&](TrainerHooks& h) { h.AfterOptimizerStep(t.State()); });

@@ -1,5 +1,6 @@
 #include "trainer/internal/operator_trace.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -91,6 +92,46 @@ std::string OperatorTraceEvents(const std::vector<OperatorEvent>& events, int pi
                                     pid, first_tid + thread, JsonEscaped(label), thread));
   }
   return json;
+}
+
+std::string OperatorBreakdown(const std::vector<OperatorEvent>& events, int rows) {
+  // Per thread, in start order: an event's callees are the events inside it.
+  std::vector<const OperatorEvent*> sorted;
+  for (const OperatorEvent& e : events) sorted.push_back(&e);
+  std::sort(sorted.begin(), sorted.end(), [](const OperatorEvent* a, const OperatorEvent* b) {
+    return a->thread != b->thread ? a->thread < b->thread
+                                  : a->start != b->start ? a->start < b->start : a->end > b->end;
+  });
+  struct Total {
+    double self = 0;
+    int64_t calls = 0;
+  };
+  std::map<std::string, Total> totals;
+  std::vector<const OperatorEvent*> open;  // the enclosing events of the current one
+  double first = 0, last = 0;
+  for (const OperatorEvent* e : sorted) {
+    while (!open.empty() && (open.back()->thread != e->thread || open.back()->end <= e->start)) open.pop_back();
+    Total& total = totals[e->name];
+    total.self += e->end - e->start;
+    ++total.calls;
+    if (!open.empty()) totals[open.back()->name].self -= e->end - e->start;
+    if (open.empty() && e->thread == 0) {
+      first = std::min(first, e->start);
+      last = std::max(last, e->end);
+    }
+    open.push_back(e);
+  }
+  std::vector<std::pair<std::string, Total>> by_time(totals.begin(), totals.end());
+  std::sort(by_time.begin(), by_time.end(), [](const auto& a, const auto& b) { return a.second.self > b.second.self; });
+  const double step = std::max(1e-9, last - first);
+  std::string table = absl::StrFormat("%-56s %10s %8s %7s\n", "operator (self time)", "ms", "calls", "share");
+  for (int i = 0; i < std::min<int>(rows, static_cast<int>(by_time.size())); ++i) {
+    const auto& [name, total] = by_time[i];
+    absl::StrAppend(&table, absl::StrFormat("%-56s %10.2f %8d %6.1f%%\n", name.substr(0, 56), 1e3 * total.self,
+                                            total.calls, 100 * total.self / step));
+  }
+  absl::StrAppend(&table, absl::StrFormat("step (main thread, first to last operator): %.2f ms\n", 1e3 * step));
+  return table;
 }
 
 }  // namespace internal

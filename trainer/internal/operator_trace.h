@@ -36,6 +36,11 @@ absl::StatusOr<std::vector<OperatorEvent>> StopOperatorRecording(const std::stri
 std::string OperatorTraceEvents(const std::vector<OperatorEvent>& events, int pid, int first_tid,
                                 const std::string& label);
 
+// The operators that took the most time, by name, as a table of their
+// self time (their own, not their callees'), calls and share of the step:
+// the first `rows`.
+std::string OperatorBreakdown(const std::vector<OperatorEvent>& events, int rows);
+
 }  // namespace internal
 }  // namespace trident
 
