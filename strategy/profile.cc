@@ -171,6 +171,9 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
   context.tp = tp;
   context.seed = request.seed;
   TRIDENT_ASSIGN_OR_RETURN(ModelSource made, request.make_source(context));
+  if (made.kind != ModelSource::Kind::kLayers && request.plan.trace_method != "layers" && tp.size > 1) {
+    return absl::InvalidArgumentError("tensor parallelism on a traced model is not available");
+  }
   const std::vector<int64_t>& sizes = request.micro_batch_sizes;
   std::vector<Batch> batches;
   for (int64_t b : sizes) batches.push_back(BatchRows(request.batch, 0, b));
@@ -187,9 +190,6 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
     sources.push_back(std::move(layers));
   }
   const bool traced = !sources[0].forward_flops.empty();
-  if (traced && tp.size > 1) {
-    return absl::InvalidArgumentError("tensor parallelism on a traced model is not available");
-  }
   const ModelSource& source = sources[0].layers;
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy fp32, MakePrecisionPolicy("fp32", ""));
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy bf16_policy, MakePrecisionPolicy("bf16", ""));
