@@ -123,16 +123,21 @@ namespace {
 
 std::atomic<int64_t> peak_before_sections{0};
 
-int64_t HighWaterMark() {
+// A "Vm...:" field of /proc/self/status, in bytes (0 when missing).
+int64_t StatusBytes(const std::string& field) {
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+    if (line.rfind(field, 0) == 0) return std::atoll(line.c_str() + field.size()) * 1024;
   }
   return 0;
 }
 
+int64_t HighWaterMark() { return StatusBytes("VmHWM:"); }
+
 }  // namespace
+
+int64_t ResidentBytes() { return StatusBytes("VmRSS:"); }
 
 int64_t PeakResidentBytes() { return std::max(peak_before_sections.load(), HighWaterMark()); }
 

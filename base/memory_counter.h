@@ -46,6 +46,9 @@ class MemoryCounter {
 // as a strategy search's dry runs, so that they stop counting as resident.
 void ReleaseFreedMemory();
 
+// The resident memory (RSS) of this process now, in bytes (0 where /proc is
+// missing).
+int64_t ResidentBytes();
 // The most resident memory (RSS) this process has held, in bytes (0 where
 // /proc is missing), sections included.
 int64_t PeakResidentBytes();

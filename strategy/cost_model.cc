@@ -447,8 +447,6 @@ absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, cons
   for (int s = 0; s < S; ++s) {
     const double rank_compute = sim.num_micro_batches * (sim.forward_seconds[s] + sim.backward_seconds[s]);
     prediction.compute_seconds = std::max(prediction.compute_seconds, rank_compute);
-  }
-  for (int s = 0; s < S; ++s) {
     prediction.reduction_seconds = std::max(prediction.reduction_seconds, after[s]);
     prediction.optimizer_seconds = std::max(prediction.optimizer_seconds, optimizer[s]);
   }

@@ -169,7 +169,7 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
                            const ProcessGroup& world, ModelProfile* profile) {
   ModelContext context;
   context.tp = tp;
-  context.seed = request.seed;
+  context.seed = request.plan.seed;
   TRIDENT_ASSIGN_OR_RETURN(ModelSource made, request.make_source(context));
   if (made.kind != ModelSource::Kind::kLayers && request.plan.trace_method != "layers" && tp.size > 1) {
     return absl::InvalidArgumentError("tensor parallelism on a traced model is not available");
@@ -346,15 +346,6 @@ absl::Status ProfileOptimizer(const OptimizerFactory& make_optimizer, ModelProfi
   });
 }
 
-int64_t StatusField(const char* field) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind(field, 0) == 0) return std::atoll(line.c_str() + std::strlen(field)) * 1024;
-  }
-  return 0;
-}
-
 // Rank 0's `text` on every rank of `group`.
 absl::StatusOr<std::string> BroadcastText(const ProcessGroup& group, const std::string& text) {
   at::Tensor length = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
@@ -377,8 +368,6 @@ absl::StatusOr<ModelProfile> ShareRankZeros(const ProcessGroup& world, const Mod
 }
 
 }  // namespace
-
-int64_t ResidentBytes() { return StatusField("VmRSS:"); }
 
 Batch BatchRows(const Batch& batch, int64_t first, int64_t count) {
   Batch rows;

@@ -319,7 +319,6 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   internal::ProfileRequest request;
   request.make_source = make_source;
   request.plan = options.base;
-  request.seed = options.base.seed;
   request.batch = global_batch;
   request.make_optimizer = make_optimizer;
   const int64_t largest = loaded ? loaded->micro_batch_size : G;

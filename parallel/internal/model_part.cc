@@ -122,10 +122,9 @@ absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, co
 // shards (trace_method "jit") or run eagerly as one layer ("none").
 struct WholeModel {
   std::shared_ptr<LayerSequence> layers;  // the loss inside, first among the last layer's outputs
-  std::vector<LayerProfile> shards;       // traced: what each shard reads and computes
+  std::vector<LayerProfile> shards;       // traced: what each shard reads and computes (else empty)
   double total_flops = 0;                 // traced: forward FLOPs of one micro-batch
   std::map<std::string, std::string> aliases;
-  bool traced = false;
 };
 
 absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelPlan& plan, const at::Device& device,
@@ -172,7 +171,6 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   whole.shards = ShardProfiles(*graph, shards);
   whole.total_flops = graph->total_flops();
   whole.aliases = graph->aliases();
-  whole.traced = true;
   std::shared_ptr<ModelGraph> shared(std::move(graph));
   TRIDENT_ASSIGN_OR_RETURN(whole.layers, GraphLayers::Create(shared, shards));
   return whole;
@@ -242,8 +240,8 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
     TRIDENT_ASSIGN_OR_RETURN(WholeModel whole, RunWhole(source, plan, device, example));
     part.layers = std::move(whole.layers);
     part.loss_inside = true;
-    part.traced = whole.traced;
-    if (whole.traced) {
+    part.traced = !whole.shards.empty();
+    if (part.traced) {
       TRIDENT_RETURN_IF_ERROR(CheckShards(static_cast<int64_t>(whole.shards.size()), plan));
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages(whole.shards, StagePartition(plan)));
       part.flops_per_sample = 3.0 * whole.total_flops / std::max<int64_t>(1, plan.micro_batch_size);

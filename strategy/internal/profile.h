@@ -20,7 +20,6 @@ using SourceFactory = std::function<absl::StatusOr<ModelSource>(const ModelConte
 struct ProfileRequest {
   SourceFactory make_source;
   ParallelPlan plan;  // how Parallelize reads the source (trace and split settings, batch fields)
-  uint64_t seed = 1;
   Batch batch;  // at least the largest micro-batch size of samples
   OptimizerFactory make_optimizer;
   std::vector<int64_t> micro_batch_sizes;  // two, ascending: the fits go through them
@@ -45,9 +44,6 @@ absl::StatusOr<ModelProfile> CachedProfile(const ProfileRequest& request, const 
 
 // Interpolates `curve` piecewise-linearly at `bytes` (linearly beyond its ends).
 double CollectiveSeconds(const ModelProfile& profile, const std::string& op, int group_size, double bytes);
-
-// Resident memory of this process now, from /proc/self/status (0 if unknown).
-int64_t ResidentBytes();
 
 // Rows [first, first + count) of every field of `batch` (scalars as they are).
 Batch BatchRows(const Batch& batch, int64_t first, int64_t count);
