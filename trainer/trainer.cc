@@ -227,7 +227,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     const bool profiled = t.step + 1 == c.profile_step();
     if (profiled) {  // every rank starts the profiled step together
       TRIDENT_RETURN_IF_ERROR(t.topology().world().Barrier());
-      TRIDENT_RETURN_IF_ERROR(internal::StartOperatorRecording());
+      TRIDENT_RETURN_IF_ERROR(internal::StartOperatorRecording(t.model->plan().device == "cuda"));
     }
     t.ForHooks([&](TrainerHooks& h) { h.BeforeZeroGrad(t.State()); });
     t.model->ZeroGrad();

@@ -10,6 +10,11 @@
 #   tools/gpu/validate.sh [LOGDIR] # then on the GPU machine, from the repository root
 #
 # LOGDIR (default build/) receives build.log, errors.txt and the metrics files.
+# VALIDATE_STEPS (default 50) sets the steps; VALIDATE_PROFILE_STEP=N records
+# step N of the bf16 run with --profile_step (GPU kernels by time, and the
+# Chrome trace LOGDIR/trace_bf16.json); VALIDATE_PEERS lists the PyTorch
+# peer's runs (attention:precision, default "manual:fp32 manual:bf16
+# sdpa:bf16"); VALIDATE_REST_S=0 skips compiling the rest of the tree.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
@@ -70,14 +75,18 @@ print("%.0f tokens/s" % statistics.median(r["tokens_per_s"] for r in rows),
       *("mfu %.1f%%" % (100 * statistics.median(r["mfu"] for r in rows)),) if rows and "mfu" in rows[0] else ())' "$1"
 }
 for precision in fp32 bf16; do
-  timeout 240 build/train --data=build/data --model=gpt --preset=gpt2-124m --block_size=1024 --device=cuda \
+  profile=()
+  [ "$precision" = bf16 ] && [ "${VALIDATE_PROFILE_STEP:-0}" != 0 ] &&
+    profile=(--profile_step="$VALIDATE_PROFILE_STEP" --trace_file="$logs/trace_bf16.json")
+  timeout 240 build/train "${profile[@]}" --data=build/data --model=gpt --preset=gpt2-124m --block_size=1024 --device=cuda \
     --dp=1 --precision="$precision" --micro_batch_size=8 --global_batch_size=8 --max_steps="$steps" --log_every=10 \
     --eval_every=0 --eval_steps=1 --sample_tokens=0 --lr=3e-4 --metrics_file="$logs/trident_$precision.jsonl" \
     >"$logs/trident_$precision.log" 2>&1 || { status=1; tail -20 "$logs/trident_$precision.log"; }
   grep -E "step $steps/$steps|model gpt" "$logs/trident_$precision.log"
+  [ ${#profile[@]} -gt 0 ] && sed -n '/operators of step/,/GPU busy/p' "$logs/trident_$precision.log"
   echo "trident $precision: $(median "$logs/trident_$precision.jsonl")"
 done
-for peer in manual:fp32 manual:bf16 sdpa:bf16; do
+for peer in ${VALIDATE_PEERS-manual:fp32 manual:bf16 sdpa:bf16}; do
   attention=${peer%:*} precision=${peer#*:}
   rate=$(timeout 180 python3 benchmarks/peer/gpt_eager.py --data=build/data --device=cuda --precision="$precision" \
     --attention="$attention" --vocab=50257 --n_layer=12 --n_head=12 --n_embd=768 --block=1024 --batch=8 \
