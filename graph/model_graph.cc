@@ -610,5 +610,6 @@ std::string ModelGraph::Summary() const {
 }
 
 std::string ModelGraph::IrText() const { return impl_->graph->toString(); }
+std::shared_ptr<torch::jit::Graph> ModelGraph::jit_graph() const { return impl_->graph; }
 
 }  // namespace trident

@@ -27,6 +27,9 @@
 #include "absl/status/statusor.h"
 
 namespace torch {
+namespace jit {
+struct Graph;
+}  // namespace jit
 namespace nn {
 class Module;
 }  // namespace nn
@@ -166,6 +169,10 @@ class ModelGraph {
   std::string Summary() const;
   // The TorchScript IR of the traced graph.
   std::string IrText() const;
+  // The traced graph itself (inputs: the model's inputs, then parameters();
+  // shapes are the example's), for passes that rewrite a copy of it
+  // (Graph::copy), never the graph itself.
+  std::shared_ptr<torch::jit::Graph> jit_graph() const;
 
  private:
   class Impl;

@@ -24,8 +24,10 @@
 #define TRIDENT_TENSOR_PARALLEL_TENSOR_PARALLEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -35,6 +37,8 @@
 #include "absl/status/statusor.h"
 
 namespace trident {
+
+class ModelGraph;  // graph/model_graph.h
 
 // This process's place in its tensor-parallel group.
 struct TensorParallelism {
@@ -194,6 +198,58 @@ TORCH_MODULE(ParallelLinear);
 // not found or not a ParallelLinear, and a dimension that does not divide.
 absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelLayers& layers,
                                  const TensorParallelism& tp);
+
+// Automatic tensor parallelism of a traced model (no layer names needed).
+//
+// Sharding propagation over the traced graph: a linear product whose
+// parameters no other operator reads becomes column-parallel where its input
+// is replicated (its output split along the features: by heads after a view,
+// each piece split when a fused q, k, v projection is taken apart), and
+// row-parallel where its input is split along its features (its output
+// all-reduced, the bias added after). Element-wise operators, views,
+// transposes, splits, batched products and softmax keep a split; sizes the
+// split changes (a head count in a view) are rewritten. A column product
+// whose split would reach an operator the pass cannot split (a norm over the
+// features, the loss, the model's outputs) stays whole, and the report says
+// why. Each shard is the slice (ShardSpec) of the single-process parameter.
+//
+//   auto graph = ModelGraph::Trace(...);                        // the whole model
+//   auto tp_graph = AutoTensorParallel(**graph, {2, rank, "tp"});
+//   std::cout << tp_graph->plan.Report();
+//   auto part = ModelGraph::Trace(tp_graph->parameters, inputs, tp_graph->forward);
+struct ParameterLayout {
+  enum class Role { kReplicated, kColumn, kRow };
+  std::string name;
+  Role role = Role::kReplicated;
+  ShardSpec shard;  // column and row parameters: this rank's slice
+  std::string why;  // matrices kept whole: why
+};
+
+struct AutoTensorParallelPlan {
+  std::vector<ParameterLayout> parameters;  // in the graph's order
+  std::vector<std::string> collectives;     // the operators inserted, in order
+  // Bytes this rank sends per micro-batch (forward and backward) through them.
+  int64_t bytes_per_micro_batch = 0;
+  // A table: parameter, layout, slice or why it stays whole; the collectives.
+  std::string Report() const;
+};
+
+// A traced model rewritten for one rank of its tensor-parallel group.
+struct TensorParallelGraph {
+  AutoTensorParallelPlan plan;
+  // This rank's parameters (slices of the split ones, leaves that require
+  // gradients as the originals do; the replicated ones themselves), in the
+  // graph's order, and the split ones' specifications.
+  std::vector<std::pair<std::string, at::Tensor>> parameters;
+  std::map<std::string, ShardSpec> shards;
+  // Runs the rewritten graph on the model's inputs with `parameters`; trace
+  // it (ModelGraph::Trace) for this rank's graph.
+  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
+};
+
+// Errors where a split dimension does not divide tp (naming the operator and
+// the size), and where no product can be split at all.
+absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& graph, const TensorParallelism& tp);
 
 }  // namespace trident
 

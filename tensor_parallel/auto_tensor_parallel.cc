@@ -1,0 +1,693 @@
+// The automatic tensor-parallel pass: sharding propagation over a traced
+// graph, the choice of column and row products, and the rewrite.
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "graph/model_graph.h"
+#include "tensor_parallel/tensor_parallel.h"
+
+namespace trident {
+namespace {
+
+using torch::jit::Graph;
+using torch::jit::Node;
+using torch::jit::Value;
+
+std::string KindOf(const Node* node) { return node->kind().toQualString(); }
+
+std::vector<int64_t> ShapeOf(const Value* value) {
+  auto type = value->type()->cast<c10::TensorType>();
+  if (!type) return {};
+  auto sizes = type->sizes().concrete_sizes();
+  return sizes ? *sizes : std::vector<int64_t>{};
+}
+
+int64_t RankOf(const Value* value) { return static_cast<int64_t>(ShapeOf(value).size()); }
+
+int64_t Normalized(int64_t dim, int64_t rank) { return dim < 0 ? dim + rank : dim; }
+
+std::optional<int64_t> IntOf(const Value* value) {
+  auto constant = torch::jit::toIValue(value);
+  if (constant && constant->isInt()) return constant->toInt();
+  return std::nullopt;
+}
+
+std::optional<std::vector<int64_t>> IntsOf(const Value* value) {
+  auto constant = torch::jit::toIValue(value);
+  if (constant && constant->isIntList()) return constant->toIntVector();
+  if (value->node()->kind() != c10::prim::ListConstruct) return std::nullopt;
+  std::vector<int64_t> ints;
+  for (const Value* element : value->node()->inputs()) {
+    std::optional<int64_t> i = IntOf(element);
+    if (!i) return std::nullopt;
+    ints.push_back(*i);
+  }
+  return ints;
+}
+
+bool IsNone(const Value* value) { return value->type()->kind() == c10::TypeKind::NoneType; }
+
+// Operators whose output is split where their split inputs are (after
+// broadcasting), as long as every replicated tensor input broadcasts along
+// the split dimension (size 1 there, or no such dimension).
+const std::set<std::string>& ElementWise() {
+  static const auto* kinds = new std::set<std::string>{
+      "aten::add", "aten::add_", "aten::sub", "aten::rsub", "aten::mul", "aten::mul_", "aten::div",
+      "aten::div_", "aten::masked_fill", "aten::masked_fill_", "aten::where", "aten::maximum",
+      "aten::minimum", "aten::pow", "aten::neg", "aten::exp", "aten::log", "aten::sqrt", "aten::rsqrt",
+      "aten::abs", "aten::sigmoid", "aten::tanh", "aten::relu", "aten::gelu", "aten::silu",
+      "aten::softplus", "aten::erf", "aten::sin", "aten::cos", "aten::contiguous", "aten::clone",
+      "aten::dropout", "aten::feature_dropout", "aten::to", "aten::type_as", "aten::detach",
+      "aten::eq", "aten::ne", "aten::gt", "aten::lt", "aten::ge", "aten::le", "aten::square",
+      "aten::reciprocal", "aten::sign", "aten::clamp"};
+  return *kinds;
+}
+
+bool IsParameter(const Graph& graph, size_t first_parameter, const Value* value) {
+  for (size_t i = first_parameter; i < graph.inputs().size(); ++i) {
+    if (graph.inputs()[i] == value) return true;
+  }
+  return false;
+}
+
+// The products of a linear layer as the tracer records them from C++
+// (matmul(x, t(W)) followed by add_(b), or addmm(b, x, t(W))) become
+// aten::linear(x, W, b), as Python's traces record them, so the planner sees
+// one operator per layer.
+void CanonicalizeLinearProducts(Graph& graph, size_t first_parameter) {
+  std::vector<Node*> nodes(graph.nodes().begin(), graph.nodes().end());
+  std::set<Node*> destroyed;
+  for (Node* node : nodes) {
+    if (destroyed.count(node)) continue;
+    const std::string kind = KindOf(node);
+    const bool addmm = kind == "aten::addmm";
+    if (kind != "aten::matmul" && !addmm) continue;
+    Value* transposed = node->input(addmm ? 2 : 1);
+    if (KindOf(transposed->node()) != "aten::t" || transposed->uses().size() != 1) continue;
+    Value* weight = transposed->node()->input(0);
+    if (!IsParameter(graph, first_parameter, weight) || RankOf(weight) != 2) continue;
+    Value* x = node->input(addmm ? 1 : 0);
+    Value* bias = nullptr;
+    Value* result = node->output();
+    Node* add = nullptr;
+    if (addmm) {
+      if (IntOf(node->input(3)).value_or(0) != 1 || IntOf(node->input(4)).value_or(0) != 1) continue;
+      bias = node->input(0);
+    } else if (result->uses().size() == 1) {
+      Node* user = result->uses()[0].user;
+      const std::string user_kind = KindOf(user);
+      if ((user_kind == "aten::add" || user_kind == "aten::add_") && user->input(0) == result &&
+          IsParameter(graph, first_parameter, user->input(1)) && RankOf(user->input(1)) == 1 &&
+          IntOf(user->input(2)).value_or(0) == 1) {
+        add = user;
+        bias = add->input(1);
+        result = add->output();
+      }
+    }
+    torch::jit::WithInsertPoint here(node);
+    Value* linear = graph.insert(c10::aten::linear,
+                                 {x, weight, bias != nullptr ? bias : graph.insertConstant(c10::IValue())});
+    linear->setType(result->type());
+    result->replaceAllUsesWith(linear);
+    // The replaced operators go (an in-place add_ is not dead code to the JIT).
+    if (add != nullptr) {
+      destroyed.insert(add);
+      add->destroy();
+    }
+    node->destroy();
+    transposed->node()->destroy();
+  }
+  torch::jit::EliminateDeadCode(graph.block());
+}
+
+// How a value is laid out over the group: replicated (no entry), or split
+// along `dim` into tp equal parts of each of `blocks` equal pieces.
+struct Split {
+  int64_t dim = 0;
+  int64_t blocks = 1;
+  std::set<Node*> origins;  // the column products the split comes from
+};
+
+// The rewrite of one integer (or integer list) argument that holds a size the
+// split divides.
+struct ArgumentRewrite {
+  Node* node;
+  size_t input;
+  c10::IValue value;
+};
+
+class Planner {
+ public:
+  Planner(std::shared_ptr<Graph> graph, std::vector<std::string> parameter_names, int64_t tp)
+      : graph_(std::move(graph)), names_(std::move(parameter_names)), tp_(tp) {
+    first_parameter_ = graph_->inputs().size() - names_.size();
+    int64_t position = 0;
+    for (Node* node : graph_->nodes()) {
+      if (node->kind() != c10::prim::Constant && node->kind() != c10::prim::ListConstruct) {
+        position_[node] = position++;
+      }
+    }
+  }
+
+  // Propagates splits until no split reaches an operator the pass cannot
+  // split: the column products whose splits would are kept whole.
+  absl::Status Plan() {
+    for (;;) {
+      splits_.clear();
+      columns_.clear();
+      rows_.clear();
+      rewrites_.clear();
+      conflict_ = nullptr;
+      for (Node* node : graph_->nodes()) {
+        TRIDENT_ASSIGN_OR_RETURN(bool handled, Propagate(node));
+        if (!handled) {
+          conflict_ = node;
+          break;
+        }
+      }
+      if (conflict_ == nullptr) {
+        for (const Value* output : graph_->outputs()) {
+          if (splits_.count(output)) {
+            conflict_ = graph_->return_node();
+            break;
+          }
+        }
+      }
+      if (conflict_ == nullptr) return absl::OkStatus();
+      const std::string where = conflict_ == graph_->return_node()
+                                    ? "the model's outputs"
+                                    : absl::StrCat(KindOf(conflict_), " (node ", position_[conflict_], ")");
+      for (const Value* input : conflict_->inputs()) {
+        auto it = splits_.find(input);
+        if (it == splits_.end()) continue;
+        for (Node* origin : it->second.origins) {
+          whole_[origin] = absl::StrCat("its split output would reach ", where, ", which the pass cannot split");
+        }
+      }
+    }
+  }
+
+  // Rewrites the graph for tensor-parallel rank `rank` (group `group`) and
+  // returns the parameters' layouts.
+  std::vector<ParameterLayout> Apply(int64_t rank, const std::string& group, AutoTensorParallelPlan& plan) {
+    for (const ArgumentRewrite& r : rewrites_) {
+      torch::jit::WithInsertPoint here(r.node);
+      r.node->replaceInput(r.input, graph_->insertConstant(r.value));
+    }
+    const c10::Symbol copy = c10::Symbol::fromQualString("trident::copy_to_tp_region");
+    const c10::Symbol reduce = c10::Symbol::fromQualString("trident::reduce_from_tp_region");
+    // One copy per input of column products (its backward sums their input
+    // gradients once), before the first of them.
+    std::map<Value*, std::vector<Node*>> by_input;
+    std::vector<Value*> inputs_in_order;
+    for (Node* node : graph_->nodes()) {
+      if (!columns_.count(node)) continue;
+      if (by_input[node->input(0)].empty()) inputs_in_order.push_back(node->input(0));
+      by_input[node->input(0)].push_back(node);
+    }
+    for (Value* input : inputs_in_order) {
+      Node* first = by_input[input].front();
+      torch::jit::WithInsertPoint here(first);
+      Value* copied = graph_->insert(copy, {input, torch::jit::NamedValue(c10::IValue(group))});
+      for (Node* node : by_input[input]) node->replaceInput(0, copied);
+      plan.collectives.push_back(absl::StrCat("copy_to_tp_region before node ", position_[first],
+                                              " (its backward all-reduces ", Describe(input), ")"));
+      plan.bytes_per_micro_batch += AllReduceBytes(input);
+    }
+    for (Node* node : rows_) {
+      Value* product = node->output();
+      const std::vector<torch::jit::Use> uses = product->uses();
+      Value* bias = node->input(2);
+      {
+        torch::jit::WithInsertPoint here(node);
+        node->replaceInput(2, graph_->insertConstant(c10::IValue()));
+      }
+      torch::jit::WithInsertPoint after(node->next());
+      Value* result = graph_->insert(reduce, {product, torch::jit::NamedValue(c10::IValue(group))});
+      if (!IsNone(bias)) result = graph_->insert(c10::aten::add, {result, bias});
+      for (const torch::jit::Use& use : uses) use.user->replaceInput(use.offset, result);
+      plan.collectives.push_back(
+          absl::StrCat("reduce_from_tp_region after node ", position_[node], " (all-reduces ", Describe(product), ")"));
+      plan.bytes_per_micro_batch += AllReduceBytes(product);
+    }
+    torch::jit::EliminateDeadCode(graph_);
+
+    std::vector<ParameterLayout> layouts(names_.size());
+    for (size_t i = 0; i < names_.size(); ++i) layouts[i].name = names_[i];
+    auto parameter = [&](const Value* value) -> ParameterLayout* {
+      for (size_t i = 0; i < names_.size(); ++i) {
+        if (graph_->inputs()[first_parameter_ + i] == value) return &layouts[i];
+      }
+      return nullptr;
+    };
+    for (const auto& [node, blocks] : columns_) {
+      for (size_t input : {size_t{1}, size_t{2}}) {
+        if (ParameterLayout* p = parameter(node->input(input))) {
+          p->role = ParameterLayout::Role::kColumn;
+          p->shard = ShardSpec{0, tp_, rank, blocks};
+        }
+      }
+    }
+    for (Node* node : rows_) {
+      if (ParameterLayout* p = parameter(node->input(1))) {
+        p->role = ParameterLayout::Role::kRow;
+        p->shard = ShardSpec{1, tp_, rank, 1};
+      }
+    }
+    for (const auto& [node, why] : whole_) {
+      if (ParameterLayout* p = parameter(node->input(1))) p->why = why;
+    }
+    return layouts;
+  }
+
+ private:
+  // Whether `node` splits as the pass knows (recording its outputs' splits),
+  // false where a split input reaches it and it cannot; errors where a split
+  // dimension does not divide.
+  absl::StatusOr<bool> Propagate(Node* node) {
+    const std::string kind = KindOf(node);
+    if (kind == "aten::linear") return Linear(node);
+    const Split* split = nullptr;
+    std::set<Node*> origins;
+    for (const Value* input : node->inputs()) {
+      auto it = splits_.find(input);
+      if (it == splits_.end()) continue;
+      if (split == nullptr) split = &it->second;
+      origins.insert(it->second.origins.begin(), it->second.origins.end());
+    }
+    if (split == nullptr) return true;  // all inputs replicated: so are the outputs
+    const Split first = *split;
+    auto set = [&](Value* value, int64_t dim, int64_t blocks = 1) {
+      splits_[value] = Split{dim, blocks, origins};
+      return true;
+    };
+    Value* x = node->inputs().empty() ? nullptr : node->input(0);
+    const Split* x_split = x != nullptr && splits_.count(x) ? &splits_.at(x) : nullptr;
+    if (kind == "prim::ListUnpack") {
+      for (Value* output : node->outputs()) set(output, first.dim, first.blocks);
+      return true;
+    }
+    if (kind == "prim::ListConstruct") {  // tensors for cat or stack: split alike
+      for (const Value* input : node->inputs()) {
+        auto it = splits_.find(input);
+        if (it == splits_.end() || it->second.dim != first.dim || it->second.blocks != 1) return false;
+      }
+      return set(node->output(), first.dim);
+    }
+    if (first.blocks != 1 && kind != "aten::split" && kind != "aten::unsafe_split" && kind != "aten::chunk" &&
+        kind != "aten::unsafe_chunk") {
+      return false;  // the pieces of a fused product must be separated first
+    }
+    if (ElementWise().count(kind)) return Broadcast(node, origins);
+    if (x_split == nullptr) return false;  // below, the split input is the first
+    const int64_t rank = RankOf(x);
+    const int64_t d = x_split->dim;
+    if (kind == "aten::transpose") {
+      const int64_t a = Normalized(*IntOf(node->input(1)), rank), b = Normalized(*IntOf(node->input(2)), rank);
+      return set(node->output(), d == a ? b : d == b ? a : d);
+    }
+    if (kind == "aten::t") return set(node->output(), rank == 2 ? 1 - d : d);
+    if (kind == "aten::permute") {
+      const std::vector<int64_t> dims = *IntsOf(node->input(1));
+      for (size_t i = 0; i < dims.size(); ++i) {
+        if (Normalized(dims[i], rank) == d) return set(node->output(), static_cast<int64_t>(i));
+      }
+      return false;
+    }
+    if (kind == "aten::view" || kind == "aten::reshape" || kind == "aten::_unsafe_view") return View(node, d, origins);
+    if (kind == "aten::expand") {
+      const int64_t out_dim = d + RankOf(node->output()) - rank;
+      std::vector<int64_t> sizes = *IntsOf(node->input(1));
+      if (sizes[out_dim] != -1) {
+        sizes[out_dim] /= tp_;
+        rewrites_.push_back({node, 1, c10::IValue(sizes)});
+      }
+      return set(node->output(), out_dim);
+    }
+    if (kind == "aten::unsqueeze") {
+      const int64_t at = Normalized(*IntOf(node->input(1)), rank + 1);
+      return set(node->output(), d >= at ? d + 1 : d);
+    }
+    if (kind == "aten::squeeze" && node->inputs().size() == 2 && IntOf(node->input(1))) {
+      const int64_t at = Normalized(*IntOf(node->input(1)), rank);
+      if (at == d) return false;
+      return set(node->output(), d > at ? d - 1 : d);
+    }
+    if (kind == "aten::slice") return Normalized(*IntOf(node->input(1)), rank) != d && set(node->output(), d);
+    if (kind == "aten::select") {
+      const int64_t at = Normalized(*IntOf(node->input(1)), rank);
+      return at != d && set(node->output(), d > at ? d - 1 : d);
+    }
+    if (kind == "aten::split" || kind == "aten::unsafe_split" || kind == "aten::chunk" ||
+        kind == "aten::unsafe_chunk") {
+      const int64_t at = Normalized(*IntOf(node->input(2)), rank);
+      if (at != d) return first.blocks == 1 && set(node->output(), d);
+      const bool by_size = kind == "aten::split" || kind == "aten::unsafe_split";
+      const std::optional<int64_t> argument = IntOf(node->input(1));
+      if (!argument) return false;
+      const int64_t pieces = by_size ? ShapeOf(x)[d] / *argument : *argument;
+      if (pieces != first.blocks || pieces == 1) return false;
+      if (by_size) rewrites_.push_back({node, 1, c10::IValue(*argument / tp_)});
+      return set(node->output(), d);
+    }
+    if (kind == "aten::cat" || kind == "aten::stack") {
+      const int64_t out_rank = RankOf(node->output());
+      const int64_t at = Normalized(*IntOf(node->input(1)), out_rank);
+      if (kind == "aten::cat") return at != d && set(node->output(), d);
+      return set(node->output(), d >= at ? d + 1 : d);
+    }
+    if (kind == "aten::softmax" || kind == "aten::log_softmax" || kind == "aten::_softmax") {
+      return Normalized(*IntOf(node->input(1)), rank) != d && set(node->output(), d);
+    }
+    if (kind == "aten::layer_norm") {
+      const int64_t normalized = static_cast<int64_t>(IntsOf(node->input(1))->size());
+      for (size_t i = 1; i < node->inputs().size(); ++i) {
+        if (splits_.count(node->input(i))) return false;
+      }
+      return d < rank - normalized && set(node->output(), d);
+    }
+    if (kind == "aten::matmul" || kind == "aten::bmm") return MatrixProduct(node, origins);
+    if (kind == "aten::scaled_dot_product_attention") {
+      for (size_t i = 0; i < 3; ++i) {
+        auto it = splits_.find(node->input(i));
+        if (it == splits_.end() || it->second.dim != d) return false;
+      }
+      if (d >= rank - 2) return false;
+      const Value* mask = node->input(3);
+      if (!IsNone(mask) && !Broadcasts(mask, d, rank)) return false;
+      return set(node->output(), d);
+    }
+    if (kind == "aten::repeat_interleave" && node->inputs().size() >= 3 && IntOf(node->input(1))) {
+      // Grouped-query attention: each rank's key/value heads serve its query heads.
+      if (node->inputs().size() >= 4 && !IsNone(node->input(3))) {
+        const std::optional<int64_t> size = IntOf(node->input(3));
+        if (!size) return false;
+        rewrites_.push_back({node, 3, c10::IValue(*size / tp_)});
+      }
+      return set(node->output(), d);
+    }
+    if (kind == "aten::mean" || kind == "aten::sum") {
+      if (node->inputs().size() < 3) return false;  // a full reduction
+      const std::optional<std::vector<int64_t>> dims = IntsOf(node->input(1));
+      const std::optional<int64_t> keep = IntOf(node->input(2));
+      if (!dims) return false;
+      int64_t out = d;
+      for (int64_t reduced : *dims) {
+        reduced = Normalized(reduced, rank);
+        if (reduced == d) return false;
+        if (reduced < d && !(keep && *keep)) --out;
+      }
+      return set(node->output(), out);
+    }
+    return false;
+  }
+
+  // aten::linear(x, weight, bias): a column product where x is replicated,
+  // a row product where x is split along its features.
+  absl::StatusOr<bool> Linear(Node* node) {
+    auto x = splits_.find(node->input(0));
+    const bool shardable = IsOwnParameter(node->input(1)) && (IsNone(node->input(2)) || IsOwnParameter(node->input(2)));
+    const std::vector<int64_t> weight = ShapeOf(node->input(1));
+    if (x == splits_.end()) {
+      if (!shardable && weight.size() == 2) whole_[node] = "its weight is read by other operators too (tied)";
+      if (!shardable || whole_.count(node) || weight.size() != 2) return true;
+      const int64_t blocks = PiecesTakenApart(node->output());
+      if (weight[0] % (blocks * tp_) != 0) {
+        whole_[node] = absl::StrCat(weight[0], " output features", blocks > 1 ? absl::StrCat(" in ", blocks, " pieces") : "",
+                                    " do not split ", tp_, " ways");
+        return true;
+      }
+      columns_[node] = blocks;
+      splits_[node->output()] = Split{RankOf(node->output()) - 1, blocks, {node}};
+      return true;
+    }
+    if (!shardable || x->second.blocks != 1 || x->second.dim != RankOf(node->input(0)) - 1) return false;
+    if (weight[1] % tp_ != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("automatic tensor parallelism: ", Describe(node), " has ",
+                                                     weight[1], " input features, which tp=", tp_,
+                                                     " does not divide"));
+    }
+    rows_.push_back(node);
+    return true;
+  }
+
+  // How many equal pieces the only user of `product` takes it apart into
+  // along its last dimension (a fused q, k, v projection: 3), else 1.
+  int64_t PiecesTakenApart(const Value* product) const {
+    if (product->uses().size() != 1) return 1;
+    const Node* user = product->uses()[0].user;
+    const std::string kind = KindOf(user);
+    const int64_t rank = RankOf(product);
+    if (user->inputs().size() < 3 || user->input(0) != product) return 1;
+    const std::optional<int64_t> argument = IntOf(user->input(1)), dim = IntOf(user->input(2));
+    if (!argument || !dim || Normalized(*dim, rank) != rank - 1) return 1;
+    if (kind == "aten::chunk" || kind == "aten::unsafe_chunk") return *argument;
+    const int64_t features = ShapeOf(product).back();
+    if ((kind == "aten::split" || kind == "aten::unsafe_split") && features % *argument == 0) {
+      return features / *argument;
+    }
+    return 1;
+  }
+
+  // A parameter read by this operator alone (a shared or tied one stays whole).
+  bool IsOwnParameter(const Value* value) const {
+    return IsParameter(*graph_, first_parameter_, value) && value->uses().size() == 1;
+  }
+
+  // Whether a replicated `value` broadcasts along dimension `dim` of a result
+  // of rank `rank` (size 1 there, or no such dimension).
+  static bool Broadcasts(const Value* value, int64_t dim, int64_t rank) {
+    const std::vector<int64_t> shape = ShapeOf(value);
+    const int64_t at = dim - (rank - static_cast<int64_t>(shape.size()));
+    return at < 0 || shape[at] == 1;
+  }
+
+  bool Broadcast(Node* node, const std::set<Node*>& origins) {
+    const int64_t rank = RankOf(node->output());
+    std::optional<int64_t> dim;
+    for (const Value* input : node->inputs()) {
+      auto it = splits_.find(input);
+      if (it == splits_.end()) continue;
+      const int64_t aligned = it->second.dim + rank - RankOf(input);
+      if (dim && *dim != aligned) return false;
+      dim = aligned;
+    }
+    for (const Value* input : node->inputs()) {
+      if (!input->type()->cast<c10::TensorType>() || splits_.count(input)) continue;
+      if (!Broadcasts(input, *dim, rank)) return false;
+    }
+    splits_[node->output()] = Split{*dim, 1, origins};
+    return true;
+  }
+
+  // Batched products: both operands split along the same batch dimension
+  // (attention heads), or one split there and the other broadcast; or the
+  // rows of the first split against a replicated second.
+  bool MatrixProduct(Node* node, const std::set<Node*>& origins) {
+    const int64_t rank = RankOf(node->output());
+    std::optional<int64_t> dim;
+    for (size_t i = 0; i < 2; ++i) {
+      const Value* operand = node->input(i);
+      auto it = splits_.find(operand);
+      if (it == splits_.end()) continue;
+      const int64_t own_rank = RankOf(operand);
+      int64_t aligned;
+      if (it->second.dim < own_rank - 2) {
+        aligned = it->second.dim + rank - own_rank;
+      } else if (i == 0 && it->second.dim == own_rank - 2 && !splits_.count(node->input(1))) {
+        aligned = rank - 2;
+      } else {
+        return false;
+      }
+      if (dim && *dim != aligned) return false;
+      dim = aligned;
+    }
+    for (size_t i = 0; i < 2; ++i) {
+      if (!splits_.count(node->input(i)) && *dim < rank - 2 && !Broadcasts(node->input(i), *dim, rank)) {
+        return false;
+      }
+    }
+    splits_[node->output()] = Split{*dim, 1, origins};
+    return true;
+  }
+
+  // view / reshape: the split moves to the output dimension that begins the
+  // group of dimensions its own begins; the size there is divided.
+  absl::StatusOr<bool> View(Node* node, int64_t dim, const std::set<Node*>& origins) {
+    const std::vector<int64_t> in = ShapeOf(node->input(0)), out = ShapeOf(node->output());
+    size_t i = 0, j = 0;
+    while (i < in.size() || j < out.size()) {
+      const size_t group_in = i, group_out = j;
+      int64_t a = i < in.size() ? in[i++] : 1, b = j < out.size() ? out[j++] : 1;
+      while (a != b) {
+        if (a < b && i < in.size()) {
+          a *= in[i++];
+        } else if (b < a && j < out.size()) {
+          b *= out[j++];
+        } else {
+          return false;
+        }
+      }
+      if (dim < group_in || dim >= static_cast<int64_t>(i)) continue;
+      for (size_t k = group_in; k < static_cast<size_t>(dim); ++k) {
+        if (in[k] != 1) return false;  // only the group's leading dimension splits into a contiguous block
+      }
+      size_t target = group_out;
+      while (target < j && out[target] == 1) ++target;
+      if (target == j) return false;
+      if (out[target] % tp_ != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "automatic tensor parallelism: ", Describe(node), " makes a dimension of size ", out[target],
+            " from the split one (attention heads, for example), which tp=", tp_,
+            " does not divide; choose a tp that divides ", out[target]));
+      }
+      std::optional<std::vector<int64_t>> sizes = IntsOf(node->input(1));
+      if (!sizes) return false;  // sizes computed at run time: the pass cannot prove the rewrite
+      if ((*sizes)[target] != -1) {
+        (*sizes)[target] /= tp_;
+        rewrites_.push_back({node, 1, c10::IValue(*sizes)});
+      }
+      splits_[node->output()] = Split{static_cast<int64_t>(target), 1, origins};
+      return true;
+    }
+    return false;
+  }
+
+  std::string Describe(const Node* node) {
+    std::string what = absl::StrCat(KindOf(node), " (node ", position_[node]);
+    if (KindOf(node) == "aten::linear") {
+      for (size_t i = first_parameter_; i < graph_->inputs().size(); ++i) {
+        if (graph_->inputs()[i] == node->input(1)) absl::StrAppend(&what, ", ", names_[i - first_parameter_]);
+      }
+    }
+    return what + ")";
+  }
+  std::string Describe(const Value* value) {
+    return absl::StrCat("[", absl::StrJoin(ShapeOf(value), ", "), "]");
+  }
+  int64_t AllReduceBytes(const Value* value) const {
+    auto type = value->type()->cast<c10::TensorType>();
+    int64_t elements = 1;
+    for (int64_t size : ShapeOf(value)) elements *= size;
+    const int64_t element = type && type->scalarType() ? c10::elementSize(*type->scalarType()) : 4;
+    return 2 * (tp_ - 1) * elements * element / tp_;
+  }
+
+  std::shared_ptr<Graph> graph_;
+  std::vector<std::string> names_;
+  int64_t tp_;
+  size_t first_parameter_ = 0;
+  std::map<const Node*, int64_t> position_;
+  std::map<const Value*, Split> splits_;
+  std::map<Node*, int64_t> columns_;  // column products -> pieces of their output
+  std::vector<Node*> rows_;
+  std::vector<ArgumentRewrite> rewrites_;
+  std::map<Node*, std::string> whole_;  // products kept whole, and why
+  Node* conflict_ = nullptr;
+};
+
+std::vector<at::Tensor> Unpack(const torch::jit::Stack& stack) {
+  std::vector<at::Tensor> outputs;
+  for (const c10::IValue& value : stack) {
+    if (value.isTensor()) {
+      outputs.push_back(value.toTensor());
+    } else if (value.isTuple()) {
+      for (const c10::IValue& element : value.toTupleRef().elements()) outputs.push_back(element.toTensor());
+    }
+  }
+  return outputs;
+}
+
+}  // namespace
+
+std::string AutoTensorParallelPlan::Report() const {
+  std::string report = absl::StrFormat("%-48s %-10s %s\n", "parameter", "layout", "slice / why it stays whole");
+  int split = 0;
+  for (const ParameterLayout& p : parameters) {
+    std::string layout = "replicated", detail = p.why;
+    if (p.role != ParameterLayout::Role::kReplicated) {
+      ++split;
+      layout = p.role == ParameterLayout::Role::kColumn ? "column" : "row";
+      detail = absl::StrCat("dim ", p.shard.dim, ", part ", p.shard.index, " of ", p.shard.parts,
+                            p.shard.blocks > 1 ? absl::StrCat(" in each of ", p.shard.blocks, " pieces") : "");
+    }
+    absl::StrAppend(&report, absl::StrFormat("%-48s %-10s %s\n", p.name, layout, detail));
+  }
+  absl::StrAppend(&report, split, " of ", parameters.size(), " parameters split; collectives per micro-batch:\n");
+  for (const std::string& c : collectives) absl::StrAppend(&report, "  ", c, "\n");
+  absl::StrAppend(&report, absl::StrFormat("bytes sent per micro-batch and rank (ring all-reduce): %d\n",
+                                           bytes_per_micro_batch));
+  return report;
+}
+
+absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, const TensorParallelism& tp) {
+  if (tp.sequence_parallel) {
+    return absl::UnimplementedError(
+        "sequence_parallel with automatic tensor parallelism of a traced model is not supported yet; "
+        "turn sequence_parallel off, or build the model's layers tensor-parallel");
+  }
+  std::shared_ptr<Graph> graph = model.jit_graph()->copy();
+  CanonicalizeLinearProducts(*graph, graph->inputs().size() - model.parameters().size());
+  Planner planner(graph, model.parameter_names(), tp.size);
+  TRIDENT_RETURN_IF_ERROR(planner.Plan());
+  TensorParallelGraph result;
+  result.plan.parameters = planner.Apply(tp.rank, tp.group, result.plan);
+  bool any = false;
+  for (size_t i = 0; i < result.plan.parameters.size(); ++i) {
+    const ParameterLayout& layout = result.plan.parameters[i];
+    const at::Tensor& full = model.parameters()[i];
+    if (layout.role == ParameterLayout::Role::kReplicated) {
+      result.parameters.emplace_back(layout.name, full);
+      continue;
+    }
+    any = true;
+    at::Tensor shard;
+    {
+      c10::NoGradGuard no_grad;
+      shard = layout.shard.Slice(full).clone();
+    }
+    shard.set_requires_grad(full.requires_grad());
+    result.parameters.emplace_back(layout.name, shard);
+    result.shards[layout.name] = layout.shard;
+  }
+  if (!any) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "automatic tensor parallelism found no matrix product it can split in this model:\n",
+        result.plan.Report(), "use tp=1, or build the model's layers tensor-parallel"));
+  }
+  // A graph function returns one value: several outputs travel as a tuple.
+  if (graph->outputs().size() != 1) {
+    std::vector<Value*> outputs(graph->outputs().begin(), graph->outputs().end());
+    while (!graph->outputs().empty()) graph->eraseOutput(0);
+    graph->registerOutput(graph->insertNode(graph->createTuple(outputs))->output());
+  }
+  auto code = std::make_shared<torch::jit::Code>(graph, "tensor_parallel_forward");
+  std::vector<at::Tensor> parameters;
+  for (const auto& [name, p] : result.parameters) parameters.push_back(p);
+  result.forward = [code, parameters](const std::vector<at::Tensor>& inputs) {
+    torch::jit::Stack stack(inputs.begin(), inputs.end());
+    stack.insert(stack.end(), parameters.begin(), parameters.end());
+    torch::jit::InterpreterState(*code).run(stack);
+    return Unpack(stack);
+  };
+  return result;
+}
+
+}  // namespace trident

@@ -1,0 +1,278 @@
+// The automatic pass on traced C++ models written without any tensor-parallel
+// code (a GPT with a fused q, k, v projection and tied embeddings; a Llama
+// with RMSNorm, rotary embeddings, grouped-query attention and SwiGLU): on 2
+// and 4 ranks the loss and every gradient equal one process's, and the plan
+// is Megatron's.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "graph/model_graph.h"
+#include "tensor_parallel/tensor_parallel.h"
+#include "testing/multiprocess.h"
+
+namespace trident {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Sizes {
+  int64_t vocab = 64, block = 8, embd = 32, heads = 4, kv_heads = 2, layers = 2;
+};
+
+at::Tensor CausalScores(const at::Tensor& q, const at::Tensor& k) {
+  const int64_t T = q.size(2);
+  at::Tensor scores = q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  at::Tensor above = at::ones({T, T}, at::kBool).triu(1);
+  return at::softmax(scores.masked_fill(above, -INFINITY), -1);
+}
+
+struct GptBlockImpl : torch::nn::Module {
+  explicit GptBlockImpl(const Sizes& s) : heads(s.heads) {
+    ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.embd})));
+    c_attn = register_module("c_attn", torch::nn::Linear(s.embd, 3 * s.embd));
+    c_proj = register_module("c_proj", torch::nn::Linear(s.embd, s.embd));
+    ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.embd})));
+    c_fc = register_module("c_fc", torch::nn::Linear(s.embd, 4 * s.embd));
+    mlp_proj = register_module("mlp_proj", torch::nn::Linear(4 * s.embd, s.embd));
+  }
+  at::Tensor forward(at::Tensor x) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+    auto qkv = c_attn(ln_1(x)).split(C, 2);
+    auto heads_of = [&](const at::Tensor& t) { return t.view({B, T, heads, C / heads}).transpose(1, 2); };
+    at::Tensor y = CausalScores(heads_of(qkv[0]), heads_of(qkv[1])).matmul(heads_of(qkv[2]));
+    x = x + c_proj(y.transpose(1, 2).contiguous().view({B, T, C}));
+    return x + mlp_proj(torch::gelu(c_fc(ln_2(x))));
+  }
+  int64_t heads;
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr}, c_fc{nullptr}, mlp_proj{nullptr};
+};
+TORCH_MODULE(GptBlock);
+
+struct GptImpl : torch::nn::Module {
+  explicit GptImpl(const Sizes& s) {
+    wte = register_module("wte", torch::nn::Embedding(s.vocab, s.embd));
+    wpe = register_module("wpe", torch::nn::Embedding(s.block, s.embd));
+    h = register_module("h", torch::nn::ModuleList());
+    for (int64_t i = 0; i < s.layers; ++i) h->push_back(GptBlock(s));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.embd})));
+  }
+  at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets) {
+    at::Tensor x = wte(idx) + wpe(at::arange(idx.size(1)));
+    for (const auto& block : *h) x = block->as<GptBlock>()->forward(x);
+    at::Tensor logits = at::linear(ln_f(x), wte->weight);  // the head tied to the embedding, as in GPT-2
+    return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}), targets.view({-1}));
+  }
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) {
+  return x * at::rsqrt(x.pow(2).mean({-1}, true) + 1e-6) * weight;
+}
+
+at::Tensor Rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
+struct LlamaBlockImpl : torch::nn::Module {
+  explicit LlamaBlockImpl(const Sizes& s) : heads(s.heads), kv_heads(s.kv_heads), head_dim(s.embd / s.heads) {
+    attention_norm = register_parameter("attention_norm", torch::ones({s.embd}));
+    q_proj = register_module("q_proj", torch::nn::Linear(torch::nn::LinearOptions(s.embd, s.embd).bias(false)));
+    k_proj = register_module("k_proj",
+                             torch::nn::Linear(torch::nn::LinearOptions(s.embd, kv_heads * head_dim).bias(false)));
+    v_proj = register_module("v_proj",
+                             torch::nn::Linear(torch::nn::LinearOptions(s.embd, kv_heads * head_dim).bias(false)));
+    o_proj = register_module("o_proj", torch::nn::Linear(torch::nn::LinearOptions(s.embd, s.embd).bias(false)));
+    ffn_norm = register_parameter("ffn_norm", torch::ones({s.embd}));
+    gate = register_module("gate", torch::nn::Linear(torch::nn::LinearOptions(s.embd, 3 * s.embd).bias(false)));
+    up = register_module("up", torch::nn::Linear(torch::nn::LinearOptions(s.embd, 3 * s.embd).bias(false)));
+    down = register_module("down", torch::nn::Linear(torch::nn::LinearOptions(3 * s.embd, s.embd).bias(false)));
+  }
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+    at::Tensor n = RmsNorm(x, attention_norm);
+    at::Tensor q = Rotated(q_proj(n).view({B, T, heads, head_dim}).transpose(1, 2), cos, sin);
+    at::Tensor k = Rotated(k_proj(n).view({B, T, kv_heads, head_dim}).transpose(1, 2), cos, sin);
+    at::Tensor v = v_proj(n).view({B, T, kv_heads, head_dim}).transpose(1, 2);
+    k = k.repeat_interleave(heads / kv_heads, 1);
+    v = v.repeat_interleave(heads / kv_heads, 1);
+    at::Tensor y = CausalScores(q, k).matmul(v).transpose(1, 2).reshape({B, T, C});
+    x = x + o_proj(y);
+    n = RmsNorm(x, ffn_norm);
+    return x + down(torch::silu(gate(n)) * up(n));
+  }
+  int64_t heads, kv_heads, head_dim;
+  at::Tensor attention_norm, ffn_norm;
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(LlamaBlock);
+
+struct LlamaImpl : torch::nn::Module {
+  explicit LlamaImpl(const Sizes& s) {
+    embed = register_module("embed", torch::nn::Embedding(s.vocab, s.embd));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < s.layers; ++i) layers->push_back(LlamaBlock(s));
+    norm = register_parameter("norm", torch::ones({s.embd}));
+    lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(s.embd, s.vocab).bias(false)));
+    const int64_t D = s.embd / s.heads;
+    at::Tensor angles = at::arange(s.block).unsqueeze(1) * at::pow(10000.0, -at::arange(0, D, 2) / double(D));
+    angles = at::cat({angles, angles}, -1);
+    cos = register_buffer("cos", angles.cos());
+    sin = register_buffer("sin", angles.sin());
+  }
+  at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets) {
+    const int64_t T = idx.size(1);
+    at::Tensor x = embed(idx);
+    for (const auto& layer : *layers) x = layer->as<LlamaBlock>()->forward(x, cos.slice(0, 0, T), sin.slice(0, 0, T));
+    at::Tensor logits = lm_head(RmsNorm(x, norm));
+    return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}), targets.view({-1}));
+  }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  at::Tensor norm, cos, sin;
+  torch::nn::Linear lm_head{nullptr};
+};
+TORCH_MODULE(Llama);
+
+// The model traced on a fixed batch; `model` must have forward(idx, targets).
+template <typename Model>
+std::unique_ptr<ModelGraph> Traced(Model& model, const at::Tensor& idx, const at::Tensor& targets) {
+  auto graph = ModelGraph::Trace(*model, {idx, targets}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{model->forward(in[0], in[1])};
+  });
+  EXPECT_TRUE(graph.ok()) << graph.status();
+  return graph.ok() ? *std::move(graph) : nullptr;
+}
+
+std::map<std::string, ParameterLayout> ByName(const AutoTensorParallelPlan& plan) {
+  std::map<std::string, ParameterLayout> layouts;
+  for (const ParameterLayout& p : plan.parameters) layouts[p.name] = p;
+  return layouts;
+}
+
+// On every rank: one process's loss and gradients (computed locally), then
+// the rewritten graph's, which must equal them (gradients as slices).
+template <typename Model>
+void ExpectParity(int p, int r, const Sizes& sizes, const std::function<void(const AutoTensorParallelPlan&)>& check) {
+  auto topology = testing::JoinTopology({{"tensor", p}});
+  ASSERT_TRUE(topology.ok()) << topology.status();
+  torch::manual_seed(7);
+  Model model(sizes);
+  const at::Tensor idx = at::randint(sizes.vocab, {2, sizes.block}, at::kLong);
+  const at::Tensor targets = at::randint(sizes.vocab, {2, sizes.block}, at::kLong);
+  at::Tensor expected_loss = model->forward(idx, targets);
+  expected_loss.backward();
+  std::map<std::string, at::Tensor> expected_grads;
+  for (const auto& item : model->named_parameters()) expected_grads[item.key()] = item.value().grad().clone();
+  model->zero_grad();
+
+  std::unique_ptr<ModelGraph> whole = Traced(model, idx, targets);
+  ASSERT_NE(whole, nullptr);
+  absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(*whole, {p, r, "tp"});
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  check(sharded->plan);
+  auto part = ModelGraph::Trace(sharded->parameters, {idx, targets}, sharded->forward);
+  ASSERT_TRUE(part.ok()) << part.status();
+  absl::StatusOr<std::vector<at::Tensor>> loss = (*part)->Run({idx, targets});
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  EXPECT_NEAR(loss->at(0).item<double>(), expected_loss.item<double>(), 1e-5 * expected_loss.item<double>());
+  loss->at(0).backward();
+  for (const std::pair<std::string, at::Tensor>& parameter : sharded->parameters) {
+    const std::string& name = parameter.first;
+    const at::Tensor& tensor = parameter.second;
+    ASSERT_TRUE(tensor.grad().defined()) << name;
+    auto shard = sharded->shards.find(name);
+    const at::Tensor expected =
+        shard == sharded->shards.end() ? expected_grads.at(name) : shard->second.Slice(expected_grads.at(name));
+    ASSERT_EQ(tensor.grad().sizes(), expected.sizes()) << name;
+    EXPECT_LE((tensor.grad() - expected).abs().max().item<double>(), 1e-5 * (1 + expected.abs().max().item<double>()))
+        << name;
+  }
+}
+
+class AutoTensorParallelTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(AutoTensorParallelTest, GptEqualsOneProcessWithMegatronsPlan) {
+  const int p = GetParam();
+  testing::RunOnRanks(p, [p](int r) {
+    ExpectParity<Gpt>(p, r, Sizes{}, [&](const AutoTensorParallelPlan& plan) {
+      auto layouts = ByName(plan);
+      for (const std::string layer : {"h.0.", "h.1."}) {
+        EXPECT_EQ(layouts[layer + "c_attn.weight"].role, ParameterLayout::Role::kColumn);
+        EXPECT_EQ(layouts[layer + "c_attn.weight"].shard.blocks, 3);  // q, k and v split by heads
+        EXPECT_EQ(layouts[layer + "c_attn.bias"].role, ParameterLayout::Role::kColumn);
+        EXPECT_EQ(layouts[layer + "c_proj.weight"].role, ParameterLayout::Role::kRow);
+        EXPECT_EQ(layouts[layer + "c_proj.bias"].role, ParameterLayout::Role::kReplicated);
+        EXPECT_EQ(layouts[layer + "c_fc.weight"].role, ParameterLayout::Role::kColumn);
+        EXPECT_EQ(layouts[layer + "mlp_proj.weight"].role, ParameterLayout::Role::kRow);
+        EXPECT_EQ(layouts[layer + "ln_1.weight"].role, ParameterLayout::Role::kReplicated);
+      }
+      EXPECT_EQ(layouts["wte.weight"].role, ParameterLayout::Role::kReplicated);
+      EXPECT_THAT(layouts["wte.weight"].why, HasSubstr("tied"));
+      // Per block: one copy before the q, k, v and one before the MLP; two all-reduces.
+      EXPECT_EQ(plan.collectives.size(), 8u);
+      EXPECT_GT(plan.bytes_per_micro_batch, 0);
+    });
+  });
+}
+
+TEST_P(AutoTensorParallelTest, LlamaEqualsOneProcessWithMegatronsPlan) {
+  const int p = GetParam();
+  testing::RunOnRanks(p, [p](int r) {
+    Sizes sizes;
+    sizes.kv_heads = p;  // grouped-query attention: as many key/value heads as ranks
+    ExpectParity<Llama>(p, r, sizes, [&](const AutoTensorParallelPlan& plan) {
+      auto layouts = ByName(plan);
+      for (const std::string name : {"q_proj", "k_proj", "v_proj", "gate", "up"}) {
+        EXPECT_EQ(layouts["layers.0." + name + ".weight"].role, ParameterLayout::Role::kColumn) << name;
+      }
+      EXPECT_EQ(layouts["layers.1.o_proj.weight"].role, ParameterLayout::Role::kRow);
+      EXPECT_EQ(layouts["layers.1.down.weight"].role, ParameterLayout::Role::kRow);
+      EXPECT_EQ(layouts["lm_head.weight"].role, ParameterLayout::Role::kReplicated);
+      EXPECT_THAT(layouts["lm_head.weight"].why, HasSubstr("aten::cross_entropy_loss"));
+      EXPECT_THAT(plan.Report(), HasSubstr("lm_head.weight"));
+    });
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, AutoTensorParallelTest, ::testing::Values(2, 4));
+
+TEST(AutoTensorParallelErrorsTest, HeadsThatDoNotDivideAreNamed) {
+  Sizes sizes;
+  sizes.embd = 24;
+  sizes.heads = 3;
+  torch::manual_seed(0);
+  Gpt model(sizes);
+  const at::Tensor idx = at::zeros({1, sizes.block}, at::kLong);
+  std::unique_ptr<ModelGraph> graph = Traced(model, idx, idx);
+  ASSERT_NE(graph, nullptr);
+  absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(*graph, {2, 0, "tp"});
+  ASSERT_FALSE(sharded.ok());
+  EXPECT_THAT(std::string(sharded.status().message()), HasSubstr("aten::view"));
+  EXPECT_THAT(std::string(sharded.status().message()), HasSubstr("size 3"));
+}
+
+TEST(AutoTensorParallelErrorsTest, AModelWithNothingToSplitIsRefused) {
+  torch::nn::Linear head(8, 4);
+  const at::Tensor x = at::randn({2, 8});
+  auto graph = ModelGraph::Trace(*head, {x}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{head->forward(in[0])};
+  });
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(**graph, {2, 0, "tp"});
+  ASSERT_FALSE(sharded.ok());
+  EXPECT_THAT(std::string(sharded.status().message()), HasSubstr("no matrix product it can split"));
+  EXPECT_THAT(std::string(sharded.status().message()), HasSubstr("the model's outputs"));
+}
+
+}  // namespace
+}  // namespace trident
