@@ -61,11 +61,6 @@ namespace {
 TRIDENT_REGISTER_MODEL("torchscript", [](const ComponentArgs& args, const ModelContext& context)
                                           -> absl::StatusOr<ModelSource> {
   TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"path", "block_size", "vocab_size"}));
-  if (context.tp.size > 1) {
-    return absl::UnimplementedError(
-        "tp > 1 with a TorchScript model needs automatic tensor parallelism, which Trident does "
-        "not have yet; use tp=1 (dp and pp work)");
-  }
   ModelSource source = ModelSource::FromTorchScript(args.GetString("path", ""));
   if (source.torchscript_path.empty()) {
     return absl::InvalidArgumentError("model 'torchscript' needs a path (--model=torchscript:PATH)");

@@ -95,7 +95,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, P
 absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const Batch& example) {
   // Built locally first; one rank's failure reaches all before any messages.
   absl::StatusOr<internal::ModelPart> built =
-      internal::BuildModelPart(source, plan, stage, device, example);
+      internal::BuildModelPart(source, plan, stage, tp != nullptr ? tp->rank() : 0, device, example);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), built.status(), "building the model"));
   part = *std::move(built);
   if (auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get())) {
@@ -231,10 +231,8 @@ absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {
     for (int64_t i = c.first_layer; i < c.end_layer; ++i) reads_data |= !part.layers->BatchFields(i).empty();
   }
   reads_data |= HoldsLastStage();
-  if (source.shards) {
-    for (const auto& [name, spec] : source.shards(*part.layers)) {
-      if (std::find(names.begin(), names.end(), name) != names.end()) shards[name] = spec;
-    }
+  for (const auto& [name, spec] : source.shards ? source.shards(*part.layers) : part.shards) {
+    if (std::find(names.begin(), names.end(), name) != names.end()) shards[name] = spec;
   }
   // A parameter several stages hold (by name) is tied: its gradients are summed.
   std::vector<std::vector<std::string>> by_stage = {names};
@@ -395,6 +393,9 @@ std::string ParallelModel::Describe() const {
                                            m.part.traced ? "shards" : "layers", s.first_layer(),
                                            s.end_layer() - 1, named ? s.layer_names(0) : "",
                                            named ? s.layer_names(s.layer_names_size() - 1) : ""));
+  }
+  if (!m.part.tensor_parallel_report.empty()) {
+    absl::StrAppend(&text, "  automatic tensor parallelism:\n", m.part.tensor_parallel_report);
   }
   auto tensors = [](size_t n) { return absl::StrCat(n, n == 1 ? " tensor" : " tensors"); };
   for (size_t c = 0; c < m.part.chunks.size(); ++c) {

@@ -231,7 +231,9 @@ TEST(ParallelModelTest, SetupErrorsReachEveryRank) {
                 HasSubstr("a traced model is cut with farthest_min_deps or nearest_min_deps"));
     plan.split_method = "nearest_min_deps";
     plan.tp = 2;
-    EXPECT_THAT(std::string(CheckSource(no_loss, plan).message()), HasSubstr("needs automatic tensor parallelism"));
+    plan.trace_method = "none";
+    EXPECT_THAT(std::string(CheckSource(no_loss, plan).message()), HasSubstr("trace it (trace_method=jit)"));
+    plan.trace_method = "jit";
     plan.tp = 1;
     plan.dp = 2;
     EXPECT_THAT(std::string(Parallelize(no_loss, plan, topology->get(), example, Sgd()).status().message()),

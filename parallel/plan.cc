@@ -79,11 +79,10 @@ absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan) {
   const bool layers = source.kind == ModelSource::Kind::kLayers ||
                       (source.kind == ModelSource::Kind::kModule && plan.trace_method == "layers");
   const int64_t stages = static_cast<int64_t>(plan.pp) * plan.virtual_stages;
-  if (plan.tp > 1 && !layers) {
-    return absl::UnimplementedError(
-        "tp > 1 with a traced model needs automatic tensor parallelism, which Trident does not have "
-        "yet; build the model's layers tensor-parallel (ParallelLinear and ApplyTensorParallel) as a "
-        "LayerSequence, or use tp=1");
+  if (plan.tp > 1 && !layers && plan.trace_method != "jit") {
+    return absl::InvalidArgumentError(
+        "tp > 1 splits a module's layers through its traced graph; trace it (trace_method=jit), or "
+        "build its layers tensor-parallel (ParallelLinear and ApplyTensorParallel) as a LayerSequence");
   }
   if (source.kind == ModelSource::Kind::kLayers) {
     if (!plan.split_method.empty() && plan.split_method != "layer_split") {

@@ -350,7 +350,13 @@ class Planner {
       if (at == d) return false;
       return set(node->output(), d > at ? d - 1 : d);
     }
-    if (kind == "aten::slice") return Normalized(*IntOf(node->input(1)), rank) != d && set(node->output(), d);
+    if (kind == "aten::slice") {  // along another dimension, or all of the split one (x[:, :, None])
+      if (Normalized(*IntOf(node->input(1)), rank) != d) return set(node->output(), d);
+      const std::optional<int64_t> start = IntOf(node->input(2)), end = IntOf(node->input(3)), step = IntOf(node->input(4));
+      const bool whole = (IsNone(node->input(2)) || start == 0) && (IsNone(node->input(3)) || (end && *end >= ShapeOf(x)[d])) &&
+                         step == 1;
+      return whole && set(node->output(), d);
+    }
     if (kind == "aten::select") {
       const int64_t at = Normalized(*IntOf(node->input(1)), rank);
       return at != d && set(node->output(), d > at ? d - 1 : d);
@@ -553,8 +559,11 @@ class Planner {
       while (target < j && out[target] == 1) ++target;
       if (target == j) return false;
       if (out[target] % tp_ != 0) {
+        std::vector<std::string> products;
+        for (const Node* origin : origins) products.push_back(Describe(origin));
         return absl::InvalidArgumentError(absl::StrCat(
-            "automatic tensor parallelism: ", Describe(node), " makes a dimension of size ", out[target],
+            "automatic tensor parallelism: ", Describe(node), ", on the split output of ",
+            absl::StrJoin(products, " and "), ", makes a dimension of size ", out[target],
             " from the split one (attention heads, for example), which tp=", tp_,
             " does not divide; choose a tp that divides ", out[target]));
       }

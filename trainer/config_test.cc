@@ -179,8 +179,6 @@ TEST(ModelComponentTest, PresetsOverridesAndChecks) {
   scripted.set_block_size(64);
   EXPECT_EQ(ModelComponent(scripted).first, "torchscript");
   EXPECT_THAT(Message(source(scripted).status()), HasSubstr("cannot read TorchScript file /nonexistent/model.pt"));
-  scripted.set_tp(2);
-  EXPECT_THAT(Message(source(scripted).status()), HasSubstr("needs automatic tensor parallelism"));
 }
 
 // A config file may name components by type with their arguments.

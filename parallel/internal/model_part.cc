@@ -10,6 +10,7 @@
 #include "graph/graph_layers.h"
 #include "graph/model_graph.h"
 #include "partition/partition.h"
+#include "tensor_parallel/tensor_parallel.h"
 
 namespace trident {
 namespace internal {
@@ -125,10 +126,12 @@ struct WholeModel {
   std::vector<LayerProfile> shards;       // traced: what each shard reads and computes (else empty)
   double total_flops = 0;                 // traced: forward FLOPs of one micro-batch
   std::map<std::string, std::string> aliases;
+  std::map<std::string, ShardSpec> tensor_parallel_shards;  // traced at tp > 1
+  std::string tensor_parallel_report;
 };
 
-absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelPlan& plan, const at::Device& device,
-                                      const Batch& example) {
+absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelPlan& plan, int tp_rank,
+                                      const at::Device& device, const Batch& example) {
   NamedTensors parameters;
   std::function<Values(const Values&)> forward;
   std::shared_ptr<void> owner;
@@ -163,22 +166,34 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   const Batch on_device = ToDevice(example, device);
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ModelGraph> graph,
                            ModelGraph::Trace(parameters, on_device, traced_forward, CheckBatch(on_device), owner));
+  WholeModel whole;
+  if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
+    TRIDENT_ASSIGN_OR_RETURN(
+        TensorParallelGraph sharded,
+        AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel}));
+    const std::map<std::string, std::string> aliases = graph->aliases();
+    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(sharded.parameters, on_device, sharded.forward,
+                                                      CheckBatch(on_device), owner));
+    whole.tensor_parallel_shards = std::move(sharded.shards);
+    whole.tensor_parallel_report = sharded.plan.Report();
+    whole.aliases = aliases;
+  } else {
+    whole.aliases = graph->aliases();
+  }
   const std::string split = plan.split_method.empty() ? "farthest_min_deps" : plan.split_method;
   const int shard_count = plan.shard_count > 0 ? plan.shard_count : DefaultShardCount(*graph);
   TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards,
                            SplitIntoShards(*graph, split, shard_count, plan.leaf_modules));
-  WholeModel whole;
   whole.shards = ShardProfiles(*graph, shards);
   whole.total_flops = graph->total_flops();
-  whole.aliases = graph->aliases();
   std::shared_ptr<ModelGraph> shared(std::move(graph));
   TRIDENT_ASSIGN_OR_RETURN(whole.layers, GraphLayers::Create(shared, shards));
   return whole;
 }
 
-absl::StatusOr<WholeModel> RunWhole(const ModelSource& source, const ParallelPlan& plan, const at::Device& device,
-                                    const Batch& example) {
-  if (plan.trace_method == "jit") return TraceGraph(source, plan, device, example);
+absl::StatusOr<WholeModel> RunWhole(const ModelSource& source, const ParallelPlan& plan, int tp_rank,
+                                    const at::Device& device, const Batch& example) {
+  if (plan.trace_method == "jit") return TraceGraph(source, plan, tp_rank, device, example);
   if (plan.trace_method != "none") {
     return absl::InvalidArgumentError(absl::StrCat("trace_method='", plan.trace_method,
                                                    "' is unknown; choose jit, layers or none"));
@@ -231,13 +246,13 @@ absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& in
 }
 
 absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const ParallelPlan& plan, int stage,
-                                         const at::Device& device, const Batch& example) {
+                                         int tp_rank, const at::Device& device, const Batch& example) {
   ModelPart part;
   TRIDENT_ASSIGN_OR_RETURN(ModelSource source, ResolveLayerModule(given, plan));
   if (source.kind == ModelSource::Kind::kLayers) {
     TRIDENT_RETURN_IF_ERROR(BuildLayers(source, plan, example, &part));
   } else {
-    TRIDENT_ASSIGN_OR_RETURN(WholeModel whole, RunWhole(source, plan, device, example));
+    TRIDENT_ASSIGN_OR_RETURN(WholeModel whole, RunWhole(source, plan, tp_rank, device, example));
     part.layers = std::move(whole.layers);
     part.loss_inside = true;
     part.traced = !whole.shards.empty();
@@ -246,6 +261,8 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages(whole.shards, StagePartition(plan)));
       part.flops_per_sample = 3.0 * whole.total_flops / std::max<int64_t>(1, plan.micro_batch_size);
       part.aliases = std::move(whole.aliases);
+      part.shards = std::move(whole.tensor_parallel_shards);
+      part.tensor_parallel_report = std::move(whole.tensor_parallel_report);
     } else {
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
     }
@@ -269,7 +286,8 @@ absl::StatusOr<SourceLayers> LayersOf(const ModelSource& given, const ParallelPl
   SourceLayers result;
   TRIDENT_ASSIGN_OR_RETURN(result.layers, internal::ResolveLayerModule(given, plan));
   if (result.layers.kind == ModelSource::Kind::kLayers) return result;
-  TRIDENT_ASSIGN_OR_RETURN(internal::WholeModel whole, internal::RunWhole(result.layers, plan, at::kCPU, example));
+  TRIDENT_ASSIGN_OR_RETURN(internal::WholeModel whole,
+                           internal::RunWhole(result.layers, plan, /*tp_rank=*/0, at::kCPU, example));
   for (const LayerProfile& shard : whole.shards) result.forward_flops.push_back(shard.forward_flops);
   std::shared_ptr<LayerSequence> layers = std::move(whole.layers);
   ModelSource source = ModelSource::FromLayerBuilder(

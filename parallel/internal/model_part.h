@@ -26,14 +26,19 @@ struct ModelPart {
   std::map<std::string, std::string> aliases;  // second names of tied parameters
   double flops_per_sample = 0;            // known for traced graphs
   bool traced = false;
+  // Traced graphs at tp > 1: how the automatic pass sliced parameters, and
+  // its plan as a table.
+  std::map<std::string, ShardSpec> shards;
+  std::string tensor_parallel_report;
   // Module sources: a given loss function runs inside the layers, its result
   // first among the last layer's outputs.
   bool loss_inside = false;
 };
 
-// Builds `stage`'s part of `source`. `example` is one micro-batch.
-absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& source, const ParallelPlan& plan,
-                                         int stage, const at::Device& device, const Batch& example);
+// Builds `stage`'s part of `source` for tensor-parallel rank `tp_rank`.
+// `example` is one micro-batch.
+absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& source, const ParallelPlan& plan, int stage,
+                                         int tp_rank, const at::Device& device, const Batch& example);
 
 // The batch fields `forward` takes: `input_names` looked up in `field_names`
 // (all fields, in order, when empty). Errors name an unknown input.

@@ -1,13 +1,17 @@
 """A nanoGPT-style model written in Python, for Trident's TorchScript tests.
 
-  torchscript_gpt.py save OUT.pt            traces the model (fixed seed) and saves it
+  torchscript_gpt.py save OUT.pt [llama]    traces the model (fixed seed) and saves it; with
+                                            `llama`, a Llama-style model (RMSNorm, rotary
+                                            embeddings, grouped-query attention, SwiGLU)
   torchscript_gpt.py save_logits OUT.pt     the same model returning only logits (forward(idx))
   torchscript_gpt.py save_branching OUT.pt  a scripted model whose control flow reads its data
-  torchscript_gpt.py train OUT.pt DATA_DIR STEPS > losses.txt
+  torchscript_gpt.py train OUT.pt DATA_DIR STEPS [llama] > losses.txt
                                             trains the same module eagerly with Trident's
                                             recipe and prints one loss per step
   torchscript_gpt.py tied EXPORT.safetensors
                                             checks the exported tied weights are equal
+  torchscript_gpt.py compare A.safetensors B.safetensors
+                                            checks two exports hold the same tensors (1e-5)
 
 The recipe matches `train --noshuffle` with the flags in torchscript_test.sh:
 global batch 8, AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices
@@ -23,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB, BLOCK, EMBD, HEADS, LAYERS = 256, 16, 32, 2, 2
+VOCAB, BLOCK, EMBD, HEADS, LAYERS = 256, 16, 32, 4, 2
+KV_HEADS = 2  # the Llama model's key/value heads
 BATCH, LR, MIN_LR, WARMUP = 8, 3e-3, 1e-4, 5
 
 
@@ -79,6 +84,75 @@ class LogitsOnly(GPT):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(EMBD))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        dim = EMBD // HEADS
+        self.attention_norm = RMSNorm()
+        self.wq = nn.Linear(EMBD, EMBD, bias=False)
+        self.wk = nn.Linear(EMBD, KV_HEADS * dim, bias=False)
+        self.wv = nn.Linear(EMBD, KV_HEADS * dim, bias=False)
+        self.wo = nn.Linear(EMBD, EMBD, bias=False)
+        self.ffn_norm = RMSNorm()
+        self.w1 = nn.Linear(EMBD, 3 * EMBD, bias=False)
+        self.w3 = nn.Linear(EMBD, 3 * EMBD, bias=False)
+        self.w2 = nn.Linear(3 * EMBD, EMBD, bias=False)
+        self.register_buffer("mask", torch.tril(torch.ones(BLOCK, BLOCK)).view(1, 1, BLOCK, BLOCK))
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.size()
+        dim = C // HEADS
+        h = self.attention_norm(x)
+        q = rotate(self.wq(h).view(B, T, HEADS, dim).transpose(1, 2), cos, sin)
+        k = rotate(self.wk(h).view(B, T, KV_HEADS, dim).transpose(1, 2), cos, sin)
+        v = self.wv(h).view(B, T, KV_HEADS, dim).transpose(1, 2)
+        # grouped-query attention as Hugging Face's repeat_kv writes it
+        k = k[:, :, None, :, :].expand(B, KV_HEADS, HEADS // KV_HEADS, T, dim).reshape(B, HEADS, T, dim)
+        v = v[:, :, None, :, :].expand(B, KV_HEADS, HEADS // KV_HEADS, T, dim).reshape(B, HEADS, T, dim)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(dim)
+        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + self.wo(y)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, EMBD)
+        self.layers = nn.ModuleList([LlamaBlock() for _ in range(LAYERS)])
+        self.norm = RMSNorm()
+        self.output = nn.Linear(EMBD, VOCAB, bias=False)
+        dim = EMBD // HEADS
+        angles = torch.arange(BLOCK).float()[:, None] * (10000.0 ** (-torch.arange(0, dim, 2).float() / dim))
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def forward(self, idx, targets):
+        T = idx.size(1)
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, self.cos[:T], self.sin[:T])
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 class Branching(nn.Module):
     def __init__(self):
         super().__init__()
@@ -93,13 +167,13 @@ class Branching(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def build():
+def build(arch="gpt"):
     torch.manual_seed(1234)
-    return GPT()
+    return Llama() if arch == "llama" else GPT()
 
 
-def save(path):
-    model = build()
+def save(path, arch):
+    model = build(arch)
     example = (torch.zeros(2, BLOCK, dtype=torch.long), torch.zeros(2, BLOCK, dtype=torch.long))
     torch.jit.trace(model, example, check_trace=False).save(path)
 
@@ -111,9 +185,9 @@ def learning_rate(step, max_steps):
     return MIN_LR + 0.5 * (1.0 + math.cos(math.pi * progress)) * (LR - MIN_LR)
 
 
-def train(path, data_dir, steps):
+def train(path, data_dir, steps, arch):
     torch.set_num_threads(1)
-    model = build()  # the module Trident loads (traced from these weights), run eagerly
+    model = build(arch)  # the module Trident loads (traced from these weights), run eagerly
     tokens = np.fromfile(f"{data_dir}/train.bin", dtype="<u2").astype(np.int64)
     samples = (len(tokens) - 1) // BLOCK
     params = list(model.parameters())  # tied weights listed once
@@ -127,7 +201,8 @@ def train(path, data_dir, steps):
         x = torch.tensor(np.stack([tokens[k * BLOCK:(k + 1) * BLOCK] for k in index]))
         y = torch.tensor(np.stack([tokens[k * BLOCK + 1:(k + 1) * BLOCK + 1] for k in index]))
         optimizer.zero_grad()
-        _, loss = model(x, y)
+        loss = model(x, y)
+        loss = loss[1] if isinstance(loss, tuple) else loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for group in optimizer.param_groups:
@@ -136,30 +211,46 @@ def train(path, data_dir, steps):
         print(repr(loss.item()))
 
 
-def tied(path):
+def read_safetensors(path):
+    """name -> raw bytes of each tensor (fp32 in these tests), and the header."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
         data = f.read()
+    return {name: data[slice(*entry["data_offsets"])] for name, entry in header.items()
+            if name != "__metadata__"}, header
 
-    def tensor(name):
-        begin, end = header[name]["data_offsets"]
-        return data[begin:end]
 
-    assert tensor("lm_head.weight") == tensor("transformer.wte.weight"), "tied weights differ"
+def tied(path):
+    tensors, _ = read_safetensors(path)
+    assert tensors["lm_head.weight"] == tensors["transformer.wte.weight"], "tied weights differ"
     print("tied weights equal")
+
+
+def compare(path_a, path_b):
+    (a, header_a), (b, header_b) = read_safetensors(path_a), read_safetensors(path_b)
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for name in a:
+        assert header_a[name]["shape"] == header_b[name]["shape"], name
+        x, y = np.frombuffer(a[name], dtype="<f4"), np.frombuffer(b[name], dtype="<f4")
+        worst = np.abs(x - y).max() / max(1.0, np.abs(x).max())
+        assert worst <= 1e-5, (name, worst)
+    print(f"{len(a)} tensors equal")
 
 
 if __name__ == "__main__":
     command = sys.argv[1]
+    arch = sys.argv[-1] if sys.argv[-1] == "llama" else "gpt"
     if command == "save":
-        save(sys.argv[2])
+        save(sys.argv[2], arch)
     elif command == "save_logits":
         torch.manual_seed(1234)
         torch.jit.trace(LogitsOnly(), (torch.zeros(2, BLOCK, dtype=torch.long),), check_trace=False).save(sys.argv[2])
     elif command == "save_branching":
         torch.jit.script(Branching()).save(sys.argv[2])
     elif command == "train":
-        train(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        train(sys.argv[2], sys.argv[3], int(sys.argv[4]), arch)
+    elif command == "compare":
+        compare(sys.argv[2], sys.argv[3])
     else:
         tied(sys.argv[2])
