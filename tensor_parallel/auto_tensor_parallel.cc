@@ -173,6 +173,8 @@ class Planner {
       splits_.clear();
       columns_.clear();
       rows_.clear();
+      embeddings_.clear();
+      cross_entropies_.clear();
       rewrites_.clear();
       conflict_ = nullptr;
       for (Node* node : graph_->nodes()) {
@@ -247,6 +249,47 @@ class Planner {
           absl::StrCat("reduce_from_tp_region after node ", position_[node], " (all-reduces ", Describe(product), ")"));
       plan.bytes_per_micro_batch += AllReduceBytes(product);
     }
+    for (Node* node : embeddings_) {
+      const int64_t vocabulary = ShapeOf(node->input(0))[0] / tp_, start = rank * vocabulary;
+      Value* ids = node->input(1);
+      Value* rows = node->output();
+      const std::vector<torch::jit::Use> uses = rows->uses();
+      Value* outside;
+      {
+        torch::jit::WithInsertPoint here(node);
+        outside = graph_->insert(c10::aten::logical_or, {graph_->insert(c10::aten::lt, {ids, start}),
+                                                         graph_->insert(c10::aten::ge, {ids, start + vocabulary})});
+        node->replaceInput(1, graph_->insert(c10::aten::masked_fill,
+                                             {graph_->insert(c10::aten::sub, {ids, start}), outside, 0}));
+      }
+      torch::jit::WithInsertPoint after(node->next());
+      Value* mine = graph_->insert(c10::aten::masked_fill,
+                                   {rows, graph_->insert(c10::aten::unsqueeze, {outside, -1}), 0.0});
+      Value* result = graph_->insert(reduce, {mine, torch::jit::NamedValue(c10::IValue(group))});
+      for (const torch::jit::Use& use : uses) use.user->replaceInput(use.offset, result);
+      plan.collectives.push_back(absl::StrCat("reduce_from_tp_region after node ", position_[node],
+                                              " (vocabulary-parallel embedding; all-reduces ", Describe(rows), ")"));
+      plan.bytes_per_micro_batch += AllReduceBytes(rows);
+    }
+    for (Node* node : cross_entropies_) {
+      torch::jit::WithInsertPoint here(node);
+      Value* logits = node->input(0);
+      Value* targets = node->input(1);
+      Value* per_token = graph_->insert(c10::Symbol::fromQualString("trident::vocab_parallel_cross_entropy"),
+                                        {logits, targets, torch::jit::NamedValue(c10::IValue(group))});
+      // Ignored targets count for nothing, as in cross_entropy.
+      Value* counted = graph_->insert(
+          c10::aten::type_as, {graph_->insert(c10::aten::ne, {targets, *IntOf(node->input(4))}), per_token});
+      Value* losses = graph_->insert(c10::aten::mul, {per_token, counted});
+      const int64_t reduction = *IntOf(node->input(3));  // 0 none, 1 mean, 2 sum
+      Value* loss = losses;
+      if (reduction != 0) loss = graph_->insert(c10::aten::sum, {losses});
+      if (reduction == 1) loss = graph_->insert(c10::aten::div, {loss, graph_->insert(c10::aten::sum, {counted})});
+      node->output()->replaceAllUsesWith(loss);
+      plan.collectives.push_back(absl::StrCat("vocab_parallel_cross_entropy at node ", position_[node],
+                                              " (all-reduces two values per token)"));
+      plan.bytes_per_micro_batch += 3 * AllReduceBytes(targets) / 2;  // max, then the two sums, in fp32
+    }
     torch::jit::EliminateDeadCode(graph_);
 
     std::vector<ParameterLayout> layouts(names_.size());
@@ -271,6 +314,12 @@ class Planner {
         p->shard = ShardSpec{1, tp_, rank, 1};
       }
     }
+    for (Node* node : embeddings_) {
+      if (ParameterLayout* p = parameter(node->input(0))) {
+        p->role = ParameterLayout::Role::kVocabulary;
+        p->shard = ShardSpec{0, tp_, rank, 1};
+      }
+    }
     for (const auto& [node, why] : whole_) {
       if (ParameterLayout* p = parameter(node->input(1))) p->why = why;
     }
@@ -284,6 +333,8 @@ class Planner {
   absl::StatusOr<bool> Propagate(Node* node) {
     const std::string kind = KindOf(node);
     if (kind == "aten::linear") return Linear(node);
+    if (kind == "aten::embedding") return Embedding(node);
+    if (kind == "aten::cross_entropy_loss" && splits_.count(node->input(0))) return CrossEntropy(node);
     const Split* split = nullptr;
     std::set<Node*> origins;
     for (const Value* input : node->inputs()) {
@@ -429,11 +480,13 @@ class Planner {
   // a row product where x is split along its features.
   absl::StatusOr<bool> Linear(Node* node) {
     auto x = splits_.find(node->input(0));
-    const bool shardable = IsOwnParameter(node->input(1)) && (IsNone(node->input(2)) || IsOwnParameter(node->input(2)));
+    const bool own_bias = IsNone(node->input(2)) || IsOwnParameter(node->input(2));
+    const bool shardable = IsOwnParameter(node->input(1)) && own_bias;
+    const bool tied = !shardable && own_bias && TiedToEmbeddings(node);  // a head tied to the embedding
     const std::vector<int64_t> weight = ShapeOf(node->input(1));
     if (x == splits_.end()) {
-      if (!shardable && weight.size() == 2) whole_[node] = "its weight is read by other operators too (tied)";
-      if (!shardable || whole_.count(node) || weight.size() != 2) return true;
+      if (!shardable && !tied && weight.size() == 2) whole_[node] = "its weight is read by other operators too";
+      if ((!shardable && !tied) || whole_.count(node) || weight.size() != 2) return true;
       const int64_t blocks = PiecesTakenApart(node->output());
       if (weight[0] % (blocks * tp_) != 0) {
         whole_[node] = absl::StrCat(weight[0], " output features", blocks > 1 ? absl::StrCat(" in ", blocks, " pieces") : "",
@@ -451,6 +504,62 @@ class Planner {
                                                      " does not divide"));
     }
     rows_.push_back(node);
+    return true;
+  }
+
+  // Whether the weight of linear `node` is otherwise read only by embeddings
+  // that can split their vocabulary (a head tied to the token embedding).
+  bool TiedToEmbeddings(const Node* node) const {
+    const Value* weight = node->input(1);
+    if (!IsParameter(*graph_, first_parameter_, weight)) return false;
+    int linears = 0;
+    for (const torch::jit::Use& use : weight->uses()) {
+      const std::string kind = KindOf(use.user);
+      if (kind == "aten::linear" && use.offset == 1) {
+        ++linears;
+      } else if (kind != "aten::embedding" || use.offset != 0 || !VocabularySplits(use.user)) {
+        return false;
+      }
+    }
+    return linears == 1;
+  }
+
+  // An embedding of the model's input ids (token embeddings, not position
+  // tables indexed by computed positions) whose vocabulary tp divides and
+  // that has no padding row.
+  bool VocabularySplits(const Node* embedding) const {
+    const std::vector<int64_t> weight = ShapeOf(embedding->input(0));
+    return weight.size() == 2 && weight[0] % tp_ == 0 && IntOf(embedding->input(2)).value_or(0) == -1 &&
+           IsParameter(*graph_, first_parameter_, embedding->input(0)) &&
+           embedding->input(1)->node()->kind() == c10::prim::Param;
+  }
+
+  // aten::embedding(weight, ids, ...): vocabulary-parallel (each rank looks
+  // up the ids in its rows, the rows summed over the group), unless its
+  // weight is tied to a head kept whole, or read otherwise.
+  absl::StatusOr<bool> Embedding(Node* node) {
+    if (splits_.count(node->input(1))) return false;
+    const Value* weight = node->input(0);
+    if (!VocabularySplits(node)) return true;
+    for (const torch::jit::Use& use : weight->uses()) {
+      const std::string kind = KindOf(use.user);
+      if (kind == "aten::embedding") continue;
+      if (kind != "aten::linear" || whole_.count(use.user) || !TiedToEmbeddings(use.user)) return true;
+    }
+    embeddings_.push_back(node);
+    return true;
+  }
+
+  // cross_entropy_loss of logits split along the vocabulary: the
+  // vocabulary-parallel cross-entropy, which never gathers the logits.
+  bool CrossEntropy(Node* node) {
+    const Split& logits = splits_.at(node->input(0));
+    const bool plain = RankOf(node->input(0)) == 2 && logits.dim == 1 && logits.blocks == 1 &&
+                       !splits_.count(node->input(1)) && IsNone(node->input(2)) &&
+                       torch::jit::toIValue(node->input(5)).value_or(c10::IValue(1.0)).toDouble() == 0.0 &&
+                       IntOf(node->input(3)).has_value() && IntOf(node->input(4)).has_value();
+    if (!plain) return false;
+    cross_entropies_.push_back(node);
     return true;
   }
 
@@ -607,6 +716,8 @@ class Planner {
   std::map<const Value*, Split> splits_;
   std::map<Node*, int64_t> columns_;  // column products -> pieces of their output
   std::vector<Node*> rows_;
+  std::vector<Node*> embeddings_;       // vocabulary-parallel embeddings
+  std::vector<Node*> cross_entropies_;  // of vocabulary-split logits
   std::vector<ArgumentRewrite> rewrites_;
   std::map<Node*, std::string> whole_;  // products kept whole, and why
   Node* conflict_ = nullptr;
@@ -624,6 +735,20 @@ std::vector<at::Tensor> Unpack(const torch::jit::Stack& stack) {
   return outputs;
 }
 
+// Drops every output but the first scalar floating-point one (the loss).
+void KeepOnlyTheLoss(Graph& graph) {
+  for (size_t i = 0; i < graph.outputs().size(); ++i) {
+    const Value* output = graph.outputs()[i];
+    auto type = output->type()->cast<c10::TensorType>();
+    if (!type || RankOf(output) != 0 || !type->scalarType() || !c10::isFloatingType(*type->scalarType())) continue;
+    for (size_t j = graph.outputs().size(); j-- > 0;) {
+      if (j != i) graph.eraseOutput(j);
+    }
+    torch::jit::EliminateDeadCode(graph.block());
+    return;
+  }
+}
+
 }  // namespace
 
 std::string AutoTensorParallelPlan::Report() const {
@@ -633,7 +758,9 @@ std::string AutoTensorParallelPlan::Report() const {
     std::string layout = "replicated", detail = p.why;
     if (p.role != ParameterLayout::Role::kReplicated) {
       ++split;
-      layout = p.role == ParameterLayout::Role::kColumn ? "column" : "row";
+      layout = p.role == ParameterLayout::Role::kColumn ? "column"
+               : p.role == ParameterLayout::Role::kRow  ? "row"
+                                                        : "vocabulary";
       detail = absl::StrCat("dim ", p.shard.dim, ", part ", p.shard.index, " of ", p.shard.parts,
                             p.shard.blocks > 1 ? absl::StrCat(" in each of ", p.shard.blocks, " pieces") : "");
     }
@@ -646,13 +773,15 @@ std::string AutoTensorParallelPlan::Report() const {
   return report;
 }
 
-absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, const TensorParallelism& tp) {
+absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, const TensorParallelism& tp,
+                                                       const AutoTensorParallelOptions& options) {
   if (tp.sequence_parallel) {
     return absl::UnimplementedError(
         "sequence_parallel with automatic tensor parallelism of a traced model is not supported yet; "
         "turn sequence_parallel off, or build the model's layers tensor-parallel");
   }
   std::shared_ptr<Graph> graph = model.jit_graph()->copy();
+  if (options.loss_only) KeepOnlyTheLoss(*graph);
   CanonicalizeLinearProducts(*graph, graph->inputs().size() - model.parameters().size());
   Planner planner(graph, model.parameter_names(), tp.size);
   TRIDENT_RETURN_IF_ERROR(planner.Plan());

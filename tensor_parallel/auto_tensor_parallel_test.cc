@@ -216,10 +216,16 @@ TEST_P(AutoTensorParallelTest, GptEqualsOneProcessWithMegatronsPlan) {
         EXPECT_EQ(layouts[layer + "mlp_proj.weight"].role, ParameterLayout::Role::kRow);
         EXPECT_EQ(layouts[layer + "ln_1.weight"].role, ParameterLayout::Role::kReplicated);
       }
-      EXPECT_EQ(layouts["wte.weight"].role, ParameterLayout::Role::kReplicated);
-      EXPECT_THAT(layouts["wte.weight"].why, HasSubstr("tied"));
-      // Per block: one copy before the q, k, v and one before the MLP; two all-reduces.
-      EXPECT_EQ(plan.collectives.size(), 8u);
+      // The embedding splits its vocabulary, and so does the head tied to it.
+      EXPECT_EQ(layouts["wte.weight"].role, ParameterLayout::Role::kVocabulary);
+      EXPECT_EQ(layouts["wte.weight"].shard.dim, 0);
+      EXPECT_EQ(layouts["wpe.weight"].role, ParameterLayout::Role::kReplicated);
+      EXPECT_EQ(layouts["ln_f.weight"].role, ParameterLayout::Role::kReplicated);
+      // Per block: one copy before the q, k, v and one before the MLP, two
+      // all-reduces; the embedding's all-reduce, the copy before the head and
+      // the vocabulary-parallel cross-entropy.
+      EXPECT_EQ(plan.collectives.size(), 11u);
+      EXPECT_THAT(plan.collectives.back(), HasSubstr("vocab_parallel_cross_entropy"));
       EXPECT_GT(plan.bytes_per_micro_batch, 0);
     });
   });
@@ -237,8 +243,9 @@ TEST_P(AutoTensorParallelTest, LlamaEqualsOneProcessWithMegatronsPlan) {
       }
       EXPECT_EQ(layouts["layers.1.o_proj.weight"].role, ParameterLayout::Role::kRow);
       EXPECT_EQ(layouts["layers.1.down.weight"].role, ParameterLayout::Role::kRow);
-      EXPECT_EQ(layouts["lm_head.weight"].role, ParameterLayout::Role::kReplicated);
-      EXPECT_THAT(layouts["lm_head.weight"].why, HasSubstr("aten::cross_entropy_loss"));
+      EXPECT_EQ(layouts["lm_head.weight"].role, ParameterLayout::Role::kColumn);
+      EXPECT_EQ(layouts["embed.weight"].role, ParameterLayout::Role::kVocabulary);
+      EXPECT_EQ(layouts["layers.0.attention_norm"].role, ParameterLayout::Role::kReplicated);
       EXPECT_THAT(plan.Report(), HasSubstr("lm_head.weight"));
     });
   });

@@ -206,7 +206,10 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
 // is replicated (its output split along the features: by heads after a view,
 // each piece split when a fused q, k, v projection is taken apart), and
 // row-parallel where its input is split along its features (its output
-// all-reduced, the bias added after). Element-wise operators, views,
+// all-reduced, the bias added after). Embeddings split their vocabulary (a
+// head tied to one splits the same rows), and the cross-entropy of logits
+// split along the vocabulary becomes the vocabulary-parallel cross-entropy.
+// Element-wise operators, views,
 // transposes, splits, batched products and softmax keep a split; sizes the
 // split changes (a head count in a view) are rewritten. A column product
 // whose split would reach an operator the pass cannot split (a norm over the
@@ -218,7 +221,9 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
 //   std::cout << tp_graph->plan.Report();
 //   auto part = ModelGraph::Trace(tp_graph->parameters, inputs, tp_graph->forward);
 struct ParameterLayout {
-  enum class Role { kReplicated, kColumn, kRow };
+  // kVocabulary: an embedding's rows (a head tied to it is column-parallel
+  // over the same rows).
+  enum class Role { kReplicated, kColumn, kRow, kVocabulary };
   std::string name;
   Role role = Role::kReplicated;
   ShardSpec shard;  // column and row parameters: this rank's slice
@@ -247,9 +252,17 @@ struct TensorParallelGraph {
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
 };
 
+struct AutoTensorParallelOptions {
+  // Keep only the model's loss (its first scalar floating-point output):
+  // other outputs (logits returned beside the loss) would hold the head's
+  // split output, which training does not read.
+  bool loss_only = false;
+};
+
 // Errors where a split dimension does not divide tp (naming the operator and
 // the size), and where no product can be split at all.
-absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& graph, const TensorParallelism& tp);
+absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& graph, const TensorParallelism& tp,
+                                                       const AutoTensorParallelOptions& options = {});
 
 }  // namespace trident
 

@@ -170,7 +170,8 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
     TRIDENT_ASSIGN_OR_RETURN(
         TensorParallelGraph sharded,
-        AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel}));
+        AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel},
+                           {.loss_only = !source.returns_logits}));
     const std::map<std::string, std::string> aliases = graph->aliases();
     TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(sharded.parameters, on_device, sharded.forward,
                                                       CheckBatch(on_device), owner));
