@@ -345,12 +345,10 @@ class Planner {
     }
     if (split == nullptr) return true;  // all inputs replicated: so are the outputs
     const Split first = *split;
-    auto set = [&](Value* value, int64_t dim, int64_t blocks = 1) {
+    auto set = [&](Value* value, int64_t dim, int64_t blocks) {
       splits_[value] = Split{dim, blocks, origins};
       return true;
     };
-    Value* x = node->inputs().empty() ? nullptr : node->input(0);
-    const Split* x_split = x != nullptr && splits_.count(x) ? &splits_.at(x) : nullptr;
     if (kind == "prim::ListUnpack") {
       for (Value* output : node->outputs()) set(output, first.dim, first.blocks);
       return true;
@@ -358,107 +356,106 @@ class Planner {
     if (kind == "prim::ListConstruct") {  // tensors for cat or stack: split alike
       for (const Value* input : node->inputs()) {
         auto it = splits_.find(input);
-        if (it == splits_.end() || it->second.dim != first.dim || it->second.blocks != 1) return false;
+        if (it == splits_.end() || it->second.dim != first.dim || it->second.blocks != first.blocks) return false;
       }
-      return set(node->output(), first.dim);
-    }
-    if (first.blocks != 1 && kind != "aten::split" && kind != "aten::unsafe_split" && kind != "aten::chunk" &&
-        kind != "aten::unsafe_chunk") {
-      return false;  // the pieces of a fused product must be separated first
+      return set(node->output(), first.dim, first.blocks);
     }
     if (ElementWise().count(kind)) return Broadcast(node, origins);
-    if (x_split == nullptr) return false;  // below, the split input is the first
+    if (kind == "aten::matmul" || kind == "aten::bmm" || kind == "aten::baddbmm") return MatrixProduct(node, origins);
+    Value* x = node->input(0);
+    if (!splits_.count(x)) return false;  // below, the split input is the first
     const int64_t rank = RankOf(x);
-    const int64_t d = x_split->dim;
+    const int64_t d = first.dim, blocks = first.blocks;
+    auto dim_argument = [&](size_t input, int64_t of_rank) { return Normalized(*IntOf(node->input(input)), of_rank); };
     if (kind == "aten::transpose") {
-      const int64_t a = Normalized(*IntOf(node->input(1)), rank), b = Normalized(*IntOf(node->input(2)), rank);
-      return set(node->output(), d == a ? b : d == b ? a : d);
+      const int64_t a = dim_argument(1, rank), b = dim_argument(2, rank);
+      return set(node->output(), d == a ? b : d == b ? a : d, blocks);
     }
-    if (kind == "aten::t") return set(node->output(), rank == 2 ? 1 - d : d);
+    if (kind == "aten::t") return set(node->output(), rank == 2 ? 1 - d : d, blocks);
     if (kind == "aten::permute") {
       const std::vector<int64_t> dims = *IntsOf(node->input(1));
       for (size_t i = 0; i < dims.size(); ++i) {
-        if (Normalized(dims[i], rank) == d) return set(node->output(), static_cast<int64_t>(i));
+        if (Normalized(dims[i], rank) == d) return set(node->output(), static_cast<int64_t>(i), blocks);
       }
       return false;
     }
-    if (kind == "aten::view" || kind == "aten::reshape" || kind == "aten::_unsafe_view") return View(node, d, origins);
+    if (kind == "aten::view" || kind == "aten::reshape" || kind == "aten::_unsafe_view") return View(node, first);
     if (kind == "aten::expand") {
+      if (blocks != 1) return false;
       const int64_t out_dim = d + RankOf(node->output()) - rank;
       std::vector<int64_t> sizes = *IntsOf(node->input(1));
       if (sizes[out_dim] != -1) {
         sizes[out_dim] /= tp_;
         rewrites_.push_back({node, 1, c10::IValue(sizes)});
       }
-      return set(node->output(), out_dim);
+      return set(node->output(), out_dim, 1);
     }
     if (kind == "aten::unsqueeze") {
-      const int64_t at = Normalized(*IntOf(node->input(1)), rank + 1);
-      return set(node->output(), d >= at ? d + 1 : d);
+      const int64_t at = dim_argument(1, rank + 1);
+      return set(node->output(), d >= at ? d + 1 : d, blocks);
     }
     if (kind == "aten::squeeze" && node->inputs().size() == 2 && IntOf(node->input(1))) {
-      const int64_t at = Normalized(*IntOf(node->input(1)), rank);
-      if (at == d) return false;
-      return set(node->output(), d > at ? d - 1 : d);
+      const int64_t at = dim_argument(1, rank);
+      return at != d && set(node->output(), d > at ? d - 1 : d, blocks);
     }
-    if (kind == "aten::slice") {  // along another dimension, or all of the split one (x[:, :, None])
-      if (Normalized(*IntOf(node->input(1)), rank) != d) return set(node->output(), d);
+    if (kind == "aten::slice" || kind == "aten::narrow") {  // along another dimension, or all of the split one
+      if (dim_argument(1, rank) != d) return set(node->output(), d, blocks);
+      if (kind == "aten::narrow") return false;
       const std::optional<int64_t> start = IntOf(node->input(2)), end = IntOf(node->input(3)), step = IntOf(node->input(4));
-      const bool whole = (IsNone(node->input(2)) || start == 0) && (IsNone(node->input(3)) || (end && *end >= ShapeOf(x)[d])) &&
-                         step == 1;
-      return whole && set(node->output(), d);
+      const bool all = (IsNone(node->input(2)) || start == 0) &&
+                       (IsNone(node->input(3)) || (end && *end >= ShapeOf(x)[d])) && step == 1;
+      return all && set(node->output(), d, blocks);
     }
     if (kind == "aten::select") {
-      const int64_t at = Normalized(*IntOf(node->input(1)), rank);
-      return at != d && set(node->output(), d > at ? d - 1 : d);
+      const int64_t at = dim_argument(1, rank);
+      return at != d && set(node->output(), d > at ? d - 1 : d, blocks);
     }
     if (kind == "aten::split" || kind == "aten::unsafe_split" || kind == "aten::chunk" ||
         kind == "aten::unsafe_chunk") {
-      const int64_t at = Normalized(*IntOf(node->input(2)), rank);
-      if (at != d) return first.blocks == 1 && set(node->output(), d);
+      if (dim_argument(2, rank) != d) return set(node->output(), d, blocks);
+      // Taking a fused product apart into its pieces.
       const bool by_size = kind == "aten::split" || kind == "aten::unsafe_split";
       const std::optional<int64_t> argument = IntOf(node->input(1));
       if (!argument) return false;
       const int64_t pieces = by_size ? ShapeOf(x)[d] / *argument : *argument;
-      if (pieces != first.blocks || pieces == 1) return false;
+      if (pieces != blocks || pieces == 1) return false;
       if (by_size) rewrites_.push_back({node, 1, c10::IValue(*argument / tp_)});
-      return set(node->output(), d);
+      return set(node->output(), d, 1);
     }
     if (kind == "aten::cat" || kind == "aten::stack") {
-      const int64_t out_rank = RankOf(node->output());
-      const int64_t at = Normalized(*IntOf(node->input(1)), out_rank);
-      if (kind == "aten::cat") return at != d && set(node->output(), d);
-      return set(node->output(), d >= at ? d + 1 : d);
+      const int64_t at = dim_argument(1, RankOf(node->output()));
+      if (kind == "aten::cat") return at != d && set(node->output(), d, blocks);
+      return set(node->output(), d >= at ? d + 1 : d, blocks);
     }
     if (kind == "aten::softmax" || kind == "aten::log_softmax" || kind == "aten::_softmax") {
-      return Normalized(*IntOf(node->input(1)), rank) != d && set(node->output(), d);
+      return dim_argument(1, rank) != d && set(node->output(), d, blocks);
     }
     if (kind == "aten::layer_norm") {
       const int64_t normalized = static_cast<int64_t>(IntsOf(node->input(1))->size());
       for (size_t i = 1; i < node->inputs().size(); ++i) {
         if (splits_.count(node->input(i))) return false;
       }
-      return d < rank - normalized && set(node->output(), d);
+      return d < rank - normalized && set(node->output(), d, blocks);
     }
-    if (kind == "aten::matmul" || kind == "aten::bmm") return MatrixProduct(node, origins);
     if (kind == "aten::scaled_dot_product_attention") {
       for (size_t i = 0; i < 3; ++i) {
         auto it = splits_.find(node->input(i));
-        if (it == splits_.end() || it->second.dim != d) return false;
+        if (it == splits_.end() || it->second.dim != d || it->second.blocks != blocks) return false;
       }
       if (d >= rank - 2) return false;
       const Value* mask = node->input(3);
       if (!IsNone(mask) && !Broadcasts(mask, d, rank)) return false;
-      return set(node->output(), d);
+      return set(node->output(), d, blocks);
     }
     if (kind == "aten::repeat_interleave" && node->inputs().size() >= 3 && IntOf(node->input(1))) {
       // Grouped-query attention: each rank's key/value heads serve its query heads.
+      if (blocks != 1) return false;
       if (node->inputs().size() >= 4 && !IsNone(node->input(3))) {
         const std::optional<int64_t> size = IntOf(node->input(3));
         if (!size) return false;
         rewrites_.push_back({node, 3, c10::IValue(*size / tp_)});
       }
-      return set(node->output(), d);
+      return set(node->output(), d, 1);
     }
     if (kind == "aten::mean" || kind == "aten::sum") {
       if (node->inputs().size() < 3) return false;  // a full reduction
@@ -471,11 +468,10 @@ class Planner {
         if (reduced == d) return false;
         if (reduced < d && !(keep && *keep)) --out;
       }
-      return set(node->output(), out);
+      return set(node->output(), out, blocks);
     }
     return false;
   }
-
   // aten::linear(x, weight, bias): a column product where x is replicated,
   // a row product where x is split along its features.
   absl::StatusOr<bool> Linear(Node* node) {
@@ -487,7 +483,7 @@ class Planner {
     if (x == splits_.end()) {
       if (!shardable && !tied && weight.size() == 2) whole_[node] = "its weight is read by other operators too";
       if ((!shardable && !tied) || whole_.count(node) || weight.size() != 2) return true;
-      const int64_t blocks = PiecesTakenApart(node->output());
+      const int64_t blocks = PiecesTakenApart(node);
       if (weight[0] % (blocks * tp_) != 0) {
         whole_[node] = absl::StrCat(weight[0], " output features", blocks > 1 ? absl::StrCat(" in ", blocks, " pieces") : "",
                                     " do not split ", tp_, " ways");
@@ -563,13 +559,24 @@ class Planner {
     return true;
   }
 
-  // How many equal pieces the only user of `product` takes it apart into
-  // along its last dimension (a fused q, k, v projection: 3), else 1.
-  int64_t PiecesTakenApart(const Value* product) const {
+  // How many equal pieces the only user of linear `node`'s output takes it
+  // apart into along its last dimension (a fused q, k, v projection: 3):
+  // split or chunk it there, or view it with the pieces as a dimension of
+  // their own ([B, T, 3C] as [B, T, 3, H, D]) when it has that many times
+  // the input's features. Else 1.
+  int64_t PiecesTakenApart(const Node* node) const {
+    const Value* product = node->output();
     if (product->uses().size() != 1) return 1;
     const Node* user = product->uses()[0].user;
     const std::string kind = KindOf(user);
     const int64_t rank = RankOf(product);
+    const std::vector<int64_t> weight = ShapeOf(node->input(1));
+    if (kind == "aten::view" || kind == "aten::reshape") {
+      const std::vector<int64_t> in = ShapeOf(product), out = ShapeOf(user->output());
+      const int64_t pieces = weight[0] % weight[1] == 0 ? weight[0] / weight[1] : 1;
+      const bool leading_kept = out.size() > in.size() && std::equal(in.begin(), in.end() - 1, out.begin());
+      return pieces > 1 && leading_kept && out[rank - 1] == pieces ? pieces : 1;
+    }
     if (user->inputs().size() < 3 || user->input(0) != product) return 1;
     const std::optional<int64_t> argument = IntOf(user->input(1)), dim = IntOf(user->input(2));
     if (!argument || !dim || Normalized(*dim, rank) != rank - 1) return 1;
@@ -594,31 +601,52 @@ class Planner {
     return at < 0 || shape[at] == 1;
   }
 
+  // Whether replicated operand `value` fits a result split along `dim` (of
+  // rank `rank`): it broadcasts there, or it is a broadcast made full-size by
+  // expand (an attention mask expanded to every head), whose size there the
+  // rewrite divides.
+  bool FitsSplit(const Value* value, int64_t dim, int64_t rank) {
+    if (Broadcasts(value, dim, rank)) return true;
+    Node* expand = const_cast<Value*>(value)->node();
+    if (KindOf(expand) != "aten::expand" || value->uses().size() != 1) return false;
+    const int64_t at = dim - (rank - RankOf(value));
+    if (!Broadcasts(expand->input(0), at, RankOf(value))) return false;
+    std::optional<std::vector<int64_t>> sizes = IntsOf(expand->input(1));
+    if (!sizes || (*sizes)[at] % tp_ != 0) return false;
+    (*sizes)[at] /= tp_;
+    rewrites_.push_back({expand, 1, c10::IValue(*sizes)});
+    return true;
+  }
+
+  // Element-wise operators: every split operand split alike after
+  // broadcasting; the replicated ones fit the split.
   bool Broadcast(Node* node, const std::set<Node*>& origins) {
     const int64_t rank = RankOf(node->output());
-    std::optional<int64_t> dim;
+    std::optional<Split> split;
     for (const Value* input : node->inputs()) {
       auto it = splits_.find(input);
       if (it == splits_.end()) continue;
       const int64_t aligned = it->second.dim + rank - RankOf(input);
-      if (dim && *dim != aligned) return false;
-      dim = aligned;
+      if (split && (split->dim != aligned || split->blocks != it->second.blocks)) return false;
+      split = Split{aligned, it->second.blocks, origins};
     }
     for (const Value* input : node->inputs()) {
       if (!input->type()->cast<c10::TensorType>() || splits_.count(input)) continue;
-      if (!Broadcasts(input, *dim, rank)) return false;
+      if (!FitsSplit(input, split->dim, rank)) return false;
     }
-    splits_[node->output()] = Split{*dim, 1, origins};
+    splits_[node->output()] = *split;
     return true;
   }
 
-  // Batched products: both operands split along the same batch dimension
-  // (attention heads), or one split there and the other broadcast; or the
-  // rows of the first split against a replicated second.
+  // Batched products (matmul, bmm, baddbmm's two operands): both split along
+  // the same batch dimension (attention heads), or one split there and the
+  // other broadcast; or the rows of the first split against a replicated
+  // second. baddbmm's added input must fit the split.
   bool MatrixProduct(Node* node, const std::set<Node*>& origins) {
     const int64_t rank = RankOf(node->output());
-    std::optional<int64_t> dim;
-    for (size_t i = 0; i < 2; ++i) {
+    const size_t first_operand = KindOf(node) == "aten::baddbmm" ? 1 : 0;
+    std::optional<Split> split;
+    for (size_t i = first_operand; i < first_operand + 2; ++i) {
       const Value* operand = node->input(i);
       auto it = splits_.find(operand);
       if (it == splits_.end()) continue;
@@ -626,27 +654,37 @@ class Planner {
       int64_t aligned;
       if (it->second.dim < own_rank - 2) {
         aligned = it->second.dim + rank - own_rank;
-      } else if (i == 0 && it->second.dim == own_rank - 2 && !splits_.count(node->input(1))) {
+      } else if (i == first_operand && it->second.dim == own_rank - 2 && it->second.blocks == 1 &&
+                 !splits_.count(node->input(i + 1))) {
         aligned = rank - 2;
       } else {
         return false;
       }
-      if (dim && *dim != aligned) return false;
-      dim = aligned;
+      if (split && (split->dim != aligned || split->blocks != it->second.blocks)) return false;
+      split = Split{aligned, it->second.blocks, origins};
     }
-    for (size_t i = 0; i < 2; ++i) {
-      if (!splits_.count(node->input(i)) && *dim < rank - 2 && !Broadcasts(node->input(i), *dim, rank)) {
+    if (!split) return false;  // only baddbmm's added input is split
+    for (size_t i = 0; i < first_operand + 2; ++i) {
+      const Value* operand = node->input(i);
+      if (splits_.count(operand)) continue;
+      if (i == 0 && first_operand == 1) {
+        if (!FitsSplit(operand, split->dim, rank)) return false;
+      } else if (split->dim < rank - 2 && !Broadcasts(operand, split->dim, rank)) {
         return false;
       }
     }
-    splits_[node->output()] = Split{*dim, 1, origins};
+    splits_[node->output()] = *split;
     return true;
   }
 
-  // view / reshape: the split moves to the output dimension that begins the
-  // group of dimensions its own begins; the size there is divided.
-  absl::StatusOr<bool> View(Node* node, int64_t dim, const std::set<Node*>& origins) {
+  // view / reshape. Within the group of input dimensions the split one
+  // belongs to, the split is the middle factor of [outer][s][rest]
+  // (outer: the dimensions before it times its pieces): it lands on the
+  // output dimension t whose preceding dimensions (product p) divide outer,
+  // as its middle factor after outer / p pieces; t's size is divided.
+  absl::StatusOr<bool> View(Node* node, const Split& split) {
     const std::vector<int64_t> in = ShapeOf(node->input(0)), out = ShapeOf(node->output());
+    const int64_t dim = split.dim;
     size_t i = 0, j = 0;
     while (i < in.size() || j < out.size()) {
       const size_t group_in = i, group_out = j;
@@ -660,34 +698,36 @@ class Planner {
           return false;
         }
       }
-      if (dim < group_in || dim >= static_cast<int64_t>(i)) continue;
-      for (size_t k = group_in; k < static_cast<size_t>(dim); ++k) {
-        if (in[k] != 1) return false;  // only the group's leading dimension splits into a contiguous block
+      if (dim < static_cast<int64_t>(group_in) || dim >= static_cast<int64_t>(i)) continue;
+      int64_t outer = split.blocks;
+      for (size_t k = group_in; k < static_cast<size_t>(dim); ++k) outer *= in[k];
+      int64_t before = 1;
+      for (size_t t = group_out; t < j; before *= out[t++]) {
+        if (outer % before != 0 || out[t] % (outer / before) != 0) continue;
+        const int64_t pieces = outer / before, middle = out[t] / pieces;
+        if (middle == 1) continue;
+        if (middle % tp_ != 0) {
+          std::vector<std::string> products;
+          for (const Node* origin : split.origins) products.push_back(Describe(origin));
+          return absl::InvalidArgumentError(absl::StrCat(
+              "automatic tensor parallelism: ", Describe(node), ", on the split output of ",
+              absl::StrJoin(products, " and "), ", makes a dimension of size ", middle,
+              " from the split one (attention heads, for example), which tp=", tp_,
+              " does not divide; choose a tp that divides ", middle));
+        }
+        std::optional<std::vector<int64_t>> sizes = IntsOf(node->input(1));
+        if (!sizes) return false;  // sizes computed at run time: the pass cannot prove the rewrite
+        if ((*sizes)[t] != -1) {
+          (*sizes)[t] /= tp_;
+          rewrites_.push_back({node, 1, c10::IValue(*sizes)});
+        }
+        splits_[node->output()] = Split{static_cast<int64_t>(t), pieces, split.origins};
+        return true;
       }
-      size_t target = group_out;
-      while (target < j && out[target] == 1) ++target;
-      if (target == j) return false;
-      if (out[target] % tp_ != 0) {
-        std::vector<std::string> products;
-        for (const Node* origin : origins) products.push_back(Describe(origin));
-        return absl::InvalidArgumentError(absl::StrCat(
-            "automatic tensor parallelism: ", Describe(node), ", on the split output of ",
-            absl::StrJoin(products, " and "), ", makes a dimension of size ", out[target],
-            " from the split one (attention heads, for example), which tp=", tp_,
-            " does not divide; choose a tp that divides ", out[target]));
-      }
-      std::optional<std::vector<int64_t>> sizes = IntsOf(node->input(1));
-      if (!sizes) return false;  // sizes computed at run time: the pass cannot prove the rewrite
-      if ((*sizes)[target] != -1) {
-        (*sizes)[target] /= tp_;
-        rewrites_.push_back({node, 1, c10::IValue(*sizes)});
-      }
-      splits_[node->output()] = Split{static_cast<int64_t>(target), 1, origins};
-      return true;
+      return false;
     }
     return false;
   }
-
   std::string Describe(const Node* node) {
     std::string what = absl::StrCat(KindOf(node), " (node ", position_[node]);
     if (KindOf(node) == "aten::linear") {
