@@ -259,6 +259,9 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
     return Invalid(absl::StrCat("profile_step=", c->profile_step(), " is not a step of this run (1 to max_steps=",
                                 c->max_steps(), "; 0 turns profiling off)"));
   }
+  if (c->tp_plan_report() && c->tp() < 2 && c->strategy().empty()) {
+    return Invalid("tp_plan_report prints the automatic tensor-parallel plan of a run with tp > 1; set tp");
+  }
   if (c->profile_step() > 0) {
     c->set_trace_step(c->profile_step());
     if (c->trace_file().empty()) c->set_trace_file("trace.json");

@@ -89,6 +89,8 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_save_every(5); }, 1), HasSubstr("need save_dir"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_profile_step(c.max_steps() + 1); }, 1),
               HasSubstr("is not a step of this run"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_tp_plan_report(true); }, 1),
+              HasSubstr("tp_plan_report prints the automatic tensor-parallel plan of a run with tp > 1"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_sequence_parallel(true); }, 1),
               HasSubstr("sequence_parallel needs tp > 1"));
   EXPECT_THAT(error([](TrainerConfig& c) {

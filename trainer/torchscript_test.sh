@@ -65,7 +65,13 @@ grep -aq "<- chosen" "$out" || fail "auto: no table of candidates"
 # Automatic tensor parallelism: the traced graphs split Megatron's way (fused
 # q, k, v by heads; grouped-query attention; SwiGLU), composed with dp, pp and ZeRO.
 train_and_compare tp2 --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2
-grep -aq "c_attn.weight *column *dim 0, part 0 of 2 in each of 3 pieces" "$out" || fail "tp2: no plan report"
+# --tp_plan_report prints the plan and stops before the first step.
+timeout 120 "$train" "${common[@]}" --model=torchscript:"$work/gpt.pt" --tp=2 --tp_plan_report >"$out" 2>&1 ||
+  fail "tp_plan_report exited $?"
+grep -aq "c_attn.weight *column *dim 0, part 0 of 2 in each of 3 pieces" "$out" || fail "tp_plan_report: no plan"
+grep -aq "transformer.wte.weight *vocabulary" "$out" || fail "tp_plan_report: the embedding is not split"
+grep -aq "vocab_parallel_cross_entropy" "$out" || fail "tp_plan_report: no vocabulary-parallel loss"
+grep -aq "step 1/" "$out" && fail "tp_plan_report trained"
 train_and_compare tp4 --model=torchscript:"$work/gpt.pt" --dp=1 --tp=4
 train_and_compare dp2_tp2 --model=torchscript:"$work/gpt.pt" --dp=2 --tp=2 --zero_stage=1
 train_and_compare tp2_pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2 --pp=2

@@ -206,6 +206,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   t.Print(absl::StrCat("config:\n", ConfigToText(c)));
   t.Print(absl::StrCat("per rank: ", t.model->Memory().ToString()));
   t.Print(absl::StrCat("stages:\n", t.model->Describe()));
+  if (c.tp_plan_report()) return result;
   t.Print(absl::StrFormat(
       "model%s: %s parameters | data: %d samples%s | %d rank(s), global batch %d (micro %d x "
       "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | peak RSS %.0f MB",
