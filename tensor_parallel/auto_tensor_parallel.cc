@@ -143,6 +143,17 @@ struct Split {
   int64_t dim = 0;
   int64_t blocks = 1;
   std::set<Node*> origins;  // the column products the split comes from
+  // Sequence parallelism: activations between the split products, split
+  // along the sequence (no origins: nothing can be kept whole for them).
+  bool sequence = false;
+};
+
+// A replicated operand narrowed to this rank's sequence shard where it meets
+// sequence-split activations (a position embedding added to the tokens').
+struct OperandNarrowing {
+  Node* node;
+  size_t input;
+  int64_t dim;
 };
 
 // The rewrite of one integer (or integer list) argument that holds a size the
@@ -155,8 +166,9 @@ struct ArgumentRewrite {
 
 class Planner {
  public:
-  Planner(std::shared_ptr<Graph> graph, std::vector<std::string> parameter_names, int64_t tp)
-      : graph_(std::move(graph)), names_(std::move(parameter_names)), tp_(tp) {
+  Planner(std::shared_ptr<Graph> graph, std::vector<std::string> parameter_names, int64_t tp,
+          bool sequence_parallel)
+      : graph_(std::move(graph)), names_(std::move(parameter_names)), tp_(tp), sequence_(sequence_parallel) {
     first_parameter_ = graph_->inputs().size() - names_.size();
     int64_t position = 0;
     for (Node* node : graph_->nodes()) {
@@ -173,6 +185,8 @@ class Planner {
       splits_.clear();
       columns_.clear();
       rows_.clear();
+      narrowings_.clear();
+      sequence_inputs_.clear();
       embeddings_.clear();
       cross_entropies_.clear();
       rewrites_.clear();
@@ -196,12 +210,19 @@ class Planner {
       const std::string where = conflict_ == graph_->return_node()
                                     ? "the model's outputs"
                                     : absl::StrCat(KindOf(conflict_), " (node ", position_[conflict_], ")");
+      bool kept_whole = false;
       for (const Value* input : conflict_->inputs()) {
         auto it = splits_.find(input);
         if (it == splits_.end()) continue;
         for (Node* origin : it->second.origins) {
+          kept_whole = true;
           whole_[origin] = absl::StrCat("its split output would reach ", where, ", which the pass cannot split");
         }
+      }
+      if (!kept_whole) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence parallelism: ", where, " cannot run on sequence shards of its input; turn "
+            "sequence_parallel off for this model"));
       }
     }
   }
@@ -215,6 +236,26 @@ class Planner {
     }
     const c10::Symbol copy = c10::Symbol::fromQualString("trident::copy_to_tp_region");
     const c10::Symbol reduce = c10::Symbol::fromQualString("trident::reduce_from_tp_region");
+    const c10::Symbol gather_sequence = c10::Symbol::fromQualString("trident::gather_from_sequence_region");
+    const torch::jit::NamedValue group_name{c10::IValue(group)};
+    const c10::Symbol reduce_scatter = c10::Symbol::fromQualString("trident::reduce_scatter_to_sequence_region");
+    // Sums `value` (shaped as the traced `shaped`) over the group:
+    // all-reduced, or with sequence parallelism reduce-scattered into
+    // sequence shards.
+    auto summed = [&](Value* value, const Value* shaped, const Node* after, const std::string& what) {
+      Value* result;
+      if (sequence_) {
+        result = graph_->insert(reduce_scatter, {value, group_name, RankOf(shaped) - 2});
+        plan.collectives.push_back(absl::StrCat("reduce_scatter_to_sequence_region after node ", position_[after], " (",
+                                                what, "reduce-scatters ", Describe(shaped), ")"));
+      } else {
+        result = graph_->insert(reduce, {value, group_name});
+        plan.collectives.push_back(absl::StrCat("reduce_from_tp_region after node ", position_[after], " (", what,
+                                                "all-reduces ", Describe(shaped), ")"));
+      }
+      plan.bytes_per_micro_batch += AllReduceBytes(shaped);
+      return result;
+    };
     // One copy per input of column products (its backward sums their input
     // gradients once), before the first of them.
     std::map<Value*, std::vector<Node*>> by_input;
@@ -227,11 +268,25 @@ class Planner {
     for (Value* input : inputs_in_order) {
       Node* first = by_input[input].front();
       torch::jit::WithInsertPoint here(first);
-      Value* copied = graph_->insert(copy, {input, torch::jit::NamedValue(c10::IValue(group))});
+      auto sequence = sequence_inputs_.find(input);
+      Value* copied;
+      if (sequence != sequence_inputs_.end()) {
+        copied = graph_->insert(gather_sequence, {input, group_name, sequence->second});
+        plan.collectives.push_back(absl::StrCat("gather_from_sequence_region before node ", position_[first],
+                                                " (all-gathers ", Describe(input), "; its backward reduce-scatters)"));
+      } else {
+        copied = graph_->insert(copy, {input, group_name});
+        plan.collectives.push_back(absl::StrCat("copy_to_tp_region before node ", position_[first],
+                                                " (its backward all-reduces ", Describe(input), ")"));
+      }
       for (Node* node : by_input[input]) node->replaceInput(0, copied);
-      plan.collectives.push_back(absl::StrCat("copy_to_tp_region before node ", position_[first],
-                                              " (its backward all-reduces ", Describe(input), ")"));
-      plan.bytes_per_micro_batch += AllReduceBytes(input);
+      plan.bytes_per_micro_batch += AllReduceBytes(input);  // all-gather + reduce-scatter move as much
+    }
+    for (const OperandNarrowing& n : narrowings_) {
+      torch::jit::WithInsertPoint here(n.node);
+      Value* operand = n.node->input(n.input);
+      const int64_t length = ShapeOf(operand)[n.dim] / tp_;
+      n.node->replaceInput(n.input, graph_->insert(c10::aten::narrow, {operand, n.dim, rank * length, length}));
     }
     for (Node* node : rows_) {
       Value* product = node->output();
@@ -242,12 +297,9 @@ class Planner {
         node->replaceInput(2, graph_->insertConstant(c10::IValue()));
       }
       torch::jit::WithInsertPoint after(node->next());
-      Value* result = graph_->insert(reduce, {product, torch::jit::NamedValue(c10::IValue(group))});
+      Value* result = summed(product, product, node, "");
       if (!IsNone(bias)) result = graph_->insert(c10::aten::add, {result, bias});
       for (const torch::jit::Use& use : uses) use.user->replaceInput(use.offset, result);
-      plan.collectives.push_back(
-          absl::StrCat("reduce_from_tp_region after node ", position_[node], " (all-reduces ", Describe(product), ")"));
-      plan.bytes_per_micro_batch += AllReduceBytes(product);
     }
     for (Node* node : embeddings_) {
       const int64_t vocabulary = ShapeOf(node->input(0))[0] / tp_, start = rank * vocabulary;
@@ -265,11 +317,8 @@ class Planner {
       torch::jit::WithInsertPoint after(node->next());
       Value* mine = graph_->insert(c10::aten::masked_fill,
                                    {rows, graph_->insert(c10::aten::unsqueeze, {outside, -1}), 0.0});
-      Value* result = graph_->insert(reduce, {mine, torch::jit::NamedValue(c10::IValue(group))});
+      Value* result = summed(mine, rows, node, "vocabulary-parallel embedding; ");
       for (const torch::jit::Use& use : uses) use.user->replaceInput(use.offset, result);
-      plan.collectives.push_back(absl::StrCat("reduce_from_tp_region after node ", position_[node],
-                                              " (vocabulary-parallel embedding; all-reduces ", Describe(rows), ")"));
-      plan.bytes_per_micro_batch += AllReduceBytes(rows);
     }
     for (Node* node : cross_entropies_) {
       torch::jit::WithInsertPoint here(node);
@@ -346,7 +395,7 @@ class Planner {
     if (split == nullptr) return true;  // all inputs replicated: so are the outputs
     const Split first = *split;
     auto set = [&](Value* value, int64_t dim, int64_t blocks) {
-      splits_[value] = Split{dim, blocks, origins};
+      splits_[value] = Split{dim, blocks, origins, first.sequence};
       return true;
     };
     if (kind == "prim::ListUnpack") {
@@ -480,9 +529,13 @@ class Planner {
     const bool shardable = IsOwnParameter(node->input(1)) && own_bias;
     const bool tied = !shardable && own_bias && TiedToEmbeddings(node);  // a head tied to the embedding
     const std::vector<int64_t> weight = ShapeOf(node->input(1));
-    if (x == splits_.end()) {
+    const bool on_sequence_shards = x != splits_.end() && x->second.sequence;
+    if (x == splits_.end() || on_sequence_shards) {  // replicated input, or gathered from sequence shards
       if (!shardable && !tied && weight.size() == 2) whole_[node] = "its weight is read by other operators too";
-      if ((!shardable && !tied) || whole_.count(node) || weight.size() != 2) return true;
+      if ((!shardable && !tied) || whole_.count(node) || weight.size() != 2) {
+        if (on_sequence_shards) splits_[node->output()] = x->second;  // a whole product on sequence shards
+        return true;
+      }
       const int64_t blocks = PiecesTakenApart(node);
       if (weight[0] % (blocks * tp_) != 0) {
         whole_[node] = absl::StrCat(weight[0], " output features", blocks > 1 ? absl::StrCat(" in ", blocks, " pieces") : "",
@@ -491,6 +544,7 @@ class Planner {
       }
       columns_[node] = blocks;
       splits_[node->output()] = Split{RankOf(node->output()) - 1, blocks, {node}};
+      if (on_sequence_shards) sequence_inputs_[node->input(0)] = x->second.dim;
       return true;
     }
     if (!shardable || x->second.blocks != 1 || x->second.dim != RankOf(node->input(0)) - 1) return false;
@@ -500,6 +554,21 @@ class Planner {
                                                      " does not divide"));
     }
     rows_.push_back(node);
+    return SequenceShards(node, node->output());
+  }
+
+  // With sequence parallelism, `value` (the output of a row product or a
+  // vocabulary-parallel embedding, [B, T, C]) is reduce-scattered into
+  // sequence shards; errors where tp does not divide the sequence.
+  absl::StatusOr<bool> SequenceShards(const Node* node, Value* value) {
+    if (!sequence_) return true;
+    const std::vector<int64_t> shape = ShapeOf(value);
+    if (shape.size() < 2 || shape[shape.size() - 2] % tp_ != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence parallelism: ", Describe(node), " makes [", absl::StrJoin(shape, ", "),
+          "], whose sequence (the dimension before the features) tp=", tp_, " does not divide"));
+    }
+    splits_[value] = Split{static_cast<int64_t>(shape.size()) - 2, 1, {}, /*sequence=*/true};
     return true;
   }
 
@@ -543,7 +612,7 @@ class Planner {
       if (kind != "aten::linear" || whole_.count(use.user) || !TiedToEmbeddings(use.user)) return true;
     }
     embeddings_.push_back(node);
-    return true;
+    return SequenceShards(node, node->output());
   }
 
   // cross_entropy_loss of logits split along the vocabulary: the
@@ -627,11 +696,19 @@ class Planner {
       auto it = splits_.find(input);
       if (it == splits_.end()) continue;
       const int64_t aligned = it->second.dim + rank - RankOf(input);
-      if (split && (split->dim != aligned || split->blocks != it->second.blocks)) return false;
-      split = Split{aligned, it->second.blocks, origins};
+      if (split && (split->dim != aligned || split->blocks != it->second.blocks ||
+                    split->sequence != it->second.sequence)) {
+        return false;
+      }
+      split = Split{aligned, it->second.blocks, origins, it->second.sequence};
     }
-    for (const Value* input : node->inputs()) {
+    for (size_t i = 0; i < node->inputs().size(); ++i) {
+      const Value* input = node->input(i);
       if (!input->type()->cast<c10::TensorType>() || splits_.count(input)) continue;
+      if (split->sequence && !Broadcasts(input, split->dim, rank)) {
+        narrowings_.push_back({node, i, split->dim - (rank - RankOf(input))});
+        continue;
+      }
       if (!FitsSplit(input, split->dim, rank)) return false;
     }
     splits_[node->output()] = *split;
@@ -661,7 +738,8 @@ class Planner {
         return false;
       }
       if (split && (split->dim != aligned || split->blocks != it->second.blocks)) return false;
-      split = Split{aligned, it->second.blocks, origins};
+      if (split && split->sequence != it->second.sequence) return false;
+      split = Split{aligned, it->second.blocks, origins, it->second.sequence};
     }
     if (!split) return false;  // only baddbmm's added input is split
     for (size_t i = 0; i < first_operand + 2; ++i) {
@@ -721,7 +799,7 @@ class Planner {
           (*sizes)[t] /= tp_;
           rewrites_.push_back({node, 1, c10::IValue(*sizes)});
         }
-        splits_[node->output()] = Split{static_cast<int64_t>(t), pieces, split.origins};
+        splits_[node->output()] = Split{static_cast<int64_t>(t), pieces, split.origins, split.sequence};
         return true;
       }
       return false;
@@ -755,7 +833,10 @@ class Planner {
   std::map<const Node*, int64_t> position_;
   std::map<const Value*, Split> splits_;
   std::map<Node*, int64_t> columns_;  // column products -> pieces of their output
+  bool sequence_;
   std::vector<Node*> rows_;
+  std::vector<OperandNarrowing> narrowings_;
+  std::map<const Value*, int64_t> sequence_inputs_;  // column inputs on sequence shards -> their sequence dim
   std::vector<Node*> embeddings_;       // vocabulary-parallel embeddings
   std::vector<Node*> cross_entropies_;  // of vocabulary-split logits
   std::vector<ArgumentRewrite> rewrites_;
@@ -815,15 +896,10 @@ std::string AutoTensorParallelPlan::Report() const {
 
 absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, const TensorParallelism& tp,
                                                        const AutoTensorParallelOptions& options) {
-  if (tp.sequence_parallel) {
-    return absl::UnimplementedError(
-        "sequence_parallel with automatic tensor parallelism of a traced model is not supported yet; "
-        "turn sequence_parallel off, or build the model's layers tensor-parallel");
-  }
   std::shared_ptr<Graph> graph = model.jit_graph()->copy();
   if (options.loss_only) KeepOnlyTheLoss(*graph);
   CanonicalizeLinearProducts(*graph, graph->inputs().size() - model.parameters().size());
-  Planner planner(graph, model.parameter_names(), tp.size);
+  Planner planner(graph, model.parameter_names(), tp.size, tp.sequence_parallel);
   TRIDENT_RETURN_IF_ERROR(planner.Plan());
   TensorParallelGraph result;
   result.plan.parameters = planner.Apply(tp.rank, tp.group, result.plan);

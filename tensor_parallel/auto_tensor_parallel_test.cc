@@ -17,6 +17,7 @@ namespace trident {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct Sizes {
   int64_t vocab = 64, block = 8, embd = 32, heads = 4, kv_heads = 2, layers = 2;
@@ -162,7 +163,8 @@ std::map<std::string, ParameterLayout> ByName(const AutoTensorParallelPlan& plan
 // On every rank: one process's loss and gradients (computed locally), then
 // the rewritten graph's, which must equal them (gradients as slices).
 template <typename Model>
-void ExpectParity(int p, int r, const Sizes& sizes, const std::function<void(const AutoTensorParallelPlan&)>& check) {
+void ExpectParity(int p, int r, const Sizes& sizes, const std::function<void(const AutoTensorParallelPlan&)>& check,
+                  bool sequence_parallel = false) {
   auto topology = testing::JoinTopology({{"tensor", p}});
   ASSERT_TRUE(topology.ok()) << topology.status();
   torch::manual_seed(7);
@@ -177,7 +179,7 @@ void ExpectParity(int p, int r, const Sizes& sizes, const std::function<void(con
 
   std::unique_ptr<ModelGraph> whole = Traced(model, idx, targets);
   ASSERT_NE(whole, nullptr);
-  absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(*whole, {p, r, "tp"});
+  absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(*whole, {p, r, "tp", sequence_parallel});
   ASSERT_TRUE(sharded.ok()) << sharded.status();
   check(sharded->plan);
   auto part = ModelGraph::Trace(sharded->parameters, {idx, targets}, sharded->forward);
@@ -186,6 +188,13 @@ void ExpectParity(int p, int r, const Sizes& sizes, const std::function<void(con
   ASSERT_TRUE(loss.ok()) << loss.status();
   EXPECT_NEAR(loss->at(0).item<double>(), expected_loss.item<double>(), 1e-5 * expected_loss.item<double>());
   loss->at(0).backward();
+  if (sequence_parallel) {  // replicated parameters saw this rank's sequence shard only
+    std::vector<at::Tensor> replicated;
+    for (const auto& [name, tensor] : sharded->parameters) {
+      if (!sharded->shards.count(name)) replicated.push_back(tensor);
+    }
+    ASSERT_TRUE(SequenceParallelGradients(replicated, "tp").ok());
+  }
   for (const std::pair<std::string, at::Tensor>& parameter : sharded->parameters) {
     const std::string& name = parameter.first;
     const at::Tensor& tensor = parameter.second;
@@ -252,6 +261,27 @@ TEST_P(AutoTensorParallelTest, LlamaEqualsOneProcessWithMegatronsPlan) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, AutoTensorParallelTest, ::testing::Values(2, 4));
+
+// Sequence parallelism: norms, residuals and the position embedding run on
+// sequence shards between the split products (gathered before each column
+// product, reduce-scattered after each row product).
+TEST(AutoSequenceParallelTest, GptEqualsOneProcess) {
+  testing::RunOnRanks(2, [](int r) {
+    ExpectParity<Gpt>(2, r, Sizes{}, [](const AutoTensorParallelPlan& plan) {
+      EXPECT_THAT(plan.Report(), HasSubstr("gather_from_sequence_region"));
+      EXPECT_THAT(plan.Report(), HasSubstr("reduce_scatter_to_sequence_region"));
+      EXPECT_THAT(plan.Report(), Not(HasSubstr("copy_to_tp_region")));
+    }, /*sequence_parallel=*/true);
+  });
+}
+
+TEST(AutoSequenceParallelTest, LlamaEqualsOneProcess) {
+  testing::RunOnRanks(2, [](int r) {
+    Sizes sizes;
+    sizes.kv_heads = 2;
+    ExpectParity<Llama>(2, r, sizes, [](const AutoTensorParallelPlan&) {}, /*sequence_parallel=*/true);
+  });
+}
 
 TEST(AutoTensorParallelErrorsTest, HeadsThatDoNotDivideAreNamed) {
   Sizes sizes;

@@ -214,7 +214,11 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
 // split changes (a head count in a view) are rewritten. A column product
 // whose split would reach an operator the pass cannot split (a norm over the
 // features, the loss, the model's outputs) stays whole, and the report says
-// why. Each shard is the slice (ShardSpec) of the single-process parameter.
+// why. With sequence parallelism the activations between the split products
+// are split along the sequence: gathered before column products,
+// reduce-scattered after row products and vocabulary-parallel embeddings,
+// replicated operands (a position embedding) narrowed to the rank's shard.
+// Each shard is the slice (ShardSpec) of the single-process parameter.
 //
 //   auto graph = ModelGraph::Trace(...);                        // the whole model
 //   auto tp_graph = AutoTensorParallel(**graph, {2, rank, "tp"});

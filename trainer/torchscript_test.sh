@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A model written and traced in Python (trainer/testdata/torchscript_gpt.py,
 # Debian's python3-torch) trains through `train --model=torchscript:PATH` at
-# dp=2, pp=2, dp=2 x pp=2, tp=2 and 4 (automatic tensor parallelism, with a
-# Llama-style model too) and the layout --strategy=auto chooses, with the
+# dp=2, pp=2, dp=2 x pp=2, tp=2 and 4 (automatic tensor parallelism, with
+# sequence parallelism, and with a Llama-style model too) and the layout
+# --strategy=auto chooses, with the
 # losses of the same module run eagerly in Python from the same weights (20
 # steps, 1e-5 relative); its tied weights stay
 # tied across pipeline stages; a model returning logits trains with a named
@@ -75,9 +76,13 @@ grep -aq "step 1/" "$out" && fail "tp_plan_report trained"
 train_and_compare tp4 --model=torchscript:"$work/gpt.pt" --dp=1 --tp=4
 train_and_compare dp2_tp2 --model=torchscript:"$work/gpt.pt" --dp=2 --tp=2 --zero_stage=1
 train_and_compare tp2_pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2 --pp=2
+train_and_compare tp2_sp --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2 --sequence_parallel
+grep -aq "reduce_scatter_to_sequence_region" "$out" || fail "tp2_sp: no reduce-scatter into sequence shards"
 REFERENCE=python_llama train_and_compare llama_tp2 --model=torchscript:"$work/llama.pt" --dp=1 --tp=2
 grep -aq "layers.1.wo.weight *row" "$out" || fail "llama_tp2: wo is not row-parallel"
 REFERENCE=python_llama train_and_compare llama_dp2_tp2 --model=torchscript:"$work/llama.pt" --dp=2 --tp=2
+REFERENCE=python_llama train_and_compare llama_tp2_sp --model=torchscript:"$work/llama.pt" --dp=1 --tp=2 \
+  --sequence_parallel
 # Exports after 5 steps at tp=2 equal one process's, tensor by tensor. SGD:
 # Adam would turn the rounding noise of gradients that are zero in exact
 # arithmetic (the key biases') into whole learning-rate steps.
