@@ -1,6 +1,7 @@
 // SkipNet, a model Trident has never seen, trains the losses of one process
 // over 20 steps (1e-5 relative) at dp=2, pp=2 (its skip connection crossing
-// the stage boundary), pp=4 with zb_h1, dp=2 x pp=2, ZeRO-2 and ZeRO-3.
+// the stage boundary), pp=4 with zb_h1, dp=2 x pp=2, ZeRO-2, ZeRO-3, and tp=2
+// (its two linear layers split by the automatic tensor-parallel pass).
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -23,6 +24,7 @@ struct Layout {
   // The default, farthest_min_deps, balances parameters: SkipNet's first
   // layer holds most of them, so four stages need the cuts nearest_min_deps makes.
   const char* split_method = "";
+  int tp = 1;
 };
 
 std::string TestDir() {
@@ -35,13 +37,15 @@ std::string TestDir() {
 std::vector<double> Train(const Layout& layout, const std::string& tag, std::string* stages = nullptr) {
   const std::string losses_path = TestDir() + "/" + tag + ".losses";
   const std::string stages_path = TestDir() + "/" + tag + ".stages";
-  trident::testing::RunOnRanks(layout.dp * layout.pp, [&](int rank) {
-    auto topology = trident::testing::JoinTopology({{"pipeline", layout.pp}, {"data", layout.dp}});
+  trident::testing::RunOnRanks(layout.dp * layout.tp * layout.pp, [&](int rank) {
+    auto topology = trident::testing::JoinTopology(
+        {{"tensor", layout.tp}, {"pipeline", layout.pp}, {"data", layout.dp}});
     ASSERT_TRUE(topology.ok()) << topology.status();
     auto train = std::make_unique<ShapesDataset>(256, 1);
     trident::ParallelPlan plan;
     plan.dp = layout.dp;
     plan.pp = layout.pp;
+    plan.tp = layout.tp;
     plan.schedule = layout.schedule;
     plan.zero_stage = layout.zero_stage;
     plan.split_method = layout.split_method;
@@ -93,7 +97,8 @@ TEST(SkipNetParityTest, EveryLayoutTrainsTheLossesOfOneProcess) {
            {{1, 4, "zb_h1", 0, "nearest_min_deps"}, "pp4_zb_h1"},
            {{2, 2}, "dp2_pp2"},
            {{2, 1, "1f1b", 2}, "zero2"},
-           {{2, 1, "1f1b", 3}, "zero3"}}) {
+           {{2, 1, "1f1b", 3}, "zero3"},
+           {{1, 1, "1f1b", 0, "", 2}, "tp2"}}) {
     SCOPED_TRACE(tag);
     std::string stages;
     const std::vector<double> losses = Train(layout, tag, &stages);
@@ -109,6 +114,11 @@ TEST(SkipNetParityTest, EveryLayoutTrainsTheLossesOfOneProcess) {
     if (tag == "pp2") {
       // The skip connection crosses the cut: stage 0 sends two tensors.
       EXPECT_THAT(stages, ::testing::HasSubstr("sends 2 tensors")) << stages;
+    }
+    if (tag == "tp2") {  // hidden splits its outputs, classes its inputs; the convolutions stay whole
+      EXPECT_THAT(stages, ::testing::ContainsRegex("hidden.weight +column")) << stages;
+      EXPECT_THAT(stages, ::testing::ContainsRegex("classes.weight +row")) << stages;
+      EXPECT_THAT(stages, ::testing::ContainsRegex("stem.weight +replicated")) << stages;
     }
   }
 }
