@@ -123,6 +123,9 @@ struct ParallelPlan {
   int tp = 1;  // tensor-parallel ranks ("tensor"): the source must build shards
   int pp = 1;  // pipeline stages ("pipeline")
   bool sequence_parallel = false;  // norms and dropout on sequence shards (tp > 1)
+  // Traced models at tp > 1: split every product the automatic pass can, also
+  // where its cost model finds the communication dearer than the compute saved.
+  bool tp_split_all = false;
   int virtual_stages = 1;          // model chunks per pipeline rank (interleaved_1f1b)
   std::string schedule = "1f1b";   // see MakeSchedule
   // Where stages may be cut: "layer_split" (LayerSequence layers) or

@@ -167,8 +167,12 @@ struct ArgumentRewrite {
 class Planner {
  public:
   Planner(std::shared_ptr<Graph> graph, std::vector<std::string> parameter_names, int64_t tp,
-          bool sequence_parallel)
-      : graph_(std::move(graph)), names_(std::move(parameter_names)), tp_(tp), sequence_(sequence_parallel) {
+          bool sequence_parallel, const AutoTensorParallelOptions& options)
+      : graph_(std::move(graph)),
+        names_(std::move(parameter_names)),
+        tp_(tp),
+        sequence_(sequence_parallel),
+        options_(options) {
     first_parameter_ = graph_->inputs().size() - names_.size();
     int64_t position = 0;
     for (Node* node : graph_->nodes()) {
@@ -190,6 +194,7 @@ class Planner {
       embeddings_.clear();
       cross_entropies_.clear();
       rewrites_.clear();
+      work_.clear();
       conflict_ = nullptr;
       for (Node* node : graph_->nodes()) {
         TRIDENT_ASSIGN_OR_RETURN(bool handled, Propagate(node));
@@ -197,6 +202,7 @@ class Planner {
           conflict_ = node;
           break;
         }
+        RecordWork(node);
       }
       if (conflict_ == nullptr) {
         for (const Value* output : graph_->outputs()) {
@@ -206,7 +212,10 @@ class Planner {
           }
         }
       }
-      if (conflict_ == nullptr) return absl::OkStatus();
+      if (conflict_ == nullptr) {
+        if (KeepUnprofitableRegionsWhole()) continue;
+        return absl::OkStatus();
+      }
       const std::string where = conflict_ == graph_->return_node()
                                     ? "the model's outputs"
                                     : absl::StrCat(KindOf(conflict_), " (node ", position_[conflict_], ")");
@@ -521,6 +530,82 @@ class Planner {
     }
     return false;
   }
+  // Records the split work of `node` after Propagate: the region (column
+  // products) it belongs to, the compute a split saves and the collectives
+  // it costs.
+  void RecordWork(Node* node) {
+    Work work;
+    for (const Value* input : node->inputs()) {
+      auto it = splits_.find(input);
+      if (it != splits_.end()) work.origins.insert(it->second.origins.begin(), it->second.origins.end());
+    }
+    if (columns_.count(node)) {
+      work.origins.insert(node);
+      work.bytes += AllReduceBytes(node->input(0));  // the copy's backward (shared inputs counted per product)
+      ++work.collectives;
+    }
+    if (std::find(rows_.begin(), rows_.end(), node) != rows_.end()) {
+      work.bytes += AllReduceBytes(node->output());
+      ++work.collectives;
+    }
+    if (work.origins.empty()) return;
+    int64_t elements = 0;
+    for (const Value* output : node->outputs()) {
+      int64_t count = 1;
+      for (int64_t size : ShapeOf(output)) count *= size;
+      elements += count;
+    }
+    const std::string kind = KindOf(node);
+    const bool product = kind == "aten::linear" || kind == "aten::matmul" || kind == "aten::bmm" ||
+                         kind == "aten::baddbmm" || kind == "aten::addmm";
+    const std::vector<int64_t> operand = ShapeOf(node->input(kind == "aten::baddbmm" || kind == "aten::addmm" ? 1 : 0));
+    work.flops = product && !operand.empty() ? 2.0 * elements * operand.back() : static_cast<double>(elements);
+    work_.push_back(std::move(work));
+  }
+
+  // With a cost model (options_.flops_per_second > 0): groups the split work
+  // into regions (column products whose splits meet), and keeps whole every
+  // region whose communication takes longer than the compute its split saves
+  // (forward and backward, 3x the forward FLOPs). Whether any was.
+  bool KeepUnprofitableRegionsWhole() {
+    if (options_.flops_per_second <= 0) return false;
+    std::map<Node*, Node*> parent;
+    std::function<Node*(Node*)> root = [&](Node* n) {
+      if (!parent.count(n)) parent[n] = n;
+      return parent[n] == n ? n : parent[n] = root(parent[n]);
+    };
+    for (const Work& w : work_) {
+      for (Node* origin : w.origins) parent[root(origin)] = root(*w.origins.begin());
+    }
+    struct Region {
+      double flops = 0;
+      int64_t bytes = 0;
+      int collectives = 0;
+    };
+    std::map<Node*, Region> regions;
+    for (const Work& w : work_) {
+      Region& r = regions[root(*w.origins.begin())];
+      r.flops += w.flops;
+      r.bytes += w.bytes;
+      r.collectives += w.collectives;
+    }
+    bool changed = false;
+    for (const auto& [representative, r] : regions) {
+      const double saved = 3 * r.flops * (1.0 - 1.0 / tp_) / options_.flops_per_second;
+      const double cost = r.collectives * options_.collective_latency_s + r.bytes / options_.bytes_per_second;
+      if (cost <= saved) continue;
+      for (const auto& [node, blocks] : columns_) {
+        if (root(node) != representative) continue;
+        whole_[node] = absl::StrFormat(
+            "splitting its region would save %.3f ms of compute per micro-batch and cost %.3f ms of "
+            "communication",
+            1e3 * saved, 1e3 * cost);
+        changed = true;
+      }
+    }
+    return changed;
+  }
+
   // aten::linear(x, weight, bias): a column product where x is replicated,
   // a row product where x is split along its features.
   absl::StatusOr<bool> Linear(Node* node) {
@@ -834,6 +919,16 @@ class Planner {
   std::map<const Value*, Split> splits_;
   std::map<Node*, int64_t> columns_;  // column products -> pieces of their output
   bool sequence_;
+  AutoTensorParallelOptions options_;
+  // Per operator that runs split: the column products it depends on, its
+  // FLOPs and the bytes of the collectives it brings (forward and backward).
+  struct Work {
+    std::set<Node*> origins;
+    double flops = 0;
+    int64_t bytes = 0;
+    int collectives = 0;
+  };
+  std::vector<Work> work_;
   std::vector<Node*> rows_;
   std::vector<OperandNarrowing> narrowings_;
   std::map<const Value*, int64_t> sequence_inputs_;  // column inputs on sequence shards -> their sequence dim
@@ -899,7 +994,7 @@ absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, 
   std::shared_ptr<Graph> graph = model.jit_graph()->copy();
   if (options.loss_only) KeepOnlyTheLoss(*graph);
   CanonicalizeLinearProducts(*graph, graph->inputs().size() - model.parameters().size());
-  Planner planner(graph, model.parameter_names(), tp.size, tp.sequence_parallel);
+  Planner planner(graph, model.parameter_names(), tp.size, tp.sequence_parallel, options);
   TRIDENT_RETURN_IF_ERROR(planner.Plan());
   TensorParallelGraph result;
   result.plan.parameters = planner.Apply(tp.rank, tp.group, result.plan);
@@ -923,8 +1018,11 @@ absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, 
   }
   if (!any) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "automatic tensor parallelism found no matrix product it can split in this model:\n",
-        result.plan.Report(), "use tp=1, or build the model's layers tensor-parallel"));
+        "automatic tensor parallelism found no matrix product it can split, or whose split pays for "
+        "its communication, in this model:\n",
+        result.plan.Report(),
+        "use tp=1, set tp_split_all to split regardless of the cost model, or build the model's layers "
+        "tensor-parallel"));
   }
   // A graph function returns one value: several outputs travel as a tuple.
   if (graph->outputs().size() != 1) {

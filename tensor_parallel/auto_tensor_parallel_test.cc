@@ -283,6 +283,57 @@ TEST(AutoSequenceParallelTest, LlamaEqualsOneProcess) {
   });
 }
 
+// A wide MLP and a narrow one on the same activations: with the cost model,
+// the narrow one's split saves less compute than its two all-reduces take,
+// so it stays whole; the wide one splits; and the result is one process's.
+struct TwoMlpsImpl : torch::nn::Module {
+  TwoMlpsImpl() {
+    wide_in = register_module("wide_in", torch::nn::Linear(256, 1024));
+    wide_out = register_module("wide_out", torch::nn::Linear(1024, 256));
+    narrow_in = register_module("narrow_in", torch::nn::Linear(256, 8));
+    narrow_out = register_module("narrow_out", torch::nn::Linear(8, 256));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& target) {
+    at::Tensor h = x + wide_out(torch::gelu(wide_in(x)));
+    h = h + narrow_out(torch::gelu(narrow_in(h)));
+    return torch::mse_loss(h, target);
+  }
+  torch::nn::Linear wide_in{nullptr}, wide_out{nullptr}, narrow_in{nullptr}, narrow_out{nullptr};
+};
+TORCH_MODULE(TwoMlps);
+
+TEST(AutoTensorParallelCostTest, ANarrowMlpStaysWholeAWideOneSplits) {
+  testing::RunOnRanks(2, [](int r) {
+    auto topology = testing::JoinTopology({{"tensor", 2}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    torch::manual_seed(3);
+    TwoMlps model;
+    const at::Tensor x = at::randn({4, 64, 256}), target = at::randn({4, 64, 256});
+    const at::Tensor expected = model->forward(x, target);
+    auto graph = ModelGraph::Trace(*model, {x, target}, [&](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{model->forward(in[0], in[1])};
+    });
+    ASSERT_TRUE(graph.ok()) << graph.status();
+    AutoTensorParallelOptions costs;
+    costs.flops_per_second = 50e9;
+    costs.bytes_per_second = 1e9;
+    costs.collective_latency_s = 100e-6;
+    auto sharded = AutoTensorParallel(**graph, {2, r, "tp"}, costs);
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    auto layouts = ByName(sharded->plan);
+    EXPECT_EQ(layouts["wide_in.weight"].role, ParameterLayout::Role::kColumn);
+    EXPECT_EQ(layouts["wide_out.weight"].role, ParameterLayout::Role::kRow);
+    EXPECT_EQ(layouts["narrow_in.weight"].role, ParameterLayout::Role::kReplicated);
+    EXPECT_THAT(layouts["narrow_in.weight"].why, HasSubstr("would save"));
+    EXPECT_EQ(sharded->plan.collectives.size(), 2u);
+    auto part = ModelGraph::Trace(sharded->parameters, {x, target}, sharded->forward);
+    ASSERT_TRUE(part.ok()) << part.status();
+    auto loss = (*part)->Run({x, target});
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    EXPECT_NEAR(loss->at(0).item<double>(), expected.item<double>(), 1e-5 * expected.item<double>());
+  });
+}
+
 TEST(AutoTensorParallelErrorsTest, HeadsThatDoNotDivideAreNamed) {
   Sizes sizes;
   sizes.embd = 24;

@@ -261,6 +261,14 @@ struct AutoTensorParallelOptions {
   // other outputs (logits returned beside the loss) would hold the head's
   // split output, which training does not read.
   bool loss_only = false;
+  // The cost model: a region of split products (an MLP; an attention block)
+  // stays whole when its collectives (latency each, plus bytes at
+  // bytes_per_second) take longer than the compute its split saves
+  // (forward and backward at flops_per_second). flops_per_second 0: split
+  // every product the pass can.
+  double flops_per_second = 0;
+  double bytes_per_second = 1e9;
+  double collective_latency_s = 100e-6;
 };
 
 // Errors where a split dimension does not divide tp (naming the operator and

@@ -290,6 +290,7 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.tp = c.tp();
   plan.pp = c.pp();
   plan.sequence_parallel = c.sequence_parallel();
+  plan.tp_split_all = c.tp_split_all();
   plan.virtual_stages = c.virtual_stages();
   plan.schedule = c.schedule();
   plan.split_method = c.split_method();

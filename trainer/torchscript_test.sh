@@ -28,8 +28,11 @@ printf 'It was the best of times, it was the worst of times.\n%.0s' $(seq 400) >
 "$python" "$model_py" train "$work/llama.pt" "$work/data" 20 llama >"$work/python_llama.txt" 2>"$out" ||
   fail "Python training of the Llama model"
 
-common=(--data="$work/data" --block_size=16 --micro_batch_size=2 --global_batch_size=8 --max_steps=20
+# tp_split_all: these models are too small for tensor parallelism to pay, so
+# the cost model of the automatic pass would keep them whole.
+costed=(--data="$work/data" --block_size=16 --micro_batch_size=2 --global_batch_size=8 --max_steps=20
         --lr=3e-3 --warmup_steps=5 --eval_every=0 --sample_tokens=0 --noshuffle)
+common=("${costed[@]}" --tp_split_all)
 
 # train_and_compare TAG FLAGS...: 20 steps, losses against Python's (those of
 # the Llama model where REFERENCE=python_llama).
@@ -78,6 +81,11 @@ train_and_compare dp2_tp2 --model=torchscript:"$work/gpt.pt" --dp=2 --tp=2 --zer
 train_and_compare tp2_pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2 --pp=2
 train_and_compare tp2_sp --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2 --sequence_parallel
 grep -aq "reduce_scatter_to_sequence_region" "$out" || fail "tp2_sp: no reduce-scatter into sequence shards"
+# Without tp_split_all the cost model keeps every region of this small model whole, and says so.
+timeout 120 "$train" "${costed[@]}" --model=torchscript:"$work/gpt.pt" --tp=2 --max_steps=2 >"$out" 2>&1 &&
+  fail "a tp=2 run of a model too small to split was accepted"
+grep -aq "c_fc.weight *replicated splitting its region would save" "$out" || fail "no cost-model reason in the plan"
+grep -aq "set tp_split_all to split regardless of the cost model" "$out" || fail "no advice to set tp_split_all"
 REFERENCE=python_llama train_and_compare llama_tp2 --model=torchscript:"$work/llama.pt" --dp=1 --tp=2
 grep -aq "layers.1.wo.weight *row" "$out" || fail "llama_tp2: wo is not row-parallel"
 REFERENCE=python_llama train_and_compare llama_dp2_tp2 --model=torchscript:"$work/llama.pt" --dp=2 --tp=2

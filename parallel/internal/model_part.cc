@@ -130,6 +130,20 @@ struct WholeModel {
   std::string tensor_parallel_report;
 };
 
+// The automatic tensor-parallel pass's options: its cost model at rates of
+// the plan's device (conservative: a product's CPU rate on one core, Gloo
+// over loopback; a GPU's bf16 rate at half its peak, NVLink-class links).
+AutoTensorParallelOptions AutoTensorParallelCosts(const ParallelPlan& plan, bool loss_only) {
+  AutoTensorParallelOptions options;
+  options.loss_only = loss_only;
+  if (plan.tp_split_all) return options;
+  const bool cuda = plan.device == "cuda";
+  options.flops_per_second = cuda ? 200e12 : 50e9;
+  options.bytes_per_second = cuda ? 100e9 : 1e9;
+  options.collective_latency_s = cuda ? 20e-6 : 100e-6;
+  return options;
+}
+
 absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelPlan& plan, int tp_rank,
                                       const at::Device& device, const Batch& example) {
   NamedTensors parameters;
@@ -171,7 +185,7 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
     TRIDENT_ASSIGN_OR_RETURN(
         TensorParallelGraph sharded,
         AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel},
-                           {.loss_only = !source.returns_logits}));
+                           AutoTensorParallelCosts(plan, !source.returns_logits)));
     const std::map<std::string, std::string> aliases = graph->aliases();
     TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(sharded.parameters, on_device, sharded.forward,
                                                       CheckBatch(on_device), owner));
