@@ -126,6 +126,7 @@ struct ParallelPlan {
   // Traced models at tp > 1: split every product the automatic pass can, also
   // where its cost model finds the communication dearer than the compute saved.
   bool tp_split_all = false;
+  TensorParallelLayerLists tp_layer_lists;  // Merak's set_tp_layer_lists: pins parts of that plan
   int virtual_stages = 1;          // model chunks per pipeline rank (interleaved_1f1b)
   std::string schedule = "1f1b";   // see MakeSchedule
   // Where stages may be cut: "layer_split" (LayerSequence layers) or

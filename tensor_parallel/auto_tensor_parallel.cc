@@ -214,7 +214,7 @@ class Planner {
       }
       if (conflict_ == nullptr) {
         if (KeepUnprofitableRegionsWhole()) continue;
-        return absl::OkStatus();
+        return CheckPinnedRows();
       }
       const std::string where = conflict_ == graph_->return_node()
                                     ? "the model's outputs"
@@ -224,6 +224,13 @@ class Planner {
         auto it = splits_.find(input);
         if (it == splits_.end()) continue;
         for (Node* origin : it->second.origins) {
+          if (Pinned(origin) == Pin::kColumn) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "automatic tensor parallelism: the layer lists pin ", Describe(origin),
+                " column-parallel, but its split output would reach ", where,
+                ", which the pass cannot split; pin the product that should end the split region "
+                "row-parallel, or unpin this one"));
+          }
           kept_whole = true;
           whole_[origin] = absl::StrCat("its split output would reach ", where, ", which the pass cannot split");
         }
@@ -530,6 +537,42 @@ class Planner {
     }
     return false;
   }
+  // What the layer lists (Merak's set_tp_layer_lists) pin linear `node` to:
+  // a name in col_para_list / row_para_list (part of its weight's name), or
+  // an input:output feature ratio in input_output_mapping.
+  enum class Pin { kNone, kColumn, kRow };
+  Pin Pinned(const Node* node) const {
+    if (KindOf(node) != "aten::linear") return Pin::kNone;
+    std::string name;
+    for (size_t i = first_parameter_; i < graph_->inputs().size(); ++i) {
+      if (graph_->inputs()[i] == node->input(1)) name = names_[i - first_parameter_];
+    }
+    auto listed = [&](const std::vector<std::string>& patterns) {
+      return !name.empty() && std::any_of(patterns.begin(), patterns.end(), [&](const std::string& pattern) {
+               return name.find(pattern) != std::string::npos;
+             });
+    };
+    if (listed(options_.layers.column)) return Pin::kColumn;
+    if (listed(options_.layers.row)) return Pin::kRow;
+    const std::vector<int64_t> weight = ShapeOf(node->input(1));
+    if (weight.size() != 2) return Pin::kNone;
+    for (const TensorParallelLayerLists::Mapping& m : options_.layers.input_output_mapping) {
+      if (weight[1] * m.output == weight[0] * m.input) return m.column ? Pin::kColumn : Pin::kRow;
+    }
+    return Pin::kNone;
+  }
+
+  absl::Status CheckPinnedRows() {
+    for (Node* node : graph_->nodes()) {
+      if (Pinned(node) != Pin::kRow || std::find(rows_.begin(), rows_.end(), node) != rows_.end()) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "automatic tensor parallelism: the layer lists pin ", Describe(node),
+          " row-parallel, but its input is not split along its features (no column-parallel product "
+          "feeds it through operators the pass can split); pin its partner column-parallel, or unpin it"));
+    }
+    return absl::OkStatus();
+  }
+
   // Records the split work of `node` after Propagate: the region (column
   // products) it belongs to, the compute a split saves and the collectives
   // it costs.
@@ -589,8 +632,19 @@ class Planner {
       r.bytes += w.bytes;
       r.collectives += w.collectives;
     }
+    std::set<Node*> pinned_regions;
+    for (const auto& [node, blocks] : columns_) {
+      if (Pinned(node) == Pin::kColumn) pinned_regions.insert(root(node));
+    }
+    for (Node* node : rows_) {
+      auto it = splits_.find(node->input(0));
+      if (Pinned(node) == Pin::kRow && it != splits_.end() && !it->second.origins.empty()) {
+        pinned_regions.insert(root(*it->second.origins.begin()));
+      }
+    }
     bool changed = false;
     for (const auto& [representative, r] : regions) {
+      if (pinned_regions.count(representative)) continue;
       const double saved = 3 * r.flops * (1.0 - 1.0 / tp_) / options_.flops_per_second;
       const double cost = r.collectives * options_.collective_latency_s + r.bytes / options_.bytes_per_second;
       if (cost <= saved) continue;
@@ -617,7 +671,7 @@ class Planner {
     const bool on_sequence_shards = x != splits_.end() && x->second.sequence;
     if (x == splits_.end() || on_sequence_shards) {  // replicated input, or gathered from sequence shards
       if (!shardable && !tied && weight.size() == 2) whole_[node] = "its weight is read by other operators too";
-      if ((!shardable && !tied) || whole_.count(node) || weight.size() != 2) {
+      if ((!shardable && !tied) || whole_.count(node) || weight.size() != 2 || Pinned(node) == Pin::kRow) {
         if (on_sequence_shards) splits_[node->output()] = x->second;  // a whole product on sequence shards
         return true;
       }

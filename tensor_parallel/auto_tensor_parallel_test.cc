@@ -334,6 +334,46 @@ TEST(AutoTensorParallelCostTest, ANarrowMlpStaysWholeAWideOneSplits) {
   });
 }
 
+// Merak's layer lists pin parts of the plan: the narrow MLP split because it
+// is named (col_para_list) and matched by its feature ratio
+// (input_output_mapping), the rest left to the cost model.
+TEST(AutoTensorParallelCostTest, LayerListsPinWhatTheCostModelWouldKeepWhole) {
+  testing::RunOnRanks(2, [](int r) {
+    auto topology = testing::JoinTopology({{"tensor", 2}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    torch::manual_seed(3);
+    TwoMlps model;
+    const at::Tensor x = at::randn({4, 64, 256}), target = at::randn({4, 64, 256});
+    const at::Tensor expected = model->forward(x, target);
+    auto graph = ModelGraph::Trace(*model, {x, target}, [&](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{model->forward(in[0], in[1])};
+    });
+    ASSERT_TRUE(graph.ok()) << graph.status();
+    AutoTensorParallelOptions options;
+    options.flops_per_second = 50e9;
+    options.layers.column = {"narrow_in"};
+    options.layers.input_output_mapping = {{/*input=*/32, /*output=*/1, /*column=*/false}};  // narrow_out: 8 -> 256
+    auto sharded = AutoTensorParallel(**graph, {2, r, "tp"}, options);
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    auto layouts = ByName(sharded->plan);
+    EXPECT_EQ(layouts["narrow_in.weight"].role, ParameterLayout::Role::kColumn);
+    EXPECT_EQ(layouts["narrow_out.weight"].role, ParameterLayout::Role::kRow);
+    EXPECT_EQ(layouts["wide_in.weight"].role, ParameterLayout::Role::kColumn);
+    auto part = ModelGraph::Trace(sharded->parameters, {x, target}, sharded->forward);
+    ASSERT_TRUE(part.ok()) << part.status();
+    auto loss = (*part)->Run({x, target});
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    EXPECT_NEAR(loss->at(0).item<double>(), expected.item<double>(), 1e-5 * expected.item<double>());
+
+    // A row pin on a product whose input is not split is refused, naming it.
+    options.layers = {};
+    options.layers.row = {"wide_in"};
+    auto refused = AutoTensorParallel(**graph, {2, r, "tp"}, options);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("wide_in.weight) row-parallel, but its input"));
+  });
+}
+
 TEST(AutoTensorParallelErrorsTest, HeadsThatDoNotDivideAreNamed) {
   Sizes sizes;
   sizes.embd = 24;

@@ -256,6 +256,21 @@ struct TensorParallelGraph {
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
 };
 
+// Merak's set_tp_layer_lists for traced models: pins parts of the automatic
+// plan, leaving the rest to it. Names match linear layers by part of their
+// weight's name ("c_attn" matches "transformer.h.0.c_attn.weight").
+struct TensorParallelLayerLists {
+  std::vector<std::string> column;  // col_para_list: column-parallel, whatever the cost model says
+  std::vector<std::string> row;     // row_para_list: row-parallel (an error where its input is not split)
+  // input_output_mapping: linear layers whose input:output feature ratio is
+  // input:output ((1, 3) for a fused q, k, v projection) are pinned so.
+  struct Mapping {
+    int64_t input = 1, output = 1;
+    bool column = true;
+  };
+  std::vector<Mapping> input_output_mapping;
+};
+
 struct AutoTensorParallelOptions {
   // Keep only the model's loss (its first scalar floating-point output):
   // other outputs (logits returned beside the loss) would hold the head's
@@ -269,6 +284,7 @@ struct AutoTensorParallelOptions {
   double flops_per_second = 0;
   double bytes_per_second = 1e9;
   double collective_latency_s = 100e-6;
+  TensorParallelLayerLists layers;
 };
 
 // Errors where a split dimension does not divide tp (naming the operator and

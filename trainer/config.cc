@@ -10,6 +10,7 @@
 #include <google/protobuf/text_format.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/str_join.h"
@@ -142,6 +143,39 @@ absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, Tra
   return absl::OkStatus();
 }
 
+absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfig& c) {
+  const TrainerConfig::TensorParallelLayerLists& lists = c.tp_layer_lists();
+  TensorParallelLayerLists layers;
+  layers.column.assign(lists.col_para_list().begin(), lists.col_para_list().end());
+  layers.row.assign(lists.row_para_list().begin(), lists.row_para_list().end());
+  for (const std::string& entry : lists.input_output_mapping()) {
+    std::vector<std::string> parts = absl::StrSplit(entry, ':');
+    TensorParallelLayerLists::Mapping m;
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &m.input) || !absl::SimpleAtoi(parts[1], &m.output) ||
+        m.input < 1 || m.output < 1 || (parts[2] != "col" && parts[2] != "row")) {
+      return Invalid(absl::StrCat("tp_layer_lists.input_output_mapping '", entry,
+                                  "' is not input:output:col or input:output:row (\"1:3:col\")"));
+    }
+    m.column = parts[2] == "col";
+    layers.input_output_mapping.push_back(m);
+  }
+  for (const std::string& entry : lists.weight_change_list()) {
+    std::vector<std::string> parts = absl::StrSplit(entry, ':');
+    if (parts.size() != 2 || (parts[1] != "0" && parts[1] != "1")) {
+      return Invalid(absl::StrCat("tp_layer_lists.weight_change_list '", entry,
+                                  "' is not name:0 (a linear weight's output features: column) or name:1 "
+                                  "(its input features: row)"));
+    }
+    (parts[1] == "0" ? layers.column : layers.row).push_back(parts[0]);
+  }
+  if (!lists.tp_attr_list().empty()) {
+    return Invalid(absl::StrCat("tp_layer_lists.tp_attr_list names ", lists.tp_attr_list(0),
+                                ": the automatic pass rewrites the sizes a split changes (head counts in "
+                                "views) itself; leave tp_attr_list empty"));
+  }
+  return layers;
+}
+
 namespace {
 
 // The automatic mode's fields; the global batch stays as the config gives it
@@ -184,6 +218,7 @@ absl::Status ResolveAutomaticStrategy(TrainerConfig* c) {
 }  // namespace
 
 absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
+  TRIDENT_RETURN_IF_ERROR(LayerListsFromConfig(*c).status());
   const bool automatic = !c->strategy().empty();
   if (automatic) {
     TRIDENT_RETURN_IF_ERROR(ResolveAutomaticStrategy(c));
@@ -291,6 +326,7 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.pp = c.pp();
   plan.sequence_parallel = c.sequence_parallel();
   plan.tp_split_all = c.tp_split_all();
+  plan.tp_layer_lists = LayerListsFromConfig(c).value_or(TensorParallelLayerLists());
   plan.virtual_stages = c.virtual_stages();
   plan.schedule = c.schedule();
   plan.split_method = c.split_method();

@@ -33,6 +33,9 @@ absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, Tra
 
 // The parallel plan `config` describes (after ResolveConfig).
 ParallelPlan PlanFromConfig(const TrainerConfig& config);
+// The config's tp_layer_lists as the automatic pass takes them; errors name a
+// malformed entry.
+absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfig& config);
 
 // The model's registered type and arguments: model_config when set, else the
 // flat fields (model, preset and the size overrides; torchscript:PATH with

@@ -89,6 +89,12 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_save_every(5); }, 1), HasSubstr("need save_dir"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_profile_step(c.max_steps() + 1); }, 1),
               HasSubstr("is not a step of this run"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.mutable_tp_layer_lists()->add_input_output_mapping("1:3"); }, 1),
+              HasSubstr("input_output_mapping '1:3' is not input:output:col"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.mutable_tp_layer_lists()->add_weight_change_list("c_fc:2"); }, 1),
+              HasSubstr("weight_change_list 'c_fc:2' is not name:0"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.mutable_tp_layer_lists()->add_tp_attr_list("n_head"); }, 1),
+              HasSubstr("rewrites the sizes a split changes"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_tp_plan_report(true); }, 1),
               HasSubstr("tp_plan_report prints the automatic tensor-parallel plan of a run with tp > 1"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_sequence_parallel(true); }, 1),

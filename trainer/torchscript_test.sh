@@ -35,12 +35,14 @@ costed=(--data="$work/data" --block_size=16 --micro_batch_size=2 --global_batch_
 common=("${costed[@]}" --tp_split_all)
 
 # train_and_compare TAG FLAGS...: 20 steps, losses against Python's (those of
-# the Llama model where REFERENCE=python_llama).
+# the Llama model where REFERENCE=python_llama), with the flags in `common`
+# (or in the array FLAGS names).
 train_and_compare() {
   local tag=$1; shift
   local reference="$work/${REFERENCE:-python}.txt"
+  local -n flags=${FLAGS:-common}
   rm -f "$work/$tag.jsonl"
-  timeout 300 "$train" "${common[@]}" --metrics_file="$work/$tag.jsonl" "$@" >"$out" 2>&1 ||
+  timeout 300 "$train" "${flags[@]}" --metrics_file="$work/$tag.jsonl" "$@" >"$out" 2>&1 ||
     fail "$tag: train exited $?"
   "$python" - "$reference" "$work/$tag.jsonl" "$tag" <<'PY' || fail "$tag: losses differ from Python's"
 import json, sys
@@ -86,6 +88,12 @@ timeout 120 "$train" "${costed[@]}" --model=torchscript:"$work/gpt.pt" --tp=2 --
   fail "a tp=2 run of a model too small to split was accepted"
 grep -aq "c_fc.weight *replicated splitting its region would save" "$out" || fail "no cost-model reason in the plan"
 grep -aq "set tp_split_all to split regardless of the cost model" "$out" || fail "no advice to set tp_split_all"
+# Merak's layer lists pin the MLPs split; the cost model keeps the rest whole.
+echo 'tp_layer_lists { col_para_list: "c_fc" row_para_list: "mlp_proj" }' >"$work/pinned.pbtxt"
+pinned=(--config="$work/pinned.pbtxt" "${costed[@]}")
+FLAGS=pinned train_and_compare pinned --model=torchscript:"$work/gpt.pt" --tp=2
+grep -aq "c_fc.weight *column" "$out" || fail "pinned: c_fc is not column-parallel"
+grep -aq "c_attn.weight *replicated splitting its region" "$out" || fail "pinned: c_attn is not left to the cost model"
 REFERENCE=python_llama train_and_compare llama_tp2 --model=torchscript:"$work/llama.pt" --dp=1 --tp=2
 grep -aq "layers.1.wo.weight *row" "$out" || fail "llama_tp2: wo is not row-parallel"
 REFERENCE=python_llama train_and_compare llama_dp2_tp2 --model=torchscript:"$work/llama.pt" --dp=2 --tp=2

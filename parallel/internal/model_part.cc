@@ -136,6 +136,7 @@ struct WholeModel {
 AutoTensorParallelOptions AutoTensorParallelCosts(const ParallelPlan& plan, bool loss_only) {
   AutoTensorParallelOptions options;
   options.loss_only = loss_only;
+  options.layers = plan.tp_layer_lists;
   if (plan.tp_split_all) return options;
   const bool cuda = plan.device == "cuda";
   options.flops_per_second = cuda ? 200e12 : 50e9;
