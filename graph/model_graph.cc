@@ -123,6 +123,17 @@ StageGraph::~StageGraph() = default;
 
 namespace {
 
+// `graph` returning its outputs as one value, as a graph function does
+// (several outputs travel as a tuple).
+std::shared_ptr<torch::jit::Graph> Runnable(std::shared_ptr<torch::jit::Graph> graph) {
+  if (graph->outputs().size() != 1) {
+    std::vector<torch::jit::Value*> outputs(graph->outputs().begin(), graph->outputs().end());
+    while (!graph->outputs().empty()) graph->eraseOutput(0);
+    graph->registerOutput(graph->insertNode(graph->createTuple(outputs))->output());
+  }
+  return graph;
+}
+
 std::vector<at::Tensor> Unpack(const torch::jit::Stack& stack) {
   std::vector<at::Tensor> outputs;
   for (const c10::IValue& value : stack) {
@@ -376,14 +387,7 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   for (const torch::jit::Value* output : impl->graph->outputs()) {
     impl->output_ids.push_back(static_cast<int64_t>(output->unique()));
   }
-  // A graph function returns one value: several outputs travel as a tuple.
-  std::shared_ptr<torch::jit::Graph> runnable = impl->graph->copy();
-  if (runnable->outputs().size() != 1) {
-    std::vector<torch::jit::Value*> outputs(runnable->outputs().begin(), runnable->outputs().end());
-    while (!runnable->outputs().empty()) runnable->eraseOutput(0);
-    runnable->registerOutput(runnable->insertNode(runnable->createTuple(outputs))->output());
-  }
-  impl->code = std::make_unique<torch::jit::Code>(runnable, "forward");
+  impl->code = std::make_unique<torch::jit::Code>(Runnable(impl->graph->copy()), "forward");
   std::unique_ptr<ModelGraph> model_graph(new ModelGraph(std::move(impl)));
   if (!check_inputs.empty()) {
     c10::NoGradGuard no_grad;
@@ -611,5 +615,16 @@ std::string ModelGraph::Summary() const {
 
 std::string ModelGraph::IrText() const { return impl_->graph->toString(); }
 std::shared_ptr<torch::jit::Graph> ModelGraph::jit_graph() const { return impl_->graph; }
+
+ModelGraph::Forward ModelGraph::GraphForward(std::shared_ptr<torch::jit::Graph> graph,
+                                             std::vector<at::Tensor> parameters) {
+  auto code = std::make_shared<torch::jit::Code>(Runnable(std::move(graph)), "rewritten_forward");
+  return [code, parameters = std::move(parameters)](const std::vector<at::Tensor>& inputs) {
+    torch::jit::Stack stack(inputs.begin(), inputs.end());
+    stack.insert(stack.end(), parameters.begin(), parameters.end());
+    RunCode(*code, stack);
+    return Unpack(stack);
+  };
+}
 
 }  // namespace trident

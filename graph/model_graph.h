@@ -173,6 +173,10 @@ class ModelGraph {
   // shapes are the example's), for passes that rewrite a copy of it
   // (Graph::copy), never the graph itself.
   std::shared_ptr<torch::jit::Graph> jit_graph() const;
+  // A forward that runs `graph` (a rewritten copy of a jit_graph(): the
+  // model's inputs, then one tensor per parameter) with `parameters` in the
+  // interpreter: trace it (Trace) for the rewritten model's graph.
+  static Forward GraphForward(std::shared_ptr<torch::jit::Graph> graph, std::vector<at::Tensor> parameters);
 
  private:
   class Impl;

@@ -14,7 +14,6 @@
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
-#include <torch/csrc/jit/runtime/interpreter.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -993,18 +992,6 @@ class Planner {
   Node* conflict_ = nullptr;
 };
 
-std::vector<at::Tensor> Unpack(const torch::jit::Stack& stack) {
-  std::vector<at::Tensor> outputs;
-  for (const c10::IValue& value : stack) {
-    if (value.isTensor()) {
-      outputs.push_back(value.toTensor());
-    } else if (value.isTuple()) {
-      for (const c10::IValue& element : value.toTupleRef().elements()) outputs.push_back(element.toTensor());
-    }
-  }
-  return outputs;
-}
-
 // Drops every output but the first scalar floating-point one (the loss).
 void KeepOnlyTheLoss(Graph& graph) {
   for (size_t i = 0; i < graph.outputs().size(); ++i) {
@@ -1078,21 +1065,9 @@ absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, 
         "use tp=1, set tp_split_all to split regardless of the cost model, or build the model's layers "
         "tensor-parallel"));
   }
-  // A graph function returns one value: several outputs travel as a tuple.
-  if (graph->outputs().size() != 1) {
-    std::vector<Value*> outputs(graph->outputs().begin(), graph->outputs().end());
-    while (!graph->outputs().empty()) graph->eraseOutput(0);
-    graph->registerOutput(graph->insertNode(graph->createTuple(outputs))->output());
-  }
-  auto code = std::make_shared<torch::jit::Code>(graph, "tensor_parallel_forward");
   std::vector<at::Tensor> parameters;
   for (const auto& [name, p] : result.parameters) parameters.push_back(p);
-  result.forward = [code, parameters](const std::vector<at::Tensor>& inputs) {
-    torch::jit::Stack stack(inputs.begin(), inputs.end());
-    stack.insert(stack.end(), parameters.begin(), parameters.end());
-    torch::jit::InterpreterState(*code).run(stack);
-    return Unpack(stack);
-  };
+  result.forward = ModelGraph::GraphForward(graph, std::move(parameters));
   return result;
 }
 

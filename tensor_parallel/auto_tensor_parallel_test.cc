@@ -302,35 +302,47 @@ struct TwoMlpsImpl : torch::nn::Module {
 };
 TORCH_MODULE(TwoMlps);
 
+// On every rank of a tp=2 group: TwoMlps traced, planned with `options` by
+// `plan`, checked by `check`, and its rewritten graph's loss equal to one
+// process's.
+void ExpectTwoMlpsPlan(int r, const AutoTensorParallelOptions& options,
+                       const std::function<void(const AutoTensorParallelPlan&)>& check) {
+  auto topology = testing::JoinTopology({{"tensor", 2}});
+  ASSERT_TRUE(topology.ok()) << topology.status();
+  torch::manual_seed(3);
+  TwoMlps model;
+  const at::Tensor x = at::randn({4, 64, 256}), target = at::randn({4, 64, 256});
+  const at::Tensor expected = model->forward(x, target);
+  std::unique_ptr<ModelGraph> graph = Traced(model, x, target);
+  ASSERT_NE(graph, nullptr);
+  auto sharded = AutoTensorParallel(*graph, {2, r, "tp"}, options);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  check(sharded->plan);
+  auto part = ModelGraph::Trace(sharded->parameters, {x, target}, sharded->forward);
+  ASSERT_TRUE(part.ok()) << part.status();
+  auto loss = (*part)->Run({x, target});
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  EXPECT_NEAR(loss->at(0).item<double>(), expected.item<double>(), 1e-5 * expected.item<double>());
+}
+
+AutoTensorParallelOptions CpuCosts() {
+  AutoTensorParallelOptions costs;
+  costs.flops_per_second = 50e9;
+  costs.bytes_per_second = 1e9;
+  costs.collective_latency_s = 100e-6;
+  return costs;
+}
+
 TEST(AutoTensorParallelCostTest, ANarrowMlpStaysWholeAWideOneSplits) {
   testing::RunOnRanks(2, [](int r) {
-    auto topology = testing::JoinTopology({{"tensor", 2}});
-    ASSERT_TRUE(topology.ok()) << topology.status();
-    torch::manual_seed(3);
-    TwoMlps model;
-    const at::Tensor x = at::randn({4, 64, 256}), target = at::randn({4, 64, 256});
-    const at::Tensor expected = model->forward(x, target);
-    auto graph = ModelGraph::Trace(*model, {x, target}, [&](const std::vector<at::Tensor>& in) {
-      return std::vector<at::Tensor>{model->forward(in[0], in[1])};
+    ExpectTwoMlpsPlan(r, CpuCosts(), [](const AutoTensorParallelPlan& plan) {
+      auto layouts = ByName(plan);
+      EXPECT_EQ(layouts["wide_in.weight"].role, ParameterLayout::Role::kColumn);
+      EXPECT_EQ(layouts["wide_out.weight"].role, ParameterLayout::Role::kRow);
+      EXPECT_EQ(layouts["narrow_in.weight"].role, ParameterLayout::Role::kReplicated);
+      EXPECT_THAT(layouts["narrow_in.weight"].why, HasSubstr("would save"));
+      EXPECT_EQ(plan.collectives.size(), 2u);
     });
-    ASSERT_TRUE(graph.ok()) << graph.status();
-    AutoTensorParallelOptions costs;
-    costs.flops_per_second = 50e9;
-    costs.bytes_per_second = 1e9;
-    costs.collective_latency_s = 100e-6;
-    auto sharded = AutoTensorParallel(**graph, {2, r, "tp"}, costs);
-    ASSERT_TRUE(sharded.ok()) << sharded.status();
-    auto layouts = ByName(sharded->plan);
-    EXPECT_EQ(layouts["wide_in.weight"].role, ParameterLayout::Role::kColumn);
-    EXPECT_EQ(layouts["wide_out.weight"].role, ParameterLayout::Role::kRow);
-    EXPECT_EQ(layouts["narrow_in.weight"].role, ParameterLayout::Role::kReplicated);
-    EXPECT_THAT(layouts["narrow_in.weight"].why, HasSubstr("would save"));
-    EXPECT_EQ(sharded->plan.collectives.size(), 2u);
-    auto part = ModelGraph::Trace(sharded->parameters, {x, target}, sharded->forward);
-    ASSERT_TRUE(part.ok()) << part.status();
-    auto loss = (*part)->Run({x, target});
-    ASSERT_TRUE(loss.ok()) << loss.status();
-    EXPECT_NEAR(loss->at(0).item<double>(), expected.item<double>(), 1e-5 * expected.item<double>());
   });
 }
 
@@ -339,39 +351,29 @@ TEST(AutoTensorParallelCostTest, ANarrowMlpStaysWholeAWideOneSplits) {
 // (input_output_mapping), the rest left to the cost model.
 TEST(AutoTensorParallelCostTest, LayerListsPinWhatTheCostModelWouldKeepWhole) {
   testing::RunOnRanks(2, [](int r) {
-    auto topology = testing::JoinTopology({{"tensor", 2}});
-    ASSERT_TRUE(topology.ok()) << topology.status();
-    torch::manual_seed(3);
-    TwoMlps model;
-    const at::Tensor x = at::randn({4, 64, 256}), target = at::randn({4, 64, 256});
-    const at::Tensor expected = model->forward(x, target);
-    auto graph = ModelGraph::Trace(*model, {x, target}, [&](const std::vector<at::Tensor>& in) {
-      return std::vector<at::Tensor>{model->forward(in[0], in[1])};
-    });
-    ASSERT_TRUE(graph.ok()) << graph.status();
-    AutoTensorParallelOptions options;
-    options.flops_per_second = 50e9;
+    AutoTensorParallelOptions options = CpuCosts();
     options.layers.column = {"narrow_in"};
     options.layers.input_output_mapping = {{/*input=*/32, /*output=*/1, /*column=*/false}};  // narrow_out: 8 -> 256
-    auto sharded = AutoTensorParallel(**graph, {2, r, "tp"}, options);
-    ASSERT_TRUE(sharded.ok()) << sharded.status();
-    auto layouts = ByName(sharded->plan);
-    EXPECT_EQ(layouts["narrow_in.weight"].role, ParameterLayout::Role::kColumn);
-    EXPECT_EQ(layouts["narrow_out.weight"].role, ParameterLayout::Role::kRow);
-    EXPECT_EQ(layouts["wide_in.weight"].role, ParameterLayout::Role::kColumn);
-    auto part = ModelGraph::Trace(sharded->parameters, {x, target}, sharded->forward);
-    ASSERT_TRUE(part.ok()) << part.status();
-    auto loss = (*part)->Run({x, target});
-    ASSERT_TRUE(loss.ok()) << loss.status();
-    EXPECT_NEAR(loss->at(0).item<double>(), expected.item<double>(), 1e-5 * expected.item<double>());
-
-    // A row pin on a product whose input is not split is refused, naming it.
-    options.layers = {};
-    options.layers.row = {"wide_in"};
-    auto refused = AutoTensorParallel(**graph, {2, r, "tp"}, options);
-    ASSERT_FALSE(refused.ok());
-    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("wide_in.weight) row-parallel, but its input"));
+    ExpectTwoMlpsPlan(r, options, [](const AutoTensorParallelPlan& plan) {
+      auto layouts = ByName(plan);
+      EXPECT_EQ(layouts["narrow_in.weight"].role, ParameterLayout::Role::kColumn);
+      EXPECT_EQ(layouts["narrow_out.weight"].role, ParameterLayout::Role::kRow);
+      EXPECT_EQ(layouts["wide_in.weight"].role, ParameterLayout::Role::kColumn);
+    });
   });
+}
+
+TEST(AutoTensorParallelErrorsTest, ARowPinWhereTheInputIsNotSplitIsRefused) {
+  torch::manual_seed(3);
+  TwoMlps model;
+  const at::Tensor x = at::randn({1, 4, 256});
+  std::unique_ptr<ModelGraph> graph = Traced(model, x, x);
+  ASSERT_NE(graph, nullptr);
+  AutoTensorParallelOptions options;
+  options.layers.row = {"wide_in"};
+  auto refused = AutoTensorParallel(*graph, {2, 0, "tp"}, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("wide_in.weight) row-parallel, but its input"));
 }
 
 TEST(AutoTensorParallelErrorsTest, HeadsThatDoNotDivideAreNamed) {
