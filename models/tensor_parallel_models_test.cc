@@ -1,11 +1,14 @@
 // The tensor-parallel gpt and llama start as slices of the single-process
 // weights and compute its loss and (sliced) gradients on 2 and 4 ranks, with
-// and without sequence parallelism.
+// and without sequence parallelism; and the automatic tensor-parallel pass
+// finds the same plan in their traced single-process modules.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "graph/model_graph.h"
 #include "models/models.h"
+#include "tensor_parallel/tensor_parallel.h"
 #include "testing/multiprocess.h"
 
 namespace trident {
@@ -112,6 +115,84 @@ TEST(TensorParallelModelConfigTest, DimensionsThatDoNotDivideAreNamed) {
   EXPECT_THAT(std::string(ValidateModelConfig(c).message()),
               ::testing::HasSubstr("model 'mlp' has no tensor-parallel form"));
 }
+
+// The automatic tensor-parallel plan of the zoo's gpt and llama, traced from
+// their single-process C++ modules, equals the hand plan the zoo builds: the
+// same shard of every parameter and the same collectives; and the rewritten
+// graph computes the hand-built model's loss.
+absl::StatusOr<std::unique_ptr<ModelGraph>> Traced(LanguageModel& model, const at::Tensor& tokens,
+                                                   const at::Tensor& targets) {
+  return ModelGraph::Trace(model, {tokens, targets}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{model.Loss(in[0], in[1])};
+  });
+}
+
+// The trident:: operators of a graph, by kind.
+std::map<std::string, int> Collectives(const ModelGraph& graph) {
+  std::map<std::string, int> kinds;
+  for (const GraphNode& node : graph.nodes()) {
+    if (node.kind.rfind("trident::", 0) == 0) ++kinds[node.kind];
+  }
+  return kinds;
+}
+
+class AutoPlanEqualsZooTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(AutoPlanEqualsZooTest, SameShardsCollectivesAndLoss) {
+  const std::string name = GetParam();
+  testing::RunOnRanks(2, [name](int rank) {
+    auto topology = testing::JoinTopology({{"tensor", 2}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    ModelConfig config = SmallConfig(name);
+    if (name == "llama") config.n_kv_head = 2;  // grouped-query attention
+    std::shared_ptr<LanguageModel> whole = *CreateModel(config, 9);
+    config.tp = {2, rank, "tp", false};
+    std::shared_ptr<LanguageModel> hand = *CreateModel(config, 9);
+    const std::map<std::string, ShardSpec> hand_shards = hand->ParameterShards();
+
+    torch::manual_seed(2);
+    const at::Tensor tokens = torch::randint(config.vocab_size, {2, 8}, torch::kLong);
+    const at::Tensor targets = torch::randint(config.vocab_size, {2, 8}, torch::kLong);
+    auto graph = Traced(*whole, tokens, targets);
+    ASSERT_TRUE(graph.ok()) << graph.status();
+    auto automatic = AutoTensorParallel(**graph, config.tp);
+    ASSERT_TRUE(automatic.ok()) << automatic.status();
+
+    // Parameter by parameter.
+    ASSERT_EQ(automatic->shards.size(), hand_shards.size()) << automatic->plan.Report();
+    for (const auto& [parameter, spec] : hand_shards) {
+      auto found = automatic->shards.find(parameter);
+      ASSERT_NE(found, automatic->shards.end()) << parameter << " is split by hand only\n" << automatic->plan.Report();
+      EXPECT_EQ(found->second.dim, spec.dim) << parameter;
+      EXPECT_EQ(found->second.parts, spec.parts) << parameter;
+      EXPECT_EQ(found->second.index, spec.index) << parameter;
+      EXPECT_EQ(found->second.blocks, spec.blocks) << parameter;
+    }
+
+    // The same collectives, except that the automatic plan copies an input
+    // that several column products read (q, k and v; gate and up) into the
+    // region once, so its backward all-reduces that gradient once, not per
+    // product; and the hand-built model's loss.
+    auto rewritten = ModelGraph::Trace(automatic->parameters, {tokens, targets}, automatic->forward);
+    ASSERT_TRUE(rewritten.ok()) << rewritten.status();
+    auto hand_graph = Traced(*hand, tokens, targets);
+    ASSERT_TRUE(hand_graph.ok()) << hand_graph.status();
+    std::map<std::string, int> automatic_collectives = Collectives(**rewritten);
+    std::map<std::string, int> hand_collectives = Collectives(**hand_graph);
+    const std::string copy = "trident::copy_to_tp_region";
+    EXPECT_EQ(automatic_collectives[copy], 2 * config.n_layer + 1);  // per block: attention, MLP; the head
+    EXPECT_LE(automatic_collectives[copy], hand_collectives[copy]);
+    automatic_collectives.erase(copy);
+    hand_collectives.erase(copy);
+    EXPECT_EQ(automatic_collectives, hand_collectives);
+    auto loss = (*rewritten)->Run({tokens, targets});
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    const double expected = hand->Loss(tokens, targets).item<double>();
+    EXPECT_NEAR(loss->at(0).item<double>(), expected, 1e-5 * expected);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Zoo, AutoPlanEqualsZooTest, ::testing::Values("gpt", "llama"));
 
 }  // namespace
 }  // namespace trident
