@@ -172,7 +172,8 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
   context.seed = request.plan.seed;
   TRIDENT_ASSIGN_OR_RETURN(ModelSource made, request.make_source(context));
   if (made.kind != ModelSource::Kind::kLayers && request.plan.trace_method != "layers" && tp.size > 1) {
-    return absl::InvalidArgumentError("tensor parallelism on a traced model is not available");
+    return absl::InvalidArgumentError(
+        "the search does not profile automatic tensor parallelism of traced models yet; give --tp explicitly");
   }
   const std::vector<int64_t>& sizes = request.micro_batch_sizes;
   std::vector<Batch> batches;
