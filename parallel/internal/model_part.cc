@@ -188,8 +188,11 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
         AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel},
                            AutoTensorParallelCosts(plan, !source.returns_logits)));
     const std::map<std::string, std::string> aliases = graph->aliases();
+    // The rewritten graph holds this rank's parameters itself: a loaded
+    // TorchScript module, and with it the full tensors of the split ones, is
+    // released (a C++ module stays the user's).
     TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(sharded.parameters, on_device, sharded.forward,
-                                                      CheckBatch(on_device), owner));
+                                                      CheckBatch(on_device)));
     whole.tensor_parallel_shards = std::move(sharded.shards);
     whole.tensor_parallel_report = sharded.plan.Report();
     whole.aliases = aliases;
