@@ -27,7 +27,9 @@ namespace trident {
 // AdamW with PyTorch's arithmetic and state (AdamWParamState, so save/load,
 // ZeRO and memory reports treat it as torch::optim::AdamW), updating each
 // contiguous float32 CPU parameter in one fused pass (the unfused form reads
-// and writes every tensor about nine times); other tensors take the unfused path.
+// and writes every tensor about nine times) and, with LibTorch 2, all GPU
+// parameters of a device and dtype in one multi-tensor kernel; other tensors
+// take the unfused path.
 class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
