@@ -172,7 +172,8 @@ class Planner {
         tp_(tp),
         sequence_(sequence_parallel),
         options_(options) {
-    first_parameter_ = graph_->inputs().size() - names_.size();
+    const size_t first_parameter = graph_->inputs().size() - names_.size();
+    for (size_t i = 0; i < names_.size(); ++i) parameter_index_[graph_->inputs()[first_parameter + i]] = i;
     int64_t position = 0;
     for (Node* node : graph_->nodes()) {
       if (node->kind() != c10::prim::Constant && node->kind() != c10::prim::ListConstruct) {
@@ -340,7 +341,7 @@ class Planner {
       Value* logits = node->input(0);
       Value* targets = node->input(1);
       Value* per_token = graph_->insert(c10::Symbol::fromQualString("trident::vocab_parallel_cross_entropy"),
-                                        {logits, targets, torch::jit::NamedValue(c10::IValue(group))});
+                                        {logits, targets, group_name});
       // Ignored targets count for nothing, as in cross_entropy.
       Value* counted = graph_->insert(
           c10::aten::type_as, {graph_->insert(c10::aten::ne, {targets, *IntOf(node->input(4))}), per_token});
@@ -359,10 +360,8 @@ class Planner {
     std::vector<ParameterLayout> layouts(names_.size());
     for (size_t i = 0; i < names_.size(); ++i) layouts[i].name = names_[i];
     auto parameter = [&](const Value* value) -> ParameterLayout* {
-      for (size_t i = 0; i < names_.size(); ++i) {
-        if (graph_->inputs()[first_parameter_ + i] == value) return &layouts[i];
-      }
-      return nullptr;
+      auto it = parameter_index_.find(value);
+      return it == parameter_index_.end() ? nullptr : &layouts[it->second];
     };
     for (const auto& [node, blocks] : columns_) {
       for (size_t input : {size_t{1}, size_t{2}}) {
@@ -542,10 +541,7 @@ class Planner {
   enum class Pin { kNone, kColumn, kRow };
   Pin Pinned(const Node* node) const {
     if (KindOf(node) != "aten::linear") return Pin::kNone;
-    std::string name;
-    for (size_t i = first_parameter_; i < graph_->inputs().size(); ++i) {
-      if (graph_->inputs()[i] == node->input(1)) name = names_[i - first_parameter_];
-    }
+    const std::string name = ParameterName(node->input(1));
     auto listed = [&](const std::vector<std::string>& patterns) {
       return !name.empty() && std::any_of(patterns.begin(), patterns.end(), [&](const std::string& pattern) {
                return name.find(pattern) != std::string::npos;
@@ -714,7 +710,7 @@ class Planner {
   // that can split their vocabulary (a head tied to the token embedding).
   bool TiedToEmbeddings(const Node* node) const {
     const Value* weight = node->input(1);
-    if (!IsParameter(*graph_, first_parameter_, weight)) return false;
+    if (!parameter_index_.count(weight)) return false;
     int linears = 0;
     for (const torch::jit::Use& use : weight->uses()) {
       const std::string kind = KindOf(use.user);
@@ -733,7 +729,7 @@ class Planner {
   bool VocabularySplits(const Node* embedding) const {
     const std::vector<int64_t> weight = ShapeOf(embedding->input(0));
     return weight.size() == 2 && weight[0] % tp_ == 0 && IntOf(embedding->input(2)).value_or(0) == -1 &&
-           IsParameter(*graph_, first_parameter_, embedding->input(0)) &&
+           parameter_index_.count(embedding->input(0)) &&
            embedding->input(1)->node()->kind() == c10::prim::Param;
   }
 
@@ -797,7 +793,7 @@ class Planner {
 
   // A parameter read by this operator alone (a shared or tied one stays whole).
   bool IsOwnParameter(const Value* value) const {
-    return IsParameter(*graph_, first_parameter_, value) && value->uses().size() == 1;
+    return parameter_index_.count(value) && value->uses().size() == 1;
   }
 
   // Whether a replicated `value` broadcasts along dimension `dim` of a result
@@ -944,12 +940,17 @@ class Planner {
     }
     return false;
   }
+  // The name of the parameter `value` is, or "" for other values.
+  std::string ParameterName(const Value* value) const {
+    auto it = parameter_index_.find(value);
+    return it == parameter_index_.end() ? "" : names_[it->second];
+  }
+
   std::string Describe(const Node* node) {
     std::string what = absl::StrCat(KindOf(node), " (node ", position_[node]);
     if (KindOf(node) == "aten::linear") {
-      for (size_t i = first_parameter_; i < graph_->inputs().size(); ++i) {
-        if (graph_->inputs()[i] == node->input(1)) absl::StrAppend(&what, ", ", names_[i - first_parameter_]);
-      }
+      const std::string weight = ParameterName(node->input(1));
+      if (!weight.empty()) absl::StrAppend(&what, ", ", weight);
     }
     return what + ")";
   }
@@ -967,7 +968,7 @@ class Planner {
   std::shared_ptr<Graph> graph_;
   std::vector<std::string> names_;
   int64_t tp_;
-  size_t first_parameter_ = 0;
+  std::map<const Value*, size_t> parameter_index_;  // graph input -> index into names_
   std::map<const Node*, int64_t> position_;
   std::map<const Value*, Split> splits_;
   std::map<Node*, int64_t> columns_;  // column products -> pieces of their output

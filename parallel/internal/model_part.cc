@@ -182,12 +182,12 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ModelGraph> graph,
                            ModelGraph::Trace(parameters, on_device, traced_forward, CheckBatch(on_device), owner));
   WholeModel whole;
+  whole.aliases = graph->aliases();
   if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
     TRIDENT_ASSIGN_OR_RETURN(
         TensorParallelGraph sharded,
         AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel},
                            AutoTensorParallelCosts(plan, !source.returns_logits)));
-    const std::map<std::string, std::string> aliases = graph->aliases();
     // The rewritten graph holds this rank's parameters itself: a loaded
     // TorchScript module, and with it the full tensors of the split ones, is
     // released (a C++ module stays the user's).
@@ -195,9 +195,6 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
                                                       CheckBatch(on_device)));
     whole.tensor_parallel_shards = std::move(sharded.shards);
     whole.tensor_parallel_report = sharded.plan.Report();
-    whole.aliases = aliases;
-  } else {
-    whole.aliases = graph->aliases();
   }
   const std::string split = plan.split_method.empty() ? "farthest_min_deps" : plan.split_method;
   const int shard_count = plan.shard_count > 0 ? plan.shard_count : DefaultShardCount(*graph);
