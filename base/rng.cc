@@ -18,4 +18,18 @@ void SetCpuRngState(const at::Tensor& state) {
   generator.set_state(state);
 }
 
+void SeedCpuRng(uint64_t seed, int64_t step, int rank) {
+  // SplitMix64 over the three numbers.
+  uint64_t x = seed;
+  for (uint64_t v : {static_cast<uint64_t>(step), static_cast<uint64_t>(rank)}) {
+    x += 0x9e3779b97f4a7c15ULL + v;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+  }
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_current_seed(x);
+}
+
 }  // namespace trident

@@ -4,12 +4,18 @@
 #ifndef TRIDENT_BASE_RNG_H_
 #define TRIDENT_BASE_RNG_H_
 
+#include <cstdint>
+
 #include <ATen/core/Tensor.h>
 
 namespace trident {
 
 at::Tensor CpuRngState();
 void SetCpuRngState(const at::Tensor& state);
+// Seeds the default CPU generator from `seed`, `step` and `rank` (a stream
+// that differs per rank and per step): what a resumed run uses where the
+// saved per-rank streams do not fit its layout.
+void SeedCpuRng(uint64_t seed, int64_t step, int rank);
 
 }  // namespace trident
 

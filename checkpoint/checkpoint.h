@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -44,6 +45,110 @@ struct SafetensorsContents {
 };
 // Reads a safetensors file; errors name the file and what is malformed.
 absl::StatusOr<SafetensorsContents> ReadSafetensors(const std::string& path);
+
+// One box of a single-process tensor that a stored piece holds, and where its
+// elements sit in the piece's flat data: element `offsets + i` of the full
+// tensor is data[data_offset + sum(i[d] * data_strides[d])].
+struct SliceSegment {
+  std::vector<int64_t> offsets;  // first index per dimension in the full tensor
+  std::vector<int64_t> lengths;
+  int64_t data_offset = 0;
+  std::vector<int64_t> data_strides;
+  bool operator==(const SliceSegment& other) const;
+};
+
+// Which elements of a single-process tensor ("the full tensor") one rank's
+// piece holds, and where in the piece's data: a whole tensor, a
+// tensor-parallel shard, a ZeRO chunk's part of either. Checkpoints record
+// every tensor this way, so any layout can read any other's pieces.
+struct TensorSlice {
+  std::vector<int64_t> full_shape;
+  std::vector<SliceSegment> segments;  // disjoint
+  // The shape of the piece's data (the shard's shape; [n] for flat parts).
+  std::vector<int64_t> local_shape;
+
+  static TensorSlice Whole(std::vector<int64_t> shape);
+  // Tensor parallelism: dimension `dim` holds `blocks` equal blocks (fused
+  // q, k, v: 3), each cut into `parts`; the piece is part `index` of every
+  // block, concatenated along `dim`.
+  static TensorSlice BlockShard(std::vector<int64_t> full_shape, int64_t dim, int64_t blocks, int64_t index,
+                                int64_t parts);
+  // Elements [begin, end) of the row-major flattening of this piece's data
+  // (ZeRO's chunk of a parameter). This piece must not be flat part itself.
+  TensorSlice FlatRange(int64_t begin, int64_t end) const;
+
+  int64_t numel() const;  // elements held
+  bool whole() const;     // the full tensor, in row-major order
+  bool operator==(const TensorSlice& other) const { return full_shape == other.full_shape && segments == other.segments; }
+  // Text form stored in checkpoint files, and its parsing (errors name the text).
+  std::string Encode() const;
+  static absl::StatusOr<TensorSlice> Decode(const std::string& text);
+};
+
+// One piece of a named tensor of the single-process model with its slice;
+// `data` holds slice.numel() elements (contiguous).
+struct SlicedTensor {
+  std::string name;
+  TensorSlice slice;
+  at::Tensor data;
+};
+
+// Writes pieces in the safetensors format: whole tensors under their name and
+// shape (any safetensors reader loads them by name), other pieces flat, their
+// slices in the metadata.
+absl::Status WriteSlicedSafetensors(const std::string& path, const std::vector<SlicedTensor>& pieces,
+                                    std::map<std::string, std::string> metadata = {});
+
+// Copies the elements that `source` (its data at `source_data`) and `target`
+// (its data `target_data`) both hold, marking them in `covered` (a byte
+// tensor of target_data's size) when given. Returns the elements copied.
+int64_t CopyOverlap(const TensorSlice& source, const at::Tensor& source_data, const TensorSlice& target,
+                 at::Tensor& target_data, at::Tensor* covered = nullptr);
+
+// Reads named tensors from every safetensors file of a checkpoint directory
+// (or one file) in any layout: files are memory-mapped and each read copies
+// only the byte ranges of the pieces that overlap the slice asked for.
+class CheckpointReader {
+ public:
+  static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& path);
+  ~CheckpointReader();
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  bool Contains(const std::string& name) const;
+  // Every tensor's name with its full shape, in name order.
+  std::map<std::string, std::vector<int64_t>> FullShapes() const;
+  // Fills `target` (contiguous, slice.numel() elements, any dtype) with the
+  // elements `slice` of tensor `name` holds. Errors name the tensor and what
+  // is missing or mismatched.
+  absl::Status Read(const std::string& name, const TensorSlice& slice, at::Tensor& target) const;
+  // The whole tensor, in its stored dtype.
+  absl::StatusOr<at::Tensor> ReadWhole(const std::string& name) const;
+  // The stored pieces: for `inspect`, with the file each comes from.
+  struct Piece {
+    std::string name;
+    TensorSlice slice;
+    at::ScalarType dtype;
+    std::string file;
+    int64_t bytes = 0;
+  };
+  std::vector<Piece> Pieces() const;
+  // The metadata of each file, by file name.
+  const std::map<std::string, std::map<std::string, std::string>>& metadata() const { return metadata_; }
+  // Bytes of stored data copied by reads so far.
+  int64_t bytes_read() const { return bytes_read_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  struct File;
+  struct Stored;
+  CheckpointReader() = default;
+  std::string path_;
+  std::vector<std::unique_ptr<File>> files_;
+  std::map<std::string, std::vector<Stored>> stored_;
+  std::map<std::string, std::map<std::string, std::string>> metadata_;
+  mutable int64_t bytes_read_ = 0;
+};
 
 // zlib CRC-32 of the file at `path`, and its size.
 absl::StatusOr<std::pair<uint32_t, int64_t>> FileChecksum(const std::string& path);

@@ -78,6 +78,110 @@ TEST(SafetensorsTest, MalformedFilesNameTheFile) {
               HasSubstr("tensor 'w' has data offsets"));
 }
 
+// The full tensor rebuilt from the pieces each part of a layout holds.
+at::Tensor Assemble(const std::vector<std::pair<TensorSlice, at::Tensor>>& pieces, std::vector<int64_t> shape) {
+  at::Tensor full = at::full(shape, -1.0f);
+  at::Tensor flat = full.view({-1});
+  for (const auto& [slice, data] : pieces) {
+    at::Tensor source = data.reshape({-1});
+    CopyOverlap(slice, source, TensorSlice::Whole(shape), flat);
+  }
+  return full;
+}
+
+TEST(TensorSliceTest, BlockShardsAreTheTensorParallelSlices) {
+  const at::Tensor full = at::arange(6 * 4, at::kFloat).view({6, 4});
+  // Fused q, k, v (3 blocks of 2 rows) over 2 ranks: rank 1 holds rows 1, 3, 5.
+  TensorSlice shard = TensorSlice::BlockShard({6, 4}, 0, 3, 1, 2);
+  EXPECT_EQ(shard.local_shape, (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(shard.numel(), 12);
+  at::Tensor local = at::empty({3, 4});
+  at::Tensor flat = local.view({-1});
+  EXPECT_EQ(CopyOverlap(TensorSlice::Whole({6, 4}), full.view({-1}), shard, flat), 12);
+  EXPECT_TRUE(at::equal(local, full.index_select(0, at::tensor({1, 3, 5}, at::kLong))));
+  // Columns (dimension 1) of two ranks put back together.
+  std::vector<std::pair<TensorSlice, at::Tensor>> pieces;
+  for (int rank = 0; rank < 2; ++rank) pieces.emplace_back(TensorSlice::BlockShard({6, 4}, 1, 1, rank, 2), full.chunk(2, 1)[rank].contiguous());
+  EXPECT_TRUE(at::equal(Assemble(pieces, {6, 4}), full));
+}
+
+TEST(TensorSliceTest, FlatRangesOfShardsCoverTheirElementsOnce) {
+  // ZeRO over 3 ranks of a tp shard of a [6, 5] weight with 3 blocks on
+  // dimension 1... and chunks that start and end mid-row.
+  const at::Tensor full = at::randn({4, 6, 5});
+  for (int64_t tp_rank = 0; tp_rank < 2; ++tp_rank) {
+    TensorSlice shard = TensorSlice::BlockShard({4, 6, 5}, 1, 3, tp_rank, 2);
+    at::Tensor local = at::empty(shard.local_shape);
+    at::Tensor local_flat = local.view({-1});
+    CopyOverlap(TensorSlice::Whole({4, 6, 5}), full.view({-1}), shard, local_flat);
+    std::vector<std::pair<TensorSlice, at::Tensor>> chunks;
+    const std::vector<int64_t> cuts = {0, 7, 23, 24, 41, 60};
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      TensorSlice part = shard.FlatRange(cuts[i], cuts[i + 1]);
+      EXPECT_EQ(part.numel(), cuts[i + 1] - cuts[i]);
+      // Encoded and decoded as a checkpoint file stores it.
+      auto decoded = TensorSlice::Decode(part.Encode());
+      ASSERT_TRUE(decoded.ok()) << decoded.status();
+      EXPECT_TRUE(*decoded == part);
+      chunks.emplace_back(*decoded, local_flat.narrow(0, cuts[i], cuts[i + 1] - cuts[i]).clone());
+    }
+    at::Tensor rebuilt = at::empty(shard.local_shape);
+    at::Tensor rebuilt_flat = rebuilt.view({-1});
+    at::Tensor covered = at::zeros({shard.numel()}, at::kByte);
+    int64_t copied = 0;
+    for (const auto& [slice, data] : chunks) copied += CopyOverlap(slice, data, shard, rebuilt_flat, &covered);
+    EXPECT_EQ(copied, shard.numel());
+    EXPECT_EQ(covered.sum().item<int64_t>(), shard.numel());
+    EXPECT_TRUE(at::equal(rebuilt, local));
+  }
+  // Scalars (Adam's step) are whole or a flat range of one element.
+  TensorSlice scalar = TensorSlice::Whole({});
+  EXPECT_EQ(scalar.numel(), 1);
+  EXPECT_EQ(scalar.FlatRange(0, 1).numel(), 1);
+  EXPECT_FALSE(TensorSlice::Decode("1,2|x").ok());
+}
+
+TEST(CheckpointReaderTest, ReadsAnySliceFromPiecesOfAnotherLayout) {
+  const std::string dir = TempDir("reader");
+  const at::Tensor w = at::randn({6, 4}), b = at::randn({6});
+  // Written by tp=2 (rows, one block) with a ZeRO-like split of the bias.
+  for (int rank = 0; rank < 2; ++rank) {
+    TensorSlice shard = TensorSlice::BlockShard({6, 4}, 0, 1, rank, 2);
+    std::vector<SlicedTensor> pieces = {{"w", shard, w.chunk(2, 0)[rank].contiguous()},
+                                        {"b", TensorSlice::Whole({6}).FlatRange(rank * 2, rank * 2 + 4), b.narrow(0, rank * 2, 4).clone()},
+                                        {"step", TensorSlice::Whole({}), at::tensor(5, at::kLong)}};
+    ASSERT_TRUE(WriteSlicedSafetensors(dir + "/rank_" + std::to_string(rank) + ".safetensors", pieces, {{"rank", std::to_string(rank)}}).ok());
+  }
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_THAT((*reader)->FullShapes()["w"], ElementsAre(6, 4));
+  // Read by a layout that splits columns in 2 blocks over 2 ranks: rank 1
+  // holds columns 1 and 3, from both files.
+  TensorSlice mine = TensorSlice::BlockShard({6, 4}, 1, 2, 1, 2);
+  at::Tensor target = at::empty(mine.local_shape, at::kDouble);
+  ASSERT_TRUE((*reader)->Read("w", mine, target).ok());
+  EXPECT_TRUE(at::allclose(target, w.index_select(1, at::tensor({1, 3}, at::kLong)).to(at::kDouble)));
+  EXPECT_EQ((*reader)->bytes_read(), 12 * 4);  // only the 12 elements asked for
+  auto bias = (*reader)->ReadWhole("b");
+  ASSERT_TRUE(bias.ok()) << bias.status();
+  EXPECT_TRUE(at::equal(*bias, b));
+  EXPECT_EQ((*reader)->ReadWhole("step")->item<int64_t>(), 5);
+  EXPECT_EQ((*reader)->metadata().at("rank_1.safetensors").at("rank"), "1");
+  // Missing pieces, other shapes and absent names are errors that say so.
+  fs::remove(dir + "/rank_1.safetensors");
+  reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok());
+  EXPECT_THAT(std::string((*reader)->ReadWhole("w").status().message()), HasSubstr("lacks 12 of the 24 elements of tensor 'w'"));
+  at::Tensor other = at::empty({8, 4});
+  EXPECT_THAT(std::string((*reader)->Read("w", TensorSlice::Whole({8, 4}), other).message()),
+              HasSubstr("has shape [6, 4] but the model's is [8, 4]"));
+  EXPECT_THAT(std::string((*reader)->ReadWhole("v").status().message()), HasSubstr("has no tensor 'v'"));
+  // Whole tensors are plain safetensors entries: the reader of any tool loads them by name.
+  auto plain = ReadSafetensors(dir + "/rank_0.safetensors");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->Get("step")->item<int64_t>(), 5);
+}
+
 // Writes step `step` with one file per rank and commits it.
 void SaveStep(const CheckpointDirectory& dir, int64_t step, double val_loss, int keep) {
   auto staging = dir.StagingPath(step);

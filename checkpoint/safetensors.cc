@@ -6,7 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/internal/safetensors_header.h"
 
 namespace trident {
 namespace {
@@ -188,30 +190,28 @@ absl::StatusOr<at::Tensor> SafetensorsContents::Get(const std::string& name) con
   return absl::NotFoundError(absl::StrCat("safetensors file ", path, " has no tensor '", name, "'"));
 }
 
-absl::StatusOr<SafetensorsContents> ReadSafetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open safetensors file ", path));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  const std::string bytes = buffer.str();
+namespace internal {
+
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path, const std::string& prefix,
+                                                         uint64_t file_size, uint64_t* header_bytes) {
   auto malformed = [&path](const std::string& what) {
     return absl::DataLossError(absl::StrCat("safetensors file ", path, " is malformed: ", what));
   };
   uint64_t header_size = 0;
-  if (bytes.size() < 8) return malformed("shorter than its 8-byte header length");
-  std::memcpy(&header_size, bytes.data(), 8);
-  if (header_size > bytes.size() - 8) return malformed("header length exceeds the file");
+  if (file_size < 8 || prefix.size() < 8) return malformed("shorter than its 8-byte header length");
+  std::memcpy(&header_size, prefix.data(), 8);
+  if (header_size > file_size - 8) return malformed("header length exceeds the file");
+  *header_bytes = 8 + header_size;
+  if (prefix.size() < 8 + header_size) return SafetensorsHeader();
   Json header;
-  if (!JsonParser(bytes.substr(8, header_size)).Parse(&header) || header.kind != Json::kObject) {
+  if (!JsonParser(prefix.substr(8, header_size)).Parse(&header) || header.kind != Json::kObject) {
     return malformed("the header is not a JSON object");
   }
-  const char* data = bytes.data() + 8 + header_size;
-  const uint64_t data_size = bytes.size() - 8 - header_size;
-  SafetensorsContents contents;
-  contents.path = path;
+  const uint64_t data_size = file_size - 8 - header_size;
+  SafetensorsHeader parsed;
   for (const auto& [name, entry] : header.members) {
     if (name == "__metadata__") {
-      for (const auto& [k, v] : entry.members) contents.metadata[k] = v.text;
+      for (const auto& [k, v] : entry.members) parsed.metadata[k] = v.text;
       continue;
     }
     const Json* dtype = entry.Find("dtype");
@@ -225,18 +225,40 @@ absl::StatusOr<SafetensorsContents> ReadSafetensors(const std::string& path) {
       if (dtype->text == label) type = t;
     }
     if (!type) return malformed(absl::StrCat("tensor '", name, "' has unknown dtype ", dtype->text));
-    std::vector<int64_t> sizes;
-    for (const Json& d : shape->items) sizes.push_back(static_cast<int64_t>(d.number));
+    SafetensorsEntry e{name, *type, {}, 0, 0};
+    for (const Json& d : shape->items) e.shape.push_back(static_cast<int64_t>(d.number));
     const uint64_t begin = static_cast<uint64_t>(offsets->items[0].number);
     const uint64_t end = static_cast<uint64_t>(offsets->items[1].number);
-    at::Tensor tensor = at::empty(sizes, at::TensorOptions().dtype(*type));
-    const uint64_t expected = static_cast<uint64_t>(tensor.numel() * tensor.element_size());
+    const uint64_t expected = static_cast<uint64_t>(c10::multiply_integers(e.shape)) * c10::elementSize(*type);
     if (end < begin || end > data_size || end - begin != expected) {
       return malformed(absl::StrCat("tensor '", name, "' has data offsets [", begin, ", ", end,
                                     ") that do not fit its shape or the file"));
     }
-    std::memcpy(tensor.data_ptr(), data + begin, expected);
-    contents.tensors.emplace_back(name, std::move(tensor));
+    e.begin = 8 + header_size + begin;
+    e.end = 8 + header_size + end;
+    parsed.entries.push_back(std::move(e));
+  }
+  return parsed;
+}
+
+}  // namespace internal
+
+absl::StatusOr<SafetensorsContents> ReadSafetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open safetensors file ", path));
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  const std::string bytes = buffer.str();
+  uint64_t header_bytes = 0;
+  TRIDENT_ASSIGN_OR_RETURN(internal::SafetensorsHeader header,
+                           internal::ParseSafetensorsHeader(path, bytes, bytes.size(), &header_bytes));
+  SafetensorsContents contents;
+  contents.path = path;
+  contents.metadata = std::move(header.metadata);
+  for (const internal::SafetensorsEntry& e : header.entries) {
+    at::Tensor tensor = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    std::memcpy(tensor.data_ptr(), bytes.data() + e.begin, e.end - e.begin);
+    contents.tensors.emplace_back(e.name, std::move(tensor));
   }
   return contents;
 }

@@ -35,19 +35,6 @@ void FusedAdamWStep(float* p, const float* g, float* m, float* v, int64_t n, flo
   });
 }
 
-// The key LibTorch's optimizers file a parameter's state under: the address of
-// its TensorImpl, printed (LibTorch 1.x) or as it is (2.x).
-template <typename Key>
-Key StateKey(c10::TensorImpl* impl) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream printed;
-    printed << impl;
-    return printed.str();
-  } else {
-    return impl;
-  }
-}
-
 bool Fusable(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
 }
@@ -78,7 +65,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       if (!p.grad().defined()) continue;
       const at::Tensor& grad = p.grad();
       using Key = typename std::decay_t<decltype(state())>::key_type;
-      const Key key = StateKey<Key>(p.unsafeGetTensorImpl());
+      const Key key = OptimizerStateKey<Key>(p.unsafeGetTensorImpl());
       auto found = state().find(key);
       if (found == state().end()) {
         auto fresh = std::make_unique<torch::optim::AdamWParamState>();

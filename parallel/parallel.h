@@ -262,6 +262,23 @@ class ParallelModel {
   // Optimizer and loss-scaler state of this rank, and its restoration.
   NamedTensors State() const;
   absl::Status LoadState(const NamedTensors& state);
+  // Layout-free checkpoints. This rank's parameters (and with `optimizer`
+  // its optimizer and loss-scaler state) as pieces of the single-process
+  // tensors, each with its slice: parameters under their names, Adam's,
+  // AdamW's and SGD's state as "optimizer/<parameter>/<exp_avg|...|step>",
+  // ZeRO's chunks as per-parameter parts (never whole buckets), the loss
+  // scaler as "amp/...". Other optimizers' state is stored as they serialize
+  // it, under a name that holds Layout(), and resumes only in that layout.
+  // `deduplicate` leaves out what another rank writes identically
+  // (data-parallel replicas, replicated parameters on tensor-parallel ranks
+  // other than the first, tied copies on later stages).
+  absl::StatusOr<std::vector<SlicedTensor>> CheckpointPieces(bool optimizer, bool deduplicate) const;
+  // Loads the slices this rank holds from a checkpoint of any layout (and
+  // with `optimizer` the optimizer and loss-scaler state; parameters saved
+  // before their first update get none).
+  absl::Status LoadCheckpointPieces(const CheckpointReader& reader, bool optimizer);
+  // "dp2_tp2sp_pp2x1_zero1": the plan's layout, for names and logs.
+  std::string Layout() const;
 
   const ParallelPlan& plan() const;
   const ModelSource& source() const;
@@ -291,6 +308,11 @@ class ParallelModel {
   explicit ParallelModel(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// Every rank's `pieces` sent through `group` (no shared filesystem) to group
+// rank 0, which returns the whole tensors they make up, in the order first
+// seen (rank 0's own first); other ranks get an empty list. Every rank calls it.
+absl::StatusOr<NamedTensors> MergePieces(const ProcessGroup& group, const std::vector<SlicedTensor>& pieces);
 
 // Models by name, for configs and the `train` binary. A factory gets the
 // model's arguments and the parallel context (tensor-parallel place, seed)

@@ -76,6 +76,12 @@ class PlainDataParallel : public ParameterUpdate {
   absl::Status LoadState(const NamedTensors& state) override {
     return DeserializeOptimizer(state, "optimizer", *optimizer_);
   }
+  std::vector<ParameterPart> Parts() const override {
+    std::vector<ParameterPart> parts;
+    for (const at::Tensor& p : list_) parts.push_back({p, p.sizes().vec(), 0, p.numel(), p, 0, false});
+    return parts;
+  }
+  torch::optim::Optimizer& optimizer() override { return *optimizer_; }
   MemoryReport Memory() const override {
     MemoryReport report;
     for (const at::Tensor& p : list_) {
@@ -138,6 +144,8 @@ class Zero : public ParameterUpdate {
   NamedTensors State() const override { return zero_->State(); }
   absl::Status LoadState(const NamedTensors& state) override { return zero_->LoadState(state); }
   MemoryReport Memory() const override { return zero_->Memory(); }
+  std::vector<ParameterPart> Parts() const override { return zero_->ChunkParts(); }
+  torch::optim::Optimizer& optimizer() override { return zero_->optimizer(); }
   absl::Status GatherFullParameters() override { return zero_->GatherAllParameters(); }
   absl::Status ReleaseFullParameters(bool keep_changes) override {
     return zero_->ReleaseAllParameters(keep_changes);

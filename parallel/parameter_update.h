@@ -42,6 +42,10 @@ class ParameterUpdate {
   // the same layout.
   virtual NamedTensors State() const = 0;
   virtual absl::Status LoadState(const NamedTensors& state) = 0;
+  // Where this rank's optimizer keeps each parameter's values and state (for
+  // checkpoints in any layout), and the optimizer.
+  virtual std::vector<ParameterPart> Parts() const = 0;
+  virtual torch::optim::Optimizer& optimizer() = 0;
   // Per-rank bytes of parameters, gradients and optimizer state, for the log.
   virtual MemoryReport Memory() const = 0;
   // ZeRO stage 3 keeps parameters sharded: these give them their full values

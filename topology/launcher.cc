@@ -1,5 +1,7 @@
 #include "topology/launcher.h"
 
+#include <cstdlib>
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -191,7 +193,9 @@ class Attempt {
           terminated_at = now;
         }
       }
-      if (AnyRunning() && now > terminated_at + o_.kill_grace) StopAll(SIGKILL);
+      if (AnyRunning() && now > terminated_at + (received_signal != 0 ? o_.signal_grace : o_.kill_grace)) {
+        StopAll(SIGKILL);
+      }
       if (!AnyRunning() && AnyStreamOpen() && now > LastExit() + absl::Seconds(1)) {
         CloseStreams();  // a grandchild still holds the pipe; stop reading it
       }
@@ -208,6 +212,10 @@ class Attempt {
     if (const RankExit* failure = FirstFailure()) {
       return absl::AbortedError(absl::StrCat(DescribeExit(*failure), stopped_text));
     }
+    const bool all_exited_cleanly = std::all_of(children_.begin(), children_.end(), [](const Child& c) {
+      return c.exit.exit_code == 0;
+    });
+    if (received_signal != 0 && all_exited_cleanly) return absl::OkStatus();  // the ranks ended on their own terms
     if (!stop_reason.empty()) {
       return received_signal != 0 ? absl::CancelledError(stop_reason + stopped_text)
                                   : absl::DeadlineExceededError(stop_reason + stopped_text);
@@ -380,9 +388,13 @@ int PickFreePort() {
   return port;
 }
 
-std::optional<absl::Status> RunAsLocalJobUnlessLaunched(int nproc, int argc, char** argv) {
+int RestartCount() {
+  const char* count = std::getenv("TRIDENT_RESTART_COUNT");
+  return count != nullptr ? std::atoi(count) : 0;
+}
+
+std::optional<absl::Status> RunAsLocalJobUnlessLaunched(int nproc, int argc, char** argv, LaunchOptions options) {
   if (HasDistributedEnv()) return std::nullopt;
-  LaunchOptions options;
   options.nproc_per_node = nproc;
   options.command = {"/proc/self/exe"};
   for (int i = 1; i < argc; ++i) options.command.push_back(argv[i]);

@@ -39,6 +39,10 @@ struct LaunchOptions {
   std::map<std::string, std::string> env;  // extra environment for every rank
   absl::Duration failure_grace = absl::Seconds(3);  // others' time to exit after a failure
   absl::Duration kill_grace = absl::Seconds(5);     // SIGTERM to SIGKILL
+  // After a SIGINT or SIGTERM forwarded to the ranks, their time to finish
+  // (a rank may save a checkpoint) before SIGKILL. Ranks that all exit 0
+  // then make the attempt a success.
+  absl::Duration signal_grace = absl::Seconds(5);
   absl::Duration timeout = absl::InfiniteDuration();  // limit for one attempt
   // Receives each output line (without '\n'; a line ended by '\r' keeps it) of a
   // local rank; stderr lines have `is_stderr` set. Default: "[rank R] line" on
@@ -69,7 +73,10 @@ LaunchResult RunLocalGroup(const LaunchOptions& options);
 // by a launcher (no RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID), runs `nproc`
 // copies of this program with the same arguments as a local job and returns its
 // status; returns nullopt when this process already is a rank of a job.
-std::optional<absl::Status> RunAsLocalJobUnlessLaunched(int nproc, int argc, char** argv);
+// `options` give the rest (restarts, grace periods).
+std::optional<absl::Status> RunAsLocalJobUnlessLaunched(int nproc, int argc, char** argv, LaunchOptions options = {});
+// How many times the launcher restarted this rank's group (TRIDENT_RESTART_COUNT; 0 when unset).
+int RestartCount();
 
 // A TCP port on 127.0.0.1 that was free a moment ago.
 int PickFreePort();

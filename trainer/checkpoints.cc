@@ -17,40 +17,69 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr char kModel[] = "model/";
-constexpr char kState[] = "state/";  // optimizer and loss-scaler state
-constexpr char kRng[] = "rng/cpu";
+std::string RngName(int rank) { return absl::StrCat("rng/rank_", rank); }
 
 }  // namespace
 
 absl::Status Trainer::Impl::LoadInitialWeights(const std::string& path) {
+  if (fs::is_directory(path)) {  // a checkpoint of any layout: its weights
+    TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(path));
+    return model->LoadCheckpointPieces(*reader, /*optimizer=*/false);
+  }
   TRIDENT_ASSIGN_OR_RETURN(SafetensorsContents contents, ReadSafetensors(path));
   contents.path = absl::StrCat("init_from ", path);
   return model->LoadWeights(contents);
 }
 
+// The checkpoint's files in `staging`: one per rank (sharded, deduped), or
+// model.safetensors and state.safetensors from rank 0 (merged).
+absl::Status Trainer::Impl::WriteCheckpointFiles(const std::string& staging) {
+  const int rank = topology().rank();
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<SlicedTensor> pieces,
+                           model->CheckpointPieces(!config.no_save_optim(), config.save_type() != "sharded"));
+  if (!config.no_save_rng()) pieces.push_back({RngName(rank), TensorSlice::Whole({CpuRngState().numel()}), CpuRngState()});
+  const std::map<std::string, std::string> metadata = {{"step", absl::StrCat(step)},
+                                                       {"layout", model->Layout()},
+                                                       {"world_size", absl::StrCat(topology().world_size())},
+                                                       {"global_batch_size", absl::StrCat(config.global_batch_size())}};
+  if (config.save_type() != "merged") {
+    auto with_rank = metadata;
+    with_rank["rank"] = absl::StrCat(rank);
+    return WriteSlicedSafetensors(absl::StrCat(staging, "/rank_", rank, ".safetensors"), pieces, with_rank);
+  }
+  TRIDENT_ASSIGN_OR_RETURN(NamedTensors merged, MergePieces(topology().world(), pieces));
+  if (!is_rank0()) return absl::OkStatus();
+  // Parameter names hold no '/'; optimizer, loss-scaler and RNG state do.
+  NamedTensors weights, state;
+  for (auto& item : merged) (item.first.find('/') == std::string::npos ? weights : state).push_back(item);
+  const size_t stored = weights.size();
+  for (const auto& [alias, owner] : model->source().aliases) {  // tied names, as exports write them
+    for (size_t i = 0; i < stored; ++i) {
+      if (weights[i].first == owner) weights.emplace_back(alias, weights[i].second);
+    }
+  }
+  auto with_format = metadata;
+  with_format["format"] = "pt";
+  TRIDENT_RETURN_IF_ERROR(WriteSafetensors(staging + "/model.safetensors", weights, with_format));
+  return WriteSafetensors(staging + "/state.safetensors", state, metadata);
+}
+
 absl::Status Trainer::Impl::SaveCheckpoint() {
   CheckpointDirectory directory(config.save_dir());
   TRIDENT_ASSIGN_OR_RETURN(const std::string staging, directory.StagingPath(step));
-  NamedTensors tensors;
-  TRIDENT_RETURN_IF_ERROR(model->GatherFullParameters());
-  for (const auto& [name, p] : model->parameters()) tensors.emplace_back(kModel + name, p.detach().cpu());
-  for (const auto& [name, t] : model->State()) tensors.emplace_back(kState + name, t.cpu());
-  tensors.emplace_back(kRng, CpuRngState());
-  absl::Status written = WriteSafetensors(
-      absl::StrCat(staging, "/rank_", topology().rank(), ".safetensors"), tensors,
-      {{"step", absl::StrCat(step)}, {"rank", absl::StrCat(topology().rank())}});
-  TRIDENT_RETURN_IF_ERROR(model->ReleaseFullParameters(/*keep_changes=*/false));
-  TRIDENT_RETURN_IF_ERROR(written);
-  if (is_rank0()) std::ofstream(staging + "/config.pbtxt") << ConfigToText(config);
-  TRIDENT_RETURN_IF_ERROR(topology().world().Barrier());
-  if (is_rank0()) {
-    TRIDENT_RETURN_IF_ERROR(
-        directory.Commit(step, topology().world_size(), last_val_loss, config.keep_last_n()));
+  absl::Status written = WriteCheckpointFiles(staging);
+  if (written.ok() && is_rank0()) {
+    std::ofstream out(staging + "/config.pbtxt");
+    out << ConfigToText(config);
+    if (!out) written = absl::InternalError(absl::StrCat("cannot write ", staging, "/config.pbtxt"));
   }
-  TRIDENT_RETURN_IF_ERROR(topology().world().Barrier());
+  TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology().world(), written, "writing the checkpoint"));
+  if (is_rank0()) {
+    written = directory.Commit(step, topology().world_size(), last_val_loss, config.keep_last_n());
+  }
+  TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology().world(), written, "committing the checkpoint"));
   const std::string path = absl::StrCat(config.save_dir(), "/step_", step);
-  Print(absl::StrCat("saved checkpoint ", path));
+  Print(absl::StrCat("saved checkpoint ", path, " (", config.save_type(), ")"));
   ForHooks([&](TrainerHooks& h) { h.OnSaveCheckpoint(State(), path); });
   return absl::OkStatus();
 }
@@ -69,28 +98,41 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   for (const std::string& reason : resolved->skipped) {
     Print(absl::StrCat("resume_from=last: skipping an invalid checkpoint: ", reason));
   }
-  if (resolved->manifest.world_size() != topology().world_size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", resolved->path, " was written by ", resolved->manifest.world_size(),
-        " ranks but this run has ", topology().world_size(),
-        "; resume with the same layout (resharding across layouts is not available yet)"));
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(resolved->path));
+  const bool optimizer = !config.finetune() && !config.no_load_optim();
+  TRIDENT_RETURN_IF_ERROR(model->LoadCheckpointPieces(*reader, optimizer));
+  if (config.finetune()) {
+    Print(absl::StrCat("finetune: loaded the weights of ", resolved->path, "; starting at step 0"));
+    return absl::OkStatus();
   }
-  const std::string file = absl::StrCat(resolved->path, "/rank_", topology().rank(), ".safetensors");
-  TRIDENT_ASSIGN_OR_RETURN(SafetensorsContents contents, ReadSafetensors(file));
-  SafetensorsContents weights;
-  weights.path = file;
-  NamedTensors state;
-  for (const auto& [name, t] : contents.tensors) {
-    if (name.rfind(kModel, 0) == 0) weights.tensors.emplace_back(name.substr(sizeof(kModel) - 1), t);
-    if (name.rfind(kState, 0) == 0) state.emplace_back(name.substr(sizeof(kState) - 1), t);
-  }
-  TRIDENT_RETURN_IF_ERROR(model->LoadWeights(weights));
-  TRIDENT_RETURN_IF_ERROR(model->LoadState(state));
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor rng, contents.Get(kRng));
-  SetCpuRngState(rng);
   step = resolved->manifest.step();
   if (resolved->manifest.has_val_loss()) last_val_loss = resolved->manifest.val_loss();
-  Print(absl::StrCat("resumed from ", resolved->path, " at step ", step));
+  // The saved layout, from any file's metadata.
+  const std::map<std::string, std::string>& saved = reader->metadata().begin()->second;
+  auto value = [&](const char* key) {
+    auto found = saved.find(key);
+    return found == saved.end() ? std::string() : found->second;
+  };
+  const bool same_layout = value("layout") == model->Layout() &&
+                           value("world_size") == absl::StrCat(topology().world_size());
+  std::string rng = "kept";
+  if (config.no_load_rng()) {
+    rng = "not loaded (no_load_rng)";
+  } else if (same_layout && reader->Contains(RngName(topology().rank()))) {
+    TRIDENT_ASSIGN_OR_RETURN(at::Tensor state, reader->ReadWhole(RngName(topology().rank())));
+    SetCpuRngState(state);
+  } else {
+    SeedCpuRng(config.seed(), step, topology().rank());
+    rng = "re-derived from the seed and the step (the per-rank streams of another layout do not carry over)";
+  }
+  Print(absl::StrCat("resumed from ", resolved->path, " at step ", step, same_layout ? "" : absl::StrCat(
+      " (saved as ", value("layout"), " on ", value("world_size"), " ranks; resharded to ", model->Layout(), ")"),
+      "; RNG ", rng));
+  if (value("global_batch_size") != absl::StrCat(config.global_batch_size())) {
+    Print(absl::StrCat("note: the checkpoint was trained with global batch ", value("global_batch_size"),
+                       " and this run uses ", config.global_batch_size(), "; the sample order from step ", step,
+                       " follows the new batch size"));
+  }
   ForHooks([&](TrainerHooks& h) { h.OnLoadCheckpoint(State(), resolved->path); });
   return absl::OkStatus();
 }

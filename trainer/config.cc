@@ -308,6 +308,13 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
       c->save_dir().empty()) {
     return Invalid("save_every and resume_from=last|best need save_dir");
   }
+  if (c->save_type() != "sharded" && c->save_type() != "deduped" && c->save_type() != "merged") {
+    return Invalid(absl::StrCat("save_type='", c->save_type(), "' is not one of sharded, deduped, merged"));
+  }
+  if (c->max_restarts() < 0) return Invalid("max_restarts must not be negative");
+  if (c->finetune() && c->resume_from().empty()) {
+    return Invalid("finetune loads the weights of resume_from (a checkpoint); set resume_from");
+  }
   if (!(c->temperature() > 0) || c->top_k() < 0 || c->sample_tokens() < 0) {
     return Invalid("temperature must be positive; top_k and sample_tokens must not be negative");
   }

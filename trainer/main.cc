@@ -69,6 +69,9 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
 
 absl::Status RunRank(TrainerConfig config) {
   TRIDENT_ASSIGN_OR_RETURN(DistributedEnv env, DistributedEnvFromEnvironment());
+  if (RestartCount() > 0 && !config.save_dir().empty() && config.resume_from().empty()) {
+    config.set_resume_from("last");  // a restarted job goes on from its newest valid checkpoint
+  }
   if (config.strategy().empty()) TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
   // This rank's share of the cores goes to the BLAS pool (OPENBLAS_NUM_THREADS,
   // set by the launcher; set here at run time under mpirun or srun) and ATen's
@@ -94,6 +97,7 @@ absl::Status RunRank(TrainerConfig config) {
     if (compile_only) return absl::OkStatus();
   }
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, topology.get()));
+  if (config.preempt_save()) StopOnSigterm();
   return trainer->Train().status();
 }
 
@@ -108,7 +112,10 @@ absl::Status Run(int argc, char** argv) {
   // Check the configuration once, here, before any rank starts.
   TRIDENT_RETURN_IF_ERROR(Trainer::Preflight(config, nproc));
   if (isatty(STDOUT_FILENO)) setenv("TRIDENT_STDOUT_IS_TTY", "1", /*overwrite=*/0);
-  return *RunAsLocalJobUnlessLaunched(nproc, argc, argv);
+  LaunchOptions launch;
+  launch.max_restarts = config.max_restarts();
+  launch.signal_grace = absl::Seconds(config.preempt_grace_s());
+  return *RunAsLocalJobUnlessLaunched(nproc, argc, argv, launch);
 }
 
 }  // namespace

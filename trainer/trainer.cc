@@ -3,7 +3,9 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -191,6 +193,31 @@ absl::StatusOr<double> Trainer::Impl::Evaluate() {
   return *last_val_loss;
 }
 
+namespace {
+
+std::atomic<bool> sigterm_watched{false};
+volatile std::sig_atomic_t sigterm_received = 0;
+
+void OnSigterm(int) { sigterm_received = 1; }
+
+}  // namespace
+
+void StopOnSigterm() {
+  struct sigaction action = {};
+  action.sa_handler = OnSigterm;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigterm_watched = true;
+}
+
+// Whether some rank received SIGTERM (every rank gets the same answer).
+absl::StatusOr<bool> Trainer::Impl::Preempted() {
+  if (!sigterm_watched || !config.preempt_save()) return false;
+  at::Tensor flag = at::full({1}, static_cast<int64_t>(sigterm_received), at::kLong);
+  TRIDENT_RETURN_IF_ERROR(topology().world().AllReduce(flag, ReduceOp::kMax));
+  return flag.item<int64_t>() > 0;
+}
+
 absl::StatusOr<TrainResult> Trainer::Train() {
   Impl& t = *impl_;
   const TrainerConfig& c = t.config;
@@ -295,6 +322,14 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     }
     if (!c.export_safetensors().empty() && c.export_every() > 0 && t.step % c.export_every() == 0) {
       TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.export_safetensors()));
+    }
+    TRIDENT_ASSIGN_OR_RETURN(result.preempted, t.Preempted());
+    if (result.preempted && !last) {
+      const bool saved_now = !c.save_dir().empty() && c.save_every() > 0 && t.step % c.save_every() == 0;
+      if (!c.save_dir().empty() && !saved_now) TRIDENT_RETURN_IF_ERROR(t.SaveCheckpoint());
+      t.Print(absl::StrCat("preempted (SIGTERM) after step ", t.step,
+                           c.save_dir().empty() ? "; no save_dir, nothing saved" : "; checkpoint saved", "; exiting"));
+      return result;
     }
   }
   if (!result.val_loss && t.val_data) {

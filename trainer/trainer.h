@@ -93,6 +93,7 @@ struct TrainResult {
   std::optional<double> val_loss;       // at the end
   double unigram_entropy = 0;           // of token training data, in nats
   std::string sample;                   // generated text on rank 0, when sample_tokens > 0
+  bool preempted = false;               // stopped early by SIGTERM (StopOnSigterm)
 };
 
 // What the loop runs when built from your own parts.
@@ -147,6 +148,12 @@ class Trainer {
   explicit Trainer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// Preemption: after this call, SIGTERM makes Train() finish the current
+// step on every rank (they agree through the process group), save a
+// checkpoint when save_dir is set, and return normally. Process-wide; the
+// `train` binary calls it (preempt_save).
+void StopOnSigterm();
 
 // Makes glibc's malloc keep freed memory for reuse instead of unmapping it:
 // every allocation under 32 MiB comes from the heap and the heap is not trimmed

@@ -569,6 +569,102 @@ absl::Status DeserializeOptimizer(const NamedTensors& state, const std::string& 
   });
 }
 
+absl::StatusOr<std::vector<std::string>> ElementwiseStateNames(const torch::optim::Optimizer& optimizer) {
+  auto adam_like = [](bool amsgrad) {
+    std::vector<std::string> names = {"exp_avg", "exp_avg_sq", "step"};
+    if (amsgrad) names.push_back("max_exp_avg_sq");
+    return names;
+  };
+  const auto& options = optimizer.param_groups().front().options();
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
+    return adam_like(static_cast<const torch::optim::AdamWOptions&>(options).amsgrad());
+  }
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) {
+    return adam_like(static_cast<const torch::optim::AdamOptions&>(options).amsgrad());
+  }
+  if (StatePerElement(optimizer) == 1) return std::vector<std::string>{"momentum_buffer"};
+  if (StatePerElement(optimizer) == 0) return std::vector<std::string>{};
+  return absl::UnimplementedError("the optimizer's state is not known element by element (Adam, AdamW and SGD are)");
+}
+
+namespace {
+
+template <typename State>
+void AdamLikeState(const State& s, std::map<std::string, at::Tensor>& out) {
+  out["step"] = at::scalar_tensor(static_cast<int64_t>(s.step()), at::kLong);
+  out["exp_avg"] = s.exp_avg();
+  out["exp_avg_sq"] = s.exp_avg_sq();
+  if (s.max_exp_avg_sq().defined()) out["max_exp_avg_sq"] = s.max_exp_avg_sq();
+}
+
+template <typename State>
+std::unique_ptr<State> MakeAdamLikeState(const std::map<std::string, at::Tensor>& in) {
+  auto s = std::make_unique<State>();
+  s->step(in.at("step").item<int64_t>());
+  s->exp_avg(in.at("exp_avg"));
+  s->exp_avg_sq(in.at("exp_avg_sq"));
+  if (in.count("max_exp_avg_sq")) s->max_exp_avg_sq(in.at("max_exp_avg_sq"));
+  return s;
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> ElementwiseState(const torch::optim::Optimizer& optimizer, const at::Tensor& param) {
+  using Key = typename std::decay_t<decltype(optimizer.state())>::key_type;
+  std::map<std::string, at::Tensor> out;
+  auto found = optimizer.state().find(OptimizerStateKey<Key>(param.unsafeGetTensorImpl()));
+  if (found == optimizer.state().end()) return out;
+  const torch::optim::OptimizerParamState* state = found->second.get();
+  if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
+    AdamLikeState(*adamw, out);
+  } else if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
+    AdamLikeState(*adam, out);
+  } else if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
+    if (sgd->momentum_buffer().defined()) out["momentum_buffer"] = sgd->momentum_buffer();
+  }
+  return out;
+}
+
+absl::Status SetElementwiseState(torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                                 const std::map<std::string, at::Tensor>& state) {
+  using Key = typename std::decay_t<decltype(optimizer.state())>::key_type;
+  const Key key = OptimizerStateKey<Key>(param.unsafeGetTensorImpl());
+  if (state.empty()) {
+    optimizer.state().erase(key);
+    return absl::OkStatus();
+  }
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
+    optimizer.state()[key] = MakeAdamLikeState<torch::optim::AdamWParamState>(state);
+  } else if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) {
+    optimizer.state()[key] = MakeAdamLikeState<torch::optim::AdamParamState>(state);
+  } else if (StatePerElement(optimizer) >= 0) {
+    auto sgd = std::make_unique<torch::optim::SGDParamState>();
+    if (state.count("momentum_buffer")) sgd->momentum_buffer(state.at("momentum_buffer"));
+    optimizer.state()[key] = std::move(sgd);
+  } else {
+    return absl::UnimplementedError("the optimizer's state is not known element by element");
+  }
+  return absl::OkStatus();
+}
+
+std::vector<ParameterPart> ZeroOptimizer::ChunkParts() const {
+  std::vector<ParameterPart> parts;
+  const int64_t rank = group_->rank();
+  for (const Bucket& bucket : buckets_) {
+    const int64_t chunk_size = bucket.chunk.numel(), chunk_begin = rank * chunk_size;
+    for (size_t i = 0; i < bucket.params.size(); ++i) {
+      const int64_t numel = c10::multiply_integers(bucket.shapes[i]);
+      const int64_t begin = std::max<int64_t>(chunk_begin, bucket.offsets[i]);
+      const int64_t end = std::min<int64_t>(chunk_begin + chunk_size, bucket.offsets[i] + numel);
+      if (begin >= end && !bucket.sharded) continue;
+      // Stage 3 lists every sharded parameter, empty where the chunk misses it.
+      parts.push_back({bucket.params[i], bucket.shapes[i], begin - bucket.offsets[i],
+                       std::max(begin, end) - bucket.offsets[i], bucket.chunk, begin - chunk_begin, bucket.sharded});
+    }
+  }
+  return parts;
+}
+
 NamedTensors ZeroOptimizer::State() const { return SerializeOptimizer(*optimizer_, "zero_optimizer"); }
 
 absl::Status ZeroOptimizer::LoadState(const NamedTensors& state) {

@@ -37,6 +37,8 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <sstream>
+#include <type_traits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -133,6 +135,45 @@ NamedTensors SerializeOptimizer(const torch::optim::Optimizer& optimizer, const 
 absl::Status DeserializeOptimizer(const NamedTensors& state, const std::string& name,
                                   torch::optim::Optimizer& optimizer);
 
+// The key LibTorch's optimizers file a parameter's state under: the address
+// of its TensorImpl, printed (LibTorch 1.x) or as it is (2.x).
+template <typename Key>
+Key OptimizerStateKey(c10::TensorImpl* impl) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream printed;
+    printed << impl;
+    return printed.str();
+  } else {
+    return impl;
+  }
+}
+
+// The state Adam, AdamW and SGD keep per parameter, by name: tensors shaped
+// like the parameter ("exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+// "momentum_buffer") and the step count ("step", a 0-d int64 tensor).
+// ElementwiseStateNames lists the names `optimizer` keeps (Unimplemented for
+// other optimizers); ElementwiseState returns `param`'s (empty before its
+// first update); SetElementwiseState replaces it.
+absl::StatusOr<std::vector<std::string>> ElementwiseStateNames(const torch::optim::Optimizer& optimizer);
+std::map<std::string, at::Tensor> ElementwiseState(const torch::optim::Optimizer& optimizer, const at::Tensor& param);
+absl::Status SetElementwiseState(torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                                 const std::map<std::string, at::Tensor>& state);
+
+// The elements of a parameter a rank's optimizer updates: elements [begin,
+// end) of the row-major flattening of `parameter` (of shape `shape`) are
+// elements [offset, offset + end - begin) of `updated`, the tensor the
+// optimizer holds state for (the parameter itself, whole, under plain data
+// parallelism; a ZeRO chunk). `only_chunk`: at rest the parameter exists
+// only as this part (ZeRO stage 3); otherwise it is whole on this rank.
+struct ParameterPart {
+  at::Tensor parameter;
+  std::vector<int64_t> shape;
+  int64_t begin = 0, end = 0;
+  at::Tensor updated;
+  int64_t offset = 0;
+  bool only_chunk = false;
+};
+
 class ZeroOptimizer : private LayerObserver {
  public:
   // `groups` partition the parameters (for example decayed / not decayed);
@@ -170,6 +211,11 @@ class ZeroOptimizer : private LayerObserver {
   // Bytes of parameters, gradients and optimizer state on this rank (the state
   // as the optimizer holds it after its first step, estimated before).
   MemoryReport Memory() const;
+  // This rank's chunk of each parameter (only_chunk: stage 3's sharded
+  // buckets, whose every parameter is listed, with begin == end where this
+  // rank's chunk holds none of it).
+  std::vector<ParameterPart> ChunkParts() const;
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
   // The optimizer's state for this rank's chunks, and its restoration (the same
   // layout must load it).
   NamedTensors State() const;

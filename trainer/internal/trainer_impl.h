@@ -60,6 +60,9 @@ class Trainer::Impl {
   // Checkpoints (checkpoints.cc).
   absl::Status LoadInitialWeights(const std::string& path);
   absl::Status SaveCheckpoint();
+  absl::Status WriteCheckpointFiles(const std::string& staging);
+  // Whether some rank received SIGTERM since StopOnSigterm (agreed by all).
+  absl::StatusOr<bool> Preempted();
   absl::Status LoadCheckpoint();
   absl::Status ExportSafetensors(const std::string& path);
   // Every rank's pipeline timeline of this step as Chrome trace JSON and SVG.

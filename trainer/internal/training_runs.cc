@@ -1,0 +1,111 @@
+#include "trainer/internal/training_runs.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "data/data.h"
+#include "testing/multiprocess.h"
+
+namespace trident::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+void WriteLosses(const std::string& path, const std::vector<double>& losses) {
+  std::ofstream out(path);
+  out.precision(17);
+  for (double l : losses) out << l << "\n";
+}
+
+std::vector<double> ReadLosses(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<double> losses;
+  double l;
+  while (in >> l) losses.push_back(l);
+  return losses;
+}
+
+}  // namespace
+
+std::string TestDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+std::string DataDir() {
+  const std::string dir = TestDir() + "/data";
+  if (!fs::exists(dir + "/train.bin")) {
+    std::ofstream text(TestDir() + "/corpus.txt");
+    for (int i = 0; i < 300; ++i) {
+      text << "Line " << i << ": the quick brown fox jumps over the lazy dog " << (i * 7919) % 1000
+           << " times.\n";
+    }
+    text.close();
+    PrepareOptions options;
+    options.inputs = {TestDir() + "/corpus.txt"};
+    options.output_dir = dir;
+    EXPECT_TRUE(PrepareTextCorpus(options).ok());
+  }
+  return dir;
+}
+
+TrainerConfig SmallConfig(int dp) {
+  TrainerConfig c;
+  c.set_model("gpt");
+  c.set_preset("gpt-tiny");
+  c.set_n_layer(2);
+  c.set_n_embd(64);
+  c.set_n_head(4);
+  c.set_block_size(32);
+  c.set_data(DataDir());
+  c.set_dp(dp);
+  c.set_micro_batch_size(8 / dp);
+  c.set_global_batch_size(8);
+  c.set_max_steps(20);
+  c.set_lr(3e-3);
+  c.set_warmup_steps(5);
+  c.set_eval_every(0);
+  c.set_sample_tokens(0);
+  c.set_log_every(100);
+  c.set_enable_progress_bar(false);
+  c.set_seed(5);
+  return c;
+}
+
+void TrainEverywhere(const TrainerConfig& config,
+                     const std::function<void(const TrainResult&)>& on_rank0) {
+  RunOnRanks(config.dp() * config.tp() * config.pp(), [&](int rank) {
+    auto topology = JoinTopology(
+        {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    auto trainer = Trainer::Create(config, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    auto result = (*trainer)->Train();
+    ASSERT_TRUE(result.ok()) << result.status();
+    if (rank == 0) on_rank0(*result);
+  });
+}
+
+std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string& tag) {
+  const std::string path = TestDir() + "/" + tag + ".txt";
+  TrainEverywhere(config, [&](const TrainResult& result) { WriteLosses(path, result.losses); });
+  return ReadLosses(path);
+}
+
+void ExpectSameLosses(const std::vector<double>& expected, const std::vector<double>& actual,
+                      double relative) {
+  ASSERT_EQ(expected.size(), actual.size());
+  double worst = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    worst = std::max(worst, std::abs(actual[i] - expected[i]) / std::abs(expected[i]));
+    EXPECT_NEAR(actual[i], expected[i], relative * std::abs(expected[i])) << "step " << i + 1;
+  }
+  std::printf("largest relative loss difference over %zu steps: %.3g\n", expected.size(), worst);
+}
+
+}  // namespace trident::testing

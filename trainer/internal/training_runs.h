@@ -1,0 +1,31 @@
+// Training runs for the trainer's tests: a small GPT on a byte corpus,
+// trained on several ranks as separate processes (testing/multiprocess.h),
+// and loss comparisons. Test-only.
+#ifndef TRIDENT_TRAINER_INTERNAL_TRAINING_RUNS_H_
+#define TRIDENT_TRAINER_INTERNAL_TRAINING_RUNS_H_
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "trainer/trainer.h"
+
+namespace trident::testing {
+
+// TEST_TMPDIR (or /tmp).
+std::string TestDir();
+// A small byte-level corpus in TEST_TMPDIR/data, made once per test process.
+std::string DataDir();
+// gpt-tiny with 2 layers of width 64, global batch 8 over `dp` ranks, 20 steps.
+TrainerConfig SmallConfig(int dp);
+// Trains `config` on dp * tp * pp ranks and hands rank 0's result to
+// `on_rank0` (in rank 0's process).
+void TrainEverywhere(const TrainerConfig& config, const std::function<void(const TrainResult&)>& on_rank0);
+// The per-step losses of TrainEverywhere (through TEST_TMPDIR/`tag`.txt).
+std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string& tag);
+// Compares per-step losses to `relative` tolerance and prints the largest difference.
+void ExpectSameLosses(const std::vector<double>& expected, const std::vector<double>& actual, double relative);
+
+}  // namespace trident::testing
+
+#endif  // TRIDENT_TRAINER_INTERNAL_TRAINING_RUNS_H_
