@@ -46,7 +46,7 @@ rm -rf "$work/saves"
 timeout 300 "$train" "${flags[@]}" --save_dir="$work/saves" >"$work/out" 2>&1 &
 job=$!
 for _ in $(seq 100); do grep -q "step 2/" "$work/out" 2>/dev/null && break; sleep 0.2; done
-kill -TERM "$job"
+kill -TERM $(pgrep -P "$job")  # to train itself (as a scheduler would), not to the timeout wrapper
 wait "$job" || fail "SIGTERM: the job exited $?"
 grep -q "preempted (SIGTERM) after step [0-9]*; checkpoint saved" "$work/out" || fail "SIGTERM: no checkpoint saved"
 saved=$(readlink "$work/saves/last")
