@@ -74,7 +74,7 @@ struct TensorSlice {
   static TensorSlice BlockShard(std::vector<int64_t> full_shape, int64_t dim, int64_t blocks, int64_t index,
                                 int64_t parts);
   // Elements [begin, end) of the row-major flattening of this piece's data
-  // (ZeRO's chunk of a parameter). This piece must not be flat part itself.
+  // (ZeRO's chunk of a parameter). This piece must not be a flat part itself.
   TensorSlice FlatRange(int64_t begin, int64_t end) const;
 
   int64_t numel() const;  // elements held

@@ -89,12 +89,8 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const s
       file->data = static_cast<const char*>(mapped);
     }
     close(fd);
-    uint64_t header_bytes = 0;
-    const std::string prefix(file->data, std::min<size_t>(file->size, 8));
-    TRIDENT_RETURN_IF_ERROR(internal::ParseSafetensorsHeader(file_path, prefix, file->size, &header_bytes).status());
-    TRIDENT_ASSIGN_OR_RETURN(
-        internal::SafetensorsHeader header,
-        internal::ParseSafetensorsHeader(file_path, std::string(file->data, header_bytes), file->size, &header_bytes));
+    TRIDENT_ASSIGN_OR_RETURN(internal::SafetensorsHeader header,
+                             internal::ParseSafetensorsHeader(file_path, file->data, file->size));
     const std::string file_name = fs::path(file_path).filename().string();
     for (const internal::SafetensorsEntry& e : header.entries) {
       Stored stored{TensorSlice::Whole(e.shape), e.dtype, file.get(), e.begin};
@@ -169,7 +165,7 @@ absl::Status CheckpointReader::Read(const std::string& name, const TensorSlice& 
   if (missing > 0) {
     return absl::DataLossError(absl::StrCat("checkpoint ", path_, " lacks ", missing, " of the ", slice.numel(),
                                             " elements of tensor '", name,
-                                            "' this rank needs (a file of the checkpoint is missing?)"));
+                                            "' this rank needs: a file of the checkpoint is missing; resume from another checkpoint"));
   }
   return absl::OkStatus();
 }

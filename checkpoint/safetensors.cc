@@ -192,22 +192,19 @@ absl::StatusOr<at::Tensor> SafetensorsContents::Get(const std::string& name) con
 
 namespace internal {
 
-absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path, const std::string& prefix,
-                                                         uint64_t file_size, uint64_t* header_bytes) {
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path, const char* data, uint64_t size) {
   auto malformed = [&path](const std::string& what) {
     return absl::DataLossError(absl::StrCat("safetensors file ", path, " is malformed: ", what));
   };
   uint64_t header_size = 0;
-  if (file_size < 8 || prefix.size() < 8) return malformed("shorter than its 8-byte header length");
-  std::memcpy(&header_size, prefix.data(), 8);
-  if (header_size > file_size - 8) return malformed("header length exceeds the file");
-  *header_bytes = 8 + header_size;
-  if (prefix.size() < 8 + header_size) return SafetensorsHeader();
+  if (size < 8) return malformed("shorter than its 8-byte header length");
+  std::memcpy(&header_size, data, 8);
+  if (header_size > size - 8) return malformed("header length exceeds the file");
   Json header;
-  if (!JsonParser(prefix.substr(8, header_size)).Parse(&header) || header.kind != Json::kObject) {
+  if (!JsonParser(std::string(data + 8, header_size)).Parse(&header) || header.kind != Json::kObject) {
     return malformed("the header is not a JSON object");
   }
-  const uint64_t data_size = file_size - 8 - header_size;
+  const uint64_t data_size = size - 8 - header_size;
   SafetensorsHeader parsed;
   for (const auto& [name, entry] : header.members) {
     if (name == "__metadata__") {
@@ -249,9 +246,8 @@ absl::StatusOr<SafetensorsContents> ReadSafetensors(const std::string& path) {
   std::ostringstream buffer;
   buffer << in.rdbuf();
   const std::string bytes = buffer.str();
-  uint64_t header_bytes = 0;
   TRIDENT_ASSIGN_OR_RETURN(internal::SafetensorsHeader header,
-                           internal::ParseSafetensorsHeader(path, bytes, bytes.size(), &header_bytes));
+                           internal::ParseSafetensorsHeader(path, bytes.data(), bytes.size()));
   SafetensorsContents contents;
   contents.path = path;
   contents.metadata = std::move(header.metadata);

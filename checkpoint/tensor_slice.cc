@@ -146,8 +146,9 @@ TensorSlice TensorSlice::FlatRange(int64_t begin, int64_t end) const {
   for (const SliceSegment& s : segments) {
     // The segment's box in the piece's own coordinates.
     std::vector<int64_t> local(local_shape.size());
-    for (size_t d = 0, rest = s.data_offset; d < local.size(); ++d) {
-      local[d] = static_cast<int64_t>(rest) / strides[d];
+    int64_t rest = s.data_offset;
+    for (size_t d = 0; d < local.size(); ++d) {
+      local[d] = rest / strides[d];
       rest %= strides[d];
     }
     for (const Box& box : boxes) {

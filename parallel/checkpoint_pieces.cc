@@ -97,7 +97,7 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
       const std::string& name = index.Name(part.parameter);
       if (part.begin == part.end || (deduplicate && index.WrittenElsewhere(name, true))) continue;
       pieces.push_back({name, index.PartSlice(name, part),
-                        internal::FlatPart(part.updated, part.offset, part.end - part.begin).cpu().clone()});
+                        internal::FlatPart(part.updated, part.offset, part.end - part.begin).cpu()});
     }
   } else {
     for (const auto& [name, p] : m.parameters) {
@@ -120,10 +120,10 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
       for (const auto& [state, tensor] : ElementwiseState(opt, part.updated)) {
         if (tensor.dim() == 0) {  // the step count: by the holder of the first element of the first shard
           const bool first = part.begin == 0 && (m.tp == nullptr || m.tp->rank() == 0 || !m.shards.count(name));
-          if (first || !deduplicate) pieces.push_back({StateName(name, state), TensorSlice::Whole({}), tensor.clone()});
+          if (first || !deduplicate) pieces.push_back({StateName(name, state), TensorSlice::Whole({}), tensor});
         } else {
           pieces.push_back({StateName(name, state), slice,
-                            internal::FlatPart(tensor, part.offset, part.end - part.begin).cpu().clone()});
+                            internal::FlatPart(tensor, part.offset, part.end - part.begin).cpu()});
         }
       }
     }

@@ -259,9 +259,6 @@ class ParallelModel {
   // process groups, aliases included) on global rank 0; empty elsewhere. Every
   // rank calls it.
   absl::StatusOr<NamedTensors> FullWeights();
-  // Optimizer and loss-scaler state of this rank, and its restoration.
-  NamedTensors State() const;
-  absl::Status LoadState(const NamedTensors& state);
   // Layout-free checkpoints. This rank's parameters (and with `optimizer`
   // its optimizer and loss-scaler state) as pieces of the single-process
   // tensors, each with its slice: parameters under their names, Adam's,
@@ -272,6 +269,7 @@ class ParallelModel {
   // `deduplicate` leaves out what another rank writes identically
   // (data-parallel replicas, replicated parameters on tensor-parallel ranks
   // other than the first, tied copies on later stages).
+  // CPU pieces share memory with the model's tensors: write them before the next step.
   absl::StatusOr<std::vector<SlicedTensor>> CheckpointPieces(bool optimizer, bool deduplicate) const;
   // Loads the slices this rank holds from a checkpoint of any layout (and
   // with `optimizer` the optimizer and loss-scaler state; parameters saved

@@ -1,5 +1,4 @@
-// Loading and exporting a ParallelModel's weights by single-process name, and
-// its optimizer and loss-scaler state.
+// Loading and exporting a ParallelModel's weights by single-process name.
 #include <set>
 #include <c10/core/GradMode.h>
 
@@ -97,19 +96,6 @@ absl::StatusOr<NamedTensors> ParallelModel::FullWeights() {
     }
   }
   return tensors;
-}
-
-NamedTensors ParallelModel::State() const {
-  NamedTensors state = impl_->update->State();
-  if (impl_->scaler) {
-    for (auto& item : impl_->scaler->State()) state.push_back(item);
-  }
-  return state;
-}
-
-absl::Status ParallelModel::LoadState(const NamedTensors& state) {
-  TRIDENT_RETURN_IF_ERROR(impl_->update->LoadState(state));
-  return impl_->scaler ? impl_->scaler->LoadState(state) : absl::OkStatus();
 }
 
 }  // namespace trident

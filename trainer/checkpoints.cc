@@ -37,7 +37,10 @@ absl::Status Trainer::Impl::WriteCheckpointFiles(const std::string& staging) {
   const int rank = topology().rank();
   TRIDENT_ASSIGN_OR_RETURN(std::vector<SlicedTensor> pieces,
                            model->CheckpointPieces(!config.no_save_optim(), config.save_type() != "sharded"));
-  if (!config.no_save_rng()) pieces.push_back({RngName(rank), TensorSlice::Whole({CpuRngState().numel()}), CpuRngState()});
+  if (!config.no_save_rng()) {
+    const at::Tensor rng = CpuRngState();
+    pieces.push_back({RngName(rank), TensorSlice::Whole({rng.numel()}), rng});
+  }
   const std::map<std::string, std::string> metadata = {{"step", absl::StrCat(step)},
                                                        {"layout", model->Layout()},
                                                        {"world_size", absl::StrCat(topology().world_size())},

@@ -26,12 +26,10 @@ struct SafetensorsHeader {
   std::map<std::string, std::string> metadata;
 };
 
-// Parses the header of the `file_size`-byte file `path` from its first bytes
-// (`prefix`: at least the 8-byte length and the header); errors name the file
-// and what is malformed. `header_bytes` returns 8 + the header's length when
-// `prefix` is too short (then call again with that many bytes).
-absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path, const std::string& prefix,
-                                                         uint64_t file_size, uint64_t* header_bytes);
+// Parses the header of the file `path` whose `size` bytes are at `data` (read
+// or memory-mapped; only the header is touched). Errors name the file and what
+// is malformed.
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path, const char* data, uint64_t size);
 
 }  // namespace trident::internal
 
