@@ -16,6 +16,7 @@
 #endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
+#include <torch/version.h>
 #ifdef USE_C10D_NCCL
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -348,6 +349,10 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
           options->timeout = timeout;
           backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(
               store, group_rank, static_cast<int>(ranks.size()), options);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+          // The group's GPU, so that NCCL need not guess it from the global rank.
+          backend->setBoundDeviceId(at::Device(at::kCUDA, c10::cuda::current_device()));
+#endif
 #endif
         }
       });

@@ -47,7 +47,7 @@ cmake -S tools/gpu -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTorch
 # Keep going past errors so that one run lists every file that does not compile.
 keep_going=(-k 0)
 [ ${#generator[@]} -gt 0 ] || keep_going=(-k)
-cmake --build build -j"$(nproc)" --target train prepare_data amp_amp_gpu_test parallel_parallel_gpu_test \
+cmake --build build -j"$(nproc)" --target train prepare_data checkpoint amp_amp_gpu_test parallel_parallel_gpu_test \
   -- "${keep_going[@]}" >>"$logs/build.log" 2>&1
 built=$?
 grep -E 'error:|undefined reference' "$logs/build.log" | sort -u >"$logs/errors.txt"
@@ -64,10 +64,23 @@ status=0
 echo "== gpu tests"
 timeout 120 ctest --test-dir build -R 'gpu_test' --output-on-failure || status=1
 
-steps=${VALIDATE_STEPS:-50}
-echo "== gpt2-124m, batch 8 x 1024 tokens, $steps steps, one GPU"
 find /usr/share/doc -name copyright | head -400 | xargs cat >build/text.txt 2>/dev/null
 build/prepare_data --input=build/text.txt --output_dir=build/data >/dev/null || exit 1
+
+echo "== checkpoint on the GPU: gpt-tiny, 20 steps straight against 10 + save + resume for 10"
+tiny=(--data=build/data --model=gpt --preset=gpt-tiny --device=cuda --dp=1 --micro_batch_size=8 --global_batch_size=8
+      --max_steps=20 --log_every=10 --eval_every=0 --eval_steps=1 --sample_tokens=0)
+rm -rf build/ck
+{ timeout 120 build/train "${tiny[@]}" --save_every=10 --save_dir=build/ck --export_safetensors=build/ck/straight.safetensors &&
+  timeout 120 build/train "${tiny[@]}" --resume_from=build/ck/step_10 --save_dir=build/ck/resumed \
+    --export_safetensors=build/ck/resumed.safetensors &&
+  build/checkpoint verify build/ck/step_10 &&
+  build/checkpoint compare build/ck/straight.safetensors build/ck/resumed.safetensors 1e-5; } >"$logs/checkpoint.log" 2>&1 ||
+  { status=1; tail -20 "$logs/checkpoint.log"; }
+grep -E "resumed from|largest difference|match the manifest|step 20/20" "$logs/checkpoint.log"
+
+steps=${VALIDATE_STEPS:-50}
+echo "== gpt2-124m, batch 8 x 1024 tokens, $steps steps, one GPU"
 median() {  # median tokens/s (and mfu) of a metrics file after the first 10 steps
   python3 -c 'import json,statistics,sys
 rows=[json.loads(l) for l in open(sys.argv[1])][10:]
@@ -78,7 +91,7 @@ for precision in fp32 bf16; do
   profile=()
   [ "$precision" = bf16 ] && [ "${VALIDATE_PROFILE_STEP:-0}" != 0 ] &&
     profile=(--profile_step="$VALIDATE_PROFILE_STEP" --trace_file="$logs/trace_bf16.json")
-  timeout 240 build/train "${profile[@]}" --data=build/data --model=gpt --preset=gpt2-124m --block_size=1024 --device=cuda \
+  timeout 240 build/train "${profile[@]}" --data=build/data --model=gpt --preset=gpt2-124m --vocab_size=50257 --block_size=1024 --device=cuda \
     --dp=1 --precision="$precision" --micro_batch_size=8 --global_batch_size=8 --max_steps="$steps" --log_every=10 \
     --eval_every=0 --eval_steps=1 --sample_tokens=0 --lr=3e-4 --metrics_file="$logs/trident_$precision.jsonl" \
     >"$logs/trident_$precision.log" 2>&1 || { status=1; tail -20 "$logs/trident_$precision.log"; }
