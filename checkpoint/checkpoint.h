@@ -8,7 +8,7 @@
 //   CheckpointDirectory dir(save_dir);
 //   std::string staging = dir.StagingPath(step);     // every rank writes here
 //   ... barrier ...
-//   if (rank == 0) dir.Commit(step, world_size, val_loss, keep_last_n);
+//   if (rank == 0) dir.Commit(step, world_size, val_loss, keep_last_n, file_names);
 //   ...
 //   TRIDENT_ASSIGN_OR_RETURN(ResolvedCheckpoint found, dir.Resolve("last"));
 #ifndef TRIDENT_CHECKPOINT_CHECKPOINT_H_
@@ -165,11 +165,13 @@ class CheckpointDirectory {
 
   // Where the ranks write step `step` before it is committed (created if needed).
   absl::StatusOr<std::string> StagingPath(int64_t step) const;
-  // Rank 0, after every rank wrote its files: writes the manifest, renames the
-  // staging directory to step_N, points `last` (and `best` when `val_loss` is the
-  // lowest so far) at it, and deletes the oldest steps beyond `keep_last_n` (0: keep all).
-  absl::Status Commit(int64_t step, int world_size, std::optional<double> val_loss,
-                      int keep_last_n) const;
+  // Rank 0, after every rank wrote its files: writes the manifest of `files`
+  // (names in the staging directory; any other file there, left by an earlier
+  // attempt, is removed), renames the staging directory to step_N, points
+  // `last` (and `best` when `val_loss` is the lowest so far) at it, and deletes
+  // the oldest steps beyond `keep_last_n` (0: keep all). Errors name a missing file.
+  absl::Status Commit(int64_t step, int world_size, std::optional<double> val_loss, int keep_last_n,
+                      const std::vector<std::string>& files) const;
   // Checks a step directory against its manifest; errors name the file at fault.
   static absl::StatusOr<CheckpointManifest> Validate(const std::string& checkpoint_path);
   // `which`: "last" (the newest valid step, listing the newer ones refused), "best",

@@ -98,19 +98,27 @@ absl::StatusOr<std::string> CheckpointDirectory::StagingPath(int64_t step) const
   return path.string();
 }
 
-absl::Status CheckpointDirectory::Commit(int64_t step, int world_size,
-                                         std::optional<double> val_loss, int keep_last_n) const {
+absl::Status CheckpointDirectory::Commit(int64_t step, int world_size, std::optional<double> val_loss,
+                                         int keep_last_n, const std::vector<std::string>& files) const {
   TRIDENT_ASSIGN_OR_RETURN(const std::string staging, StagingPath(step));
   CheckpointManifest manifest;
   manifest.set_step(step);
   manifest.set_world_size(world_size);
   if (val_loss) manifest.set_val_loss(*val_loss);
-  std::vector<std::string> names;
-  for (const auto& entry : fs::recursive_directory_iterator(staging)) {
-    if (entry.is_regular_file()) names.push_back(fs::relative(entry.path(), staging).string());
-  }
+  std::vector<std::string> names = files;
   std::sort(names.begin(), names.end());
+  std::error_code error;
+  for (const auto& entry : fs::recursive_directory_iterator(staging, error)) {
+    const std::string name = fs::relative(entry.path(), staging).string();
+    if (entry.is_regular_file() && !std::binary_search(names.begin(), names.end(), name)) {
+      fs::remove(entry.path(), error);
+    }
+  }
   for (const std::string& name : names) {
+    if (!fs::exists(fs::path(staging) / name)) {
+      return absl::DataLossError(absl::StrCat("checkpoint file ", (fs::path(staging) / name).string(),
+                                              " was not written; step ", step, " is not committed"));
+    }
     TRIDENT_ASSIGN_OR_RETURN(auto checksum, FileChecksum((fs::path(staging) / name).string()));
     CheckpointFile* file = manifest.add_files();
     file->set_name(name);
@@ -125,7 +133,6 @@ absl::Status CheckpointDirectory::Commit(int64_t step, int world_size,
     if (!out) return absl::InternalError(absl::StrCat("cannot write the manifest in ", staging));
   }
   const fs::path final_path = fs::path(save_dir_) / StepName(step);
-  std::error_code error;
   fs::remove_all(final_path, error);
   fs::rename(staging, final_path, error);
   if (error) {

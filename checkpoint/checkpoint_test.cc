@@ -186,11 +186,12 @@ TEST(CheckpointReaderTest, ReadsAnySliceFromPiecesOfAnotherLayout) {
 void SaveStep(const CheckpointDirectory& dir, int64_t step, double val_loss, int keep) {
   auto staging = dir.StagingPath(step);
   ASSERT_TRUE(staging.ok()) << staging.status();
+  std::vector<std::string> files;
   for (int rank = 0; rank < 2; ++rank) {
-    std::ofstream(*staging + "/rank_" + std::to_string(rank) + ".bin")
-        << "step " << step << " rank " << rank;
+    files.push_back("rank_" + std::to_string(rank) + ".bin");
+    std::ofstream(*staging + "/" + files.back()) << "step " << step << " rank " << rank;
   }
-  ASSERT_TRUE(dir.Commit(step, 2, val_loss, keep).ok());
+  ASSERT_TRUE(dir.Commit(step, 2, val_loss, keep, files).ok());
 }
 
 std::vector<std::string> Entries(const std::string& dir) {

@@ -1,3 +1,8 @@
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -171,16 +176,34 @@ absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tenso
   std::string header = "{" + absl::StrJoin(entries, ",") + "}";
   header.append((8 - header.size() % 8) % 8, ' ');
   const uint64_t header_size = header.size();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(&header_size), sizeof(header_size));
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  for (const at::Tensor& t : contiguous) {
-    out.write(static_cast<const char*>(t.data_ptr()),
-              static_cast<std::streamsize>(t.numel() * t.element_size()));
+  // POSIX calls rather than a stream, so that a failure says why (disk full,
+  // permission denied); a partly written file is removed.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  bool ok = fd >= 0;
+  auto write_all = [&](const void* data, size_t size) {
+    const char* p = static_cast<const char*>(data);
+    while (ok && size > 0) {
+      const ssize_t n = ::write(fd, p, size);
+      if (n < 0 && errno == EINTR) continue;
+      ok = n > 0;
+      p += std::max<ssize_t>(n, 0);
+      size -= static_cast<size_t>(std::max<ssize_t>(n, 0));
+    }
+  };
+  write_all(&header_size, sizeof(header_size));
+  write_all(header.data(), header.size());
+  for (const at::Tensor& t : contiguous) write_all(t.data_ptr(), t.numel() * t.element_size());
+  int error = ok ? 0 : errno;
+  if (fd >= 0 && ::close(fd) != 0 && ok) {
+    ok = false;
+    error = errno;
   }
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat("cannot write safetensors file ", path));
-  return absl::OkStatus();
+  if (ok) return absl::OkStatus();
+  if (fd >= 0) ::unlink(path.c_str());
+  const std::string message = absl::StrCat("cannot write safetensors file ", path, ": ", std::strerror(error));
+  if (error == ENOSPC || error == EDQUOT) return absl::ResourceExhaustedError(message);
+  if (error == EACCES || error == EPERM || error == EROFS) return absl::PermissionDeniedError(message);
+  return absl::InternalError(message);
 }
 
 absl::StatusOr<at::Tensor> SafetensorsContents::Get(const std::string& name) const {

@@ -107,7 +107,9 @@ absl::Status Merge(const std::string& path, const std::string& out) {
   fs::copy_file(fs::path(path) / "config.pbtxt", fs::path(staging) / "config.pbtxt", error);
   std::optional<double> val_loss;
   if (manifest.has_val_loss()) val_loss = manifest.val_loss();
-  TRIDENT_RETURN_IF_ERROR(directory.Commit(manifest.step(), 1, val_loss, 0));
+  std::vector<std::string> files = {"model.safetensors", "state.safetensors"};
+  if (!error) files.push_back("config.pbtxt");
+  TRIDENT_RETURN_IF_ERROR(directory.Commit(manifest.step(), 1, val_loss, 0, files));
   std::printf("merged %s into %s/step_%lld (%zu weights, %zu state tensors)\n", path.c_str(), out.c_str(),
               static_cast<long long>(manifest.step()), weights.size(), state.size());
   return absl::OkStatus();

@@ -65,6 +65,39 @@ absl::StatusOr<c10::intrusive_ptr<c10d::TCPStore>> ConnectStore(const Distribute
   return store;
 }
 
+class TcpStoreClient : public StoreClient {
+ public:
+  explicit TcpStoreClient(c10::intrusive_ptr<c10d::TCPStore> store) : store_(std::move(store)) {}
+
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    return CatchExceptions(absl::StrCat("setting '", key, "' in the rendezvous store"),
+                           [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+  }
+
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout,
+                                  const std::function<bool()>& cancelled) override {
+    const absl::Time deadline = absl::Now() + timeout;
+    std::vector<uint8_t> value;
+    bool found = false;
+    while (true) {
+      TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("reading '", key, "' from the rendezvous store"), [&] {
+        found = store_->check({key});
+        if (found) value = store_->get(key);
+      }));
+      if (found) return std::string(value.begin(), value.end());
+      if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat("waiting for '", key, "' was cancelled"));
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("no rank set '", key, "' within ", absl::FormatDuration(timeout)));
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+};
+
 // Heartbeats of this rank, and the diagnosis of which peers stopped sending theirs.
 class HeartbeatMonitor {
  public:
@@ -101,7 +134,7 @@ class HeartbeatMonitor {
     if (silent.empty()) return "";
     return absl::StrCat(silent.size() == 1 ? "rank " : "ranks ", absl::StrJoin(silent, ", "),
                         silent.size() == 1 ? " has" : " have",
-                        " stopped sending heartbeats: exited or crashed; see its output");
+                        " stopped sending heartbeats: exited, crashed or stopped (SIGSTOP); see its output");
   }
 
  private:
@@ -311,6 +344,11 @@ absl::Status Topology::Reshape(std::vector<MeshAxis> mesh_axes) {
   mesh_ = std::move(mesh);
   ++impl_->generation;
   return ConnectGroups();
+}
+
+absl::StatusOr<std::unique_ptr<StoreClient>> Topology::ConnectStoreClient() const {
+  TRIDENT_ASSIGN_OR_RETURN(auto store, ConnectStore(env_, /*serve=*/false, absl::Seconds(10)));
+  return std::unique_ptr<StoreClient>(new TcpStoreClient(std::move(store)));
 }
 
 absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>& axes) {

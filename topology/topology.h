@@ -24,6 +24,7 @@
 #ifndef TRIDENT_TOPOLOGY_TOPOLOGY_H_
 #define TRIDENT_TOPOLOGY_TOPOLOGY_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -56,6 +57,19 @@ struct TopologyOptions {
   // How often a rank tells the store it is alive; a rank silent for three
   // intervals after an operation failed is reported as dead.
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
+};
+
+// A connection of its own to the job's rendezvous store, for a thread other
+// than the one running collectives (a background checkpoint writer) to
+// exchange short messages with the other ranks. Not shared between threads.
+class StoreClient {
+ public:
+  virtual ~StoreClient() = default;
+  virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
+  // The value of `key` once some rank set it. Errors after `timeout`, or as
+  // soon as `cancelled` (polled) returns true.
+  virtual absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout,
+                                          const std::function<bool()>& cancelled) = 0;
 };
 
 class Topology {
@@ -95,6 +109,8 @@ class Topology {
   // be gone first. Collective: every rank calls it with the same axes. The
   // strategy search runs each candidate layout in one job this way.
   absl::Status Reshape(std::vector<MeshAxis> mesh_axes);
+  // A new connection to the rendezvous store (see StoreClient).
+  absl::StatusOr<std::unique_ptr<StoreClient>> ConnectStoreClient() const;
 
  private:
   class Impl;

@@ -1,5 +1,7 @@
 // Checkpoints, init_from, exports and pipeline traces of the Trainer.
+#include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <sstream>
 
@@ -31,59 +33,141 @@ absl::Status Trainer::Impl::LoadInitialWeights(const std::string& path) {
   return model->LoadWeights(contents);
 }
 
-// The checkpoint's files in `staging`: one per rank (sharded, deduped), or
-// model.safetensors and state.safetensors from rank 0 (merged).
-absl::Status Trainer::Impl::WriteCheckpointFiles(const std::string& staging) {
+namespace {
+
+// A copy that training cannot change while a background thread writes it.
+at::Tensor HostCopy(const at::Tensor& t) { return t.device().is_cpu() ? t.clone() : t.to(at::kCPU); }
+
+// "<code>:<message>" and back: a status through the store.
+std::string EncodeStatus(const absl::Status& status) {
+  return status.ok() ? "" : absl::StrCat(static_cast<int>(status.code()), ":", status.message());
+}
+absl::Status DecodeStatus(const std::string& text) {
+  if (text.empty()) return absl::OkStatus();
+  const size_t colon = text.find(':');
+  return absl::Status(static_cast<absl::StatusCode>(std::atoi(text.substr(0, colon).c_str())), text.substr(colon + 1));
+}
+
+}  // namespace
+
+absl::Status Trainer::Impl::SaveCheckpoint() {
+  TRIDENT_RETURN_IF_ERROR(FinishPendingSave());  // one save at a time
   const int rank = topology().rank();
+  const int world_size = topology().world_size();
+  const bool async = config.async_save();
+  const bool merged = config.save_type() == "merged";
+
+  // The snapshot, on every rank at this step boundary.
   TRIDENT_ASSIGN_OR_RETURN(std::vector<SlicedTensor> pieces,
                            model->CheckpointPieces(!config.no_save_optim(), config.save_type() != "sharded"));
   if (!config.no_save_rng()) {
     const at::Tensor rng = CpuRngState();
     pieces.push_back({RngName(rank), TensorSlice::Whole({rng.numel()}), rng});
   }
-  const std::map<std::string, std::string> metadata = {{"step", absl::StrCat(step)},
-                                                       {"layout", model->Layout()},
-                                                       {"world_size", absl::StrCat(topology().world_size())},
-                                                       {"global_batch_size", absl::StrCat(config.global_batch_size())}};
-  if (config.save_type() != "merged") {
-    auto with_rank = metadata;
-    with_rank["rank"] = absl::StrCat(rank);
-    return WriteSlicedSafetensors(absl::StrCat(staging, "/rank_", rank, ".safetensors"), pieces, with_rank);
+  if (async) {
+    for (SlicedTensor& piece : pieces) piece.data = HostCopy(piece.data);
   }
-  TRIDENT_ASSIGN_OR_RETURN(NamedTensors merged, MergePieces(topology().world(), pieces));
-  if (!is_rank0()) return absl::OkStatus();
-  // Parameter names hold no '/'; optimizer, loss-scaler and RNG state do.
-  NamedTensors weights, state;
-  for (auto& item : merged) (item.first.find('/') == std::string::npos ? weights : state).push_back(item);
-  const size_t stored = weights.size();
-  for (const auto& [alias, owner] : model->source().aliases) {  // tied names, as exports write them
-    for (size_t i = 0; i < stored; ++i) {
-      if (weights[i].first == owner) weights.emplace_back(alias, weights[i].second);
+  std::map<std::string, std::string> metadata = {{"step", absl::StrCat(step)},
+                                                 {"layout", model->Layout()},
+                                                 {"world_size", absl::StrCat(world_size)},
+                                                 {"global_batch_size", absl::StrCat(config.global_batch_size())}};
+  // What this rank writes (name in the staging directory -> pieces or whole tensors).
+  std::vector<std::function<absl::Status(const std::string& staging)>> writes;
+  std::vector<std::string> files;  // every file of the checkpoint
+  if (!merged) {
+    for (int r = 0; r < world_size; ++r) files.push_back(absl::StrCat("rank_", r, ".safetensors"));
+    metadata["rank"] = absl::StrCat(rank);
+    writes.push_back([name = files[rank], pieces = std::move(pieces), metadata](const std::string& staging) {
+      return WriteSlicedSafetensors(absl::StrCat(staging, "/", name), pieces, metadata);
+    });
+  } else {
+    files = {"model.safetensors", "state.safetensors"};
+    TRIDENT_ASSIGN_OR_RETURN(NamedTensors tensors, MergePieces(topology().world(), pieces));
+    // Parameter names hold no '/'; optimizer, loss-scaler and RNG state do.
+    NamedTensors weights, state;
+    for (auto& item : tensors) (item.first.find('/') == std::string::npos ? weights : state).push_back(item);
+    const size_t stored = weights.size();
+    for (const auto& [alias, owner] : model->source().aliases) {  // tied names, as exports write them
+      for (size_t i = 0; i < stored; ++i) {
+        if (weights[i].first == owner) weights.emplace_back(alias, weights[i].second);
+      }
+    }
+    if (is_rank0()) {
+      writes.push_back([weights = std::move(weights), state = std::move(state), metadata](const std::string& staging) {
+        auto with_format = metadata;
+        with_format["format"] = "pt";
+        TRIDENT_RETURN_IF_ERROR(WriteSafetensors(staging + "/model.safetensors", weights, with_format));
+        return WriteSafetensors(staging + "/state.safetensors", state, metadata);
+      });
     }
   }
-  auto with_format = metadata;
-  with_format["format"] = "pt";
-  TRIDENT_RETURN_IF_ERROR(WriteSafetensors(staging + "/model.safetensors", weights, with_format));
-  return WriteSafetensors(staging + "/state.safetensors", state, metadata);
+  if (is_rank0()) {
+    files.push_back("config.pbtxt");
+    writes.push_back([text = ConfigToText(config)](const std::string& staging) {
+      std::ofstream out(staging + "/config.pbtxt");
+      out << text;
+      out.close();
+      return out ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write ", staging, "/config.pbtxt"));
+    });
+  }
+  if (!save_store) {
+    TRIDENT_ASSIGN_OR_RETURN(save_store, topology().ConnectStoreClient());
+  }
+
+  // Writing, and agreeing through the store: every rank reports its files;
+  // rank 0 commits when all were written and publishes the verdict.
+  auto pending = std::make_unique<PendingSave>();
+  pending->step = step;
+  pending->path = absl::StrCat(config.save_dir(), "/step_", step);
+  const std::string key = absl::StrCat("trident/checkpoint/", saves_started++, "/");
+  const absl::Duration timeout = absl::Seconds(config.collective_timeout_s());
+  auto write_and_commit = [this, rank, world_size, writes = std::move(writes), files = std::move(files), key, timeout,
+                           step = step, val_loss = last_val_loss, cancelled = &pending->cancelled]() -> absl::Status {
+    const CheckpointDirectory directory(config.save_dir());
+    absl::StatusOr<std::string> staging = directory.StagingPath(step);
+    absl::Status written = staging.status();
+    for (const auto& write : writes) {
+      if (written.ok()) written = write(*staging);
+    }
+    StoreClient& store = *save_store;
+    auto is_cancelled = [cancelled] { return cancelled->load(); };
+    TRIDENT_RETURN_IF_ERROR(store.Set(absl::StrCat(key, rank), EncodeStatus(written)));
+    if (rank == 0) {
+      absl::Status verdict;
+      for (int r = 0; r < world_size && verdict.ok(); ++r) {
+        absl::StatusOr<std::string> report = store.Get(absl::StrCat(key, r), timeout, is_cancelled);
+        verdict = report.ok() ? DecodeStatus(*report) : report.status();
+        if (!verdict.ok() && r != 0) verdict = absl::Status(verdict.code(), absl::StrCat("rank ", r, ": ", verdict.message()));
+      }
+      if (verdict.ok()) verdict = directory.Commit(step, world_size, val_loss, config.keep_last_n(), files);
+      if (!verdict.ok() && staging.ok()) {
+        std::error_code error;
+        std::filesystem::remove_all(*staging, error);  // the previous checkpoint stays `last`
+      }
+      TRIDENT_RETURN_IF_ERROR(store.Set(key + "verdict", EncodeStatus(verdict)));
+    }
+    TRIDENT_ASSIGN_OR_RETURN(const std::string verdict, store.Get(key + "verdict", timeout, is_cancelled));
+    return DecodeStatus(verdict);
+  };
+  pending->verdict = std::async(async ? std::launch::async : std::launch::deferred, std::move(write_and_commit));
+  pending_save = std::move(pending);
+  return async ? absl::OkStatus() : FinishPendingSave();
 }
 
-absl::Status Trainer::Impl::SaveCheckpoint() {
-  CheckpointDirectory directory(config.save_dir());
-  TRIDENT_ASSIGN_OR_RETURN(const std::string staging, directory.StagingPath(step));
-  absl::Status written = WriteCheckpointFiles(staging);
-  if (written.ok() && is_rank0()) {
-    std::ofstream out(staging + "/config.pbtxt");
-    out << ConfigToText(config);
-    if (!out) written = absl::InternalError(absl::StrCat("cannot write ", staging, "/config.pbtxt"));
+absl::Status Trainer::Impl::FinishPendingSave() {
+  if (!pending_save) return absl::OkStatus();
+  const std::unique_ptr<PendingSave> save = std::move(pending_save);
+  const absl::Status verdict = save->verdict.get();
+  if (verdict.ok()) {
+    Print(absl::StrCat("saved checkpoint ", save->path, " (", config.save_type(),
+                       config.async_save() ? ", written in the background" : "", ")"));
+    ForHooks([&](TrainerHooks& h) { h.OnSaveCheckpoint(State(), save->path); });
+    return absl::OkStatus();
   }
-  TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology().world(), written, "writing the checkpoint"));
-  if (is_rank0()) {
-    written = directory.Commit(step, topology().world_size(), last_val_loss, config.keep_last_n());
-  }
-  TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology().world(), written, "committing the checkpoint"));
-  const std::string path = absl::StrCat(config.save_dir(), "/step_", step);
-  Print(absl::StrCat("saved checkpoint ", path, " (", config.save_type(), ")"));
-  ForHooks([&](TrainerHooks& h) { h.OnSaveCheckpoint(State(), path); });
+  const absl::Status failure(verdict.code(), absl::StrCat("checkpoint step ", save->step, " was not saved: ",
+                                                          verdict.message(), "; `last` still points at the previous one"));
+  if (config.save_failure() == "fail") return failure;
+  Print(absl::StrCat("warning: ", failure.message(), " (save_failure=warn: training goes on)"));
   return absl::OkStatus();
 }
 

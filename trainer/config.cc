@@ -232,11 +232,26 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
     return Invalid(absl::StrCat("dp=", c->dp(), ", tp=", c->tp(), ", pp=", c->pp(),
                                 ": each must be at least 1"));
   }
+  if (!automatic && c->elastic() && c->dp() * c->tp() * c->pp() != world_size) {
+    // Another rank count than the layout's: dp follows it, tp and pp and the global batch stay.
+    const int model_parallel = c->tp() * c->pp();
+    if (world_size % model_parallel != 0) {
+      return Invalid(absl::StrCat("elastic: ", world_size, " ranks cannot hold tp*pp = ", c->tp(), "*", c->pp(),
+                                  " = ", model_parallel, "; start a multiple of ", model_parallel,
+                                  " ranks or change tp and pp"));
+    }
+    if (!c->has_global_batch_size()) {
+      c->set_global_batch_size(c->micro_batch_size() * c->dp() * std::max<int64_t>(1, c->grad_accumulation_steps()));
+    }
+    c->clear_grad_accumulation_steps();
+    c->set_dp(world_size / model_parallel);
+  }
   if (!automatic && c->dp() * c->tp() * c->pp() != world_size) {
     return Invalid(absl::StrCat("dp*tp*pp = ", c->dp(), "*", c->tp(), "*", c->pp(), " = ",
                                 c->dp() * c->tp() * c->pp(), " but ", world_size,
                                 " ranks were started; make the product equal the number of "
-                                "ranks (or start train without a launcher to spawn dp*tp*pp)"));
+                                "ranks, start train without a launcher to spawn dp*tp*pp, or set "
+                                "elastic to let dp follow the rank count"));
   }
   if (c->loss_scale() < 0 || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
       !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 ||
@@ -310,6 +325,12 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   }
   if (c->save_type() != "sharded" && c->save_type() != "deduped" && c->save_type() != "merged") {
     return Invalid(absl::StrCat("save_type='", c->save_type(), "' is not one of sharded, deduped, merged"));
+  }
+  if (c->save_failure() != "fail" && c->save_failure() != "warn") {
+    return Invalid(absl::StrCat("save_failure='", c->save_failure(), "' is not one of fail, warn"));
+  }
+  if (!(c->collective_timeout_s() > 0)) {
+    return Invalid(absl::StrCat("collective_timeout_s=", c->collective_timeout_s(), " must be positive"));
   }
   if (c->max_restarts() < 0) return Invalid("max_restarts must not be negative");
   if (c->finetune() && c->resume_from().empty()) {

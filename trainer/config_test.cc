@@ -67,6 +67,32 @@ TEST(ResolveConfigTest, DerivesTheBatchSizesEitherWay) {
   EXPECT_TRUE(ResolveConfig(&from_accumulation, 1).ok()) << "resolving twice is harmless";
 }
 
+TEST(ResolveConfigTest, ElasticRunsLetDataParallelismFollowTheRankCount) {
+  TrainerConfig layout;  // written for 8 ranks: dp=2 x tp=2 x pp=2, global batch 8 x 2 x 2
+  layout.set_dp(2);
+  layout.set_tp(2);
+  layout.set_pp(2);
+  layout.set_micro_batch_size(8);
+  layout.set_grad_accumulation_steps(2);
+  layout.set_elastic(true);
+  TrainerConfig shrunk = layout;
+  ASSERT_TRUE(ResolveConfig(&shrunk, 4).ok());
+  EXPECT_EQ(shrunk.dp(), 1);
+  EXPECT_EQ(shrunk.tp(), 2);
+  EXPECT_EQ(shrunk.pp(), 2);
+  EXPECT_EQ(shrunk.global_batch_size(), 32);
+  EXPECT_EQ(shrunk.grad_accumulation_steps(), 4);
+  TrainerConfig grown = layout;
+  ASSERT_TRUE(ResolveConfig(&grown, 16).ok());
+  EXPECT_EQ(grown.dp(), 4);
+  EXPECT_EQ(grown.grad_accumulation_steps(), 1);
+  TrainerConfig misfit = layout;
+  EXPECT_THAT(Message(ResolveConfig(&misfit, 6)), HasSubstr("elastic: 6 ranks cannot hold tp*pp = 2*2 = 4"));
+  TrainerConfig rigid = layout;
+  rigid.set_elastic(false);
+  EXPECT_THAT(Message(ResolveConfig(&rigid, 4)), HasSubstr("or set elastic to let dp follow the rank count"));
+}
+
 TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   auto error = [](auto edit, int world) {
     TrainerConfig c;

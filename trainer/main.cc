@@ -72,7 +72,16 @@ absl::Status RunRank(TrainerConfig config) {
   if (RestartCount() > 0 && !config.save_dir().empty() && config.resume_from().empty()) {
     config.set_resume_from("last");  // a restarted job goes on from its newest valid checkpoint
   }
+  const int64_t configured_dp = config.dp();
   if (config.strategy().empty()) TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
+  if (config.dp() != configured_dp && env.rank == 0) {
+    std::printf("elastic: %d ranks, so dp=%lld instead of %lld (tp=%lld and pp=%lld kept; global batch %lld in %lld "
+                "accumulation steps)\n",
+                env.world_size, static_cast<long long>(config.dp()), static_cast<long long>(configured_dp),
+                static_cast<long long>(config.tp()), static_cast<long long>(config.pp()),
+                static_cast<long long>(config.global_batch_size()),
+                static_cast<long long>(config.grad_accumulation_steps()));
+  }
   // This rank's share of the cores goes to the BLAS pool (OPENBLAS_NUM_THREADS,
   // set by the launcher; set here at run time under mpirun or srun) and ATen's
   // intra-op threads default to 1: measured fastest on CPU (see config.proto).
@@ -90,6 +99,7 @@ absl::Status RunRank(TrainerConfig config) {
   options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
   if (!config.strategy().empty()) options.mesh_axes = {};  // the search lays the ranks out
   options.backend = config.device() == "cuda" ? CommBackend::kNccl : CommBackend::kGloo;
+  options.timeout = absl::Seconds(config.collective_timeout_s());
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));
   if (!config.strategy().empty()) {
     const bool compile_only = config.run_mode() == "compile";

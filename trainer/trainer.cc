@@ -327,11 +327,13 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     if (result.preempted && !last) {
       const bool saved_now = !c.save_dir().empty() && c.save_every() > 0 && t.step % c.save_every() == 0;
       if (!c.save_dir().empty() && !saved_now) TRIDENT_RETURN_IF_ERROR(t.SaveCheckpoint());
+      TRIDENT_RETURN_IF_ERROR(t.FinishPendingSave());
       t.Print(absl::StrCat("preempted (SIGTERM) after step ", t.step,
                            c.save_dir().empty() ? "; no save_dir, nothing saved" : "; checkpoint saved", "; exiting"));
       return result;
     }
   }
+  TRIDENT_RETURN_IF_ERROR(t.FinishPendingSave());
   if (!result.val_loss && t.val_data) {
     TRIDENT_ASSIGN_OR_RETURN(result.val_loss, t.Evaluate());
   }

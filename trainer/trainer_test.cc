@@ -24,6 +24,7 @@ namespace trident {
 namespace {
 
 namespace fs = std::filesystem;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using testing::DataDir;
 using testing::ExpectSameLosses;
@@ -420,6 +421,47 @@ TEST(TrainerCheckpointTest, ResumeIsBitExactAndCorruptCheckpointsAreRefused) {
     ASSERT_TRUE(fallback.ok()) << fallback.status();
     EXPECT_EQ((*fallback)->step(), 10);
   });
+}
+
+// Rank 1 cannot write step 10 (its file is /dev/full: "No space left on
+// device"): the save fails on every rank, `last` stays at step 5, and the run
+// stops (save_failure=fail) or goes on with a warning (warn).
+TEST(TrainerCheckpointTest, WriteFailuresKeepThePreviousCheckpoint) {
+  for (const std::string mode : {"fail", "warn"}) {
+    const std::string save_dir = TestDir() + "/full_" + mode;
+    if (!testing::IsRankProcess()) {
+      fs::remove_all(save_dir);
+      fs::create_directories(save_dir + "/.step_10.staging");
+      fs::create_symlink("/dev/full", save_dir + "/.step_10.staging/rank_1.safetensors");
+    }
+    TrainerConfig config = SmallConfig(2);
+    config.set_max_steps(10);
+    config.set_save_every(5);
+    config.set_save_dir(save_dir);
+    config.set_save_failure(mode);
+    testing::RunOnRanks(2, [&](int) {
+      auto topology = testing::JoinTopology();
+      ASSERT_TRUE(topology.ok()) << topology.status();
+      auto trainer = Trainer::Create(config, topology->get());
+      ASSERT_TRUE(trainer.ok()) << trainer.status();
+      auto result = (*trainer)->Train();
+      if (mode == "fail") {
+        ASSERT_FALSE(result.ok());
+        EXPECT_THAT(std::string(result.status().message()),
+                    AllOf(HasSubstr("checkpoint step 10 was not saved: rank 1: cannot write safetensors file " +
+                                    save_dir + "/.step_10.staging/rank_1.safetensors: No space left on device"),
+                          HasSubstr("`last` still points at the previous one")));
+      } else {
+        ASSERT_TRUE(result.ok()) << result.status();
+        EXPECT_EQ(result->losses.size(), 10u);
+      }
+    });
+    if (!testing::IsRankProcess()) {
+      EXPECT_EQ(fs::read_symlink(save_dir + "/last"), "step_5") << mode;
+      EXPECT_TRUE(CheckpointDirectory::Validate(save_dir + "/step_5").ok()) << mode;
+      EXPECT_FALSE(fs::exists(save_dir + "/step_10")) << mode;
+    }
+  }
 }
 
 TEST(TrainerExportTest, ExportedWeightsCarryTheReferenceNamesAndInitialiseAnotherRun) {

@@ -3,7 +3,9 @@
 #ifndef TRIDENT_TRAINER_INTERNAL_TRAINER_IMPL_H_
 #define TRIDENT_TRAINER_INTERNAL_TRAINER_IMPL_H_
 
+#include <atomic>
 #include <cstdio>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +19,20 @@
 #include "trainer/trainer.h"
 
 namespace trident {
+
+// A checkpoint whose files are being written and committed by a background
+// thread (async_save); destroying it cancels the wait for other ranks and
+// joins the thread.
+struct PendingSave {
+  int64_t step = 0;
+  std::string path;  // save_dir/step_N once committed
+  std::atomic<bool> cancelled{false};
+  std::future<absl::Status> verdict;  // the same on every rank
+  ~PendingSave() {
+    cancelled = true;
+    if (verdict.valid()) verdict.wait();
+  }
+};
 
 class Trainer::Impl {
  public:
@@ -59,8 +75,16 @@ class Trainer::Impl {
   void Report(const StepMetrics& m, int64_t max_steps);
   // Checkpoints (checkpoints.cc).
   absl::Status LoadInitialWeights(const std::string& path);
+  // Copies this rank's state (with async_save to host memory) at the step
+  // boundary and writes it, in the background with async_save; every rank
+  // calls it. The save before it is finished first (FinishPendingSave).
   absl::Status SaveCheckpoint();
-  absl::Status WriteCheckpointFiles(const std::string& staging);
+  // Waits for the save in flight, if any: prints it, or applies save_failure
+  // (fail: the error; warn: a warning) when some rank could not write it.
+  absl::Status FinishPendingSave();
+  std::unique_ptr<StoreClient> save_store;  // the background writer's (outlives pending_save)
+  std::unique_ptr<PendingSave> pending_save;
+  int64_t saves_started = 0;
   // Whether some rank received SIGTERM since StopOnSigterm (agreed by all).
   absl::StatusOr<bool> Preempted();
   absl::Status LoadCheckpoint();
