@@ -15,6 +15,7 @@
 #define TRIDENT_CHECKPOINT_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -172,11 +173,16 @@ class CheckpointDirectory {
   // the oldest steps beyond `keep_last_n` (0: keep all). Errors name a missing file.
   absl::Status Commit(int64_t step, int world_size, std::optional<double> val_loss, int keep_last_n,
                       const std::vector<std::string>& files) const;
-  // Checks a step directory against its manifest; errors name the file at fault.
-  static absl::StatusOr<CheckpointManifest> Validate(const std::string& checkpoint_path);
+  // Checks a step directory against its manifest: every file's size, and the
+  // CRC-32 of the files numbered shard, shard + shards, ... in the manifest (so
+  // that ranks split the reading); errors name the file at fault.
+  static absl::StatusOr<CheckpointManifest> Validate(const std::string& checkpoint_path, int shard = 0,
+                                                     int shards = 1);
+  using Validator = std::function<absl::StatusOr<CheckpointManifest>(const std::string& checkpoint_path)>;
   // `which`: "last" (the newest valid step, listing the newer ones refused), "best",
-  // or a path to a step directory (refused when invalid).
-  absl::StatusOr<ResolvedCheckpoint> Resolve(const std::string& which) const;
+  // or a path to a step directory (refused when invalid). `validate` (default:
+  // Validate of every file) judges each candidate.
+  absl::StatusOr<ResolvedCheckpoint> Resolve(const std::string& which, const Validator& validate = nullptr) const;
 
   const std::string& save_dir() const { return save_dir_; }
 

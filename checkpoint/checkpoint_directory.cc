@@ -156,31 +156,38 @@ absl::Status CheckpointDirectory::Commit(int64_t step, int world_size, std::opti
   return absl::OkStatus();
 }
 
-absl::StatusOr<CheckpointManifest> CheckpointDirectory::Validate(const std::string& path) {
+absl::StatusOr<CheckpointManifest> CheckpointDirectory::Validate(const std::string& path, int shard, int shards) {
   TRIDENT_ASSIGN_OR_RETURN(CheckpointManifest manifest, ReadManifest(path));
-  for (const CheckpointFile& file : manifest.files()) {
+  for (int i = 0; i < manifest.files_size(); ++i) {
+    const CheckpointFile& file = manifest.files(i);
     const std::string file_path = (fs::path(path) / file.name()).string();
-    auto checksum = FileChecksum(file_path);
-    if (!checksum.ok()) {
-      return absl::DataLossError(absl::StrCat("checkpoint file ", file_path,
-                                              " listed in the manifest is missing"));
+    std::error_code error;
+    const uintmax_t size = fs::file_size(file_path, error);
+    if (error) {
+      return absl::DataLossError(absl::StrCat("checkpoint file ", file_path, " listed in the manifest is missing"));
     }
-    if (checksum->second != file.size() || checksum->first != file.crc32()) {
-      return absl::DataLossError(absl::StrCat(
-          "checkpoint file ", file_path, " is corrupt: ",
-          checksum->second != file.size()
-              ? absl::StrCat("size ", checksum->second, " bytes, manifest says ", file.size())
-              : absl::StrCat("CRC-32 ", checksum->first, ", manifest says ", file.crc32())));
+    auto corrupt = [&](const std::string& why) {
+      return absl::DataLossError(absl::StrCat("checkpoint file ", file_path, " is corrupt: ", why));
+    };
+    if (size != static_cast<uintmax_t>(file.size())) {
+      return corrupt(absl::StrCat("size ", size, " bytes, manifest says ", file.size()));
+    }
+    if (i % shards != shard) continue;
+    TRIDENT_ASSIGN_OR_RETURN(auto checksum, FileChecksum(file_path));
+    if (checksum.first != file.crc32()) {
+      return corrupt(absl::StrCat("CRC-32 ", checksum.first, ", manifest says ", file.crc32()));
     }
   }
   return manifest;
 }
 
-absl::StatusOr<ResolvedCheckpoint> CheckpointDirectory::Resolve(const std::string& which) const {
+absl::StatusOr<ResolvedCheckpoint> CheckpointDirectory::Resolve(const std::string& which,
+                                                                 const Validator& given) const {
+  const Validator validate = given ? given : [](const std::string& path) { return Validate(path); };
   ResolvedCheckpoint resolved;
   if (which == "last") {
     for (const auto& [step, path] : StepDirectories(save_dir_)) {
-      auto manifest = Validate(path.string());
+      auto manifest = validate(path.string());
       if (manifest.ok()) {
         resolved.path = path.string();
         resolved.manifest = *std::move(manifest);
@@ -197,7 +204,7 @@ absl::StatusOr<ResolvedCheckpoint> CheckpointDirectory::Resolve(const std::strin
   const fs::path path = which == "best" ? fs::canonical(fs::path(save_dir_) / "best", error)
                                         : fs::path(which);
   if (error) return absl::NotFoundError(absl::StrCat("no best checkpoint in ", save_dir_));
-  TRIDENT_ASSIGN_OR_RETURN(resolved.manifest, Validate(path.string()));
+  TRIDENT_ASSIGN_OR_RETURN(resolved.manifest, validate(path.string()));
   resolved.path = path.string();
   return resolved;
 }

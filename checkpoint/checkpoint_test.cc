@@ -221,6 +221,21 @@ TEST(CheckpointDirectoryTest, CommitWritesManifestLinksAndPrunes) {
   EXPECT_EQ(best->manifest.step(), 20);
 }
 
+TEST(CheckpointDirectoryTest, CommitKeepsTheListedFilesAndRefusesMissingOnes) {
+  const std::string root = TempDir("listed");
+  CheckpointDirectory dir(root);
+  auto staging = dir.StagingPath(7);
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  std::ofstream(*staging + "/rank_0.bin") << "rank 0";
+  std::ofstream(*staging + "/rank_3.bin") << "left by an attempt with more ranks";
+  EXPECT_THAT(std::string(dir.Commit(7, 2, std::nullopt, 0, {"rank_0.bin", "rank_1.bin"}).message()),
+              HasSubstr(".step_7.staging/rank_1.bin was not written; step 7 is not committed"));
+  EXPECT_FALSE(fs::exists(root + "/step_7"));
+  std::ofstream(*staging + "/rank_1.bin") << "rank 1";
+  ASSERT_TRUE(dir.Commit(7, 2, std::nullopt, 0, {"rank_0.bin", "rank_1.bin"}).ok());
+  EXPECT_THAT(Entries(root + "/step_7"), ElementsAre("manifest.pbtxt", "rank_0.bin", "rank_1.bin"));
+}
+
 TEST(CheckpointDirectoryTest, CorruptOrIncompleteCheckpointsAreRefusedByName) {
   const std::string root = TempDir("corrupt");
   CheckpointDirectory dir(root);
@@ -234,7 +249,12 @@ TEST(CheckpointDirectoryTest, CorruptOrIncompleteCheckpointsAreRefusedByName) {
     file.put('X');
   }
   fs::remove(root + "/step_2/rank_0.bin");
+  std::ofstream(root + "/step_1/stale.bin") << "left by an earlier attempt";  // not in the manifest: ignored
   EXPECT_THAT(std::string(dir.Resolve(root + "/step_3").status().message()),
+              HasSubstr("step_3/rank_1.bin is corrupt: CRC-32"));
+  // Split between two readers, only the one whose share holds rank_1.bin (the second file) sees it.
+  EXPECT_TRUE(CheckpointDirectory::Validate(root + "/step_3", 0, 2).ok());
+  EXPECT_THAT(std::string(CheckpointDirectory::Validate(root + "/step_3", 1, 2).status().message()),
               HasSubstr("step_3/rank_1.bin is corrupt: CRC-32"));
   EXPECT_THAT(std::string(CheckpointDirectory::Validate(root + "/step_2").status().message()),
               HasSubstr("step_2/rank_0.bin listed in the manifest is missing"));

@@ -348,14 +348,16 @@ absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
 }
 
 absl::Status AgreeOnFailure(const ProcessGroup& group, const absl::Status& local, const char* what) {
-  // The lowest failed rank + 1, or 0 when none failed.
-  at::Tensor failed = at::full({1}, local.ok() ? group.size() + 1 : group.rank() + 1, at::kLong);
-  TRIDENT_RETURN_IF_ERROR(group.AllReduce(failed, ReduceOp::kMin));
+  TRIDENT_ASSIGN_OR_RETURN(auto messages,
+                           AllGatherStrings(group, {local.ok() ? "" : std::string(local.message())}));
   if (!local.ok()) return local;
-  const int64_t first = failed.item<int64_t>();
-  if (first > group.size()) return absl::OkStatus();
-  return absl::AbortedError(absl::StrCat("rank ", first - 1, " failed while ", what,
-                                         "; its own error says why"));
+  for (size_t r = 0; r < messages.size(); ++r) {
+    if (!messages[r][0].empty()) {
+      return absl::AbortedError(absl::StrCat("rank ", group.global_ranks()[r], " failed while ", what, ": ",
+                                             messages[r][0]));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace trident

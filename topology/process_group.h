@@ -154,7 +154,8 @@ absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
     const ProcessGroup& group, const std::vector<std::string>& strings);
 
 // Whether any rank of `group` failed: every rank gets `local` back when it
-// failed itself, otherwise an error naming the lowest failed rank when one did.
+// failed itself, otherwise an error naming the lowest failed rank, with its
+// message, when one did.
 absl::Status AgreeOnFailure(const ProcessGroup& group, const absl::Status& local, const char* what);
 
 }  // namespace trident

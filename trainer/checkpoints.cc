@@ -173,7 +173,13 @@ absl::Status Trainer::Impl::FinishPendingSave() {
 
 absl::Status Trainer::Impl::LoadCheckpoint() {
   CheckpointDirectory directory(config.save_dir());
-  auto resolved = directory.Resolve(config.resume_from());
+  // The ranks split the checksumming of the candidate's files and agree on the verdict.
+  const int rank = topology().rank(), world_size = topology().world_size();
+  auto resolved = directory.Resolve(config.resume_from(), [&](const std::string& path) {
+    auto manifest = CheckpointDirectory::Validate(path, rank, world_size);
+    absl::Status agreed = AgreeOnFailure(topology().world(), manifest.status(), "checking the checkpoint");
+    return agreed.ok() ? manifest : absl::StatusOr<CheckpointManifest>(agreed);
+  });
   if (!resolved.ok()) {
     const bool nothing_saved_yet = config.resume_from() == "last" &&
                                    absl::IsNotFound(resolved.status()) &&
