@@ -70,31 +70,30 @@ class TcpStoreClient : public StoreClient {
   explicit TcpStoreClient(c10::intrusive_ptr<c10d::TCPStore> store) : store_(std::move(store)) {}
 
   absl::Status Set(const std::string& key, const std::string& value) override {
-    return CatchExceptions(absl::StrCat("setting '", key, "' in the rendezvous store"),
-                           [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+    return Call("setting", key, [&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
   }
-
-  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout,
-                                  const std::function<bool()>& cancelled) override {
-    const absl::Time deadline = absl::Now() + timeout;
+  absl::StatusOr<std::string> Get(const std::string& key) override {
     std::vector<uint8_t> value;
+    TRIDENT_RETURN_IF_ERROR(Call("reading", key, [&] { value = store_->get(key); }));
+    return std::string(value.begin(), value.end());
+  }
+  absl::StatusOr<bool> Contains(const std::string& key) override {
     bool found = false;
-    while (true) {
-      TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("reading '", key, "' from the rendezvous store"), [&] {
-        found = store_->check({key});
-        if (found) value = store_->get(key);
-      }));
-      if (found) return std::string(value.begin(), value.end());
-      if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat("waiting for '", key, "' was cancelled"));
-      if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrCat("no rank set '", key, "' within ", absl::FormatDuration(timeout)));
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
+    TRIDENT_RETURN_IF_ERROR(Call("looking up", key, [&] { found = store_->check({key}); }));
+    return found;
+  }
+  absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
+    int64_t value = 0;
+    TRIDENT_RETURN_IF_ERROR(Call("adding to", key, [&] { value = store_->add(key, delta); }));
+    return value;
   }
 
  private:
+  template <typename Fn>
+  absl::Status Call(const char* what, const std::string& key, Fn&& fn) {
+    return CatchExceptions(absl::StrCat(what, " '", key, "' in the rendezvous store"), std::forward<Fn>(fn));
+  }
+
   c10::intrusive_ptr<c10d::TCPStore> store_;
 };
 

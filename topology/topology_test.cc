@@ -148,6 +148,23 @@ TEST(TopologyTest, LossOfRankZeroIsNamedByTheOthers) {
   EXPECT_EQ(result.ranks[2].exit_code, 0) << result.ranks[2].output;
 }
 
+TEST(TopologyTest, StoreClientsExchangeMessagesBesideTheProcessGroups) {
+  testing::RunOnRanks(2, [](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    auto client = (*topology)->ConnectStoreClient();
+    ASSERT_TRUE(client.ok()) << client.status();
+    StoreClient& store = **client;
+    if (rank == 1) ASSERT_TRUE(store.Set("test/message", "from rank 1").ok());
+    ASSERT_TRUE(store.Add("test/arrived", 1).ok());
+    for (int i = 0; i < 2000 && *store.Add("test/arrived", 0) < 2; ++i) absl::SleepFor(absl::Milliseconds(5));
+    EXPECT_EQ(*store.Add("test/arrived", 0), 2);
+    EXPECT_TRUE(*store.Contains("test/message"));
+    EXPECT_EQ(*store.Get("test/message"), "from rank 1");
+    EXPECT_FALSE(*store.Contains("test/nothing"));
+  });
+}
+
 TEST(TopologyTest, FindProcessGroupWithoutATopologyExplains) {
   auto group = FindProcessGroup("tp");
   EXPECT_EQ(group.status().code(), absl::StatusCode::kFailedPrecondition);

@@ -1,4 +1,5 @@
 // Checkpoints, init_from, exports and pipeline traces of the Trainer.
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -8,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/rng.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
@@ -35,6 +37,10 @@ absl::Status Trainer::Impl::LoadInitialWeights(const std::string& path) {
 
 namespace {
 
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // A copy that training cannot change while a background thread writes it.
 at::Tensor HostCopy(const at::Tensor& t) { return t.device().is_cpu() ? t.clone() : t.to(at::kCPU); }
 
@@ -56,6 +62,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   const int world_size = topology().world_size();
   const bool async = config.async_save();
   const bool merged = config.save_type() == "merged";
+  const auto started = std::chrono::steady_clock::now();
 
   // The snapshot, on every rank at this step boundary.
   TRIDENT_ASSIGN_OR_RETURN(std::vector<SlicedTensor> pieces,
@@ -114,15 +121,17 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
     TRIDENT_ASSIGN_OR_RETURN(save_store, topology().ConnectStoreClient());
   }
 
-  // Writing, and agreeing through the store: every rank reports its files;
-  // rank 0 commits when all were written and publishes the verdict.
+  // Writing, and agreeing through the store: every rank reports its files
+  // (counter `reported`); rank 0 commits when all were written and publishes
+  // the verdict (counter `decided`).
   auto pending = std::make_unique<PendingSave>();
   pending->step = step;
   pending->path = absl::StrCat(config.save_dir(), "/step_", step);
   const std::string key = absl::StrCat("trident/checkpoint/", saves_started++, "/");
   const absl::Duration timeout = absl::Seconds(config.collective_timeout_s());
   auto write_and_commit = [this, rank, world_size, writes = std::move(writes), files = std::move(files), key, timeout,
-                           step = step, val_loss = last_val_loss, cancelled = &pending->cancelled]() -> absl::Status {
+                           step = step, val_loss = last_val_loss, save = pending.get()]() -> absl::Status {
+    const auto write_started = std::chrono::steady_clock::now();
     const CheckpointDirectory directory(config.save_dir());
     absl::StatusOr<std::string> staging = directory.StagingPath(step);
     absl::Status written = staging.status();
@@ -130,26 +139,50 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
       if (written.ok()) written = write(*staging);
     }
     StoreClient& store = *save_store;
-    auto is_cancelled = [cancelled] { return cancelled->load(); };
-    TRIDENT_RETURN_IF_ERROR(store.Set(absl::StrCat(key, rank), EncodeStatus(written)));
+    // Waits until counter `name` reaches `count`.
+    auto await_count = [&](const std::string& name, int64_t count) -> absl::Status {
+      const absl::Time deadline = absl::Now() + timeout;
+      while (true) {
+        TRIDENT_ASSIGN_OR_RETURN(const int64_t value, store.Add(key + name, 0));
+        if (value >= count) return absl::OkStatus();
+        if (save->cancelled) return absl::CancelledError("the run ended before the checkpoint was committed");
+        if (absl::Now() > deadline) {
+          return absl::DeadlineExceededError(absl::StrCat(
+              count - value, " rank(s) did not report writing their files within collective_timeout_s=",
+              absl::FormatDuration(timeout)));
+        }
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+    };
+    // A failed rank leaves its error under error_<rank>; the verdict's error, if any, is under `verdict`.
+    if (!written.ok()) TRIDENT_RETURN_IF_ERROR(store.Set(absl::StrCat(key, "error_", rank), EncodeStatus(written)));
+    TRIDENT_RETURN_IF_ERROR(store.Add(key + "reported", 1).status());
     if (rank == 0) {
-      absl::Status verdict;
+      absl::Status verdict = await_count("reported", world_size);
       for (int r = 0; r < world_size && verdict.ok(); ++r) {
-        absl::StatusOr<std::string> report = store.Get(absl::StrCat(key, r), timeout, is_cancelled);
-        verdict = report.ok() ? DecodeStatus(*report) : report.status();
-        if (!verdict.ok() && r != 0) verdict = absl::Status(verdict.code(), absl::StrCat("rank ", r, ": ", verdict.message()));
+        TRIDENT_ASSIGN_OR_RETURN(const bool failed, store.Contains(absl::StrCat(key, "error_", r)));
+        if (!failed) continue;
+        TRIDENT_ASSIGN_OR_RETURN(const std::string error, store.Get(absl::StrCat(key, "error_", r)));
+        verdict = DecodeStatus(error);
+        if (r != 0) verdict = absl::Status(verdict.code(), absl::StrCat("rank ", r, ": ", verdict.message()));
       }
       if (verdict.ok()) verdict = directory.Commit(step, world_size, val_loss, config.keep_last_n(), files);
       if (!verdict.ok() && staging.ok()) {
         std::error_code error;
         std::filesystem::remove_all(*staging, error);  // the previous checkpoint stays `last`
       }
-      TRIDENT_RETURN_IF_ERROR(store.Set(key + "verdict", EncodeStatus(verdict)));
+      if (!verdict.ok()) TRIDENT_RETURN_IF_ERROR(store.Set(key + "verdict", EncodeStatus(verdict)));
+      TRIDENT_RETURN_IF_ERROR(store.Add(key + "decided", 1).status());
     }
-    TRIDENT_ASSIGN_OR_RETURN(const std::string verdict, store.Get(key + "verdict", timeout, is_cancelled));
+    TRIDENT_RETURN_IF_ERROR(await_count("decided", 1));
+    save->write_s = SecondsSince(write_started);
+    TRIDENT_ASSIGN_OR_RETURN(const bool failed, store.Contains(key + "verdict"));
+    if (!failed) return absl::OkStatus();
+    TRIDENT_ASSIGN_OR_RETURN(const std::string verdict, store.Get(key + "verdict"));
     return DecodeStatus(verdict);
   };
   pending->verdict = std::async(async ? std::launch::async : std::launch::deferred, std::move(write_and_commit));
+  pending->pause_s = SecondsSince(started);
   pending_save = std::move(pending);
   return async ? absl::OkStatus() : FinishPendingSave();
 }
@@ -159,8 +192,9 @@ absl::Status Trainer::Impl::FinishPendingSave() {
   const std::unique_ptr<PendingSave> save = std::move(pending_save);
   const absl::Status verdict = save->verdict.get();
   if (verdict.ok()) {
-    Print(absl::StrCat("saved checkpoint ", save->path, " (", config.save_type(),
-                       config.async_save() ? ", written in the background" : "", ")"));
+    Print(absl::StrFormat("saved checkpoint %s (%s; %s %.2f s, training paused %.2f s)", save->path,
+                          config.save_type(), config.async_save() ? "written in the background in" : "written in",
+                          save->write_s, config.async_save() ? save->pause_s : save->pause_s + save->write_s));
     ForHooks([&](TrainerHooks& h) { h.OnSaveCheckpoint(State(), save->path); });
     return absl::OkStatus();
   }
@@ -173,6 +207,7 @@ absl::Status Trainer::Impl::FinishPendingSave() {
 
 absl::Status Trainer::Impl::LoadCheckpoint() {
   CheckpointDirectory directory(config.save_dir());
+  const auto check_started = std::chrono::steady_clock::now();
   // The ranks split the checksumming of the candidate's files and agree on the verdict.
   const int rank = topology().rank(), world_size = topology().world_size();
   auto resolved = directory.Resolve(config.resume_from(), [&](const std::string& path) {
@@ -191,9 +226,13 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   for (const std::string& reason : resolved->skipped) {
     Print(absl::StrCat("resume_from=last: skipping an invalid checkpoint: ", reason));
   }
+  const double check_s = SecondsSince(check_started);
+  const auto load_started = std::chrono::steady_clock::now();
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(resolved->path));
   const bool optimizer = !config.finetune() && !config.no_load_optim();
   TRIDENT_RETURN_IF_ERROR(model->LoadCheckpointPieces(*reader, optimizer));
+  const std::string loaded = absl::StrFormat("; checksums checked in %.2f s, then rank 0 read %.1f MB in %.2f s",
+                                             check_s, reader->bytes_read() / 1e6, SecondsSince(load_started));
   if (config.finetune()) {
     Print(absl::StrCat("finetune: loaded the weights of ", resolved->path, "; starting at step 0"));
     return absl::OkStatus();
@@ -220,7 +259,7 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   }
   Print(absl::StrCat("resumed from ", resolved->path, " at step ", step, same_layout ? "" : absl::StrCat(
       " (saved as ", value("layout"), " on ", value("world_size"), " ranks; resharded to ", model->Layout(), ")"),
-      "; RNG ", rng));
+      "; RNG ", rng, loaded));
   if (value("global_batch_size") != absl::StrCat(config.global_batch_size())) {
     Print(absl::StrCat("note: the checkpoint was trained with global batch ", value("global_batch_size"),
                        " and this run uses ", config.global_batch_size(), "; the sample order from step ", step,

@@ -22,6 +22,7 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps) {
                                                         {"grad_norm", m.grad_norm},
                                                         {"tokens_per_s", m.tokens_per_s},
                                                         {"step_time_ms", m.step_time_ms},
+                                                        {"elapsed_s", m.elapsed_s},
                                                         {"mfu", m.mfu}};
   if (model->loss_scale()) {
     values.emplace_back("loss_scale", m.loss_scale);

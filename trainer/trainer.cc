@@ -298,6 +298,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     const double seconds = Seconds(Clock::now() - step_start);
     m.step = t.step;
     m.step_time_ms = 1000 * seconds;
+    m.elapsed_s = Seconds(Clock::now() - start);
     const double samples_per_s = samples_per_step / seconds;
     m.tokens_per_s = samples_per_s * std::max<int64_t>(1, tokens_per_sample);
     m.mfu = t.peak_flops > 0 ? t.model->flops_per_sample() * samples_per_s / t.peak_flops : 0;

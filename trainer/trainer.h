@@ -45,6 +45,7 @@ struct StepMetrics {
   bool skipped = false;     // gradients held inf or NaN on some rank: no update
   double tokens_per_s = 0;  // all ranks together (samples per second for non-token data)
   double step_time_ms = 0;
+  double elapsed_s = 0;     // since Train began, pauses between steps (saves, evaluation) included
   double mfu = 0;           // model FLOPs per second over the job's measured peak
 };
 

@@ -28,6 +28,8 @@ struct PendingSave {
   std::string path;  // save_dir/step_N once committed
   std::atomic<bool> cancelled{false};
   std::future<absl::Status> verdict;  // the same on every rank
+  double pause_s = 0;                 // training stopped for the snapshot
+  double write_s = 0;                 // writing and committing (set before `verdict`)
   ~PendingSave() {
     cancelled = true;
     if (verdict.valid()) verdict.wait();
