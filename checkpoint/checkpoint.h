@@ -31,11 +31,20 @@
 
 namespace trident {
 
+// A file's zlib CRC-32 and size, as checkpoint manifests record them.
+struct Checksum {
+  uint32_t crc32 = 0;
+  int64_t size = 0;
+};
+
 // Writes `tensors` (CPU, any of F64/F32/F16/BF16/I64/I32/I16/I8/U8/BOOL) in the
 // safetensors format: an 8-byte little-endian header length, a JSON header with
 // dtype, shape and data offsets per tensor (plus string `metadata`), then the data.
+// `checksum`, when given, receives the file's, computed while writing. Errors
+// say why (disk full, permission denied); a partly written file is removed.
 absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tensors,
-                              const std::map<std::string, std::string>& metadata = {});
+                              const std::map<std::string, std::string>& metadata = {},
+                              Checksum* checksum = nullptr);
 
 struct SafetensorsContents {
   NamedTensors tensors;  // in file order
@@ -98,7 +107,8 @@ struct SlicedTensor {
 // shape (any safetensors reader loads them by name), other pieces flat, their
 // slices in the metadata.
 absl::Status WriteSlicedSafetensors(const std::string& path, const std::vector<SlicedTensor>& pieces,
-                                    std::map<std::string, std::string> metadata = {});
+                                    std::map<std::string, std::string> metadata = {},
+                                    Checksum* checksum = nullptr);
 
 // Copies the elements that `source` (its data at `source_data`) and `target`
 // (its data `target_data`) both hold, marking them in `covered` (a byte
@@ -151,8 +161,8 @@ class CheckpointReader {
   mutable int64_t bytes_read_ = 0;
 };
 
-// zlib CRC-32 of the file at `path`, and its size.
-absl::StatusOr<std::pair<uint32_t, int64_t>> FileChecksum(const std::string& path);
+// The checksum of the file at `path`, read whole.
+absl::StatusOr<Checksum> FileChecksum(const std::string& path);
 
 struct ResolvedCheckpoint {
   std::string path;                // the step_N directory
@@ -167,12 +177,13 @@ class CheckpointDirectory {
   // Where the ranks write step `step` before it is committed (created if needed).
   absl::StatusOr<std::string> StagingPath(int64_t step) const;
   // Rank 0, after every rank wrote its files: writes the manifest of `files`
-  // (names in the staging directory; any other file there, left by an earlier
-  // attempt, is removed), renames the staging directory to step_N, points
-  // `last` (and `best` when `val_loss` is the lowest so far) at it, and deletes
-  // the oldest steps beyond `keep_last_n` (0: keep all). Errors name a missing file.
+  // (names in the staging directory with the checksums their writers computed;
+  // any other file there, left by an earlier attempt, is removed), renames the
+  // staging directory to step_N, points `last` (and `best` when `val_loss` is
+  // the lowest so far) at it, and deletes the oldest steps beyond `keep_last_n`
+  // (0: keep all). Errors name a file that is missing or of another size.
   absl::Status Commit(int64_t step, int world_size, std::optional<double> val_loss, int keep_last_n,
-                      const std::vector<std::string>& files) const;
+                      const std::map<std::string, Checksum>& files) const;
   // Checks a step directory against its manifest: every file's size, and the
   // CRC-32 of the files numbered shard, shard + shards, ... in the manifest (so
   // that ranks split the reading); errors name the file at fault.

@@ -72,7 +72,7 @@ absl::StatusOr<CheckpointManifest> ReadManifest(const fs::path& directory) {
 
 }  // namespace
 
-absl::StatusOr<std::pair<uint32_t, int64_t>> FileChecksum(const std::string& path) {
+absl::StatusOr<Checksum> FileChecksum(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
   uLong crc = crc32(0L, Z_NULL, 0);
@@ -84,7 +84,7 @@ absl::StatusOr<std::pair<uint32_t, int64_t>> FileChecksum(const std::string& pat
     crc = crc32(crc, reinterpret_cast<const Bytef*>(buffer.data()), static_cast<uInt>(n));
     size += n;
   }
-  return std::make_pair(static_cast<uint32_t>(crc), size);
+  return Checksum{static_cast<uint32_t>(crc), size};
 }
 
 absl::StatusOr<std::string> CheckpointDirectory::StagingPath(int64_t step) const {
@@ -99,31 +99,31 @@ absl::StatusOr<std::string> CheckpointDirectory::StagingPath(int64_t step) const
 }
 
 absl::Status CheckpointDirectory::Commit(int64_t step, int world_size, std::optional<double> val_loss,
-                                         int keep_last_n, const std::vector<std::string>& files) const {
+                                         int keep_last_n, const std::map<std::string, Checksum>& files) const {
   TRIDENT_ASSIGN_OR_RETURN(const std::string staging, StagingPath(step));
   CheckpointManifest manifest;
   manifest.set_step(step);
   manifest.set_world_size(world_size);
   if (val_loss) manifest.set_val_loss(*val_loss);
-  std::vector<std::string> names = files;
-  std::sort(names.begin(), names.end());
   std::error_code error;
   for (const auto& entry : fs::recursive_directory_iterator(staging, error)) {
-    const std::string name = fs::relative(entry.path(), staging).string();
-    if (entry.is_regular_file() && !std::binary_search(names.begin(), names.end(), name)) {
+    if (entry.is_regular_file() && files.count(fs::relative(entry.path(), staging).string()) == 0) {
       fs::remove(entry.path(), error);
     }
   }
-  for (const std::string& name : names) {
-    if (!fs::exists(fs::path(staging) / name)) {
-      return absl::DataLossError(absl::StrCat("checkpoint file ", (fs::path(staging) / name).string(),
-                                              " was not written; step ", step, " is not committed"));
+  for (const auto& [name, checksum] : files) {  // in name order
+    const std::string path = (fs::path(staging) / name).string();
+    const uintmax_t size = fs::file_size(path, error);
+    if (error || size != static_cast<uintmax_t>(checksum.size)) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint file ", path,
+          error ? " was not written" : absl::StrCat(" has ", size, " bytes, its writer wrote ", checksum.size),
+          "; step ", step, " is not committed"));
     }
-    TRIDENT_ASSIGN_OR_RETURN(auto checksum, FileChecksum((fs::path(staging) / name).string()));
     CheckpointFile* file = manifest.add_files();
     file->set_name(name);
-    file->set_crc32(checksum.first);
-    file->set_size(checksum.second);
+    file->set_crc32(checksum.crc32);
+    file->set_size(checksum.size);
   }
   std::string text;
   google::protobuf::TextFormat::PrintToString(manifest, &text);
@@ -173,9 +173,9 @@ absl::StatusOr<CheckpointManifest> CheckpointDirectory::Validate(const std::stri
       return corrupt(absl::StrCat("size ", size, " bytes, manifest says ", file.size()));
     }
     if (i % shards != shard) continue;
-    TRIDENT_ASSIGN_OR_RETURN(auto checksum, FileChecksum(file_path));
-    if (checksum.first != file.crc32()) {
-      return corrupt(absl::StrCat("CRC-32 ", checksum.first, ", manifest says ", file.crc32()));
+    TRIDENT_ASSIGN_OR_RETURN(const Checksum checksum, FileChecksum(file_path));
+    if (checksum.crc32 != file.crc32()) {
+      return corrupt(absl::StrCat("CRC-32 ", checksum.crc32, ", manifest says ", file.crc32()));
     }
   }
   return manifest;

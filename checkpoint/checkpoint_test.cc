@@ -54,7 +54,12 @@ TEST(SafetensorsTest, RoundTripsEveryDtypeShapeAndMetadata) {
       {"scalar", at::tensor(7.0f).view({})},
       {"strided", at::randn({4, 3}).t()},
   };
-  ASSERT_TRUE(WriteSafetensors(path, tensors, {{"format", "pt"}, {"note", "a \"quoted\" value"}}).ok());
+  Checksum written;
+  ASSERT_TRUE(WriteSafetensors(path, tensors, {{"format", "pt"}, {"note", "a \"quoted\" value"}}, &written).ok());
+  auto reread = FileChecksum(path);  // the checksum computed while writing is the file's
+  ASSERT_TRUE(reread.ok()) << reread.status();
+  EXPECT_EQ(written.crc32, reread->crc32);
+  EXPECT_EQ(written.size, reread->size);
   auto read = ReadSafetensors(path);
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_EQ(read->tensors.size(), tensors.size());
@@ -186,10 +191,11 @@ TEST(CheckpointReaderTest, ReadsAnySliceFromPiecesOfAnotherLayout) {
 void SaveStep(const CheckpointDirectory& dir, int64_t step, double val_loss, int keep) {
   auto staging = dir.StagingPath(step);
   ASSERT_TRUE(staging.ok()) << staging.status();
-  std::vector<std::string> files;
+  std::map<std::string, Checksum> files;
   for (int rank = 0; rank < 2; ++rank) {
-    files.push_back("rank_" + std::to_string(rank) + ".bin");
-    std::ofstream(*staging + "/" + files.back()) << "step " << step << " rank " << rank;
+    const std::string name = "rank_" + std::to_string(rank) + ".bin";
+    std::ofstream(*staging + "/" + name) << "step " << step << " rank " << rank;
+    files[name] = *FileChecksum(*staging + "/" + name);
   }
   ASSERT_TRUE(dir.Commit(step, 2, val_loss, keep, files).ok());
 }
@@ -228,12 +234,19 @@ TEST(CheckpointDirectoryTest, CommitKeepsTheListedFilesAndRefusesMissingOnes) {
   ASSERT_TRUE(staging.ok()) << staging.status();
   std::ofstream(*staging + "/rank_0.bin") << "rank 0";
   std::ofstream(*staging + "/rank_3.bin") << "left by an attempt with more ranks";
-  EXPECT_THAT(std::string(dir.Commit(7, 2, std::nullopt, 0, {"rank_0.bin", "rank_1.bin"}).message()),
+  std::map<std::string, Checksum> files = {{"rank_0.bin", *FileChecksum(*staging + "/rank_0.bin")},
+                                           {"rank_1.bin", {0, 6}}};
+  EXPECT_THAT(std::string(dir.Commit(7, 2, std::nullopt, 0, files).message()),
               HasSubstr(".step_7.staging/rank_1.bin was not written; step 7 is not committed"));
+  std::ofstream(*staging + "/rank_1.bin") << "rank 1 and more";
+  EXPECT_THAT(std::string(dir.Commit(7, 2, std::nullopt, 0, files).message()),
+              HasSubstr("rank_1.bin has 15 bytes, its writer wrote 6"));
   EXPECT_FALSE(fs::exists(root + "/step_7"));
   std::ofstream(*staging + "/rank_1.bin") << "rank 1";
-  ASSERT_TRUE(dir.Commit(7, 2, std::nullopt, 0, {"rank_0.bin", "rank_1.bin"}).ok());
+  files["rank_1.bin"] = *FileChecksum(*staging + "/rank_1.bin");
+  ASSERT_TRUE(dir.Commit(7, 2, std::nullopt, 0, files).ok());
   EXPECT_THAT(Entries(root + "/step_7"), ElementsAre("manifest.pbtxt", "rank_0.bin", "rank_1.bin"));
+  EXPECT_TRUE(CheckpointDirectory::Validate(root + "/step_7").ok());
 }
 
 TEST(CheckpointDirectoryTest, CorruptOrIncompleteCheckpointsAreRefusedByName) {

@@ -1,5 +1,6 @@
 #include <fcntl.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -148,7 +149,7 @@ class JsonParser {
 }  // namespace
 
 absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tensors,
-                              const std::map<std::string, std::string>& metadata) {
+                              const std::map<std::string, std::string>& metadata, Checksum* checksum) {
   std::vector<std::string> entries;
   if (!metadata.empty()) {
     std::vector<std::string> fields;
@@ -180,8 +181,18 @@ absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tenso
   // permission denied); a partly written file is removed.
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   bool ok = fd >= 0;
+  uLong crc = crc32(0L, Z_NULL, 0);
+  int64_t written = 0;
   auto write_all = [&](const void* data, size_t size) {
     const char* p = static_cast<const char*>(data);
+    if (checksum != nullptr) {
+      for (size_t done = 0; done < size;) {  // zlib takes at most 4 GiB at a time
+        const uInt part = static_cast<uInt>(std::min<size_t>(size - done, 1u << 30));
+        crc = crc32(crc, reinterpret_cast<const Bytef*>(p + done), part);
+        done += part;
+      }
+    }
+    written += static_cast<int64_t>(size);
     while (ok && size > 0) {
       const ssize_t n = ::write(fd, p, size);
       if (n < 0 && errno == EINTR) continue;
@@ -198,7 +209,10 @@ absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tenso
     ok = false;
     error = errno;
   }
-  if (ok) return absl::OkStatus();
+  if (ok) {
+    if (checksum != nullptr) *checksum = {static_cast<uint32_t>(crc), written};
+    return absl::OkStatus();
+  }
   if (fd >= 0) ::unlink(path.c_str());
   const std::string message = absl::StrCat("cannot write safetensors file ", path, ": ", std::strerror(error));
   if (error == ENOSPC || error == EDQUOT) return absl::ResourceExhaustedError(message);

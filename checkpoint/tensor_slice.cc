@@ -232,7 +232,7 @@ int64_t CopyOverlap(const TensorSlice& source, const at::Tensor& source_data, co
 }
 
 absl::Status WriteSlicedSafetensors(const std::string& path, const std::vector<SlicedTensor>& pieces,
-                                    std::map<std::string, std::string> metadata) {
+                                    std::map<std::string, std::string> metadata, Checksum* checksum) {
   NamedTensors tensors;
   for (const SlicedTensor& piece : pieces) {
     if (piece.data.numel() != piece.slice.numel()) {
@@ -246,7 +246,7 @@ absl::Status WriteSlicedSafetensors(const std::string& path, const std::vector<S
       metadata["slice:" + piece.name] = piece.slice.Encode();
     }
   }
-  return WriteSafetensors(path, tensors, metadata);
+  return WriteSafetensors(path, tensors, metadata, checksum);
 }
 
 }  // namespace trident

@@ -99,16 +99,19 @@ absl::Status Merge(const std::string& path, const std::string& out) {
   metadata.erase("rank");
   CheckpointDirectory directory(out);
   TRIDENT_ASSIGN_OR_RETURN(const std::string staging, directory.StagingPath(manifest.step()));
+  std::map<std::string, Checksum> files;
   metadata["format"] = "pt";
-  TRIDENT_RETURN_IF_ERROR(WriteSafetensors(staging + "/model.safetensors", weights, metadata));
+  TRIDENT_RETURN_IF_ERROR(
+      WriteSafetensors(staging + "/model.safetensors", weights, metadata, &files["model.safetensors"]));
   metadata.erase("format");
-  TRIDENT_RETURN_IF_ERROR(WriteSafetensors(staging + "/state.safetensors", state, metadata));
+  TRIDENT_RETURN_IF_ERROR(
+      WriteSafetensors(staging + "/state.safetensors", state, metadata, &files["state.safetensors"]));
   std::error_code error;
-  fs::copy_file(fs::path(path) / "config.pbtxt", fs::path(staging) / "config.pbtxt", error);
+  if (fs::copy_file(fs::path(path) / "config.pbtxt", fs::path(staging) / "config.pbtxt", error)) {
+    TRIDENT_ASSIGN_OR_RETURN(files["config.pbtxt"], FileChecksum(staging + "/config.pbtxt"));
+  }
   std::optional<double> val_loss;
   if (manifest.has_val_loss()) val_loss = manifest.val_loss();
-  std::vector<std::string> files = {"model.safetensors", "state.safetensors"};
-  if (!error) files.push_back("config.pbtxt");
   TRIDENT_RETURN_IF_ERROR(directory.Commit(manifest.step(), 1, val_loss, 0, files));
   std::printf("merged %s into %s/step_%lld (%zu weights, %zu state tensors)\n", path.c_str(), out.c_str(),
               static_cast<long long>(manifest.step()), weights.size(), state.size());

@@ -1,4 +1,8 @@
 // Checkpoints, init_from, exports and pipeline traces of the Trainer.
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -41,9 +45,6 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// A copy that training cannot change while a background thread writes it.
-at::Tensor HostCopy(const at::Tensor& t) { return t.device().is_cpu() ? t.clone() : t.to(at::kCPU); }
-
 // "<code>:<message>" and back: a status through the store.
 std::string EncodeStatus(const absl::Status& status) {
   return status.ok() ? "" : absl::StrCat(static_cast<int>(status.code()), ":", status.message());
@@ -61,10 +62,10 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   const int rank = topology().rank();
   const int world_size = topology().world_size();
   const bool async = config.async_save();
-  const bool merged = config.save_type() == "merged";
   const auto started = std::chrono::steady_clock::now();
 
-  // The snapshot, on every rank at this step boundary.
+  // The snapshot, on every rank at this step boundary. With async_save into
+  // host buffers kept from the last save (no new memory to fault in).
   TRIDENT_ASSIGN_OR_RETURN(std::vector<SlicedTensor> pieces,
                            model->CheckpointPieces(!config.no_save_optim(), config.save_type() != "sharded"));
   if (!config.no_save_rng()) {
@@ -72,20 +73,33 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
     pieces.push_back({RngName(rank), TensorSlice::Whole({rng.numel()}), rng});
   }
   if (async) {
-    for (SlicedTensor& piece : pieces) piece.data = HostCopy(piece.data);
+    snapshot_buffers.resize(pieces.size());
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      at::Tensor& buffer = snapshot_buffers[i];
+      const at::Tensor& data = pieces[i].data;
+      if (buffer.defined() && buffer.sizes() == data.sizes() && buffer.scalar_type() == data.scalar_type()) {
+        buffer.copy_(data);
+      } else {
+        buffer = data.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      }
+      pieces[i].data = buffer;
+    }
   }
   std::map<std::string, std::string> metadata = {{"step", absl::StrCat(step)},
                                                  {"layout", model->Layout()},
                                                  {"world_size", absl::StrCat(world_size)},
                                                  {"global_batch_size", absl::StrCat(config.global_batch_size())}};
-  // What this rank writes (name in the staging directory -> pieces or whole tensors).
-  std::vector<std::function<absl::Status(const std::string& staging)>> writes;
-  std::vector<std::string> files;  // every file of the checkpoint
-  if (!merged) {
+  // The checkpoint's files, and the writes of this rank's (each records the
+  // checksums of what it wrote).
+  std::vector<std::string> files;
+  using Write = std::function<absl::Status(const std::string& staging, std::map<std::string, Checksum>* written)>;
+  std::vector<Write> writes;
+  if (config.save_type() != "merged") {
     for (int r = 0; r < world_size; ++r) files.push_back(absl::StrCat("rank_", r, ".safetensors"));
     metadata["rank"] = absl::StrCat(rank);
-    writes.push_back([name = files[rank], pieces = std::move(pieces), metadata](const std::string& staging) {
-      return WriteSlicedSafetensors(absl::StrCat(staging, "/", name), pieces, metadata);
+    writes.push_back([name = files[rank], pieces = std::move(pieces), metadata](const std::string& staging,
+                                                                                std::map<std::string, Checksum>* written) {
+      return WriteSlicedSafetensors(absl::StrCat(staging, "/", name), pieces, metadata, &(*written)[name]);
     });
   } else {
     files = {"model.safetensors", "state.safetensors"};
@@ -100,43 +114,53 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
       }
     }
     if (is_rank0()) {
-      writes.push_back([weights = std::move(weights), state = std::move(state), metadata](const std::string& staging) {
+      writes.push_back([weights = std::move(weights), state = std::move(state), metadata](
+                           const std::string& staging, std::map<std::string, Checksum>* written) {
         auto with_format = metadata;
         with_format["format"] = "pt";
-        TRIDENT_RETURN_IF_ERROR(WriteSafetensors(staging + "/model.safetensors", weights, with_format));
-        return WriteSafetensors(staging + "/state.safetensors", state, metadata);
+        TRIDENT_RETURN_IF_ERROR(WriteSafetensors(staging + "/model.safetensors", weights, with_format,
+                                                 &(*written)["model.safetensors"]));
+        return WriteSafetensors(staging + "/state.safetensors", state, metadata, &(*written)["state.safetensors"]);
       });
     }
   }
   if (is_rank0()) {
     files.push_back("config.pbtxt");
-    writes.push_back([text = ConfigToText(config)](const std::string& staging) {
+    writes.push_back([text = ConfigToText(config)](const std::string& staging,
+                                                   std::map<std::string, Checksum>* written) -> absl::Status {
       std::ofstream out(staging + "/config.pbtxt");
       out << text;
       out.close();
-      return out ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write ", staging, "/config.pbtxt"));
+      if (!out) return absl::InternalError(absl::StrCat("cannot write ", staging, "/config.pbtxt"));
+      TRIDENT_ASSIGN_OR_RETURN((*written)["config.pbtxt"], FileChecksum(staging + "/config.pbtxt"));
+      return absl::OkStatus();
     });
   }
   if (!save_store) {
     TRIDENT_ASSIGN_OR_RETURN(save_store, topology().ConnectStoreClient());
   }
 
-  // Writing, and agreeing through the store: every rank reports its files
-  // (counter `reported`); rank 0 commits when all were written and publishes
-  // the verdict (counter `decided`).
+  // Writing, and agreeing through the store: every rank reports the checksums
+  // of its files (counters crc/<file> and size/<file>, plus one) or its error
+  // (error_<rank>), then counts itself in `reported`; rank 0 commits when all
+  // reported without error and publishes the verdict (counter `decided`, and
+  // `verdict` when it failed). Counters because they are fast to poll.
   auto pending = std::make_unique<PendingSave>();
   pending->step = step;
   pending->path = absl::StrCat(config.save_dir(), "/step_", step);
   const std::string key = absl::StrCat("trident/checkpoint/", saves_started++, "/");
   const absl::Duration timeout = absl::Seconds(config.collective_timeout_s());
   auto write_and_commit = [this, rank, world_size, writes = std::move(writes), files = std::move(files), key, timeout,
-                           step = step, val_loss = last_val_loss, save = pending.get()]() -> absl::Status {
+                           step = step, val_loss = last_val_loss, save = pending.get(), async]() -> absl::Status {
+    // A background writer yields the cores to training (nice 19 for this thread only).
+    if (async) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
     const auto write_started = std::chrono::steady_clock::now();
     const CheckpointDirectory directory(config.save_dir());
     absl::StatusOr<std::string> staging = directory.StagingPath(step);
     absl::Status written = staging.status();
-    for (const auto& write : writes) {
-      if (written.ok()) written = write(*staging);
+    std::map<std::string, Checksum> checksums;
+    for (const Write& write : writes) {
+      if (written.ok()) written = write(*staging, &checksums);
     }
     StoreClient& store = *save_store;
     // Waits until counter `name` reaches `count`.
@@ -154,8 +178,14 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
         absl::SleepFor(absl::Milliseconds(5));
       }
     };
-    // A failed rank leaves its error under error_<rank>; the verdict's error, if any, is under `verdict`.
-    if (!written.ok()) TRIDENT_RETURN_IF_ERROR(store.Set(absl::StrCat(key, "error_", rank), EncodeStatus(written)));
+    if (written.ok()) {
+      for (const auto& [name, checksum] : checksums) {
+        TRIDENT_RETURN_IF_ERROR(store.Add(key + "crc/" + name, int64_t{checksum.crc32} + 1).status());
+        TRIDENT_RETURN_IF_ERROR(store.Add(key + "size/" + name, checksum.size + 1).status());
+      }
+    } else {
+      TRIDENT_RETURN_IF_ERROR(store.Set(absl::StrCat(key, "error_", rank), EncodeStatus(written)));
+    }
     TRIDENT_RETURN_IF_ERROR(store.Add(key + "reported", 1).status());
     if (rank == 0) {
       absl::Status verdict = await_count("reported", world_size);
@@ -166,7 +196,17 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
         verdict = DecodeStatus(error);
         if (r != 0) verdict = absl::Status(verdict.code(), absl::StrCat("rank ", r, ": ", verdict.message()));
       }
-      if (verdict.ok()) verdict = directory.Commit(step, world_size, val_loss, config.keep_last_n(), files);
+      std::map<std::string, Checksum> reported;
+      for (const std::string& name : files) {
+        if (!verdict.ok()) break;
+        TRIDENT_ASSIGN_OR_RETURN(const int64_t crc, store.Add(key + "crc/" + name, 0));
+        TRIDENT_ASSIGN_OR_RETURN(const int64_t size, store.Add(key + "size/" + name, 0));
+        if (crc == 0 || size == 0) {
+          verdict = absl::DataLossError(absl::StrCat("no rank reported writing ", name));
+        }
+        reported[name] = {static_cast<uint32_t>(crc - 1), size - 1};
+      }
+      if (verdict.ok()) verdict = directory.Commit(step, world_size, val_loss, config.keep_last_n(), reported);
       if (!verdict.ok() && staging.ok()) {
         std::error_code error;
         std::filesystem::remove_all(*staging, error);  // the previous checkpoint stays `last`

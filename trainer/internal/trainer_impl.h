@@ -87,6 +87,7 @@ class Trainer::Impl {
   std::unique_ptr<StoreClient> save_store;  // the background writer's (outlives pending_save)
   std::unique_ptr<PendingSave> pending_save;
   int64_t saves_started = 0;
+  std::vector<at::Tensor> snapshot_buffers;  // async_save's host copies, reused by every save
   // Whether some rank received SIGTERM since StopOnSigterm (agreed by all).
   absl::StatusOr<bool> Preempted();
   absl::Status LoadCheckpoint();
