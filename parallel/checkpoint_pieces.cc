@@ -97,12 +97,12 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
       const std::string& name = index.Name(part.parameter);
       if (part.begin == part.end || (deduplicate && index.WrittenElsewhere(name, true))) continue;
       pieces.push_back({name, index.PartSlice(name, part),
-                        internal::FlatPart(part.updated, part.offset, part.end - part.begin).cpu()});
+                        internal::FlatPart(part.updated, part.offset, part.end - part.begin)});
     }
   } else {
     for (const auto& [name, p] : m.parameters) {
       if (deduplicate && index.WrittenElsewhere(name, false)) continue;
-      pieces.push_back({name, index.ParameterSlice(name, p.sizes().vec()), p.detach().cpu().contiguous()});
+      pieces.push_back({name, index.ParameterSlice(name, p.sizes().vec()), p.detach()});
     }
   }
   if (!optimizer) return pieces;
@@ -123,7 +123,7 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
           if (first || !deduplicate) pieces.push_back({StateName(name, state), TensorSlice::Whole({}), tensor});
         } else {
           pieces.push_back({StateName(name, state), slice,
-                            internal::FlatPart(tensor, part.offset, part.end - part.begin).cpu()});
+                            internal::FlatPart(tensor, part.offset, part.end - part.begin)});
         }
       }
     }

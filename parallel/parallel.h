@@ -269,7 +269,8 @@ class ParallelModel {
   // `deduplicate` leaves out what another rank writes identically
   // (data-parallel replicas, replicated parameters on tensor-parallel ranks
   // other than the first, tied copies on later stages).
-  // CPU pieces share memory with the model's tensors: write them before the next step.
+  // Pieces are views of the model's tensors on its device (no copies): copy
+  // or write them before the next step.
   absl::StatusOr<std::vector<SlicedTensor>> CheckpointPieces(bool optimizer, bool deduplicate) const;
   // Loads the slices this rank holds from a checkpoint of any layout (and
   // with `optimizer` the optimizer and loss-scaler state; parameters saved

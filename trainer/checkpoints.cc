@@ -65,7 +65,8 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   const auto started = std::chrono::steady_clock::now();
 
   // The snapshot, on every rank at this step boundary. With async_save into
-  // host buffers kept from the last save (no new memory to fault in).
+  // host buffers kept from the last save (no new memory to fault in; pinned
+  // for GPU tensors).
   TRIDENT_ASSIGN_OR_RETURN(std::vector<SlicedTensor> pieces,
                            model->CheckpointPieces(!config.no_save_optim(), config.save_type() != "sharded"));
   if (!config.no_save_rng()) {
@@ -77,11 +78,10 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
     for (size_t i = 0; i < pieces.size(); ++i) {
       at::Tensor& buffer = snapshot_buffers[i];
       const at::Tensor& data = pieces[i].data;
-      if (buffer.defined() && buffer.sizes() == data.sizes() && buffer.scalar_type() == data.scalar_type()) {
-        buffer.copy_(data);
-      } else {
-        buffer = data.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      if (!buffer.defined() || buffer.sizes() != data.sizes() || buffer.scalar_type() != data.scalar_type()) {
+        buffer = at::empty(data.sizes(), data.options().device(at::kCPU).pinned_memory(data.is_cuda()));
       }
+      buffer.copy_(data);
       pieces[i].data = buffer;
     }
   }
