@@ -1,5 +1,6 @@
 #include "topology/process_group.h"
 
+#include <cstring>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -69,10 +70,7 @@ absl::Status PendingWork::Wait() {
   if (!work_) return absl::FailedPreconditionError("PendingWork::Wait on an empty or used handle");
   c10::intrusive_ptr<c10d::Work> work = std::move(work_);
   try {
-    if (!work->wait(group_->timeout())) {
-      return absl::DeadlineExceededError(absl::StrCat(operation_, " on process group '",
-                                                      group_->name(), "' timed out"));
-    }
+    if (!work->wait(group_->timeout())) return group_->Failure(operation_, "timed out");
   } catch (...) {
     return group_->Failure(operation_);
   }
@@ -108,11 +106,11 @@ at::Tensor ProcessGroup::OnDevice(const at::Tensor& tensor) const {
   return tensor.device() == device_ ? tensor : tensor.to(device_);
 }
 
-absl::Status ProcessGroup::Failure(const char* operation) const {
-  absl::Status cause = StatusFromCurrentException(
-      absl::StrCat(operation, " on process group '", name_, "' (global ranks ",
-                   absl::StrJoin(global_ranks_, ","), ") failed"));
-  std::string message(cause.message());
+absl::Status ProcessGroup::Failure(const char* operation, const char* cause) const {
+  const std::string context = absl::StrCat(operation, " on process group '", name_, "' (global ranks ",
+                                           absl::StrJoin(global_ranks_, ","), ") failed");
+  std::string message = cause != nullptr ? absl::StrCat(context, ": ", cause)
+                                         : std::string(StatusFromCurrentException(context).message());
   const bool timed_out = absl::StrContains(message, "imed out") ||
                          absl::StrContains(message, "imeout");
   if (diagnosis_) {
@@ -120,7 +118,7 @@ absl::Status ProcessGroup::Failure(const char* operation) const {
     for (int r : global_ranks_) {
       if (r != global_ranks_[rank_]) peers.push_back(r);
     }
-    std::string diagnosis = diagnosis_(peers);
+    std::string diagnosis = diagnosis_(*this, peers);
     if (!diagnosis.empty()) absl::StrAppend(&message, "; ", diagnosis);
   }
   return timed_out ? absl::DeadlineExceededError(message) : absl::UnavailableError(message);
@@ -131,6 +129,7 @@ absl::StatusOr<PendingWork> ProcessGroup::Start(
   PendingWork pending;
   pending.group_ = this;
   pending.operation_ = operation;
+  if (std::strcmp(operation, "send") != 0 && std::strcmp(operation, "recv") != 0) ++collectives_started_;
   try {
     pending.work_ = start();
   } catch (...) {

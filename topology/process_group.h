@@ -13,6 +13,7 @@
 #define TRIDENT_TOPOLOGY_PROCESS_GROUP_H_
 
 #include <chrono>
+#include <atomic>
 #include <functional>
 #include <string>
 #include <vector>
@@ -71,9 +72,11 @@ class PendingWork {
 
 class ProcessGroup {
  public:
-  // Returns a description of which of `global_ranks` failed ("rank 3 stopped
-  // responding ..."), or "" when it cannot tell. Called after an operation failed.
-  using FailureDiagnosis = std::function<std::string(const std::vector<int>& global_ranks)>;
+  // Returns a description of which of `peers` (global ranks) of `group` is at
+  // fault ("rank 3 stopped ...", "rank 3 has not arrived ..."), or "" when it
+  // cannot tell. Called after an operation of `group` failed.
+  using FailureDiagnosis =
+      std::function<std::string(const ProcessGroup& group, const std::vector<int>& peers)>;
 
   // Wraps `backend`, whose tensors live on `device`. `global_ranks[i]` is the
   // global rank of group rank i. A group of one rank may have no backend (null):
@@ -92,6 +95,10 @@ class ProcessGroup {
   // Global rank of every group rank, in group-rank order.
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // Collective operations (not sends and receives) this rank has started on
+  // the group; the watchdog compares them across ranks to name one that did
+  // not arrive.
+  int64_t collectives_started() const { return collectives_started_; }
   // Where the backend wants its tensors.
   const at::Device& device() const { return device_; }
 
@@ -130,8 +137,9 @@ class ProcessGroup {
                    const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
   absl::StatusOr<PendingWork> Start(
       const char* operation, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
-  // The one place c10d exceptions become statuses.
-  absl::Status Failure(const char* operation) const;
+  // The one place c10d failures become statuses: the current exception, or
+  // `cause` when given, with the diagnosis of which peer is at fault.
+  absl::Status Failure(const char* operation, const char* cause = nullptr) const;
   absl::Status CheckPeer(int peer, const char* operation) const;
   // CheckPeer, and a group of one rank has no peer to send to or receive from.
   absl::Status CheckMessagePeer(int peer, const char* operation) const;
@@ -147,6 +155,7 @@ class ProcessGroup {
   at::Device device_;
   std::chrono::milliseconds timeout_;
   FailureDiagnosis diagnosis_;
+  mutable std::atomic<int64_t> collectives_started_{0};
 };
 
 // Every rank's `strings`, by group rank (any bytes, empty strings included).

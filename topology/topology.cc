@@ -97,7 +97,11 @@ class TcpStoreClient : public StoreClient {
   c10::intrusive_ptr<c10d::TCPStore> store_;
 };
 
-// Heartbeats of this rank, and the diagnosis of which peers stopped sending theirs.
+// Heartbeats of this rank, and the diagnosis of which peers stopped sending
+// theirs. With each beat it also publishes how many collectives this rank
+// started on each process group (a counter per rank and group in the store),
+// so that a peer waiting in a collective can name a rank, alive but blocked
+// elsewhere, that never arrived.
 class HeartbeatMonitor {
  public:
   HeartbeatMonitor(const DistributedEnv& env, c10::intrusive_ptr<c10d::Store> store,
@@ -115,7 +119,20 @@ class HeartbeatMonitor {
     thread_.join();
   }
 
-  std::string Diagnose(const std::vector<int>& peers) {
+  // Publishes `group`'s progress under `key` (the group's store prefix) until Untrack.
+  void Track(const ProcessGroup* group, const std::string& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tracked_.push_back({group, key, 0});
+  }
+  // Before the tracked groups are destroyed.
+  void UntrackAll() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tracked_.clear();
+  }
+
+  // `group` (when given) failed in an operation: peers that stopped beating,
+  // else peers that started fewer of its collectives than this rank has.
+  std::string Diagnose(const std::vector<int>& peers, const ProcessGroup* group = nullptr) {
     std::vector<int64_t> before;
     std::vector<int> silent;
     absl::Status status = CatchExceptions("reading heartbeats", [&] {
@@ -130,10 +147,30 @@ class HeartbeatMonitor {
                           env_.master_port,
                           ", is unreachable: it exited or crashed; see its output");
     }
-    if (silent.empty()) return "";
-    return absl::StrCat(silent.size() == 1 ? "rank " : "ranks ", absl::StrJoin(silent, ", "),
-                        silent.size() == 1 ? " has" : " have",
-                        " stopped sending heartbeats: exited, crashed or stopped (SIGSTOP); see its output");
+    if (!silent.empty()) {
+      return absl::StrCat(silent.size() == 1 ? "rank " : "ranks ", absl::StrJoin(silent, ", "),
+                          silent.size() == 1 ? " has" : " have",
+                          " stopped sending heartbeats: exited, crashed or stopped (SIGSTOP); see its output");
+    }
+    std::string key;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const Tracked& t : tracked_) {
+        if (t.group == group) key = t.key;
+      }
+    }
+    if (key.empty()) return "";
+    const int64_t mine = group->collectives_started();
+    std::vector<std::string> behind;
+    CatchExceptions("reading progress", [&] {
+      for (int peer : peers) {
+        const int64_t theirs = store_->add(ProgressKey(peer, key), 0);
+        if (theirs < mine) behind.push_back(absl::StrCat("rank ", peer, " (it started ", theirs, ")"));
+      }
+    }).IgnoreError();
+    if (behind.empty()) return "";
+    return absl::StrCat(absl::StrJoin(behind, ", "), " did not arrive at this group's collective #", mine,
+                        ": alive but blocked elsewhere; see ", behind.size() == 1 ? "its" : "their", " output");
   }
 
  private:
@@ -144,15 +181,32 @@ class HeartbeatMonitor {
       absl::Status status =
           CatchExceptions("heartbeat", [&] { store_->add(HeartbeatKey(env_.rank), 1); });
       lock.lock();
+      for (Tracked& t : tracked_) {
+        const int64_t started = t.group->collectives_started();
+        if (!status.ok() || started == t.published) continue;
+        status = CatchExceptions("progress", [&] { store_->add(ProgressKey(env_.rank, t.key), started - t.published); });
+        t.published = started;
+      }
       if (!status.ok()) return;  // the store is gone; peers diagnose that themselves
       wake_.wait_for(lock, ToChrono(interval_), [this] { return stop_; });
     }
   }
 
+  static std::string ProgressKey(int rank, const std::string& group_key) {
+    return absl::StrCat("trident/progress/", rank, "/", group_key);
+  }
+
+  struct Tracked {
+    const ProcessGroup* group;
+    std::string key;
+    int64_t published;
+  };
+
   DistributedEnv env_;
   c10::intrusive_ptr<c10d::Store> store_;
   absl::Duration interval_;
-  std::mutex mutex_;
+  std::mutex mutex_;  // guards stop_ and tracked_
+  std::vector<Tracked> tracked_;
   std::condition_variable wake_;
   bool stop_ = false;
   std::thread thread_;
@@ -339,6 +393,7 @@ absl::Status Topology::Reshape(std::vector<MeshAxis> mesh_axes) {
   TRIDENT_RETURN_IF_ERROR(world_->Barrier());
   groups_by_name_.clear();
   world_ = nullptr;
+  impl_->heartbeat->UntrackAll();
   impl_->groups.clear();
   mesh_ = std::move(mesh);
   ++impl_->generation;
@@ -357,8 +412,8 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
       static_cast<int>(std::find(ranks.begin(), ranks.end(), env_.rank) - ranks.begin());
   Impl& impl = *impl_;
   const std::chrono::milliseconds timeout = ToChrono(impl.options.timeout);
-  auto store = c10::make_intrusive<c10d::PrefixStore>(
-      absl::StrCat("trident/pg/", impl.generation, "/", name, "/", absl::StrJoin(ranks, ",")), impl.store);
+  const std::string group_key = absl::StrCat(impl.generation, "/", name, "/", absl::StrJoin(ranks, ","));
+  auto store = c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("trident/pg/", group_key), impl.store);
   // A CPU group of one rank needs no backend: its collectives are local. (A GPU
   // one keeps NCCL's, so that one GPU runs the code path of many.)
   c10::intrusive_ptr<internal::C10dBackend> backend;
@@ -409,8 +464,11 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
                                 : at::Device(at::kCPU);
   impl.groups.push_back(std::make_unique<ProcessGroup>(
       name, ranks, group_rank, backend, device, timeout,
-      [heartbeat](const std::vector<int>& peers) { return heartbeat->Diagnose(peers); }));
+      [heartbeat](const ProcessGroup& failed, const std::vector<int>& peers) {
+        return heartbeat->Diagnose(peers, &failed);
+      }));
   ProcessGroup* group = impl.groups.back().get();
+  heartbeat->Track(group, group_key);
   groups_by_name_[name] = group;
   return group;
 }

@@ -13,6 +13,7 @@ namespace trident {
 namespace {
 
 using ::testing::ElementsAre;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 TEST(TopologyTest, EightRanksGetTheirMeshGroupsByNameAndAlias) {
@@ -130,6 +131,30 @@ TEST(TopologyTest, RankThatExitsEarlyIsNamedInItsPeersErrorsFast) {
   EXPECT_EQ(result.ranks[1].exit_code, 9);
   EXPECT_EQ(result.ranks[0].exit_code, 0) << result.ranks[0].output;
   EXPECT_EQ(result.ranks[2].exit_code, 0) << result.ranks[2].output;
+}
+
+TEST(TopologyTest, RankBlockedElsewhereIsNamedWhenACollectiveTimesOut) {
+  testing::RunOnRanks(3, [](int rank) {
+    TopologyOptions options;
+    options.timeout = absl::Seconds(2);
+    auto created = testing::JoinTopology(options);
+    ASSERT_TRUE(created.ok()) << created.status();
+    at::Tensor value = at::ones({4});
+    ASSERT_TRUE((*created)->world().AllReduce(value).ok());
+    if (rank == 2) {  // alive (beating) but never arrives at the second all-reduce
+      absl::SleepFor(absl::Seconds(8));
+      return;
+    }
+    const absl::Time start = absl::Now();
+    absl::Status status = (*created)->world().AllReduce(value);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(6));
+    ASSERT_FALSE(status.ok());
+    EXPECT_THAT(std::string(status.message()),
+                AllOf(HasSubstr("all_reduce on process group 'data' (global ranks 0,1,2) failed"),
+                      // the connection's barrier, the first all-reduce, and this one
+                      HasSubstr("rank 2 (it started 2) did not arrive at this group's collective #3: alive but "
+                                "blocked elsewhere")));
+  });
 }
 
 TEST(TopologyTest, LossOfRankZeroIsNamedByTheOthers) {
