@@ -55,6 +55,99 @@ absl::Status DecodeStatus(const std::string& text) {
   return absl::Status(static_cast<absl::StatusCode>(std::atoi(text.substr(0, colon).c_str())), text.substr(colon + 1));
 }
 
+// A save's work after the snapshot: this rank's writes, then the agreement
+// through the store. Every rank reports the checksums of its files (counters
+// crc/<file> and size/<file>, plus one) or its error (error_<rank>), then
+// counts itself in `reported`; rank 0 commits when all reported without error
+// and publishes the verdict (counter `decided`, and `verdict` when it failed).
+// Counters, because they are fast to poll. Runs on the background thread with
+// async_save; the verdict is the same on every rank.
+struct CheckpointJob {
+  // Writes files into the staging directory, recording their checksums.
+  using Write = std::function<absl::Status(const std::string& staging, std::map<std::string, Checksum>* written)>;
+  std::vector<Write> writes;       // this rank's
+  std::vector<std::string> files;  // every file of the checkpoint
+  std::string save_dir;
+  int64_t step = 0;
+  std::optional<double> val_loss;
+  int keep_last_n = 0;
+  int rank = 0;
+  int world_size = 1;
+  std::string key;  // this save's prefix in the store
+  absl::Duration timeout;
+
+  absl::Status Run(StoreClient& store, const std::atomic<bool>& cancelled) const {
+    const CheckpointDirectory directory(save_dir);
+    absl::StatusOr<std::string> staging = directory.StagingPath(step);
+    absl::Status written = staging.status();
+    std::map<std::string, Checksum> checksums;
+    for (const Write& write : writes) {
+      if (written.ok()) written = write(*staging, &checksums);
+    }
+    if (written.ok()) {
+      for (const auto& [name, checksum] : checksums) {
+        TRIDENT_RETURN_IF_ERROR(store.Add(key + "crc/" + name, int64_t{checksum.crc32} + 1).status());
+        TRIDENT_RETURN_IF_ERROR(store.Add(key + "size/" + name, checksum.size + 1).status());
+      }
+    } else {
+      TRIDENT_RETURN_IF_ERROR(store.Set(absl::StrCat(key, "error_", rank), EncodeStatus(written)));
+    }
+    TRIDENT_RETURN_IF_ERROR(store.Add(key + "reported", 1).status());
+    if (rank == 0) {
+      const absl::Status verdict = Decide(store, cancelled, directory);
+      if (!verdict.ok() && staging.ok()) {
+        std::error_code error;
+        std::filesystem::remove_all(*staging, error);  // the previous checkpoint stays `last`
+      }
+      if (!verdict.ok()) TRIDENT_RETURN_IF_ERROR(store.Set(key + "verdict", EncodeStatus(verdict)));
+      TRIDENT_RETURN_IF_ERROR(store.Add(key + "decided", 1).status());
+    }
+    TRIDENT_RETURN_IF_ERROR(AwaitCount(store, cancelled, "decided", 1));
+    TRIDENT_ASSIGN_OR_RETURN(const bool failed, store.Contains(key + "verdict"));
+    if (!failed) return absl::OkStatus();
+    TRIDENT_ASSIGN_OR_RETURN(const std::string verdict, store.Get(key + "verdict"));
+    return DecodeStatus(verdict);
+  }
+
+ private:
+  // Rank 0: the first rank's error, else the commit of what the ranks reported.
+  absl::Status Decide(StoreClient& store, const std::atomic<bool>& cancelled,
+                      const CheckpointDirectory& directory) const {
+    TRIDENT_RETURN_IF_ERROR(AwaitCount(store, cancelled, "reported", world_size));
+    for (int r = 0; r < world_size; ++r) {
+      TRIDENT_ASSIGN_OR_RETURN(const bool failed, store.Contains(absl::StrCat(key, "error_", r)));
+      if (!failed) continue;
+      TRIDENT_ASSIGN_OR_RETURN(const std::string error, store.Get(absl::StrCat(key, "error_", r)));
+      const absl::Status status = DecodeStatus(error);
+      return r == 0 ? status : absl::Status(status.code(), absl::StrCat("rank ", r, ": ", status.message()));
+    }
+    std::map<std::string, Checksum> reported;
+    for (const std::string& name : files) {
+      TRIDENT_ASSIGN_OR_RETURN(const int64_t crc, store.Add(key + "crc/" + name, 0));
+      TRIDENT_ASSIGN_OR_RETURN(const int64_t size, store.Add(key + "size/" + name, 0));
+      if (crc == 0 || size == 0) return absl::DataLossError(absl::StrCat("no rank reported writing ", name));
+      reported[name] = {static_cast<uint32_t>(crc - 1), size - 1};
+    }
+    return directory.Commit(step, world_size, val_loss, keep_last_n, reported);
+  }
+
+  // Waits until counter `name` reaches `count`.
+  absl::Status AwaitCount(StoreClient& store, const std::atomic<bool>& cancelled, const std::string& name,
+                          int64_t count) const {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      TRIDENT_ASSIGN_OR_RETURN(const int64_t value, store.Add(key + name, 0));
+      if (value >= count) return absl::OkStatus();
+      if (cancelled) return absl::CancelledError("the run ended before the checkpoint was committed");
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(count - value, " rank(s) did not report writing their files ",
+                                                        "within collective_timeout_s=", absl::FormatDuration(timeout)));
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+};
+
 }  // namespace
 
 absl::Status Trainer::Impl::SaveCheckpoint() {
@@ -89,20 +182,16 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
                                                  {"layout", model->Layout()},
                                                  {"world_size", absl::StrCat(world_size)},
                                                  {"global_batch_size", absl::StrCat(config.global_batch_size())}};
-  // The checkpoint's files, and the writes of this rank's (each records the
-  // checksums of what it wrote).
-  std::vector<std::string> files;
-  using Write = std::function<absl::Status(const std::string& staging, std::map<std::string, Checksum>* written)>;
-  std::vector<Write> writes;
+  CheckpointJob job;
   if (config.save_type() != "merged") {
-    for (int r = 0; r < world_size; ++r) files.push_back(absl::StrCat("rank_", r, ".safetensors"));
+    for (int r = 0; r < world_size; ++r) job.files.push_back(absl::StrCat("rank_", r, ".safetensors"));
     metadata["rank"] = absl::StrCat(rank);
-    writes.push_back([name = files[rank], pieces = std::move(pieces), metadata](const std::string& staging,
+    job.writes.push_back([name = job.files[rank], pieces = std::move(pieces), metadata](const std::string& staging,
                                                                                 std::map<std::string, Checksum>* written) {
       return WriteSlicedSafetensors(absl::StrCat(staging, "/", name), pieces, metadata, &(*written)[name]);
     });
   } else {
-    files = {"model.safetensors", "state.safetensors"};
+    job.files = {"model.safetensors", "state.safetensors"};
     TRIDENT_ASSIGN_OR_RETURN(NamedTensors tensors, MergePieces(topology().world(), pieces));
     // Parameter names hold no '/'; optimizer, loss-scaler and RNG state do.
     NamedTensors weights, state;
@@ -114,7 +203,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
       }
     }
     if (is_rank0()) {
-      writes.push_back([weights = std::move(weights), state = std::move(state), metadata](
+      job.writes.push_back([weights = std::move(weights), state = std::move(state), metadata](
                            const std::string& staging, std::map<std::string, Checksum>* written) {
         auto with_format = metadata;
         with_format["format"] = "pt";
@@ -125,8 +214,8 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
     }
   }
   if (is_rank0()) {
-    files.push_back("config.pbtxt");
-    writes.push_back([text = ConfigToText(config)](const std::string& staging,
+    job.files.push_back("config.pbtxt");
+    job.writes.push_back([text = ConfigToText(config)](const std::string& staging,
                                                    std::map<std::string, Checksum>* written) -> absl::Status {
       std::ofstream out(staging + "/config.pbtxt");
       out << text;
@@ -140,86 +229,24 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
     TRIDENT_ASSIGN_OR_RETURN(save_store, topology().ConnectStoreClient());
   }
 
-  // Writing, and agreeing through the store: every rank reports the checksums
-  // of its files (counters crc/<file> and size/<file>, plus one) or its error
-  // (error_<rank>), then counts itself in `reported`; rank 0 commits when all
-  // reported without error and publishes the verdict (counter `decided`, and
-  // `verdict` when it failed). Counters because they are fast to poll.
   auto pending = std::make_unique<PendingSave>();
   pending->step = step;
   pending->path = absl::StrCat(config.save_dir(), "/step_", step);
-  const std::string key = absl::StrCat("trident/checkpoint/", saves_started++, "/");
-  const absl::Duration timeout = absl::Seconds(config.collective_timeout_s());
-  auto write_and_commit = [this, rank, world_size, writes = std::move(writes), files = std::move(files), key, timeout,
-                           step = step, val_loss = last_val_loss, save = pending.get(), async]() -> absl::Status {
+  job.save_dir = config.save_dir();
+  job.step = step;
+  job.val_loss = last_val_loss;
+  job.keep_last_n = config.keep_last_n();
+  job.rank = rank;
+  job.world_size = world_size;
+  job.key = absl::StrCat("trident/checkpoint/", saves_started++, "/");
+  job.timeout = absl::Seconds(config.collective_timeout_s());
+  auto write_and_commit = [job = std::move(job), store = save_store.get(), save = pending.get(), async] {
     // A background writer yields the cores to training (nice 19 for this thread only).
     if (async) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
     const auto write_started = std::chrono::steady_clock::now();
-    const CheckpointDirectory directory(config.save_dir());
-    absl::StatusOr<std::string> staging = directory.StagingPath(step);
-    absl::Status written = staging.status();
-    std::map<std::string, Checksum> checksums;
-    for (const Write& write : writes) {
-      if (written.ok()) written = write(*staging, &checksums);
-    }
-    StoreClient& store = *save_store;
-    // Waits until counter `name` reaches `count`.
-    auto await_count = [&](const std::string& name, int64_t count) -> absl::Status {
-      const absl::Time deadline = absl::Now() + timeout;
-      while (true) {
-        TRIDENT_ASSIGN_OR_RETURN(const int64_t value, store.Add(key + name, 0));
-        if (value >= count) return absl::OkStatus();
-        if (save->cancelled) return absl::CancelledError("the run ended before the checkpoint was committed");
-        if (absl::Now() > deadline) {
-          return absl::DeadlineExceededError(absl::StrCat(
-              count - value, " rank(s) did not report writing their files within collective_timeout_s=",
-              absl::FormatDuration(timeout)));
-        }
-        absl::SleepFor(absl::Milliseconds(5));
-      }
-    };
-    if (written.ok()) {
-      for (const auto& [name, checksum] : checksums) {
-        TRIDENT_RETURN_IF_ERROR(store.Add(key + "crc/" + name, int64_t{checksum.crc32} + 1).status());
-        TRIDENT_RETURN_IF_ERROR(store.Add(key + "size/" + name, checksum.size + 1).status());
-      }
-    } else {
-      TRIDENT_RETURN_IF_ERROR(store.Set(absl::StrCat(key, "error_", rank), EncodeStatus(written)));
-    }
-    TRIDENT_RETURN_IF_ERROR(store.Add(key + "reported", 1).status());
-    if (rank == 0) {
-      absl::Status verdict = await_count("reported", world_size);
-      for (int r = 0; r < world_size && verdict.ok(); ++r) {
-        TRIDENT_ASSIGN_OR_RETURN(const bool failed, store.Contains(absl::StrCat(key, "error_", r)));
-        if (!failed) continue;
-        TRIDENT_ASSIGN_OR_RETURN(const std::string error, store.Get(absl::StrCat(key, "error_", r)));
-        verdict = DecodeStatus(error);
-        if (r != 0) verdict = absl::Status(verdict.code(), absl::StrCat("rank ", r, ": ", verdict.message()));
-      }
-      std::map<std::string, Checksum> reported;
-      for (const std::string& name : files) {
-        if (!verdict.ok()) break;
-        TRIDENT_ASSIGN_OR_RETURN(const int64_t crc, store.Add(key + "crc/" + name, 0));
-        TRIDENT_ASSIGN_OR_RETURN(const int64_t size, store.Add(key + "size/" + name, 0));
-        if (crc == 0 || size == 0) {
-          verdict = absl::DataLossError(absl::StrCat("no rank reported writing ", name));
-        }
-        reported[name] = {static_cast<uint32_t>(crc - 1), size - 1};
-      }
-      if (verdict.ok()) verdict = directory.Commit(step, world_size, val_loss, config.keep_last_n(), reported);
-      if (!verdict.ok() && staging.ok()) {
-        std::error_code error;
-        std::filesystem::remove_all(*staging, error);  // the previous checkpoint stays `last`
-      }
-      if (!verdict.ok()) TRIDENT_RETURN_IF_ERROR(store.Set(key + "verdict", EncodeStatus(verdict)));
-      TRIDENT_RETURN_IF_ERROR(store.Add(key + "decided", 1).status());
-    }
-    TRIDENT_RETURN_IF_ERROR(await_count("decided", 1));
+    absl::Status verdict = job.Run(*store, save->cancelled);
     save->write_s = SecondsSince(write_started);
-    TRIDENT_ASSIGN_OR_RETURN(const bool failed, store.Contains(key + "verdict"));
-    if (!failed) return absl::OkStatus();
-    TRIDENT_ASSIGN_OR_RETURN(const std::string verdict, store.Get(key + "verdict"));
-    return DecodeStatus(verdict);
+    return verdict;
   };
   pending->verdict = std::async(async ? std::launch::async : std::launch::deferred, std::move(write_and_commit));
   pending->pause_s = SecondsSince(started);
