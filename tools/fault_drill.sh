@@ -16,6 +16,11 @@ shift 4
 flags=("$@" --dp=2 --pp=2 --max_steps=20 --sample_tokens=0 --eval_every=0)
 mkdir -p "$work"
 fail() { echo "FAIL: $*"; [ -f "$work/out" ] && tail -30 "$work/out"; exit 1; }
+# Waits up to $2 seconds (a loaded machine starts jobs slowly) for the regex $1 in the job's output.
+await() {
+  for _ in $(seq $(($2 * 20))); do grep -qE "$1" "$work/out" 2>/dev/null && return 0; sleep 0.05; done
+  fail "no '$1' in the job's output within $2 s"
+}
 
 timeout 300 "$train" "${flags[@]}" --export_safetensors="$work/reference.safetensors" \
   --metrics_file="$work/reference.jsonl" >"$work/out" 2>&1 || fail "the uninterrupted run"
@@ -31,7 +36,7 @@ for trial in $(seq "$trials"); do
   job=$!
   # A random rank, once rank 0 logged a random step (1 to 18).
   at=$((1 + RANDOM % 18))
-  for _ in $(seq 600); do grep -q "step $at/20" "$work/out" 2>/dev/null && break; sleep 0.05; done
+  await "step $at/20" 120
   victims=($(ranks "$job"))
   if [ "${#victims[@]}" -gt 0 ]; then
     victim=${victims[$((RANDOM % ${#victims[@]}))]}
@@ -48,7 +53,7 @@ done
 rm -rf "$work/saves"
 timeout 300 "$train" "${flags[@]}" --save_dir="$work/saves" >"$work/out" 2>&1 &
 job=$!
-for _ in $(seq 100); do grep -q "step 2/" "$work/out" 2>/dev/null && break; sleep 0.2; done
+await "step 2/" 120
 kill -TERM $(pgrep -P "$job")  # to train itself (as a scheduler would), not to the timeout wrapper
 wait "$job" || fail "SIGTERM: the job exited $?"
 grep -q "preempted (SIGTERM) after step [0-9]*; checkpoint saved" "$work/out" || fail "SIGTERM: no checkpoint saved"
@@ -81,7 +86,7 @@ rm -rf "$work/saves"
 big=("${flags[@]}" --pp=1 --n_layer=4 --n_embd=512 --n_head=8 --max_steps=6 --save_every=3 --save_dir="$work/saves")
 timeout 300 "$train" "${big[@]}" >"$work/out" 2>&1 &
 job=$!
-for _ in $(seq 3000); do [ -d "$work/saves/.step_6.staging" ] && break; sleep 0.01; done
+for _ in $(seq 12000); do [ -d "$work/saves/.step_6.staging" ] && break; sleep 0.01; done
 kill -KILL $(ranks "$job") 2>/dev/null
 wait "$job"
 [ "$(readlink "$work/saves/last")" = step_3 ] && [ ! -e "$work/saves/step_6" ] \
@@ -94,7 +99,7 @@ echo "SIGKILL during a checkpoint write: last stayed step_3 ($(cat "$work/compar
 # SIGSTOP: the stopped rank is named by the others within the collective timeout.
 timeout 120 "$train" "${flags[@]}" --collective_timeout_s=5 >"$work/out" 2>&1 &
 job=$!
-for _ in $(seq 600); do grep -q "step 3/20" "$work/out" 2>/dev/null && break; sleep 0.05; done
+await "step 3/20" 120
 victims=($(ranks "$job"))
 kill -STOP "${victims[1]}" || fail "SIGSTOP: the job ended before rank 1 could be stopped"
 stopped_at=$SECONDS

@@ -68,6 +68,9 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
 }
 
 absl::Status RunRank(TrainerConfig config) {
+  // From the start, so that a SIGTERM while the job starts up also ends in a
+  // checkpoint after the first step rather than in a killed rank.
+  if (config.preempt_save()) StopOnSigterm();
   TRIDENT_ASSIGN_OR_RETURN(DistributedEnv env, DistributedEnvFromEnvironment());
   if (RestartCount() > 0 && !config.save_dir().empty() && config.resume_from().empty()) {
     config.set_resume_from("last");  // a restarted job goes on from its newest valid checkpoint
@@ -107,7 +110,6 @@ absl::Status RunRank(TrainerConfig config) {
     if (compile_only) return absl::OkStatus();
   }
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, topology.get()));
-  if (config.preempt_save()) StopOnSigterm();
   return trainer->Train().status();
 }
 
