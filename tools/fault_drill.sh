@@ -53,8 +53,12 @@ done
 rm -rf "$work/saves"
 timeout 300 "$train" "${flags[@]}" --save_dir="$work/saves" >"$work/out" 2>&1 &
 job=$!
-await "step 2/" 120
-kill -TERM $(pgrep -P "$job")  # to train itself (as a scheduler would), not to the timeout wrapper
+# Once rank 0 prints its config every rank has joined, and ranks catch SIGTERM
+# from their start: the job stops after the step in progress. (Waiting for a
+# step instead races with the end of this short run.)
+await "config:" 120
+launcher=$(pgrep -P "$job") || fail "SIGTERM: the job ended before it could be signalled"
+kill -TERM "$launcher"  # to train itself (as a scheduler would), not to the timeout wrapper
 wait "$job" || fail "SIGTERM: the job exited $?"
 grep -q "preempted (SIGTERM) after step [0-9]*; checkpoint saved" "$work/out" || fail "SIGTERM: no checkpoint saved"
 saved=$(readlink "$work/saves/last")
@@ -65,8 +69,9 @@ timeout 300 "$train" "${flags[@]}" --save_dir="$work/saves" --resume_from=last \
 echo "preemption: saved $saved, resumed, $(cat "$work/compare")"
 
 # Elastic: the same preempted checkpoint of 4 ranks resumed on 2 (dp 2 -> 1, pp 2 kept): its
-# losses equal the uninterrupted run's within 1e-5 (the reduction order changes, so the
-# weights agree to fp32 rounding, 1e-4).
+# losses equal the uninterrupted run's within 1e-5. The reduction order changes, so the
+# weights agree only to fp32 rounding, which Adam's normalised steps amplify on small
+# biases (up to 5e-5 of a tensor's largest value here): checked at 1e-3.
 timeout 300 "$train" "${flags[@]}" --nproc=2 --elastic --save_dir="$work/saves" --resume_from="$work/saves/$saved" \
   --export_safetensors="$work/elastic.safetensors" --metrics_file="$work/elastic.jsonl" >"$work/out" 2>&1 \
   || fail "resuming on 2 ranks (--elastic)"
@@ -77,7 +82,7 @@ read -r steps worst < <(awk 'NR == FNR { ref[$1] = $2; next } ($1 in ref) { d = 
   <(losses "$work/reference.jsonl") <(losses "$work/elastic.jsonl"))
 awk -v s="$steps" -v w="$worst" 'BEGIN { exit !(s > 0 && w <= 1e-5) }' \
   || fail "elastic: the losses of $steps resumed steps differ by up to $worst (relative)"
-"$tool" compare "$work/reference.safetensors" "$work/elastic.safetensors" 1e-4 >"$work/compare" 2>&1 \
+"$tool" compare "$work/reference.safetensors" "$work/elastic.safetensors" 1e-3 >"$work/compare" 2>&1 \
   || { cat "$work/compare"; fail "after the elastic restart the weights differ"; }
 echo "elastic: $saved of 4 ranks resumed on 2; $steps losses within $worst; $(cat "$work/compare")"
 
