@@ -16,6 +16,15 @@ shift 4
 flags=("$@" --dp=2 --pp=2 --max_steps=20 --sample_tokens=0 --eval_every=0)
 mkdir -p "$work"
 fail() { echo "FAIL: $*"; [ -f "$work/out" ] && tail -30 "$work/out"; exit 1; }
+# Starts `timeout LIMIT train FLAGS...` in the background as $job, its output in a fresh
+# $work/out (the redirection happens in the child, later: a stale file must not be read).
+start() {
+  local limit=$1
+  shift
+  rm -f "$work/out"
+  timeout "$limit" "$train" "$@" >"$work/out" 2>&1 &
+  job=$!
+}
 # Waits up to $2 seconds (a loaded machine starts jobs slowly) for the regex $1 in the job's output.
 await() {
   for _ in $(seq $(($2 * 20))); do grep -qE "$1" "$work/out" 2>/dev/null && return 0; sleep 0.05; done
@@ -31,9 +40,8 @@ ranks() { for launcher in $(pgrep -P "$1"); do pgrep -P "$launcher"; done; }
 
 for trial in $(seq "$trials"); do
   rm -rf "$work/saves"
-  timeout 300 "$train" "${flags[@]}" --max_restarts=3 --save_every=5 --save_dir="$work/saves" \
-    --export_safetensors="$work/trial.safetensors" >"$work/out" 2>&1 &
-  job=$!
+  start 300 "${flags[@]}" --max_restarts=3 --save_every=5 --save_dir="$work/saves" \
+    --export_safetensors="$work/trial.safetensors"
   # A random rank, once rank 0 logged a random step (1 to 18).
   at=$((1 + RANDOM % 18))
   await "step $at/20" 120
@@ -51,8 +59,7 @@ done
 
 # Preemption: SIGTERM to the job saves a checkpoint and exits 0; resuming finishes the run.
 rm -rf "$work/saves"
-timeout 300 "$train" "${flags[@]}" --save_dir="$work/saves" >"$work/out" 2>&1 &
-job=$!
+start 300 "${flags[@]}" --save_dir="$work/saves"
 # Once rank 0 prints its config every rank has joined, and ranks catch SIGTERM
 # from their start: the job stops after the step in progress. (Waiting for a
 # step instead races with the end of this short run.)
@@ -89,8 +96,7 @@ echo "elastic: $saved of 4 ranks resumed on 2; $steps losses within $worst; $(ca
 # SIGKILL while step 6 is being written (a larger model, so that writing takes a while).
 rm -rf "$work/saves"
 big=("${flags[@]}" --pp=1 --n_layer=4 --n_embd=512 --n_head=8 --max_steps=6 --save_every=3 --save_dir="$work/saves")
-timeout 300 "$train" "${big[@]}" >"$work/out" 2>&1 &
-job=$!
+start 300 "${big[@]}"
 for _ in $(seq 12000); do [ -d "$work/saves/.step_6.staging" ] && break; sleep 0.01; done
 kill -KILL $(ranks "$job") 2>/dev/null
 wait "$job"
@@ -102,8 +108,7 @@ grep -q "resumed from $work/saves/step_3" "$work/out" || fail "the resumed run d
 echo "SIGKILL during a checkpoint write: last stayed step_3 ($(cat "$work/compare")); resumed and finished"
 
 # SIGSTOP: the stopped rank is named by the others within the collective timeout.
-timeout 120 "$train" "${flags[@]}" --collective_timeout_s=5 >"$work/out" 2>&1 &
-job=$!
+start 120 "${flags[@]}" --collective_timeout_s=5
 await "step 3/20" 120
 victims=($(ranks "$job"))
 kill -STOP "${victims[1]}" || fail "SIGSTOP: the job ended before rank 1 could be stopped"
