@@ -140,8 +140,9 @@ struct CheckpointJob {
       if (value >= count) return absl::OkStatus();
       if (cancelled) return absl::CancelledError("the run ended before the checkpoint was committed");
       if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(count - value, " rank(s) did not report writing their files ",
-                                                        "within collective_timeout_s=", absl::FormatDuration(timeout)));
+        return absl::DeadlineExceededError(absl::StrCat(
+            count - value, " rank(s) did not report writing their files within collective_timeout_s=",
+            absl::FormatDuration(timeout), "; see their output, or raise collective_timeout_s for a slow disk"));
       }
       absl::SleepFor(absl::Milliseconds(5));
     }
