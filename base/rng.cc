@@ -32,4 +32,13 @@ void SeedCpuRng(uint64_t seed, int64_t step, int rank) {
   generator.set_current_seed(x);
 }
 
+uint64_t ParameterSeed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 }  // namespace trident

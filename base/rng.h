@@ -5,6 +5,7 @@
 #define TRIDENT_BASE_RNG_H_
 
 #include <cstdint>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
@@ -16,6 +17,11 @@ void SetCpuRngState(const at::Tensor& state);
 // that differs per rank and per step): what a resumed run uses where the
 // saved per-rank streams do not fit its layout.
 void SeedCpuRng(uint64_t seed, int64_t step, int rank);
+
+// A stable 64-bit mix of `seed` and a parameter name (FNV-1a, then
+// splitmix64): the seed of the generator that draws that parameter's initial
+// values, the same in every process and layout.
+uint64_t ParameterSeed(uint64_t seed, const std::string& name);
 
 }  // namespace trident
 

@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/rng.h"
 #include "base/status.h"
 #include "models/internal/architectures.h"
 
@@ -278,20 +279,6 @@ void LanguageModel::CheckLayer(int64_t i) const {
                                          absl::StrJoin(held, ", "), ")"));
   }
 }
-
-namespace {
-
-// A stable 64-bit mix of the seed and a parameter name (FNV-1a, then splitmix64).
-uint64_t ParameterSeed(uint64_t seed, const std::string& name) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
-  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
 
 absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config,
                                                            uint64_t seed) {

@@ -99,11 +99,11 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
       pieces.push_back({name, index.PartSlice(name, part),
                         internal::FlatPart(part.updated, part.offset, part.end - part.begin)});
     }
-  } else {
-    for (const auto& [name, p] : m.parameters) {
-      if (deduplicate && index.WrittenElsewhere(name, false)) continue;
-      pieces.push_back({name, index.ParameterSlice(name, p.sizes().vec()), p.detach()});
-    }
+  }
+  for (const auto& [name, p] : m.parameters) {  // whole: frozen ones (if saved), all without ZeRO
+    if (p.requires_grad() ? zero : !m.plan.save_frozen) continue;
+    if (deduplicate && index.WrittenElsewhere(name, false)) continue;
+    pieces.push_back({name, index.ParameterSlice(name, p.sizes().vec()), p.detach()});
   }
   if (!optimizer) return pieces;
   torch::optim::Optimizer& opt = m.update->optimizer();
@@ -159,6 +159,7 @@ absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader,
   }
   for (auto& [name, p] : m.parameters) {
     if (only_chunk.count(p.unsafeGetTensorImpl())) continue;
+    if (!p.requires_grad() && !reader.Contains(name)) continue;  // frozen: as the source built it
     TRIDENT_RETURN_IF_ERROR(read(name, index.ParameterSlice(name, p.sizes().vec()), p.detach()));
   }
   if (!optimizer) return absl::OkStatus();

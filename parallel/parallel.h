@@ -46,6 +46,7 @@
 #include "base/registry.h"
 #include "checkpoint/checkpoint.h"
 #include "graph/graph.h"
+#include "lora/lora.h"
 #include "parallel/optimizer.h"
 #include "pipeline/pipeline.h"
 #include "tensor_parallel/tensor_parallel.h"
@@ -173,6 +174,13 @@ struct ParallelPlan {
   std::string device = "cpu";  // "cpu" or "cuda" (the rank's LOCAL_RANK GPU)
   int64_t micro_batch_size = 1;
   int64_t num_micro_batches = 1;  // gradient accumulation steps
+  // LoRA fine-tuning (lora/lora.h): adapters on the target linear layers,
+  // every other parameter frozen. Frozen parameters (these, or any the source
+  // builds with requires_grad false) get no gradient, optimizer state or
+  // reduction; checkpoints leave them out unless save_frozen (the source or
+  // init_from gives them again), and LoadWeights does not need the adapters.
+  std::optional<LoraOptions> lora;
+  bool save_frozen = false;
   // Dropout streams differ per data-parallel rank (and per tensor-parallel rank
   // under sequence parallelism), seeded from this.
   uint64_t seed = 1;

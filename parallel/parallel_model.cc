@@ -98,6 +98,7 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
       internal::BuildModelPart(source, plan, stage, tp != nullptr ? tp->rank() : 0, device, example);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), built.status(), "building the model"));
   part = *std::move(built);
+  TRIDENT_RETURN_IF_ERROR(CheckLoraTargets());
   if (auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get())) {
     ApplyPrecision(*module, precision);
   } else {
@@ -115,7 +116,7 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   TRIDENT_RETURN_IF_ERROR(FindBoundaries(example));
   TRIDENT_RETURN_IF_ERROR(ClassifyParameters(example));
   ParameterUpdateOptions options;
-  options.parameters = parameters;
+  options.parameters = trainable;
   options.counted = counted;
   for (const auto& [name, p] : tied) options.keep_full_gradient.push_back(p);
   options.data_parallel = dp;
@@ -216,6 +217,22 @@ absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
   return AgreeOnFailure(topology->world(), pass.status(), "running the first forward");
 }
 
+// A LoRA target that matches no module on any pipeline stage is a mistake.
+absl::Status ParallelModel::Impl::CheckLoraTargets() {
+  if (!plan.lora) return absl::OkStatus();
+  const std::vector<std::string>& targets = plan.lora->target_modules;
+  at::Tensor hits = at::zeros({static_cast<int64_t>(targets.size())}, at::kLong);
+  for (size_t i = 0; i < part.lora_target_hits.size(); ++i) hits[i] = part.lora_target_hits[i];
+  if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->AllReduce(hits));
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (hits[i].item<int64_t>() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("lora_config: target_modules entry '", targets[i],
+                                                     "' matches no module of the model"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {
   std::set<const c10::TensorImpl*> seen;
   std::vector<std::string> names;
@@ -231,8 +248,15 @@ absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {
     for (int64_t i = c.first_layer; i < c.end_layer; ++i) reads_data |= !part.layers->BatchFields(i).empty();
   }
   reads_data |= HoldsLastStage();
-  for (const auto& [name, spec] : source.shards ? source.shards(*part.layers) : part.shards) {
+  std::map<std::string, ShardSpec> specs = part.shards;  // traced shards and adapters
+  if (source.shards) {
+    for (const auto& [name, spec] : source.shards(*part.layers)) specs.emplace(name, spec);
+  }
+  for (const auto& [name, spec] : specs) {
     if (std::find(names.begin(), names.end(), name) != names.end()) shards[name] = spec;
+  }
+  for (const auto& [name, p] : parameters) {
+    if (p.requires_grad()) trainable.emplace_back(name, p);
   }
   // A parameter several stages hold (by name) is tied: its gradients are summed.
   std::vector<std::vector<std::string>> by_stage = {names};
@@ -245,30 +269,37 @@ absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {
   }
   for (const auto& [name, stages_holding] : holders) {  // by name: the same order on every holder
     if (stages_holding.size() < 2 || !std::count(names.begin(), names.end(), name)) continue;
-    for (const auto& [n, p] : parameters) {
-      if (n == name) tied.emplace_back(n, p);
+    for (const auto& [n, p] : trainable) {  // frozen copies stay equal by themselves
+      if (n != name) continue;
+      tied.emplace_back(n, p);
+      tied_holders.push_back(stages_holding);
     }
-    tied_holders.push_back(stages_holding);
   }
-  int64_t local_count = 0;
+  int64_t local_count = 0, local_frozen = 0;
   for (const auto& [name, p] : parameters) {
     const bool copy = holders[name].front() != stage;  // a tied copy a lower stage counts
     const bool replicated_here = !shards.count(name);
-    if (replicated_here) replicated.push_back(p);
-    if (!copy && (!replicated_here || tp == nullptr || tp->rank() == 0)) counted.push_back(p);
-    if (!copy) local_count += p.numel() * (replicated_here || tp == nullptr ? 1 : tp->size());
+    if (replicated_here && p.requires_grad()) replicated.push_back(p);
+    if (!copy && (!replicated_here || tp == nullptr || tp->rank() == 0) && p.requires_grad()) counted.push_back(p);
+    const int64_t count = copy ? 0 : p.numel() * (replicated_here || tp == nullptr ? 1 : tp->size());
+    local_count += count;
+    if (!p.requires_grad()) local_frozen += count;
   }
-  at::Tensor total = at::full({1}, local_count, at::kLong);
+  at::Tensor total = at::tensor({local_count, local_frozen}, at::kLong);
   if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->AllReduce(total));
-  num_parameters = total.item<int64_t>();
+  num_parameters = total[0].item<int64_t>();
+  const int64_t frozen = total[1].item<int64_t>();
+  const at::Tensor& first = example.at(0);
+  const double tokens_per_sample = first.dim() > 1 ? first.numel() / first.size(0) : 1;
   if (source.flops_per_sample) {
     flops_per_sample = source.flops_per_sample(num_parameters);
   } else if (part.traced) {
     flops_per_sample = part.flops_per_sample;
   } else {
-    const at::Tensor& first = example.at(0);
-    flops_per_sample = 6.0 * num_parameters * (first.dim() > 1 ? first.numel() / first.size(0) : 1);
+    flops_per_sample = 6.0 * num_parameters * tokens_per_sample;
   }
+  // Frozen parameters need no weight gradients: 2 of their 6 FLOPs per token are not spent.
+  flops_per_sample -= 2.0 * frozen * tokens_per_sample;
   return absl::OkStatus();
 }
 
@@ -377,7 +408,13 @@ const ProcessGroup* ParallelModel::pipeline_group() const { return impl_->pp; }
 LayerSequence& ParallelModel::layers() { return *impl_->part.layers; }
 int64_t ParallelModel::num_parameters() const { return impl_->num_parameters; }
 double ParallelModel::flops_per_sample() const { return impl_->flops_per_sample; }
-MemoryReport ParallelModel::Memory() const { return impl_->update->Memory(); }
+MemoryReport ParallelModel::Memory() const {
+  MemoryReport report = impl_->update->Memory();
+  for (const auto& [name, p] : impl_->parameters) {  // frozen: held, never updated
+    if (!p.requires_grad()) report.parameter_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  }
+  return report;
+}
 std::optional<double> ParallelModel::loss_scale() const {
   return impl_->scaler ? std::optional<double>(impl_->scaler->scale()) : std::nullopt;
 }
@@ -396,6 +433,17 @@ std::string ParallelModel::Describe() const {
   }
   if (!m.part.tensor_parallel_report.empty()) {
     absl::StrAppend(&text, "  automatic tensor parallelism:\n", m.part.tensor_parallel_report);
+  }
+  if (m.plan.lora) {
+    int64_t trainable = 0, all = 0;
+    for (const auto& [name, p] : m.parameters) {
+      all += p.numel();
+      if (p.requires_grad()) trainable += p.numel();
+    }
+    absl::StrAppend(&text, absl::StrFormat("  LoRA adapter '%s' (r %d, scale %g): %d of this rank's %d parameters "
+                                           "train (%.2f%%), the rest are frozen\n",
+                                           m.plan.lora->adapter_name, m.plan.lora->r, m.plan.lora->scale(), trainable,
+                                           all, 100.0 * trainable / std::max<int64_t>(1, all)));
   }
   auto tensors = [](size_t n) { return absl::StrCat(n, n == 1 ? " tensor" : " tensors"); };
   for (size_t c = 0; c < m.part.chunks.size(); ++c) {

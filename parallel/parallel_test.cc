@@ -141,6 +141,68 @@ TEST(ParallelModelTest, TracedEagerAndLayersAgree) {
   });
 }
 
+// TinyNet with ParallelLinear layers, which take LoRA adapters.
+struct AdaptableNetImpl : torch::nn::Module {
+  AdaptableNetImpl() {
+    torch::manual_seed(3);
+    a = register_module("a", ParallelLinear(4, 8));
+    b = register_module("b", ParallelLinear(8, 8));
+    c = register_module("c", ParallelLinear(8, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor h = torch::tanh(a(x));
+    return c(torch::tanh(b(h)) + h);
+  }
+  ParallelLinear a{nullptr}, b{nullptr}, c{nullptr};
+};
+
+// LoRA on a user's module, traced or run eagerly: the same losses, and only
+// the adapters get gradients and change; a target nothing matches is refused.
+TEST(ParallelModelTest, LoraAdaptsAUserModuleTracedOrEager) {
+  testing::RunOnRanks(1, [](int) {
+    auto topology = testing::JoinTopology({{"data", 1}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    std::vector<Batch> batches = {MicroBatch(0)};
+    std::map<std::string, std::vector<double>> losses;
+    for (const char* method : {"jit", "none"}) {
+      ParallelPlan plan;
+      plan.micro_batch_size = 2;
+      plan.trace_method = method;
+      plan.lora = LoraOptions{.r = 2, .alpha = 4, .target_modules = {"a", "b"}};
+      auto net = std::make_shared<AdaptableNetImpl>();
+      ModelSource source = ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
+      source.loss = *LossRegistry().Find("mse");
+      auto model = Parallelize(source, plan, topology->get(), batches[0], Sgd());
+      ASSERT_TRUE(model.ok()) << method << ": " << model.status();
+      const at::Tensor frozen_before = net->b->weight.clone();
+      for (int step = 0; step < 3; ++step) {
+        (*model)->ZeroGrad();
+        auto loss = (*model)->ForwardBackward(batches);
+        ASSERT_TRUE(loss.ok()) << loss.status();
+        losses[method].push_back(*loss);
+        for (const auto& [name, p] : (*model)->parameters()) {
+          EXPECT_EQ(p.grad().defined(), IsAdapterParameter(name)) << method << " " << name;
+        }
+        ASSERT_TRUE((*model)->Step(0.5).ok());
+      }
+      EXPECT_TRUE(at::equal(net->b->weight, frozen_before)) << method;
+      EXPECT_GT(net->b->adapter.b.abs().max().item<double>(), 0) << method << ": B trained";
+      EXPECT_NE(losses[method][2], losses[method][0]) << method;
+    }
+    for (int step = 0; step < 3; ++step) EXPECT_NEAR(losses["none"][step], losses["jit"][step], 1e-6);
+
+    ParallelPlan typo;
+    typo.micro_batch_size = 2;
+    typo.lora = LoraOptions{.target_modules = {"a", "fc9"}};
+    auto net = std::make_shared<AdaptableNetImpl>();
+    ModelSource source = ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
+    source.loss = *LossRegistry().Find("mse");
+    auto refused = Parallelize(source, typo, topology->get(), batches[0], Sgd());
+    ASSERT_FALSE(refused.ok());
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("'fc9' matches no module"));
+  });
+}
+
 // Eight activation-heavy layers (64 -> 256 -> 64 with GELU) declared as a
 // LayerSequence: each keeps 9 times its input's size for backward.
 class WideLayers : public torch::nn::Module, public LayerSequence {

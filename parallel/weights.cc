@@ -25,7 +25,8 @@ absl::Status ParallelModel::LoadWeights(const SafetensorsContents& weights) {
         if (!saved.ok() && stored == name) saved = weights.Get(alias);
       }
       if (!saved.ok()) {
-        missing.push_back(name);
+        // A base model's file has no adapters: they keep their initial values.
+        if (!m.plan.lora || !IsAdapterParameter(name)) missing.push_back(name);
         continue;
       }
       at::Tensor value = *saved;

@@ -24,6 +24,23 @@ int64_t Divide(int64_t size, int64_t parts, const std::string& what) {
   return size / parts;
 }
 
+// The adapter's rank-r product x A^T (after its dropout) on this rank's input.
+at::Tensor AdapterProduct(const LowRankAdapter& adapter, const at::Tensor& x, bool training) {
+  return at::linear(adapter.dropout > 0 ? at::dropout(x, adapter.dropout, training) : x, adapter.a);
+}
+
+// A column-parallel layer's adapter output for its input `x` before the region.
+at::Tensor ColumnAdapterOutput(const LowRankAdapter& adapter, const at::Tensor& x, const TensorParallelism& tp,
+                               bool training) {
+  return at::linear(ColumnParallelInput(AdapterProduct(adapter, x, training), tp), adapter.b) * adapter.scale;
+}
+
+// A row-parallel layer's adapter output for its input features `x`.
+at::Tensor RowAdapterOutput(const LowRankAdapter& adapter, const at::Tensor& x, const TensorParallelism& tp,
+                            bool training) {
+  return at::linear(RowParallelOutput(AdapterProduct(adapter, x, training), tp), adapter.b) * adapter.scale;
+}
+
 }  // namespace
 
 at::Tensor ColumnParallelInput(const at::Tensor& x, const TensorParallelism& tp) {
@@ -76,6 +93,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const TensorParallelism& tp, 
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, bias);
+  if (adapter.defined()) y = y + ColumnAdapterOutput(adapter, x, tp_, is_training());
   return gather_output_ && tp_.size > 1 ? GatherFromTensorParallelRegion(y, tp_.group) : y;
 }
 
@@ -92,6 +110,7 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor input =
       input_is_parallel_ || tp_.size == 1 ? x : ScatterToTensorParallelRegion(x, tp_.group);
   at::Tensor y = RowParallelOutput(at::linear(input, weight), tp_);
+  if (adapter.defined()) y = y + RowAdapterOutput(adapter, input, tp_, is_training());
   return bias.defined() ? y + bias : y;
 }
 
@@ -146,18 +165,117 @@ ParallelLinearImpl::ParallelLinearImpl(int64_t in_features, int64_t out_features
   if (bias) this->bias.uniform_(-bound, bound);
 }
 
-at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
+ShardSpec ParallelLinearImpl::weight_shard() const {
   switch (mode_) {
     case Mode::kPlain:
-      return at::linear(x, weight, bias);
+      return {};
     case Mode::kColumn:
-      return at::linear(ColumnParallelInput(x, tp_), weight, bias);
-    case Mode::kRow: {
-      at::Tensor y = RowParallelOutput(at::linear(x, weight), tp_);
-      return bias.defined() ? y + bias : y;
+      return {0, tp_.size, tp_.rank, 1};
+    case Mode::kRow:
+      return {1, tp_.size, tp_.rank, 1};
+  }
+  return {};
+}
+
+at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
+  if (mode_ == Mode::kRow) {
+    at::Tensor y = RowParallelOutput(at::linear(x, weight), tp_);
+    if (adapter.defined()) y = y + RowAdapterOutput(adapter, x, tp_, is_training());
+    return bias.defined() ? y + bias : y;
+  }
+  // Plain mode is column mode at tp = 1 (a tp of size 1).
+  at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, bias);
+  return adapter.defined() ? y + ColumnAdapterOutput(adapter, x, tp_, is_training()) : y;
+}
+
+namespace {
+
+// The adapter slot, weight and shard of a linear module AddLowRankAdapter takes.
+struct AdaptableLinear {
+  LowRankAdapter* adapter = nullptr;
+  at::Tensor weight;
+  ShardSpec shard;
+  bool row = false;
+};
+
+std::optional<AdaptableLinear> Adaptable(torch::nn::Module& module) {
+  if (auto* column = dynamic_cast<ColumnParallelLinearImpl*>(&module)) {
+    return AdaptableLinear{&column->adapter, column->weight, column->weight_shard(), false};
+  }
+  if (auto* row = dynamic_cast<RowParallelLinearImpl*>(&module)) {
+    return AdaptableLinear{&row->adapter, row->weight, row->weight_shard(), true};
+  }
+  if (auto* linear = dynamic_cast<ParallelLinearImpl*>(&module)) {
+    return AdaptableLinear{&linear->adapter, linear->weight, linear->weight_shard(),
+                           linear->mode() == ParallelLinearImpl::Mode::kRow};
+  }
+  return std::nullopt;
+}
+
+// The Module child `name` of `parent`, registered when it has none.
+std::shared_ptr<torch::nn::Module> Child(torch::nn::Module& parent, const std::string& name) {
+  const auto children = parent.named_children();
+  if (const auto* found = children.find(name)) return *found;
+  return parent.register_module(name, std::make_shared<torch::nn::Module>());
+}
+
+// Parameter "<child>.<name>.weight" of `module`, registered (or set) to `value`.
+at::Tensor SetAdapterParameter(torch::nn::Module& module, const std::string& child, const std::string& name,
+                               const at::Tensor& value) {
+  std::shared_ptr<torch::nn::Module> holder = Child(*Child(module, child), name);
+  auto parameters = holder->named_parameters(/*recurse=*/false);
+  if (at::Tensor* existing = parameters.find("weight")) {
+    existing->set_data(value);
+    return *existing;
+  }
+  return holder->register_parameter("weight", value);
+}
+
+}  // namespace
+
+std::optional<std::pair<int64_t, int64_t>> LinearFeatures(const torch::nn::Module& module) {
+  std::optional<AdaptableLinear> linear = Adaptable(const_cast<torch::nn::Module&>(module));
+  if (!linear) return std::nullopt;
+  std::vector<int64_t> full = linear->weight.sizes().vec();
+  full[linear->shard.dim] *= linear->shard.parts;
+  return std::make_pair(full[0], full[1]);
+}
+
+absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Module& module,
+                                                                   const std::string& name,
+                                                                   const at::Tensor& full_a, double scale,
+                                                                   double dropout) {
+  std::optional<AdaptableLinear> linear = Adaptable(module);
+  if (!linear) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a LoRA adapter needs a ColumnParallelLinear, RowParallelLinear or ParallelLinear; this module is ",
+        module.name(), " (build the layer as trident::ParallelLinear)"));
+  }
+  const auto [out_features, in_features] = *LinearFeatures(module);
+  if (full_a.dim() != 2 || full_a.size(1) != in_features) {
+    return absl::InvalidArgumentError(absl::StrCat("LoRA A must be [r, ", in_features, "]; it is ",
+                                                   c10::str(full_a.sizes())));
+  }
+  const int64_t r = full_a.size(0);
+  const ShardSpec a_shard{1, linear->shard.parts, linear->shard.index, 1};
+  c10::NoGradGuard no_grad;
+  const at::TensorOptions options = linear->weight.options().requires_grad(false);
+  at::Tensor a = (linear->row ? a_shard.Slice(full_a) : full_a).to(options).contiguous();
+  at::Tensor b = at::zeros({linear->weight.size(0), r}, options);
+  LowRankAdapter& adapter = *linear->adapter;
+  adapter.a = SetAdapterParameter(module, "lora_A", name, a);
+  adapter.b = SetAdapterParameter(module, "lora_B", name, b);
+  adapter.scale = scale;
+  adapter.dropout = dropout;
+  std::map<std::string, ShardSpec> shards;
+  if (linear->shard.parts > 1) {
+    if (linear->row) {
+      shards[absl::StrCat("lora_A.", name, ".weight")] = a_shard;
+    } else {
+      shards[absl::StrCat("lora_B.", name, ".weight")] = linear->shard;
     }
   }
-  return at::Tensor();
+  return shards;
 }
 
 namespace {

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -95,6 +96,23 @@ struct ShardSpec {
   absl::StatusOr<std::vector<int64_t>> ShardShape(const std::vector<int64_t>& full) const;
 };
 
+// A LoRA adapter of a linear layer: y += scale * dropout(x) A^T B^T, with A
+// [r, in] and B [out, r] sliced as the layer's weight is. Column-parallel
+// layers keep A whole and their rows of B: the rank-r product x A^T enters
+// the layer's region as its input does (copied, or gathered from sequence
+// shards), so its gradient is summed there. Row-parallel layers keep their
+// columns of A and B whole: x A^T is partial and reduced the way the layer's
+// output is (all-reduced, or reduce-scattered into sequence shards). Each
+// adds one collective of [tokens, r] (r / out of the layer's own); under
+// sequence parallelism the replicated factor's gradient is partial, as the
+// norms' are, and summed with them.
+struct LowRankAdapter {
+  at::Tensor a, b;  // undefined: no adapter
+  double scale = 1.0;
+  double dropout = 0.0;
+  bool defined() const { return a.defined(); }
+};
+
 // Output features split over the group. Input: full (replicated) activations,
 // or with sequence parallelism sequence shards [B, T / size, C] that are
 // gathered first. Output: this rank's features, or all of them with
@@ -107,6 +125,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   // How weight (and bias) shard the full parameter.
   ShardSpec weight_shard() const { return {0, tp_.size, tp_.rank, blocks_}; }
   at::Tensor weight, bias;
+  LowRankAdapter adapter;
 
  private:
   TensorParallelism tp_;
@@ -127,6 +146,7 @@ class RowParallelLinearImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   ShardSpec weight_shard() const { return {1, tp_.size, tp_.rank, 1}; }
   at::Tensor weight, bias;
+  LowRankAdapter adapter;
 
  private:
   TensorParallelism tp_;
@@ -152,6 +172,21 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
   int64_t vocab_start_, vocab_end_;
 };
 TORCH_MODULE(VocabParallelEmbedding);
+
+// Gives `linear` (a ColumnParallelLinear, RowParallelLinear or ParallelLinear,
+// sharded or not) the LoRA adapter `name` of rank r: parameters
+// "lora_A.<name>.weight" (from `full_a`, the [r, in] matrix of the whole
+// layer, of which this rank keeps its slice) and "lora_B.<name>.weight"
+// (zeros), replacing an adapter it had. Returns the specs of the adapter
+// parameters split over the group, by their names relative to `linear`.
+// Errors when `linear` is another kind of module or `full_a` does not fit.
+absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Module& linear,
+                                                                   const std::string& name,
+                                                                   const at::Tensor& full_a, double scale,
+                                                                   double dropout);
+// The whole layer's [out, in] features of a linear module AddLowRankAdapter
+// takes (nullopt for any other module).
+std::optional<std::pair<int64_t, int64_t>> LinearFeatures(const torch::nn::Module& module);
 
 // Sums the gradients of `parameters` over the tensor-parallel group in one
 // message (sequence-parallel norms and biases, whose gradients each rank holds
@@ -181,7 +216,10 @@ class ParallelLinearImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   enum class Mode { kPlain, kColumn, kRow };
   Mode mode() const { return mode_; }
+  // How weight shards the full parameter (whole in plain mode).
+  ShardSpec weight_shard() const;
   at::Tensor weight, bias;
+  LowRankAdapter adapter;
 
  private:
   friend absl::Status ApplyTensorParallel(torch::nn::Module& model,

@@ -340,11 +340,21 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
 absl::Status Trainer::Impl::ExportSafetensors(const std::string& path) {
   TRIDENT_ASSIGN_OR_RETURN(NamedTensors tensors, model->FullWeights());
   if (!is_rank0()) return absl::OkStatus();
+  std::string what = "the model";
+  if (const std::optional<LoraOptions>& lora = model->plan().lora) {
+    if (config.lora_merge_on_export()) {
+      TRIDENT_ASSIGN_OR_RETURN(tensors, MergeAdapters(tensors, *lora));
+      what = absl::StrCat("the model with adapter '", lora->adapter_name, "' merged in");
+    } else {
+      tensors = PeftAdapter(tensors, *lora);
+      what = absl::StrCat("adapter '", lora->adapter_name, "' (PEFT names)");
+    }
+  }
   const auto parent = fs::path(path).parent_path();
   std::error_code error;
   if (!parent.empty()) fs::create_directories(parent, error);
   TRIDENT_RETURN_IF_ERROR(WriteSafetensors(path, tensors, {{"format", "pt"}}));
-  Print(absl::StrCat("exported the model to ", path));
+  Print(absl::StrCat("exported ", what, " to ", path));
   return absl::OkStatus();
 }
 

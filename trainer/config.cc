@@ -344,6 +344,10 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   if (!c->loss().empty() && !LossRegistry().Contains(c->loss())) {
     return LossRegistry().Find(c->loss()).status();
   }
+  if (!c->lora_config().empty()) TRIDENT_RETURN_IF_ERROR(ReadLoraConfig(c->lora_config(), c->adapter_name()).status());
+  if ((c->lora_merge_on_export() || c->lora_save_base()) && c->lora_config().empty()) {
+    return Invalid("lora_merge_on_export and lora_save_base apply to LoRA runs; set lora_config");
+  }
   return ValidatePlan(PlanFromConfig(*c));
 }
 
@@ -388,6 +392,11 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.micro_batch_size = c.micro_batch_size();
   plan.num_micro_batches = std::max<int64_t>(1, c.grad_accumulation_steps());
   plan.seed = c.seed();
+  if (!c.lora_config().empty()) {  // ValidateConfig reports a file that does not read
+    auto lora = ReadLoraConfig(c.lora_config(), c.adapter_name());
+    if (lora.ok()) plan.lora = *std::move(lora);
+    plan.save_frozen = c.lora_save_base();
+  }
   return plan;
 }
 

@@ -239,6 +239,32 @@ absl::StatusOr<ModelSource> ResolveLayerModule(const ModelSource& source, const 
   return resolved;
 }
 
+// Adds plan.lora's adapters to `module` (a layer part, or a whole module
+// before it is traced or run) and records them in `part`.
+absl::Status AddAdapters(torch::nn::Module& module, const ParallelPlan& plan, ModelPart* part) {
+  TRIDENT_ASSIGN_OR_RETURN(LoraLayers adapted, ApplyLora(module, *plan.lora, plan.seed));
+  part->lora_target_hits = std::move(adapted.target_hits);
+  part->shards.insert(adapted.shards.begin(), adapted.shards.end());
+  return absl::OkStatus();
+}
+
+// LoRA on a module or TorchScript source: through the module's own linear
+// layers (ParallelLinear), before tracing.
+absl::Status AddAdaptersToWholeModel(const ModelSource& source, const ParallelPlan& plan, ModelPart* part) {
+  if (!plan.lora) return absl::OkStatus();
+  if (source.kind == ModelSource::Kind::kTorchScript) {
+    return absl::UnimplementedError(
+        "LoRA (lora_config) adapts C++ linear layers (ParallelLinear, the zoo's); a TorchScript model's layers "
+        "cannot take adapters yet: build the model in C++, or merge the adapters in Python");
+  }
+  if (plan.tp > 1 && plan.trace_method == "jit") {
+    return absl::UnimplementedError(
+        "LoRA with tp > 1 on a traced module is not supported: declare the model's layers (trace_method=layers, "
+        "ParallelLinear with ApplyTensorParallel), or use tp=1");
+  }
+  return AddAdapters(*source.module, plan, part);
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& input_names,
@@ -268,6 +294,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
   if (source.kind == ModelSource::Kind::kLayers) {
     TRIDENT_RETURN_IF_ERROR(BuildLayers(source, plan, example, &part));
   } else {
+    TRIDENT_RETURN_IF_ERROR(AddAdaptersToWholeModel(source, plan, &part));
     TRIDENT_ASSIGN_OR_RETURN(WholeModel whole, RunWhole(source, plan, tp_rank, device, example));
     part.layers = std::move(whole.layers);
     part.loss_inside = true;
@@ -277,7 +304,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages(whole.shards, StagePartition(plan)));
       part.flops_per_sample = 3.0 * whole.total_flops / std::max<int64_t>(1, plan.micro_batch_size);
       part.aliases = std::move(whole.aliases);
-      part.shards = std::move(whole.tensor_parallel_shards);
+      part.shards.insert(whole.tensor_parallel_shards.begin(), whole.tensor_parallel_shards.end());
       part.tensor_parallel_report = std::move(whole.tensor_parallel_report);
     } else {
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
@@ -291,6 +318,15 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
   }
   if (source.kind == ModelSource::Kind::kLayers) {
     TRIDENT_ASSIGN_OR_RETURN(part.layers, source.build(ranges));
+    if (plan.lora) {
+      auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get());
+      if (module == nullptr) {
+        return absl::InvalidArgumentError(
+            "LoRA (lora_config) needs the model's layers to be a torch::nn::Module (as the zoo's are) whose "
+            "linear layers are ParallelLinear");
+      }
+      TRIDENT_RETURN_IF_ERROR(AddAdapters(*module, plan, &part));
+    }
   }
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the model to the device", [&] { part.layers->To(device); }));
   return part;

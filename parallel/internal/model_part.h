@@ -30,6 +30,9 @@ struct ModelPart {
   // its plan as a table.
   std::map<std::string, ShardSpec> shards;
   std::string tensor_parallel_report;
+  // With plan.lora: how many modules each target matched here (a target no
+  // stage matches is an error), and the adapters split over tp (in shards).
+  std::vector<int> lora_target_hits;
   // Module sources: a given loss function runs inside the layers, its result
   // first among the last layer's outputs.
   bool loss_inside = false;

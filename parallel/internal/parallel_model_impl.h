@@ -30,11 +30,12 @@ class ParallelModel::Impl {
   std::unique_ptr<PipelineSchedule> schedule;
   std::unique_ptr<PipelineStageRunner> runner;
   NamedTensors parameters;  // stored, each tensor once
+  NamedTensors trainable;   // those that require gradients (the others are frozen)
   std::map<std::string, ShardSpec> shards;
   // Parameters other stages hold too, and which stages hold each (ascending).
   NamedTensors tied;
   std::vector<std::vector<int>> tied_holders;
-  std::vector<at::Tensor> replicated;  // not tensor-parallel: partial gradients under SP
+  std::vector<at::Tensor> replicated;  // trainable, not tensor-parallel: partial gradients under SP
   std::vector<at::Tensor> counted;     // in the gradient norm
   std::unique_ptr<ParameterUpdate> update;
   PrecisionPolicy precision;
@@ -74,6 +75,7 @@ class ParallelModel::Impl {
   absl::StatusOr<std::vector<double>> LossWeights(const std::vector<Batch>& batches) const;
   absl::Status Setup(OptimizerFactory make_optimizer, const Batch& example);
   absl::Status FindBoundaries(const Batch& example);
+  absl::Status CheckLoraTargets();
   absl::Status ClassifyParameters(const Batch& example);
   void PlanRecomputation();
 };

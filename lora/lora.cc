@@ -1,0 +1,227 @@
+#include "lora/lora.h"
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+#include <torch/nn/module.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/rng.h"
+#include "base/status.h"
+#include "lora/lora_config.pb.h"
+
+namespace trident {
+namespace {
+
+constexpr char kPeftPrefix[] = "base_model.model.";
+
+// Whether module `name` is meant by `pattern` (the full name, or a suffix after '.').
+bool Matches(const std::string& name, const std::string& pattern) {
+  return name == pattern || absl::EndsWith(name, "." + pattern);
+}
+
+bool MatchesAny(const std::string& name, const std::vector<std::string>& patterns) {
+  for (const std::string& pattern : patterns) {
+    if (Matches(name, pattern)) return true;
+  }
+  return false;
+}
+
+// "a.b.weight" -> "a.b"; "weight" -> "".
+std::string ModuleOf(const std::string& parameter) {
+  const size_t dot = parameter.rfind('.');
+  return dot == std::string::npos ? "" : parameter.substr(0, dot);
+}
+
+// Whether a module name lies inside an adapter ("x.lora_A", "x.lora_A.default").
+bool InsideAdapter(const std::string& module) {
+  for (absl::string_view part : absl::StrSplit(module, '.')) {
+    if (part == "lora_A" || part == "lora_B") return true;
+  }
+  return false;
+}
+
+// The layer an adapter parameter belongs to ("x.c_attn.lora_A.default.weight" -> "x.c_attn"),
+// or nullopt for other parameters and other adapters.
+std::optional<std::string> AdaptedLayer(const std::string& parameter, const std::string& adapter) {
+  for (const char* part : {"lora_A.", "lora_B."}) {
+    const std::string tail = absl::StrCat(part, adapter, ".weight");
+    if (parameter == tail) return std::string();
+    if (absl::EndsWith(parameter, "." + tail)) return parameter.substr(0, parameter.size() - tail.size() - 1);
+  }
+  return std::nullopt;
+}
+
+// Whether parameter `name` trains under `options`, given the adapted layers.
+bool Trains(const std::string& name, const LoraOptions& options, const std::set<std::string>& adapted) {
+  if (AdaptedLayer(name, options.adapter_name)) return true;
+  const std::string module = ModuleOf(name);
+  if (absl::EndsWith(name, "bias")) {
+    if (options.bias == "all" || (options.bias == "lora_only" && adapted.count(module))) return true;
+  }
+  for (std::string prefix = module;; prefix = ModuleOf(prefix)) {  // the module or one containing it
+    if (!prefix.empty() && MatchesAny(prefix, options.modules_to_save)) return true;
+    if (prefix.empty()) return false;
+  }
+}
+
+std::set<std::string> AdaptedLayers(const NamedTensors& tensors, const std::string& adapter) {
+  std::set<std::string> adapted;
+  for (const auto& [name, t] : tensors) {
+    if (auto layer = AdaptedLayer(name, adapter)) adapted.insert(*layer);
+  }
+  return adapted;
+}
+
+std::string Join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : absl::StrCat(prefix, ".", name);
+}
+
+// Keeps the first text-format parse error instead of logging it.
+class FirstError : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    if (text.empty()) text = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
+  }
+  std::string text;
+};
+
+}  // namespace
+
+absl::Status ValidateLoraOptions(const LoraOptions& o) {
+  auto invalid = [](const std::string& m) { return absl::InvalidArgumentError(absl::StrCat("lora_config: ", m)); };
+  if (o.r < 1) return invalid(absl::StrCat("r must be at least 1; it is ", o.r));
+  if (!(o.alpha > 0)) return invalid(absl::StrCat("alpha must be positive; it is ", o.alpha));
+  if (!(o.dropout >= 0 && o.dropout < 1)) return invalid(absl::StrCat("dropout must be in [0, 1); it is ", o.dropout));
+  if (o.target_modules.empty()) {
+    return invalid("target_modules is empty; name the linear layers that get adapters (for gpt: c_attn, c_proj, c_fc)");
+  }
+  if (o.bias != "none" && o.bias != "all" && o.bias != "lora_only") {
+    return invalid(absl::StrCat("bias '", o.bias, "' is unknown; choose none, all or lora_only"));
+  }
+  if (o.adapter_name.empty() || absl::StrContains(o.adapter_name, ".")) {
+    return invalid(absl::StrCat("adapter_name '", o.adapter_name, "' must be a non-empty name without '.'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LoraOptions> ReadLoraConfig(const std::string& path, const std::string& adapter_name) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read lora_config file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  LoraConfig config;
+  FirstError error;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&error);
+  if (!parser.ParseFromString(text.str(), &config)) {
+    return absl::InvalidArgumentError(absl::StrCat("lora_config file ", path, " is not a valid LoraConfig (",
+                                                   error.text, "); the fields are in lora/lora_config.proto"));
+  }
+  LoraOptions options;
+  options.r = config.r();
+  options.alpha = config.alpha();
+  options.dropout = config.dropout();
+  options.target_modules.assign(config.target_modules().begin(), config.target_modules().end());
+  options.bias = config.bias();
+  options.modules_to_save.assign(config.modules_to_save().begin(), config.modules_to_save().end());
+  options.adapter_name = adapter_name;
+  absl::Status valid = ValidateLoraOptions(options);
+  if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", valid.message()));
+  return options;
+}
+
+absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions& options, uint64_t seed) {
+  TRIDENT_RETURN_IF_ERROR(ValidateLoraOptions(options));
+  LoraLayers result;
+  result.target_hits.assign(options.target_modules.size(), 0);
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> targets;
+  for (const auto& item : model.named_modules()) {  // first all matches: adapters add modules
+    if (InsideAdapter(item.key())) continue;
+    bool hit = false;
+    for (size_t i = 0; i < options.target_modules.size(); ++i) {
+      if (Matches(item.key(), options.target_modules[i])) hit = ++result.target_hits[i] > 0;
+    }
+    if (hit) targets.emplace_back(item.key(), item.value());
+  }
+  for (const auto& [name, module] : targets) {
+    const auto features = LinearFeatures(*module);
+    if (!features) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LoRA target '", name, "' is a ", module->name(),
+          ", not a linear layer that takes adapters (ColumnParallelLinear, RowParallelLinear or ParallelLinear); "
+          "name linear layers in target_modules, or build this one as trident::ParallelLinear"));
+    }
+    const std::string a_name = Join(name, absl::StrCat("lora_A.", options.adapter_name, ".weight"));
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, a_name));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(features->second));  // kaiming_uniform_(a=sqrt(5))
+    at::Tensor full_a;
+    {
+      c10::NoGradGuard no_grad;
+      full_a = at::empty({options.r, features->second}).uniform_(-bound, bound, generator);
+    }
+    TRIDENT_ASSIGN_OR_RETURN(auto shards, AddLowRankAdapter(*module, options.adapter_name, full_a, options.scale(),
+                                                            options.dropout));
+    for (const auto& [relative, spec] : shards) result.shards[Join(name, relative)] = spec;
+    result.adapted.push_back(name);
+  }
+  const std::set<std::string> adapted(result.adapted.begin(), result.adapted.end());
+  for (auto& item : model.named_parameters()) {
+    const bool trains = Trains(item.key(), options, adapted);
+    item.value().requires_grad_(trains);
+    if (trains) result.trainable_parameters += item.value().numel();
+  }
+  return result;
+}
+
+bool IsAdapterParameter(const std::string& name) { return InsideAdapter(ModuleOf(name)); }
+
+NamedTensors PeftAdapter(const NamedTensors& full, const LoraOptions& options) {
+  const std::set<std::string> adapted = AdaptedLayers(full, options.adapter_name);
+  NamedTensors adapter;
+  for (const auto& [name, tensor] : full) {
+    if (Trains(name, options, adapted)) adapter.emplace_back(kPeftPrefix + name, tensor);
+  }
+  return adapter;
+}
+
+absl::StatusOr<NamedTensors> MergeAdapters(const NamedTensors& full, const LoraOptions& options) {
+  std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
+  NamedTensors merged;
+  for (const auto& [name, tensor] : full) {
+    if (IsAdapterParameter(name)) continue;
+    const std::string layer = ModuleOf(name);
+    const std::string suffix = absl::StrCat(".", options.adapter_name, ".weight");
+    auto a = by_name.find(Join(layer, "lora_A") + suffix);
+    auto b = by_name.find(Join(layer, "lora_B") + suffix);
+    if (name != Join(layer, "weight") || a == by_name.end() || b == by_name.end()) {
+      merged.emplace_back(name, tensor);
+      continue;
+    }
+    if (tensor.dim() != 2 || tensor.size(0) != b->second.size(0) || tensor.size(1) != a->second.size(1)) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot merge the adapter of '", layer, "': its weight is ",
+                                                     c10::str(tensor.sizes()), ", A ", c10::str(a->second.sizes()),
+                                                     " and B ", c10::str(b->second.sizes())));
+    }
+    c10::NoGradGuard no_grad;
+    merged.emplace_back(name, tensor + options.scale() * at::mm(b->second, a->second).to(tensor.scalar_type()));
+  }
+  for (const std::string& layer : AdaptedLayers(full, options.adapter_name)) {
+    if (!by_name.count(Join(layer, "weight"))) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot merge the adapter of '", layer, "': the tensors hold no ",
+                                                     Join(layer, "weight")));
+    }
+  }
+  return merged;
+}
+
+}  // namespace trident

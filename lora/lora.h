@@ -1,0 +1,89 @@
+// lora: LoRA fine-tuning (low-rank adapters, as PEFT's LoraConfig describes
+// them) on any model whose linear layers are ColumnParallelLinear,
+// RowParallelLinear or ParallelLinear (the zoo's are), in any layout.
+//
+// Every target layer gains A [r, in] (Kaiming-uniform, drawn from the seed and
+// A's name, so every layout starts from the same values) and B [out, r]
+// (zeros) with scale alpha / r: y = x W^T + b + scale * dropout(x) A^T B^T.
+// Every other parameter is frozen (requires_grad false: no gradient, no
+// optimizer state, no reduction) except the biases `bias` names and the
+// modules in modules_to_save. Parallelize applies it (ParallelPlan::lora);
+// under tensor parallelism the adapters split as the layer does (see
+// LowRankAdapter).
+//
+//   LoraOptions lora;
+//   lora.r = 8;
+//   lora.alpha = 16;
+//   lora.target_modules = {"c_attn", "c_proj"};
+//   TRIDENT_ASSIGN_OR_RETURN(LoraLayers adapted, ApplyLora(*model, lora, /*seed=*/1));
+//
+// Adapter parameters are named "<module>.lora_A.<adapter>.weight" and
+// "<module>.lora_B.<adapter>.weight"; PeftAdapter exports them under PEFT's
+// names and MergeAdapters folds them into the base weights.
+#ifndef TRIDENT_LORA_LORA_H_
+#define TRIDENT_LORA_LORA_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "base/tensors.h"
+#include "tensor_parallel/tensor_parallel.h"
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+
+namespace trident {
+
+struct LoraOptions {
+  int64_t r = 8;
+  double alpha = 8;
+  double dropout = 0;
+  // Linear layers by module name, or a suffix after '.'.
+  std::vector<std::string> target_modules;
+  std::string bias = "none";  // which biases train: none, all, lora_only
+  std::vector<std::string> modules_to_save;  // trained whole, by name or suffix
+  std::string adapter_name = "default";
+  double scale() const { return alpha / static_cast<double>(r); }
+};
+
+// Errors naming the field for values that cannot work.
+absl::Status ValidateLoraOptions(const LoraOptions& options);
+// Reads a LoraConfig text file (lora/lora_config.proto); errors name the file
+// and what is wrong in it.
+absl::StatusOr<LoraOptions> ReadLoraConfig(const std::string& path, const std::string& adapter_name);
+
+// What ApplyLora did to a model (or to one pipeline stage of it).
+struct LoraLayers {
+  std::vector<std::string> adapted;  // the modules that got adapters, by name
+  // Adapter parameters split over the tensor-parallel group, by full name.
+  std::map<std::string, ShardSpec> shards;
+  // How many modules each target_modules entry matched (in order): a pattern
+  // that matches nothing on any pipeline stage is a mistake.
+  std::vector<int> target_hits;
+  int64_t trainable_parameters = 0;  // elements of the parameters left trainable here
+};
+
+// Adds the adapters to `model` (built whole, or one stage of it, possibly
+// sharded for tensor parallelism) and freezes the rest. Errors name a target
+// that is not a linear layer of a kind that takes an adapter.
+absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions& options, uint64_t seed);
+
+// Whether `name` is an adapter parameter ("...lora_A.<adapter>.weight").
+bool IsAdapterParameter(const std::string& name);
+
+// The adapter tensors of `full` (the single-process model's tensors) under
+// PEFT's names: "base_model.model.<module>.lora_A.<adapter>.weight", plus
+// the modules_to_save's tensors as "base_model.model.<name>".
+NamedTensors PeftAdapter(const NamedTensors& full, const LoraOptions& options);
+// `full` with every adapter folded into its layer (W + scale * B A) and the
+// adapter tensors left out: the base model, fine-tuned. Errors name an
+// adapter whose layer's weight is missing.
+absl::StatusOr<NamedTensors> MergeAdapters(const NamedTensors& full, const LoraOptions& options);
+
+}  // namespace trident
+
+#endif  // TRIDENT_LORA_LORA_H_
