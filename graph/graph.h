@@ -87,6 +87,15 @@ class LayerSequence {
   // keeping the tensors' identities. The default moves LayerParameters of the
   // layers in [0, NumLayers()) that are materialised.
   virtual void To(const at::Device& device);
+  // Incremental decoding (text generation with a key/value cache), for models
+  // that offer it: after StartDecoding each forward takes only the positions
+  // that follow those already given (token ids for layer 0), which attend to
+  // the cached ones; KeepPositions(n) forgets positions from n on (padding);
+  // StopDecoding clears the cache. The defaults: not offered.
+  virtual bool SupportsDecoding() const { return false; }
+  virtual void StartDecoding() {}
+  virtual void KeepPositions(int64_t /*n*/) {}
+  virtual void StopDecoding() {}
 
  private:
   LayerObserver* observer_ = nullptr;

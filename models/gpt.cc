@@ -15,8 +15,12 @@ namespace F = torch::nn::functional;
 // q, k and v blocks are split column-wise, c_proj row-wise.
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
-  explicit CausalSelfAttentionImpl(const ModelConfig& c)
-      : local_heads_(c.n_head / c.tp.size), head_dim_(c.n_embd / c.n_head), dropout_(c.dropout) {
+  CausalSelfAttentionImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block)
+      : local_heads_(c.n_head / c.tp.size),
+        head_dim_(c.n_embd / c.n_head),
+        dropout_(c.dropout),
+        cache_(cache),
+        block_(block) {
     c_attn = register_module(
         "c_attn", ColumnParallelLinear(c.tp, c.n_embd, 3 * c.n_embd, true, false, /*blocks=*/3));
     c_proj = register_module("c_proj", RowParallelLinear(c.tp, c.n_embd, c.n_embd));
@@ -27,7 +31,9 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
     torch::Tensor qkv = c_attn(x);  // [B, T, 3 * local width]: T is whole after the column input
     const int64_t B = qkv.size(0), T = qkv.size(1);
     qkv = qkv.view({B, T, 3, local_heads_, head_dim_}).permute({2, 0, 3, 1, 4});
-    torch::Tensor y = CausalAttention(qkv[0], qkv[1], qkv[2], dropout_, is_training());
+    torch::Tensor k = qkv[1], v = qkv[2];
+    if (cache_->active()) std::tie(k, v) = cache_->Append(block_, k, v);
+    torch::Tensor y = CausalAttention(qkv[0], k, v, dropout_, is_training());
     return resid_dropout(c_proj(y.transpose(1, 2).reshape({B, T, local_heads_ * head_dim_})));
   }
 
@@ -38,6 +44,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
  private:
   int64_t local_heads_, head_dim_;
   double dropout_;
+  KeyValueCache* cache_;
+  int64_t block_;
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -63,9 +71,9 @@ torch::nn::LayerNorm MakeLayerNorm(int64_t width) {
 
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const ModelConfig& c) {
+  BlockImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block) {
     ln_1 = register_module("ln_1", MakeLayerNorm(c.n_embd));
-    attn = register_module("attn", CausalSelfAttention(c));
+    attn = register_module("attn", CausalSelfAttention(c, cache, block));
     ln_2 = register_module("ln_2", MakeLayerNorm(c.n_embd));
     mlp = register_module("mlp", Mlp(c));
   }
@@ -90,7 +98,7 @@ class TransformerImpl : public torch::nn::Module {
     if (embedding) wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
     h = register_module("h", std::make_shared<torch::nn::Module>());
-    blocks = BuildBlocks<Block>(model, *h, c.n_layer, [&] { return Block(c); });
+    blocks = BuildBlocks<Block>(model, *h, c.n_layer, [&](int64_t b) { return Block(c, model.key_value_cache(), b); });
     if (head) ln_f = register_module("ln_f", MakeLayerNorm(c.n_embd));
   }
   VocabParallelEmbedding wte{nullptr};
@@ -116,7 +124,9 @@ class Gpt : public LanguageModel {
     if (i == 0) {
       // With sequence parallelism the tokens arrive as this rank's sequence shard.
       at::Tensor tokens = transformer->wte(x);
-      const int64_t T = tokens.size(1), first = tp.sequence_parallel ? tp.rank * T : 0;
+      const int64_t T = tokens.size(1), shards = tp.sequence_parallel ? tp.size : 1;
+      KeyValueCache& cache = *key_value_cache();  // decoding: positions go on from the cached ones
+      const int64_t first = (cache.active() ? cache.Embed(T * shards) : 0) + (shards > 1 ? tp.rank * T : 0);
       auto positions = torch::arange(first, first + T, x.options().dtype(torch::kLong));
       return transformer->drop(tokens + transformer->wpe(positions));
     }

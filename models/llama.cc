@@ -43,11 +43,13 @@ torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
 // n_kv_head / tp key/value heads (q, k, v split column-wise, o_proj row-wise).
 class AttentionImpl : public torch::nn::Module {
  public:
-  explicit AttentionImpl(const ModelConfig& c)
+  AttentionImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block)
       : n_head_(c.n_head / c.tp.size),
         n_kv_head_((c.n_kv_head > 0 ? c.n_kv_head : c.n_head) / c.tp.size),
         head_dim_(c.n_embd / c.n_head),
-        dropout_(c.dropout) {
+        dropout_(c.dropout),
+        cache_(cache),
+        block_(block) {
     const int64_t kv_width = n_kv_head_ * c.tp.size * head_dim_;
     q_proj = register_module("q_proj", Column(c, c.n_embd, c.n_embd));
     k_proj = register_module("k_proj", Column(c, c.n_embd, kv_width));
@@ -62,6 +64,7 @@ class AttentionImpl : public torch::nn::Module {
     auto v = v_proj(x).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
     q = ApplyRotary(q, cos, sin);
     k = ApplyRotary(k, cos, sin);
+    if (cache_->active()) std::tie(k, v) = cache_->Append(block_, k, v);
     auto y = CausalAttention(q, k, v, dropout_, is_training());
     return o_proj(y.transpose(1, 2).reshape({B, T, n_head_ * head_dim_}));
   }
@@ -71,6 +74,8 @@ class AttentionImpl : public torch::nn::Module {
  private:
   int64_t n_head_, n_kv_head_, head_dim_;
   double dropout_;
+  KeyValueCache* cache_;
+  int64_t block_;
 };
 TORCH_MODULE(Attention);
 
@@ -92,8 +97,8 @@ TORCH_MODULE(SwiGlu);
 
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  explicit DecoderLayerImpl(const ModelConfig& c) {
-    self_attn = register_module("self_attn", Attention(c));
+  DecoderLayerImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block) {
+    self_attn = register_module("self_attn", Attention(c, cache, block));
     mlp = register_module("mlp", SwiGlu(c));
     input_layernorm = register_module("input_layernorm", RmsNorm(c.n_embd));
     post_attention_layernorm = register_module("post_attention_layernorm", RmsNorm(c.n_embd));
@@ -115,7 +120,7 @@ class LlamaBodyImpl : public torch::nn::Module {
       embed_tokens = register_module("embed_tokens", VocabParallelEmbedding(c.tp, c.vocab_size, c.n_embd));
     }
     layers = register_module("layers", std::make_shared<torch::nn::Module>());
-    blocks = BuildBlocks<DecoderLayer>(model, *layers, c.n_layer, [&] { return DecoderLayer(c); });
+    blocks = BuildBlocks<DecoderLayer>(model, *layers, c.n_layer, [&](int64_t b) { return DecoderLayer(c, model.key_value_cache(), b); });
     if (model.HasLayer(c.n_layer + 1)) norm = register_module("norm", RmsNorm(c.n_embd));
   }
   VocabParallelEmbedding embed_tokens{nullptr};
@@ -140,8 +145,11 @@ class Llama : public LanguageModel {
     if (i == NumLayers() - 1) return lm_head(model->norm(x));  // this rank's vocabulary slice
     // With sequence parallelism x is a sequence shard; the rotation covers all T.
     const TensorParallelism& tp = config().tp;
-    const auto& [cos, sin] = Rotary(x.size(1) * (tp.sequence_parallel ? tp.size : 1), x.options());
-    return model->blocks[i - 1]->forward(x, cos, sin);
+    const int64_t T = x.size(1) * (tp.sequence_parallel ? tp.size : 1);
+    const KeyValueCache& cache = *key_value_cache();
+    const int64_t first = cache.active() ? cache.Length(i - 1) : 0;  // decoding: after the cached positions
+    const auto& [cos, sin] = Rotary(first + T, x.options());
+    return model->blocks[i - 1]->forward(x, cos.narrow(0, first, T), sin.narrow(0, first, T));
   }
 
   std::vector<std::pair<std::string, at::Tensor>> LayerParameters(int64_t i) override {
@@ -157,9 +165,9 @@ class Llama : public LanguageModel {
   ColumnParallelLinear lm_head{nullptr};
 
  private:
-  // cos and sin of the rotary angles for T positions, [T, head_dim], cached.
+  // cos and sin of the rotary angles for (at least) T positions, [T, head_dim], cached.
   const std::pair<torch::Tensor, torch::Tensor>& Rotary(int64_t T, const torch::TensorOptions& like) {
-    if (rotary_length_ != T || rotary_.first.device() != like.device()) {
+    if (rotary_length_ < T || rotary_.first.device() != like.device()) {
       const ModelConfig& c = config();
       const int64_t head_dim = c.n_embd / c.n_head;
       auto options = torch::TensorOptions().dtype(torch::kFloat).device(like.device());

@@ -13,15 +13,15 @@ class ResidualBlockImpl : public torch::nn::Module {
   explicit ResidualBlockImpl(const ModelConfig& c) {
     const int64_t hidden = c.intermediate_size > 0 ? c.intermediate_size : 4 * c.n_embd;
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-    fc1 = register_module("fc1", torch::nn::Linear(c.n_embd, hidden));
-    fc2 = register_module("fc2", torch::nn::Linear(hidden, c.n_embd));
+    fc1 = register_module("fc1", ParallelLinear(c.n_embd, hidden));
+    fc2 = register_module("fc2", ParallelLinear(hidden, c.n_embd));
     dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     return x + dropout(fc2(torch::gelu(fc1(norm(x)))));
   }
   torch::nn::LayerNorm norm{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  ParallelLinear fc1{nullptr}, fc2{nullptr};
   torch::nn::Dropout dropout{nullptr};
 };
 TORCH_MODULE(ResidualBlock);
@@ -32,10 +32,10 @@ class Mlp : public LanguageModel {
     if (HasLayer(0)) embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.n_embd));
     blocks_holder = register_module("blocks", std::make_shared<torch::nn::Module>());
     blocks = BuildBlocks<ResidualBlock>(*this, *blocks_holder, c.n_layer,
-                                        [&] { return ResidualBlock(c); });
+                                        [&](int64_t) { return ResidualBlock(c); });
     if (HasLayer(c.n_layer + 1)) {
       norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-      head = register_module("head", torch::nn::Linear(c.n_embd, c.vocab_size));
+      head = register_module("head", ParallelLinear(c.n_embd, c.vocab_size));
     }
   }
 
@@ -63,7 +63,7 @@ class Mlp : public LanguageModel {
   std::shared_ptr<torch::nn::Module> blocks_holder;
   std::vector<ResidualBlock> blocks;
   torch::nn::LayerNorm norm{nullptr};
-  torch::nn::Linear head{nullptr};
+  ParallelLinear head{nullptr};
 };
 
 }  // namespace

@@ -217,39 +217,61 @@ std::vector<std::pair<std::string, at::Tensor>> PrefixedParameters(const torch::
   return out;
 }
 
+void KeyValueCache::Keep(int64_t n) {
+  embedded_ = std::min(embedded_, n);
+  for (auto& [layer, kv] : layers_) {
+    if (kv.first.size(2) > n) kv = {kv.first.narrow(2, 0, n), kv.second.narrow(2, 0, n)};
+  }
+}
+
+int64_t KeyValueCache::Length(int64_t layer) const {
+  auto found = layers_.find(layer);
+  return found == layers_.end() ? 0 : found->second.first.size(2);
+}
+
+std::pair<at::Tensor, at::Tensor> KeyValueCache::Append(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+  auto [found, fresh] = layers_.try_emplace(layer, k, v);
+  if (!fresh) found->second = {at::cat({found->second.first, k}, 2), at::cat({found->second.second, v}, 2)};
+  return found->second;
+}
+
 at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            double dropout, bool training) {
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Tk = k.size(2);
   at::Tensor keys = k, values = v;
   if (k.size(1) != H) {
     const int64_t repeat = H / k.size(1);
     keys = k.repeat_interleave(repeat, /*dim=*/1);
     values = v.repeat_interleave(repeat, /*dim=*/1);
   }
+  // Additive: -inf above the diagonal; the queries are the last T of Tk positions.
+  thread_local at::Tensor mask;
+  auto causal_mask = [&] {
+    if (!mask.defined() || mask.size(0) < Tk || mask.scalar_type() != q.scalar_type() ||
+        mask.device() != q.device()) {
+      mask = at::full({Tk, Tk}, -std::numeric_limits<double>::infinity(), q.options()).triu(1);
+    }
+    return mask.narrow(0, Tk - T, T).narrow(1, 0, Tk);
+  };
 #if TORCH_VERSION_MAJOR >= 2
   // On GPUs LibTorch 2's fused attention (flash or memory-efficient kernels):
   // the [B*H, T, T] scores never reach memory.
   if (q.is_cuda()) {
-    return at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, training ? dropout : 0.0,
-                                            /*is_causal=*/true);
+    const bool square = T == Tk;
+    return at::scaled_dot_product_attention(q, keys, values, square ? at::Tensor() : causal_mask(),
+                                            training ? dropout : 0.0, /*is_causal=*/square);
   }
 #endif
   // NOTE: one batched GEMM computes mask + scale * q k^T (baddbmm), so the
   // [B*H, T, T] scores are written once instead of three times (matmul, scale,
   // masked_fill), forward and backward.
-  thread_local at::Tensor mask;  // additive: -inf above the diagonal
-  if (!mask.defined() || mask.size(0) < T || mask.scalar_type() != q.scalar_type() ||
-      mask.device() != q.device()) {
-    mask = at::full({T, T}, -std::numeric_limits<double>::infinity(), q.options()).triu(1);
-  }
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  at::Tensor scores = at::baddbmm(mask.narrow(0, 0, T).narrow(1, 0, T).expand({B * H, T, T}),
-                                  q.reshape({B * H, T, D}),
-                                  keys.reshape({B * H, T, D}).transpose(1, 2), /*beta=*/1,
+  at::Tensor scores = at::baddbmm(causal_mask().expand({B * H, T, Tk}), q.reshape({B * H, T, D}),
+                                  keys.reshape({B * H, Tk, D}).transpose(1, 2), /*beta=*/1,
                                   /*alpha=*/scale);
   at::Tensor weights = at::softmax(scores, -1);
   if (training && dropout > 0) weights = at::dropout(weights, dropout, /*train=*/true);
-  return at::bmm(weights, values.reshape({B * H, T, D})).view({B, H, T, D});
+  return at::bmm(weights, values.reshape({B * H, Tk, D})).view({B, H, T, D});
 }
 
 }  // namespace internal
@@ -261,9 +283,13 @@ std::string LanguageModel::LayerName(int64_t i) const {
 }
 
 LanguageModel::LanguageModel(ModelConfig config, LayerRanges ranges)
-    : config_(std::move(config)), ranges_(std::move(ranges)) {
+    : config_(std::move(config)), ranges_(std::move(ranges)), cache_(std::make_shared<internal::KeyValueCache>()) {
   if (ranges_.empty()) ranges_.emplace_back(0, NumLayers());
 }
+
+void LanguageModel::StartDecoding() { cache_->Start(); }
+void LanguageModel::KeepPositions(int64_t n) { cache_->Keep(n); }
+void LanguageModel::StopDecoding() { cache_->Stop(); }
 
 bool LanguageModel::HasLayer(int64_t i) const {
   return std::any_of(ranges_.begin(), ranges_.end(),

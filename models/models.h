@@ -28,6 +28,9 @@
 #include "tensor_parallel/tensor_parallel.h"
 
 namespace trident {
+namespace internal {
+class KeyValueCache;  // models/internal/architectures.h
+}  // namespace internal
 
 // Every architecture's size fields; fields an architecture does not use are ignored.
 struct ModelConfig {
@@ -87,6 +90,14 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
   at::Tensor SequenceLoss(const at::Tensor& logits, const at::Tensor& targets);
   // LayerSequence: SequenceLoss of the head's logits against batch field 1.
   at::Tensor Loss(const Values& outputs, const Batch& batch) override;
+  // Incremental decoding (LayerSequence): attention layers cache their keys
+  // and values; positions continue where the cache ends.
+  bool SupportsDecoding() const override { return true; }
+  void StartDecoding() override;
+  void KeepPositions(int64_t n) override;
+  void StopDecoding() override;
+  // The cache the zoo's attention layers share (for their constructors).
+  internal::KeyValueCache* key_value_cache() const { return cache_.get(); }
   void To(const at::Device& device) override { torch::nn::Module::to(device); }
   void SetTraining(bool training) override { torch::nn::Module::train(training); }
   // The parameters split over the tensor-parallel group, by name, and how each
@@ -109,6 +120,7 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
  private:
   ModelConfig config_;
   LayerRanges ranges_;
+  std::shared_ptr<internal::KeyValueCache> cache_;
 };
 
 // Builds `config`'s model. Every parameter is drawn from its own generator,

@@ -123,6 +123,32 @@ TEST_P(EveryModelTest, InitialLossIsNearUniformAndFutureTokensAreNotSeen) {
   EXPECT_TRUE(torch::allclose(before, after, 0, 0));
 }
 
+// Decoding with the key/value cache (a prompt of 5, then one token at a
+// time, then 2 with a padding position forgotten) gives the logits of the
+// whole sequence at once.
+TEST_P(EveryModelTest, CachedDecodingComputesTheWholeSequencesLogits) {
+  const std::string preset = GetParam();
+  ModelConfig c = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  c.n_layer = 2;
+  if (c.model == "llama") c.n_kv_head = c.n_head / 2;  // grouped-query attention
+  auto model = Make(c);
+  model->eval();
+  torch::manual_seed(0);
+  auto tokens = torch::randint(c.vocab_size, {1, 10}, torch::kLong);
+  const at::Tensor whole = model->Logits(tokens);
+  ASSERT_TRUE(model->SupportsDecoding());
+  model->StartDecoding();
+  std::vector<at::Tensor> pieces = {model->Logits(tokens.narrow(1, 0, 5))};
+  for (int64_t t = 5; t < 8; ++t) pieces.push_back(model->Logits(tokens.narrow(1, t, 1)));
+  pieces.push_back(model->Logits(tokens.narrow(1, 8, 2)).narrow(1, 0, 1));
+  model->KeepPositions(9);  // position 9 was padding
+  pieces.push_back(model->Logits(tokens.narrow(1, 9, 1)));
+  model->StopDecoding();
+  const at::Tensor decoded = torch::cat(pieces, 1);
+  EXPECT_LE((decoded - whole).abs().max().item<double>(), 1e-5);
+  EXPECT_TRUE(torch::allclose(model->Logits(tokens), whole, 0, 0)) << "stopped: whole sequences again";
+}
+
 TEST_P(EveryModelTest, LearnsARepeatingSequence) {
   const std::string preset = GetParam();
   ModelConfig c = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);

@@ -336,8 +336,8 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   if (c->finetune() && c->resume_from().empty()) {
     return Invalid("finetune loads the weights of resume_from (a checkpoint); set resume_from");
   }
-  if (!(c->temperature() > 0) || c->top_k() < 0 || c->sample_tokens() < 0) {
-    return Invalid("temperature must be positive; top_k and sample_tokens must not be negative");
+  if (!(c->temperature() > 0) || c->top_k() < 0 || c->sample_tokens() < 0 || c->out_seq_length() < 0) {
+    return Invalid("temperature must be positive; top_k, sample_tokens and out_seq_length must not be negative");
   }
   if (!(c->bucket_size_mb() > 0)) return Invalid("bucket_size_mb must be positive");
   if (c->intra_op_threads() < 0) return Invalid("intra_op_threads must not be negative");
@@ -380,8 +380,8 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   if (c.prescale_gradients()) plan.gradient_predivide_factor = c.gradient_predivide_factor();
   plan.precision = c.precision();
   plan.precision_table = c.precision_table();
-  plan.loss_scaling = c.has_loss_scale();
-  plan.loss_scaler.loss_scale = c.loss_scale();
+  plan.loss_scaling = c.has_loss_scale() || c.skip_if_nonfinite();
+  plan.loss_scaler.loss_scale = c.has_loss_scale() ? c.loss_scale() : 1.0;  // skip_if_nonfinite: a static 1
   plan.loss_scaler.initial_scale_power = c.initial_scale_power();
   plan.loss_scaler.loss_scale_window = c.loss_scale_window();
   plan.loss_scaler.hysteresis = c.hysteresis();

@@ -31,18 +31,36 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
   const ProcessGroup* pp = model.pipeline_group();
   const int64_t align = model.plan().sequence_parallel ? model.plan().tp : 1;  // sequence shards must divide
   const int64_t block = model.source().sequence_length;
+  // With a key/value cache the context is read once and each new token is
+  // one position (padded to the sequence shards); once the text outgrows the
+  // context every token re-reads the last `block` tokens, as without it.
+  LayerSequence& layers = model.layers();
+  const bool cached = t.config.kv_cache() && layers.SupportsDecoding();
+  int64_t cached_positions = 0;
   model.SetTraining(false);
   absl::Status sampled = CatchExceptions("sampling", [&] {
     for (int64_t i = 0; i < tokens; ++i) {
-      const int64_t context = std::min<int64_t>(ids.size(), block / align * align);
-      std::vector<int64_t> window(ids.end() - context, ids.end());
-      // Padding after the context leaves its logits unchanged (causal attention).
-      window.resize((context + align - 1) / align * align, 0);
+      const bool incremental = cached && i > 0 && cached_positions + align <= block;
+      std::vector<int64_t> input;
+      if (incremental) {
+        input = {ids.back()};
+      } else {
+        const int64_t context = std::min<int64_t>(ids.size(), block / align * align);
+        input.assign(ids.end() - context, ids.end());
+        if (cached) layers.StartDecoding();
+      }
+      const int64_t valid = static_cast<int64_t>(input.size());
+      // Padding after the input leaves its logits unchanged (causal attention).
+      input.resize((valid + align - 1) / align * align, 0);
       at::Tensor next = at::zeros({1}, at::kLong);
-      auto outputs = model.Forward({at::tensor(window, at::kLong).unsqueeze(0)});
+      auto outputs = model.Forward({at::tensor(input, at::kLong).unsqueeze(0)});
       TORCH_CHECK(outputs.ok(), std::string(outputs.status().message()));
+      if (cached) {
+        cached_positions = (incremental ? cached_positions : 0) + valid;
+        layers.KeepPositions(cached_positions);  // the padding's keys and values go
+      }
       if (model.stage() == model.stages() - 1) {
-        at::Tensor logits = outputs->at(0).select(1, context - 1).squeeze(0).cpu();
+        at::Tensor logits = outputs->at(0).select(1, valid - 1).squeeze(0).cpu();
         if (tp != nullptr) {  // this rank's vocabulary slice -> all of it
           auto gathered = tp->AllGather(logits.contiguous(), 0);
           TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
@@ -63,6 +81,7 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
       ids.push_back(next.item<int64_t>());
     }
   });
+  if (cached) layers.StopDecoding();
   model.SetTraining(true);
   TRIDENT_RETURN_IF_ERROR(sampled);
   if (model.topology().rank() != 0) return std::string();

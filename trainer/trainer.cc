@@ -344,10 +344,16 @@ absl::StatusOr<TrainResult> Trainer::Train() {
                                 ? absl::StrFormat(" nats/token (unigram entropy of the data %.4f)", result.unigram_entropy)
                                 : ""));
   }
-  if (c.sample_tokens() > 0 && t.model->source().returns_logits) {
-    TRIDENT_ASSIGN_OR_RETURN(result.sample, Sample(c.prompt(), c.sample_tokens()));
-    t.Print(absl::StrCat("sample (temperature ", c.temperature(), ", top_k ", c.top_k(), "):\n", result.sample));
-  } else if (c.sample_tokens() > 0) {
+  const int64_t sample_tokens = c.text_generation() ? c.out_seq_length() : c.sample_tokens();
+  if (sample_tokens > 0 && t.model->source().returns_logits) {
+    const auto start = std::chrono::steady_clock::now();
+    TRIDENT_ASSIGN_OR_RETURN(result.sample, Sample(c.prompt(), sample_tokens));
+    t.Print(absl::StrFormat("sample (temperature %g, top_k %d, %d tokens in %.2f s%s):\n%s", c.temperature(),
+                            c.top_k(), sample_tokens,
+                            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                            c.kv_cache() && t.model->layers().SupportsDecoding() ? ", key/value cache" : "",
+                            result.sample));
+  } else if (sample_tokens > 0) {
     t.Print("sample: skipped (sampling needs a model whose outputs are next-token logits, such as the zoo's)");
   }
   if (!c.export_safetensors().empty()) TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.export_safetensors()));

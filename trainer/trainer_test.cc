@@ -278,6 +278,32 @@ TEST(TrainerPrecisionTest, InfOnOneRankSkipsTheStepEverywhereAndHalvesTheScale) 
   });
 }
 
+// amp_native's skip_if_nonfinite for bf16: the step with an inf is skipped
+// everywhere and nothing is ever scaled.
+TEST(TrainerPrecisionTest, SkipIfNonfiniteSkipsWithoutScaling) {
+  TrainerConfig config = SmallConfig(2);
+  config.set_precision("bf16");
+  config.set_skip_if_nonfinite(true);
+  config.set_max_steps(8);
+  testing::RunOnRanks(2, [&](int rank) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    auto trainer = Trainer::Create(config, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    auto hooks = std::make_shared<InjectInf>(rank);
+    (*trainer)->AddHooks(hooks);
+    auto result = (*trainer)->Train();
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(hooks->metrics.size(), 8u);
+    for (int i = 0; i < 8; ++i) {
+      EXPECT_EQ(hooks->metrics[i].skipped, i == 4) << "step " << i + 1;
+      EXPECT_EQ(hooks->metrics[i].loss_scale, 1.0) << "step " << i + 1;
+    }
+    EXPECT_TRUE(at::equal(hooks->snapshots[4], hooks->snapshots[3])) << "skipped: no update";
+    EXPECT_FALSE(at::equal(hooks->snapshots[5], hooks->snapshots[4])) << "training goes on";
+  });
+}
+
 // Checkpoints under ZeRO and mixed precision (with the loss scaler's state)
 // resume bit-exactly.
 TEST(TrainerCheckpointTest, MixedPrecisionZeroResumeIsBitExact) {
@@ -305,18 +331,30 @@ TEST(TrainerParityTest, PrescaledGradientsEqualOneProcess) {
 }
 
 // Sampling runs across tensor-parallel ranks, pipeline stages (interleaved too)
-// and ZeRO-3 replicas, and draws what one process draws.
+// and ZeRO-3 replicas, and draws what one process draws; with the key/value
+// cache (the default) it draws what it draws without, past the context of 32
+// tokens too, for gpt and llama.
 TEST(TrainerSampleTest, ParallelLayoutsSampleLikeOneProcess) {
   auto sample = [](TrainerConfig config, const std::string& tag) {
     config.set_max_steps(3);
-    config.set_sample_tokens(24);
+    config.set_sample_tokens(40);
     const std::string path = TestDir() + "/" + tag + ".sample";
     TrainEverywhere(config, [&](const TrainResult& result) { std::ofstream(path) << result.sample; });
     std::ifstream in(path);
     return std::string(std::istreambuf_iterator<char>(in), {});
   };
   const std::string reference = sample(SmallConfig(1), "sample_reference");
-  ASSERT_EQ(reference.size(), 24u);
+  ASSERT_EQ(reference.size(), 40u);
+  TrainerConfig uncached = SmallConfig(1);
+  uncached.set_kv_cache(false);
+  EXPECT_EQ(sample(uncached, "sample_uncached"), reference);
+  TrainerConfig llama = SmallConfig(1);
+  llama.set_model("llama");
+  llama.set_preset("llama-tiny");
+  llama.set_n_kv_head(2);  // grouped-query attention: the cache holds 2 of 4 heads
+  const std::string llama_reference = sample(llama, "sample_llama");
+  llama.set_kv_cache(false);
+  EXPECT_EQ(sample(llama, "sample_llama_uncached"), llama_reference);
   TrainerConfig layouts = SmallConfig(1);
   layouts.set_micro_batch_size(2);
   layouts.set_tp(2);

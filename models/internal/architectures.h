@@ -2,7 +2,9 @@
 #ifndef TRIDENT_MODELS_INTERNAL_ARCHITECTURES_H_
 #define TRIDENT_MODELS_INTERNAL_ARCHITECTURES_H_
 
+#include <map>
 #include <memory>
+#include <utility>
 
 #include "models/models.h"
 
@@ -19,15 +21,15 @@ std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, const LayerRa
 // a multiple of 32.
 int64_t LlamaIntermediateSize(const ModelConfig& config);
 
-// Registers the blocks of the materialised layers (block b is layer b + 1) on
-// `holder` under their index names, so parameter names match the full model's;
-// the returned vector has nullptr for blocks not built.
+// Registers the blocks of the materialised layers (block b is layer b + 1,
+// made by make(b)) on `holder` under their index names, so parameter names
+// match the full model's; the returned vector has nullptr for blocks not built.
 template <typename Block, typename Make>
 std::vector<Block> BuildBlocks(const LanguageModel& model, torch::nn::Module& holder,
                                int64_t count, Make make) {
   std::vector<Block> blocks(count, Block(nullptr));
   for (int64_t b = 0; b < count; ++b) {
-    if (model.HasLayer(b + 1)) blocks[b] = holder.register_module(std::to_string(b), make());
+    if (model.HasLayer(b + 1)) blocks[b] = holder.register_module(std::to_string(b), make(b));
   }
   return blocks;
 }
@@ -36,8 +38,43 @@ std::vector<Block> BuildBlocks(const LanguageModel& model, torch::nn::Module& ho
 std::vector<std::pair<std::string, at::Tensor>> PrefixedParameters(const torch::nn::Module& module,
                                                                    const std::string& prefix);
 
-// Causal attention over q, k, v of shape [B, heads, T, head_dim]; keys and values
-// may have fewer heads than queries (grouped-query attention).
+// The keys and values incremental decoding keeps (LayerSequence::StartDecoding),
+// per attention layer, and how many positions the embedding has looked up.
+class KeyValueCache {
+ public:
+  bool active() const { return active_; }
+  void Start() {
+    Stop();
+    active_ = true;
+  }
+  void Stop() {
+    active_ = false;
+    layers_.clear();
+    embedded_ = 0;
+  }
+  // Forgets positions from `n` on.
+  void Keep(int64_t n);
+  // Positions cached for attention layer `layer`.
+  int64_t Length(int64_t layer) const;
+  // Appends `k` and `v` [B, heads, T, head_dim] of the new positions to layer
+  // `layer`'s cache and returns all its keys and values.
+  std::pair<at::Tensor, at::Tensor> Append(int64_t layer, const at::Tensor& k, const at::Tensor& v);
+  // The first position of `count` new tokens the embedding looks up (counted).
+  int64_t Embed(int64_t count) {
+    embedded_ += count;
+    return embedded_ - count;
+  }
+
+ private:
+  bool active_ = false;
+  std::map<int64_t, std::pair<at::Tensor, at::Tensor>> layers_;
+  int64_t embedded_ = 0;
+};
+
+// Causal attention of q [B, heads, Tq, head_dim] over k and v [B, heads, Tk,
+// head_dim] with Tk >= Tq: query i is position Tk - Tq + i (the keys before
+// the queries' are cached ones). Keys and values may have fewer heads than
+// queries (grouped-query attention).
 at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            double dropout, bool training);
 
