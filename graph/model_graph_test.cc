@@ -68,24 +68,21 @@ TEST(ModelGraphTest, NodesCarryParametersShapesAndFlops) {
     return std::vector<at::Tensor>{model->Logits(in[0])};
   });
   ASSERT_TRUE(graph.ok()) << graph.status();
-  // LibTorch 1.13 records a linear layer on 3-d input as t, matmul and add_.
-  const GraphNode* transpose = nullptr;
+  // mlp's layers are ParallelLinear: one aten::linear node each, reading weight and bias.
   const GraphNode* product = nullptr;
   for (const GraphNode& node : (*graph)->nodes()) {
-    if (node.kind == "aten::t" && node.parameters == std::vector<std::string>{"blocks.0.fc1.weight"}) {
-      transpose = &node;
-    }
-    if (node.kind == "aten::matmul" && node.output_shapes[0] == std::vector<int64_t>{2, 4, 32}) {
+    if (node.kind == "aten::linear" &&
+        node.parameters == std::vector<std::string>{"blocks.0.fc1.weight", "blocks.0.fc1.bias"}) {
       product = &node;
     }
   }
-  ASSERT_NE(transpose, nullptr) << (*graph)->IrText();
   ASSERT_NE(product, nullptr) << (*graph)->IrText();
-  EXPECT_EQ(transpose->parameter_bytes, 32 * 8 * 4);
+  EXPECT_EQ(product->output_shapes[0], (std::vector<int64_t>{2, 4, 32}));
+  EXPECT_EQ(product->parameter_bytes, (32 * 8 + 32) * 4);
   EXPECT_EQ(product->forward_flops, 2.0 * 2 * 4 * 32 * 8);
   EXPECT_EQ(product->activation_bytes, 2 * 4 * 32 * 4);
   EXPECT_EQ(product->output_dtypes[0], "Float");
-  EXPECT_THAT((*graph)->Summary(), HasSubstr("aten::matmul"));
+  EXPECT_THAT((*graph)->Summary(), HasSubstr("aten::linear"));
   EXPECT_THAT((*graph)->Summary(), HasSubstr("total: "));
 }
 

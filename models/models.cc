@@ -254,12 +254,13 @@ at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::T
     return mask.narrow(0, Tk - T, T).narrow(1, 0, Tk);
   };
 #if TORCH_VERSION_MAJOR >= 2
-  // On GPUs LibTorch 2's fused attention (flash or memory-efficient kernels):
-  // the [B*H, T, T] scores never reach memory.
-  if (q.is_cuda()) {
-    const bool square = T == Tk;
-    return at::scaled_dot_product_attention(q, keys, values, square ? at::Tensor() : causal_mask(),
-                                            training ? dropout : 0.0, /*is_causal=*/square);
+  // On GPUs LibTorch 2's fused attention (flash, memory-efficient or cuDNN
+  // kernels): the [B*H, T, T] scores never reach memory. Not for decoding
+  // (queries after cached keys): a few query rows gain nothing, and each new
+  // key length would be a new shape for the kernels to plan.
+  if (q.is_cuda() && T == Tk) {
+    return at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, training ? dropout : 0.0,
+                                            /*is_causal=*/true);
   }
 #endif
   // NOTE: one batched GEMM computes mask + scale * q k^T (baddbmm), so the

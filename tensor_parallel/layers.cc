@@ -29,16 +29,24 @@ at::Tensor AdapterProduct(const LowRankAdapter& adapter, const at::Tensor& x, bo
   return at::linear(adapter.dropout > 0 ? at::dropout(x, adapter.dropout, training) : x, adapter.a);
 }
 
-// A column-parallel layer's adapter output for its input `x` before the region.
-at::Tensor ColumnAdapterOutput(const LowRankAdapter& adapter, const at::Tensor& x, const TensorParallelism& tp,
-                               bool training) {
-  return at::linear(ColumnParallelInput(AdapterProduct(adapter, x, training), tp), adapter.b) * adapter.scale;
+// y + scale * h B^T in one product (addmm) for the layer's output y [..., out].
+at::Tensor AddAdapterOutput(const LowRankAdapter& adapter, const at::Tensor& h, const at::Tensor& y) {
+  return at::addmm(y.reshape({-1, y.size(-1)}), h.reshape({-1, h.size(-1)}), adapter.b.t(), /*beta=*/1,
+                   /*alpha=*/adapter.scale)
+      .view(y.sizes());
 }
 
-// A row-parallel layer's adapter output for its input features `x`.
-at::Tensor RowAdapterOutput(const LowRankAdapter& adapter, const at::Tensor& x, const TensorParallelism& tp,
-                            bool training) {
-  return at::linear(RowParallelOutput(AdapterProduct(adapter, x, training), tp), adapter.b) * adapter.scale;
+// A column-parallel layer's output `y` with its adapter's, for the layer's
+// input `x` before the region.
+at::Tensor WithColumnAdapter(const LowRankAdapter& adapter, const at::Tensor& x, const at::Tensor& y,
+                             const TensorParallelism& tp, bool training) {
+  return AddAdapterOutput(adapter, ColumnParallelInput(AdapterProduct(adapter, x, training), tp), y);
+}
+
+// A row-parallel layer's output `y` with its adapter's, for its input features `x`.
+at::Tensor WithRowAdapter(const LowRankAdapter& adapter, const at::Tensor& x, const at::Tensor& y,
+                          const TensorParallelism& tp, bool training) {
+  return AddAdapterOutput(adapter, RowParallelOutput(AdapterProduct(adapter, x, training), tp), y);
 }
 
 }  // namespace
@@ -93,7 +101,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const TensorParallelism& tp, 
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, bias);
-  if (adapter.defined()) y = y + ColumnAdapterOutput(adapter, x, tp_, is_training());
+  if (adapter.defined()) y = WithColumnAdapter(adapter, x, y, tp_, is_training());
   return gather_output_ && tp_.size > 1 ? GatherFromTensorParallelRegion(y, tp_.group) : y;
 }
 
@@ -110,7 +118,7 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor input =
       input_is_parallel_ || tp_.size == 1 ? x : ScatterToTensorParallelRegion(x, tp_.group);
   at::Tensor y = RowParallelOutput(at::linear(input, weight), tp_);
-  if (adapter.defined()) y = y + RowAdapterOutput(adapter, input, tp_, is_training());
+  if (adapter.defined()) y = WithRowAdapter(adapter, input, y, tp_, is_training());
   return bias.defined() ? y + bias : y;
 }
 
@@ -180,12 +188,12 @@ ShardSpec ParallelLinearImpl::weight_shard() const {
 at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
   if (mode_ == Mode::kRow) {
     at::Tensor y = RowParallelOutput(at::linear(x, weight), tp_);
-    if (adapter.defined()) y = y + RowAdapterOutput(adapter, x, tp_, is_training());
+    if (adapter.defined()) y = WithRowAdapter(adapter, x, y, tp_, is_training());
     return bias.defined() ? y + bias : y;
   }
   // Plain mode is column mode at tp = 1 (a tp of size 1).
   at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, bias);
-  return adapter.defined() ? y + ColumnAdapterOutput(adapter, x, tp_, is_training()) : y;
+  return adapter.defined() ? WithColumnAdapter(adapter, x, y, tp_, is_training()) : y;
 }
 
 namespace {

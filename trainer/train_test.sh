@@ -48,7 +48,7 @@ timeout 120 "$train" "${small[@]}" --max_steps=6 --log_every=2 --eval_every=3 --
 grep -aq '^\[rank 0\] step 6/6 | loss ' "$out" || fail "step log line"
 grep -aq '^\[rank 0\] step 3 | val_loss ' "$out" || fail "evaluation line"
 grep -aq '^\[rank 0\] validation loss .* nats/token (unigram entropy of the data ' "$out" || fail "final validation"
-grep -aq '^\[rank 0\] sample (temperature 0.8, top_k 40):' "$out" || fail "sample"
+grep -aq '^\[rank 0\] sample (temperature 0.8, top_k 40, 20 tokens in .* key/value cache):' "$out" || fail "sample"
 [ "$(wc -l <"$TEST_TMPDIR/run/metrics.jsonl")" -eq 6 ] || fail "metrics lines"
 ls "$TEST_TMPDIR"/run/tb/events.out.tfevents.* >/dev/null || fail "tensorboard file"
 [ -f "$TEST_TMPDIR/run/step_6/manifest.pbtxt" ] || fail "checkpoint"

@@ -10,11 +10,14 @@
 #   tools/gpu/validate.sh [LOGDIR] # then on the GPU machine, from the repository root
 #
 # LOGDIR (default build/) receives build.log, errors.txt and the metrics files.
-# VALIDATE_STEPS (default 50) sets the steps; VALIDATE_PROFILE_STEP=N records
-# step N of the bf16 run with --profile_step (GPU kernels by time, and the
-# Chrome trace LOGDIR/trace_bf16.json); VALIDATE_PEERS lists the PyTorch
-# peer's runs (attention:precision, default "manual:fp32 manual:bf16
-# sdpa:bf16"); VALIDATE_REST_S=0 skips compiling the rest of the tree.
+# Before the throughput runs it fine-tunes gpt2-124m fully and with LoRA
+# (memory and tokens/s) and generates 512 tokens with and without the
+# key/value cache (fp32, so that both draw the same text). VALIDATE_STEPS (default 50; 0 skips the throughput runs)
+# sets the steps; VALIDATE_PROFILE_STEP=N records step N of the bf16 run
+# with --profile_step (GPU kernels by time, and the Chrome trace
+# LOGDIR/trace_bf16.json); VALIDATE_PEERS lists the PyTorch peer's runs
+# (attention:precision, default "manual:fp32 manual:bf16 sdpa:bf16");
+# VALIDATE_REST_S=0 skips compiling the rest of the tree.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
@@ -79,14 +82,38 @@ rm -rf build/ck
   { status=1; tail -20 "$logs/checkpoint.log"; }
 grep -E "resumed from|largest difference|match the manifest|step 20/20" "$logs/checkpoint.log"
 
-steps=${VALIDATE_STEPS:-50}
-echo "== gpt2-124m, batch 8 x 1024 tokens, $steps steps, one GPU"
 median() {  # median tokens/s (and mfu) of a metrics file after the first 10 steps
   python3 -c 'import json,statistics,sys
 rows=[json.loads(l) for l in open(sys.argv[1])][10:]
 print("%.0f tokens/s" % statistics.median(r["tokens_per_s"] for r in rows),
       *("mfu %.1f%%" % (100 * statistics.median(r["mfu"] for r in rows)),) if rows and "mfu" in rows[0] else ())' "$1"
 }
+echo "== LoRA and text generation on the GPU: gpt2-124m (vocab 50257), bf16, batch 8 x 1024"
+mkdir -p build/lora
+printf 'r: 16\nalpha: 32\ntarget_modules: "c_attn"\ntarget_modules: "c_proj"\ntarget_modules: "c_fc"\n' >build/lora/lora.pbtxt
+gpt2=(--data=build/data --model=gpt --preset=gpt2-124m --vocab_size=50257 --block_size=1024 --device=cuda --dp=1
+      --precision=bf16 --micro_batch_size=8 --global_batch_size=8 --log_every=10 --eval_every=0 --eval_steps=1 --lr=3e-4)
+for run in full lora; do
+  extra=()
+  [ $run = lora ] && extra=(--lora_config=build/lora/lora.pbtxt --export_safetensors=build/lora/adapter.safetensors)
+  timeout 180 build/train "${gpt2[@]}" "${extra[@]}" --max_steps=40 --sample_tokens=0 \
+    --metrics_file="$logs/finetune_$run.jsonl" >"$logs/finetune_$run.log" 2>&1 || { status=1; tail -20 "$logs/finetune_$run.log"; }
+  grep -E "per rank:|LoRA adapter|step 40/40|exported" "$logs/finetune_$run.log"
+  echo "$run fine-tuning: $(median "$logs/finetune_$run.jsonl")"
+done
+for cache in true false; do
+  timeout 180 build/train "${gpt2[@]}" --precision=fp32 --max_steps=1 --text_generation --out_seq_length=512 \
+    --kv_cache=$cache \
+    >"$logs/generation_$cache.log" 2>&1 || { status=1; tail -20 "$logs/generation_$cache.log"; }
+  echo "kv_cache=$cache: $(grep -o 'sample (.*' "$logs/generation_$cache.log")"
+done
+grep -q 'sample (' "$logs/generation_true.log" && cmp <(sed -n '/^\[rank 0\] sample (/,$p' "$logs/generation_true.log" | tail -n +2 | head -5) \
+    <(sed -n '/^\[rank 0\] sample (/,$p' "$logs/generation_false.log" | tail -n +2 | head -5) &&
+  echo "cached and uncached generation drew the same text" || { status=1; echo "generation differs with the cache"; }
+
+steps=${VALIDATE_STEPS:-50}
+[ "$steps" = 0 ] && { compile_rest || status=1; echo "validate: done after $((SECONDS - start)) s"; exit $status; }
+echo "== gpt2-124m, batch 8 x 1024 tokens, $steps steps, one GPU"
 for precision in fp32 bf16; do
   profile=()
   [ "$precision" = bf16 ] && [ "${VALIDATE_PROFILE_STEP:-0}" != 0 ] &&
