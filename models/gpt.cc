@@ -92,7 +92,7 @@ class TransformerImpl : public torch::nn::Module {
  public:
   TransformerImpl(const ModelConfig& c, const LanguageModel& model) {
     const bool embedding = model.HasLayer(0), head = model.HasLayer(c.n_layer + 1);
-    if (embedding || head) {  // the head is tied to wte
+    if (embedding || (head && c.tie_word_embeddings)) {  // a tied head reads wte
       wte = register_module("wte", VocabParallelEmbedding(c.tp, c.vocab_size, c.n_embd));
     }
     if (embedding) wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
@@ -114,6 +114,9 @@ class Gpt : public LanguageModel {
  public:
   Gpt(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
     transformer = register_module("transformer", Transformer(c, *this));
+    if (!c.tie_word_embeddings && HasLayer(c.n_layer + 1)) {
+      lm_head = register_module("lm_head", ColumnParallelLinear(c.tp, c.n_embd, c.vocab_size, /*bias=*/false));
+    }
   }
 
   std::string BlockPrefix() const override { return "transformer.h."; }
@@ -130,9 +133,9 @@ class Gpt : public LanguageModel {
       auto positions = torch::arange(first, first + T, x.options().dtype(torch::kLong));
       return transformer->drop(tokens + transformer->wpe(positions));
     }
-    if (i == NumLayers() - 1) {
-      // lm_head, tied to wte: this rank's vocabulary slice of the logits.
-      return F::linear(ColumnParallelInput(transformer->ln_f(x), tp), transformer->wte->weight);
+    if (i == NumLayers() - 1) {  // this rank's vocabulary slice of the logits
+      if (lm_head) return lm_head(transformer->ln_f(x));
+      return F::linear(ColumnParallelInput(transformer->ln_f(x), tp), transformer->wte->weight);  // tied
     }
     return transformer->blocks[i - 1]->forward(x);
   }
@@ -146,16 +149,19 @@ class Gpt : public LanguageModel {
     if (i == NumLayers() - 1) {
       return {{"transformer.ln_f.weight", transformer->ln_f->weight},
               {"transformer.ln_f.bias", transformer->ln_f->bias},
-              {"transformer.wte.weight", transformer->wte->weight}};
+              lm_head ? std::make_pair(std::string("lm_head.weight"), lm_head->weight)
+                      : std::make_pair(std::string("transformer.wte.weight"), transformer->wte->weight)};
     }
     return PrefixedParameters(*transformer->blocks[i - 1], LayerName(i));
   }
 
   std::map<std::string, std::string> TiedParameters() const override {
+    if (!config().tie_word_embeddings) return {};
     return {{"lm_head.weight", "transformer.wte.weight"}};
   }
 
   Transformer transformer{nullptr};
+  ColumnParallelLinear lm_head{nullptr};  // untied only
 };
 
 }  // namespace

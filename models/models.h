@@ -47,6 +47,9 @@ struct ModelConfig {
   // Standard deviation of the normal initialisation of weight matrices (GPT-2's
   // residual projections: divided by sqrt(2 n_layer)).
   double init_method_std = 0.02;
+  // gpt: the head reads the token embedding's matrix (GPT-2); false gives it
+  // its own, lm_head.weight (Merak's no_tie_modules).
+  bool tie_word_embeddings = true;
   // gpt and llama: the tensor-parallel shard this process builds (heads,
   // MLP width and vocabulary split tp.size ways; sequence parallelism).
   TensorParallelism tp;

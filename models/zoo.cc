@@ -16,7 +16,9 @@ ModelSource ZooModelSource(const ModelConfig& config, uint64_t seed) {
   source.shards = [](LayerSequence& part) {
     return dynamic_cast<LanguageModel&>(part).ParameterShards();
   };
-  if (config.model == "gpt") source.aliases = {{"lm_head.weight", "transformer.wte.weight"}};
+  if (config.model == "gpt" && config.tie_word_embeddings) {
+    source.aliases = {{"lm_head.weight", "transformer.wte.weight"}};
+  }
   source.sequence_length = config.block_size;
   source.vocab_size = config.vocab_size;
   source.returns_logits = true;
@@ -32,7 +34,7 @@ absl::StatusOr<ModelConfig> ZooModelConfig(const std::string& model, const Compo
                                            int64_t data_vocab_size) {
   TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"preset", "n_layer", "n_head", "n_embd", "block_size",
                                            "vocab_size", "dropout", "n_kv_head", "intermediate_size",
-                                           "rope_theta", "init_method_std"}));
+                                           "rope_theta", "init_method_std", "tie_word_embeddings"}));
   const std::string preset = args.GetString("preset", absl::StrCat(model, "-tiny"));
   TRIDENT_ASSIGN_OR_RETURN(ModelConfig c, PresetModelConfig(model, preset));
   TRIDENT_ASSIGN_OR_RETURN(c.n_layer, args.GetInt("n_layer", c.n_layer));
@@ -46,6 +48,7 @@ absl::StatusOr<ModelConfig> ZooModelConfig(const std::string& model, const Compo
   TRIDENT_ASSIGN_OR_RETURN(c.intermediate_size, args.GetInt("intermediate_size", c.intermediate_size));
   TRIDENT_ASSIGN_OR_RETURN(c.rope_theta, args.GetDouble("rope_theta", c.rope_theta));
   TRIDENT_ASSIGN_OR_RETURN(c.init_method_std, args.GetDouble("init_method_std", c.init_method_std));
+  TRIDENT_ASSIGN_OR_RETURN(c.tie_word_embeddings, args.GetBool("tie_word_embeddings", c.tie_word_embeddings));
   if (data_vocab_size > 0 && c.vocab_size < data_vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("vocab_size=", c.vocab_size, " is smaller than the data's ",
                                                    data_vocab_size, "-token vocabulary"));

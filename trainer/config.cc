@@ -424,6 +424,7 @@ std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& c) {
   if (c.has_dropout()) args["dropout"] = absl::StrCat(c.dropout());
   if (c.has_rope_theta()) args["rope_theta"] = absl::StrCat(c.rope_theta());
   if (c.has_init_method_std() || args.count("preset")) args["init_method_std"] = absl::StrCat(c.init_method_std());
+  if (c.no_tie_modules()) args["tie_word_embeddings"] = "false";
   return {type, ComponentArgs(absl::StrCat("model '", type, "'"), std::move(args))};
 }
 

@@ -115,6 +115,35 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
   }
 }
 
+// no_tie_modules: gpt's head has its own matrix, trained the same in every
+// layout, and exported under lm_head.weight beside the embedding's.
+TEST(TrainerParityTest, UntiedHeadLossesEqualOneProcess) {
+  auto untied = [](int dp, int tp, int pp, bool sequence_parallel) {
+    TrainerConfig config = SmallConfig(dp);
+    config.set_no_tie_modules(true);
+    config.set_tp(tp);
+    config.set_pp(pp);
+    config.set_sequence_parallel(sequence_parallel);
+    config.set_micro_batch_size(pp > 1 ? 2 : 8 / dp);
+    return config;
+  };
+  const std::vector<double> single = TrainOnRanks(untied(1, 1, 1, false), "untied_single");
+  EXPECT_NE(single.back(), TrainOnRanks(SmallConfig(1), "tied_single").back()) << "the head is another matrix";
+  const std::string exported = TestDir() + "/untied/model.safetensors";
+  TrainerConfig pipeline = untied(1, 1, 2, false);
+  pipeline.set_export_safetensors(exported);
+  ExpectSameLosses(single, TrainOnRanks(pipeline, "untied_pp2"), 1e-5);
+  ExpectSameLosses(single, TrainOnRanks(untied(1, 2, 1, true), "untied_tp2_sp"), 1e-5);
+  ExpectSameLosses(single, TrainOnRanks(untied(2, 2, 1, false), "untied_dp2_tp2"), 1e-5);
+  auto contents = ReadSafetensors(exported);
+  ASSERT_TRUE(contents.ok()) << contents.status();
+  auto head = contents->Get("lm_head.weight");
+  auto wte = contents->Get("transformer.wte.weight");
+  ASSERT_TRUE(head.ok() && wte.ok());
+  EXPECT_EQ(head->sizes(), wte->sizes());
+  EXPECT_FALSE(at::equal(*head, *wte));
+}
+
 // The semi-automatic mode: each optimization method of a strategy file, alone
 // and combined as in the reference's examples, trains the losses of one
 // process where it is a layout; precision methods train.
