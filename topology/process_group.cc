@@ -1,6 +1,8 @@
 #include "topology/process_group.h"
 
+#include <chrono>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -60,6 +62,30 @@ absl::Status CheckAverageable(const at::Tensor& tensor, ReduceOp op) {
 
 }  // namespace
 
+namespace {
+
+std::mutex communication_mutex;
+std::map<std::string, CommunicationTime>& CommunicationTable() {
+  static auto* table = new std::map<std::string, CommunicationTime>();
+  return *table;
+}
+
+// Adds the time since `since` to `operation` (`issued`: one more operation).
+void CountTime(const char* operation, std::chrono::steady_clock::time_point since, bool issued) {
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+  std::lock_guard<std::mutex> lock(communication_mutex);
+  CommunicationTime& time = CommunicationTable()[operation];
+  time.seconds += seconds;
+  time.operations += issued ? 1 : 0;
+}
+
+}  // namespace
+
+std::map<std::string, CommunicationTime> CommunicationTimes() {
+  std::lock_guard<std::mutex> lock(communication_mutex);
+  return CommunicationTable();
+}
+
 PendingWork::PendingWork() = default;
 PendingWork::PendingWork(PendingWork&&) noexcept = default;
 PendingWork& PendingWork::operator=(PendingWork&&) noexcept = default;
@@ -69,11 +95,13 @@ absl::Status PendingWork::Wait() {
   if (std::exchange(done_, false)) return absl::OkStatus();
   if (!work_) return absl::FailedPreconditionError("PendingWork::Wait on an empty or used handle");
   c10::intrusive_ptr<c10d::Work> work = std::move(work_);
+  const auto start = std::chrono::steady_clock::now();
   try {
     if (!work->wait(group_->timeout())) return group_->Failure(operation_, "timed out");
   } catch (...) {
     return group_->Failure(operation_);
   }
+  CountTime(operation_, start, /*issued=*/false);
   if (after_) std::exchange(after_, nullptr)();
   return absl::OkStatus();
 }
@@ -130,11 +158,13 @@ absl::StatusOr<PendingWork> ProcessGroup::Start(
   pending.group_ = this;
   pending.operation_ = operation;
   if (std::strcmp(operation, "send") != 0 && std::strcmp(operation, "recv") != 0) ++collectives_started_;
+  const auto issued = std::chrono::steady_clock::now();
   try {
     pending.work_ = start();
   } catch (...) {
     return Failure(operation);
   }
+  CountTime(operation, issued, /*issued=*/true);
   return pending;
 }
 

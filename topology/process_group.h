@@ -15,6 +15,7 @@
 #include <chrono>
 #include <atomic>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,17 @@ using C10dBackend = c10d::ProcessGroup;
 
 // An operation started with ProcessGroup::ISend / IRecv. Wait() must be called
 // before the tensor is read or reused. Move-only.
+// Host time this process has spent in each kind of operation ("all_reduce",
+// "reduce_scatter", "send", ...) of every group since it started: issuing
+// it, and blocked waiting for it (an operation that overlaps other work
+// counts only its wait). With NCCL a wait orders the GPU stream and returns,
+// so GPU operations count their issue time only. For wall_clock_breakdown.
+struct CommunicationTime {
+  double seconds = 0;
+  int64_t operations = 0;
+};
+std::map<std::string, CommunicationTime> CommunicationTimes();
+
 class PendingWork {
  public:
   PendingWork();

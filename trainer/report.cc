@@ -2,6 +2,7 @@
 // progress bar on a terminal, log lines otherwise).
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "trainer/internal/trainer_impl.h"
 
@@ -28,8 +29,15 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps) {
     values.emplace_back("loss_scale", m.loss_scale);
     values.emplace_back("skipped", m.skipped ? 1 : 0);
   }
+  for (const auto& [part, ms] : m.wall_clock_ms) values.emplace_back(absl::StrCat("time_", part, "_ms"), ms);
   if (metrics) metrics->Write(m.step, values);
   if (tensorboard) tensorboard->Write(m.step, values);
+  if (!m.wall_clock_ms.empty() && (m.step % config.log_every() == 0 || m.step == max_steps)) {
+    std::string parts;  // every rank prints its own
+    for (const auto& [part, ms] : m.wall_clock_ms) absl::StrAppendFormat(&parts, " | %s %.1f", part, ms);
+    std::printf("step %lld wall clock (ms)%s\n", static_cast<long long>(m.step), parts.c_str());
+    std::fflush(stdout);
+  }
   if (!is_rank0()) return;
   const char* unit = train_data->tokens_per_sample() > 0 ? "tok/s" : "samples/s";
   const double eta = m.step_time_ms / 1000.0 * (max_steps - m.step);
@@ -47,6 +55,51 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps) {
         max_steps, m.loss, m.lr, m.grad_norm, HumanRate(m.tokens_per_s), unit, m.step_time_ms,
         peak_flops > 0 ? absl::StrFormat("%.1f%%", 100 * m.mfu) : "n/a", internal::FormatDuration(eta)));
   }
+}
+
+std::vector<std::pair<std::string, double>> WallClockBreakdown(
+    double data_s, const std::vector<TimelineEvent>& timeline,
+    const std::map<std::string, CommunicationTime>& before, const std::map<std::string, CommunicationTime>& after,
+    double optimizer_s, double step_s) {
+  double forward = 0, backward = 0, p2p = 0;
+  for (const TimelineEvent& e : timeline) {
+    const double s = e.end - e.start;
+    switch (e.op) {
+      case Op::kForward:
+        forward += s;
+        break;
+      case Op::kBackward:
+      case Op::kBackwardInput:
+      case Op::kBackwardWeight:
+      case Op::kRecompute:
+        backward += s;
+        break;
+      case Op::kSendActivation:
+      case Op::kRecvActivation:
+      case Op::kSendGrad:
+      case Op::kRecvGrad:
+      case Op::kSendActivationRecvGrad:
+      case Op::kSendGradRecvActivation:
+      case Op::kPostSendActivationRecvGrad:
+      case Op::kWaitPosted:
+        p2p += s;
+        break;
+      default:  // data loading, reductions (counted by collective kind), the optimizer
+        break;
+    }
+  }
+  std::vector<std::pair<std::string, double>> parts = {
+      {"data", 1e3 * data_s}, {"forward", 1e3 * forward}, {"backward", 1e3 * backward}};  // recomputation too
+  if (p2p > 0) parts.emplace_back("pipeline_p2p", 1e3 * p2p);
+  for (const auto& [kind, time] : after) {
+    if (kind == "send" || kind == "recv") continue;  // in pipeline_p2p
+    auto earlier = before.find(kind);
+    const double seconds = time.seconds - (earlier == before.end() ? 0.0 : earlier->second.seconds);
+    if (seconds > 0) parts.emplace_back(kind, 1e3 * seconds);
+  }
+  parts.emplace_back("optimizer", 1e3 * optimizer_s);
+  parts.emplace_back("step", 1e3 * step_s);
+  return parts;
 }
 
 }  // namespace trident

@@ -251,7 +251,11 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     }
     t.ForHooks([&](TrainerHooks& h) { h.OnStepStart(t.State()); });
     const auto step_start = Clock::now();
+    const bool breakdown = c.wall_clock_breakdown();
+    const std::map<std::string, CommunicationTime> communication = breakdown ? CommunicationTimes()
+                                                                             : std::map<std::string, CommunicationTime>();
     TRIDENT_ASSIGN_OR_RETURN(std::vector<Batch> batches, t.MicroBatches(*t.train_data, *t.sampler, t.step));
+    const double data_s = Seconds(Clock::now() - step_start);
     const bool profiled = t.step + 1 == c.profile_step();
     if (profiled) {  // every rank starts the profiled step together
       TRIDENT_RETURN_IF_ERROR(t.topology().world().Barrier());
@@ -274,6 +278,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     t.ForHooks([&](TrainerHooks& h) { h.AfterAggregateTrainStepOutputs(t.State(), m.loss); });
     m.lr = LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps, t.step);
     m.loss_scale = t.model->loss_scale().value_or(1.0);
+    const auto optimizer_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(m.skipped, t.model->UnscaleGradients());
     if (m.skipped) {  // every rank skips: weights and optimizer state stay as they were
       m.grad_norm = std::numeric_limits<double>::quiet_NaN();
@@ -287,6 +292,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
       TRIDENT_RETURN_IF_ERROR(t.model->Step(m.lr));
     }
+    const double optimizer_s = Seconds(Clock::now() - optimizer_start);
     if (profiled) {
       TRIDENT_ASSIGN_OR_RETURN(std::vector<internal::OperatorEvent> operators,
                                internal::StopOperatorRecording(internal::kForwardBackwardScope));
@@ -298,6 +304,10 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     const double seconds = Seconds(Clock::now() - step_start);
     m.step = t.step;
     m.step_time_ms = 1000 * seconds;
+    if (breakdown) {
+      m.wall_clock_ms = WallClockBreakdown(data_s, t.model->timeline(), communication, CommunicationTimes(),
+                                           optimizer_s, seconds);
+    }
     m.elapsed_s = Seconds(Clock::now() - start);
     const double samples_per_s = samples_per_step / seconds;
     m.tokens_per_s = samples_per_s * std::max<int64_t>(1, tokens_per_sample);

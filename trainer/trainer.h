@@ -47,6 +47,10 @@ struct StepMetrics {
   double step_time_ms = 0;
   double elapsed_s = 0;     // since Train began, pauses between steps (saves, evaluation) included
   double mfu = 0;           // model FLOPs per second over the job's measured peak
+  // With wall_clock_breakdown: this rank's step in milliseconds by part
+  // ("data", "forward", "backward", "pipeline_p2p", each collective kind,
+  // "optimizer"); collectives inside forward and backward count there too.
+  std::vector<std::pair<std::string, double>> wall_clock_ms;
 };
 
 // Read-only view of the trainer handed to hooks.

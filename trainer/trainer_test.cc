@@ -333,6 +333,41 @@ TEST(TrainerPrecisionTest, SkipIfNonfiniteSkipsWithoutScaling) {
   });
 }
 
+// wall_clock_breakdown: each rank's step by part, the parts within the step.
+class RecordMetrics : public TrainerHooks {
+ public:
+  void OnStepEnd(const TrainerState&, const StepMetrics& m) override { metrics.push_back(m); }
+  std::vector<StepMetrics> metrics;
+};
+
+TEST(TrainerMetricsTest, WallClockBreakdownSplitsEveryRanksStep) {
+  TrainerConfig config = SmallConfig(2);
+  config.set_pp(2);
+  config.set_micro_batch_size(2);
+  config.set_max_steps(3);
+  config.set_wall_clock_breakdown(true);
+  testing::RunOnRanks(4, [&](int) {
+    auto topology = testing::JoinTopology({{"data", 2}, {"pipeline", 2}});
+    ASSERT_TRUE(topology.ok());
+    auto trainer = Trainer::Create(config, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    auto hooks = std::make_shared<RecordMetrics>();
+    (*trainer)->AddHooks(hooks);
+    ASSERT_TRUE((*trainer)->Train().ok());
+    ASSERT_EQ(hooks->metrics.size(), 3u);
+    for (const StepMetrics& m : hooks->metrics) {
+      std::map<std::string, double> parts(m.wall_clock_ms.begin(), m.wall_clock_ms.end());
+      for (const char* part : {"data", "forward", "backward", "pipeline_p2p", "all_reduce", "optimizer", "step"}) {
+        EXPECT_TRUE(parts.count(part)) << part;
+      }
+      EXPECT_GT(parts["forward"], 0);
+      EXPECT_GT(parts["backward"], 0);
+      EXPECT_NEAR(parts["step"], m.step_time_ms, 1e-6);
+      EXPECT_LE(parts["data"] + parts["forward"] + parts["backward"] + parts["optimizer"], parts["step"]);
+    }
+  });
+}
+
 // Checkpoints under ZeRO and mixed precision (with the loss scaler's state)
 // resume bit-exactly.
 TEST(TrainerCheckpointTest, MixedPrecisionZeroResumeIsBitExact) {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdio>
 #include <future>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -35,6 +36,14 @@ struct PendingSave {
     if (verdict.valid()) verdict.wait();
   }
 };
+
+// wall_clock_breakdown: a step of `step_s` seconds by part, from its data
+// time, its pipeline timeline, the communication times before and after it
+// and its optimizer time (report.cc).
+std::vector<std::pair<std::string, double>> WallClockBreakdown(
+    double data_s, const std::vector<TimelineEvent>& timeline,
+    const std::map<std::string, CommunicationTime>& before, const std::map<std::string, CommunicationTime>& after,
+    double optimizer_s, double step_s);
 
 class Trainer::Impl {
  public:
