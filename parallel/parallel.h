@@ -150,6 +150,9 @@ struct ParallelPlan {
   std::vector<std::string> batch_fields;
   // none, full, stage_aware, or selected (the layers checkpoint_layers names
   // or prefixes: "transformer.h.1", "shard3").
+  // Merak's dealloc_pipeoutput: a stage keeps no values of the activations it
+  // has sent (only their autograd nodes; see StageRunnerOptions).
+  bool dealloc_pipeoutput = false;
   std::string activation_checkpointing = "none";
   std::vector<std::string> checkpoint_layers;
   int64_t checkpoint_num_layers = 1;

@@ -141,6 +141,7 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   runner_options.chunks = part.chunks;
   runner_options.loss = Loss();
   runner_options.checkpoint_num_layers = plan.checkpoint_num_layers;
+  runner_options.dealloc_sent_outputs = plan.dealloc_pipeoutput;
   runner_options.loss_scale = [this] { return scaler ? scaler->scale() : 1.0; };
   // Reductions overlap the last backward without pipelining only: with stages,
   // tied gradients are summed between stages before the data-parallel sum.

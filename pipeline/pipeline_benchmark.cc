@@ -2,7 +2,9 @@
 // layers) at pp = 2 and 4 (interleaved: pp = 2 with 2 chunks per rank), M = 8
 // micro-batches of 2 x 128 tokens, one thread per rank; and
 // the step time the simulator predicts from the measured stage times
-// (`vs_simulated` near 1 means communication overlaps as modelled).
+// (`vs_simulated` near 1 means communication overlaps as modelled), and the
+// first stage's peak of CPU tensor bytes over the step (`peak_mb`; the
+// `_dealloc` runs free each sent activation's values: dealloc_pipeoutput).
 //
 //   bazel run -c opt //pipeline:pipeline_benchmark
 #include <benchmark/benchmark.h>
@@ -15,6 +17,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/memory_counter.h"
 #include "base/status.h"
 #include "models/models.h"
 #include "partition/partition.h"
@@ -30,11 +33,12 @@ constexpr int kMicroBatches = 8, kSteps = 3;
 int Chunks(const std::string& schedule) { return schedule == "interleaved_1f1b" ? 2 : 1; }
 
 // One rank: runs kSteps steps and reports, for the last, "step_seconds
-// forward_seconds backward_seconds compute_seconds weight_grad_seconds".
-// args: {schedule}.
+// forward_seconds backward_seconds compute_seconds weight_grad_seconds
+// peak_bytes". args: {schedule, "dealloc" or "keep"}.
 absl::Status RunWorker(const std::vector<std::string>& args, std::string* result) {
   const std::string& schedule_name = args.at(0);
   at::set_num_threads(1);
+  MemoryCounter& memory = MemoryCounter::Install();
   TRIDENT_ASSIGN_OR_RETURN(auto env, DistributedEnvFromEnvironment());
   TopologyOptions options;
   options.mesh_axes = {{"pipeline", env.world_size}};
@@ -46,6 +50,7 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
                                                         std::vector<double>(config.n_layer + 2, 1.0),
                                                         stages * chunks));
   StageRunnerOptions runner_options;
+  runner_options.dealloc_sent_outputs = args.at(1) == "dealloc";
   LayerRanges ranges;
   for (int c = 0; c < chunks; ++c) {
     const int v = c * stages + stage;
@@ -59,9 +64,13 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
   for (const at::Tensor& micro : tokens.chunk(kMicroBatches)) batches.push_back({micro, micro});
   TRIDENT_RETURN_IF_ERROR(ForwardThroughStages(*part, runner_options.chunks, &pipeline, batches[0]).status());
   PipelineStageRunner runner(*part, &pipeline, *schedule, runner_options);
+  int64_t peak = 0;
   for (int step = 0; step < kSteps; ++step) {
     for (auto& p : part->parameters()) p.mutable_grad() = at::Tensor();
+    memory.ResetPeak();
+    const int64_t before = memory.live_bytes();
     TRIDENT_RETURN_IF_ERROR(runner.RunStep(batches, {}).status());
+    peak = memory.peak_bytes() - before;
   }
   double end = 0, forward = 0, backward = 0, weight = 0;
   for (const TimelineEvent& e : runner.timeline()) {
@@ -71,28 +80,29 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
     if (e.op == Op::kBackwardWeight) weight += e.end - e.start;
   }
   *result = absl::StrCat(end, " ", forward / kMicroBatches, " ", (backward + weight) / kMicroBatches, " ",
-                         forward + backward + weight, " ", weight / kMicroBatches);
+                         forward + backward + weight, " ", weight / kMicroBatches, " ", peak);
   return absl::OkStatus();
 }
 
-void BM_PipelineStep(benchmark::State& state, const char* schedule) {
+void BM_PipelineStep(benchmark::State& state, const char* schedule, bool dealloc = false) {
   const int stages = static_cast<int>(state.range(0));
-  double step = 0, compute = 0, weight_share = 0;
+  double step = 0, compute = 0, weight_share = 0, first_stage_peak = 0;
   SimulationOptions simulated;
   simulated.num_stages = stages;
   simulated.num_micro_batches = kMicroBatches;
   simulated.forward_seconds.clear();
   simulated.backward_seconds.clear();
   for (auto _ : state) {
-    auto results = testing::RunRankWorkers(stages, {schedule});
+    auto results = testing::RunRankWorkers(stages, {schedule, dealloc ? "dealloc" : "keep"});
     if (!results.ok()) {
       state.SkipWithError(std::string(results.status().message()).c_str());
       return;
     }
     for (int s = 0; s < stages; ++s) {
       std::istringstream in((*results)[s]);
-      double end, forward, backward, busy, weight;
-      in >> end >> forward >> backward >> busy >> weight;
+      double end, forward, backward, busy, weight, peak;
+      in >> end >> forward >> backward >> busy >> weight >> peak;
+      if (s == 0) first_stage_peak = peak;
       step = std::max(step, end);
       compute += busy;
       weight_share += weight / backward / stages;
@@ -107,9 +117,14 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule) {
   auto prediction = Simulate(*schedule_object, simulated);
   state.counters["step_ms"] = 1000 * step;
   state.counters["bubble"] = 1.0 - compute / (stages * step);
+  state.counters["peak_mb"] = first_stage_peak / 1e6;
   if (prediction.ok()) state.counters["vs_simulated"] = step / prediction->makespan;
 }
 BENCHMARK_CAPTURE(BM_PipelineStep, gpipe, "gpipe")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
+    ->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, gpipe_dealloc, "gpipe", true)->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
+    ->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, one_f_one_b_dealloc, "1f1b", true)->Arg(2)->ArgName("pp")->UseManualTime()
     ->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_PipelineStep, one_f_one_b, "1f1b")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
     ->Iterations(1)->Unit(benchmark::kMillisecond);

@@ -8,6 +8,8 @@
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/rng.h"
@@ -188,7 +190,16 @@ void PipelineStageRunner::Impl::BackwardFrom(Slot& slot, const Values& roots, co
   }
   if (from.empty()) return;
   const bool retain = split && slot.weights.Defer(from, parameters_);
-  torch::autograd::backward(from, with, retain);
+  if (with.empty()) {  // the loss
+    torch::autograd::backward(from, with, retain);
+    return;
+  }
+  // From the roots' autograd nodes: a root whose values were released after
+  // it was sent (dealloc_sent_outputs) still has its node and its shape there.
+  torch::autograd::edge_list edges;
+  for (const at::Tensor& root : from) edges.push_back(torch::autograd::impl::gradient_edge(root));
+  torch::autograd::Engine::get_default_engine().execute(edges, with, /*keep_graph=*/retain,
+                                                        /*create_graph=*/false, /*accumulate_grad=*/true);
 }
 
 absl::Status PipelineStageRunner::Impl::Backward(int chunk, int m, bool split, const Batch& batch) {
@@ -229,10 +240,22 @@ absl::Status PipelineStageRunner::Impl::Send(const at::Tensor& tensor, int peer,
 }
 
 absl::Status PipelineStageRunner::Impl::SendActivation(const Instruction& inst) {
-  const Values& outputs = At(inst, inst.micro_batch).outputs;
+  // Gloo's sends report completion only when waited for, and hold their
+  // values until then: with dealloc_sent_outputs the earlier sends complete
+  // first, so at most one micro-batch's sent values are held. Not with
+  // several chunks per rank: their sends run around a ring, where two ranks
+  // could each wait for the other to receive.
+  if (options_.dealloc_sent_outputs && chunks_ == 1) TRIDENT_RETURN_IF_ERROR(CompleteSends(/*all=*/true));
+  Values& outputs = At(inst, inst.micro_batch).outputs;
   for (size_t k = 0; k < outputs.size(); ++k) {
     TRIDENT_RETURN_IF_ERROR(Send(outputs[k].detach().contiguous(), Next(),
                                  ActivationTag(VirtualStage(inst.chunk), inst.micro_batch, k)));
+    // The send holds the values until it completes; the slot keeps the node.
+    // (A leaf passed through, or a view, keeps its values: its gradient lands there.)
+    const at::Tensor& sent = outputs[k];
+    if (options_.dealloc_sent_outputs && sent.grad_fn() != nullptr && !sent.is_view()) {
+      sent.set_data(at::empty({0}, sent.options()));
+    }
   }
   return absl::OkStatus();
 }

@@ -65,6 +65,12 @@ struct StageRunnerOptions {
   StageLoss loss;
   // Checkpointed layers rerun in segments of this many layers.
   int64_t checkpoint_num_layers = 1;
+  // Merak's dealloc_pipeoutput: once an activation is sent to the next stage
+  // this stage keeps only its autograd node, not its values (backward needs
+  // the node and the gradient received for it). The values go when the send
+  // completes: with one chunk per rank each activation send first completes
+  // the earlier sends (Gloo reports completion only when waited for).
+  bool dealloc_sent_outputs = false;
   // Multiplies the loss before backward (mixed-precision loss scaling); the
   // returned losses are unscaled. Unset: 1.
   std::function<double()> loss_scale;

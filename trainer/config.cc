@@ -368,6 +368,7 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.trace_method = c.trace_method();
   plan.leaf_modules = CommaList(c.leaf_modules());
   plan.input_names = CommaList(c.input_names());
+  plan.dealloc_pipeoutput = c.dealloc_pipeoutput();
   plan.activation_checkpointing = c.activation_checkpointing();
   plan.checkpoint_layers = CommaList(c.checkpoint_layers());
   plan.checkpoint_num_layers = c.checkpoint_num_layers();

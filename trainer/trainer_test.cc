@@ -81,6 +81,22 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
 
 // Tensor parallelism (and sequence parallelism) for gpt and llama, and the 3D
 // layout dp x tp x pp = 2 x 2 x 2 on 8 ranks, train the losses of one process.
+// dealloc_pipeoutput: stages that free what they sent train the same losses.
+TEST(TrainerParityTest, DeallocatedPipelineOutputsTrainTheSameLosses) {
+  const std::vector<double> single = TrainOnRanks(SmallConfig(1), "dealloc_reference");
+  for (const char* schedule : {"gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "1f1b_pp4"}) {
+    TrainerConfig config = SmallConfig(1);
+    config.set_pp(std::string(schedule) == "1f1b_pp4" ? 4 : 2);
+    if (config.pp() == 4) schedule = "1f1b";
+    config.set_schedule(schedule);
+    config.set_virtual_stages(std::string(schedule) == "interleaved_1f1b" ? 2 : 1);
+    config.set_micro_batch_size(2);
+    config.set_dealloc_pipeoutput(true);
+    SCOPED_TRACE(schedule);
+    ExpectSameLosses(single, TrainOnRanks(config, absl::StrCat("dealloc_", schedule, "_pp", config.pp())), 1e-5);
+  }
+}
+
 TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
   struct Layout {
     const char* model;
