@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -10,6 +11,7 @@
 #include <torch/csrc/jit/runtime/interpreter.h>
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/jit/frontend/tracer.h>
+#include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/csrc/jit/passes/inliner.h>
 #include <torch/nn/module.h>
@@ -45,6 +47,23 @@ std::vector<int64_t> ShapeOf(const torch::jit::Value* value) {
   if (!type) return {};
   auto sizes = type->sizes().concrete_sizes();
   return sizes ? *sizes : std::vector<int64_t>{};
+}
+
+std::string KindOf(const torch::jit::Node* node) { return node->kind().toQualString(); }
+
+int64_t RankOf(const torch::jit::Value* value) { return static_cast<int64_t>(ShapeOf(value).size()); }
+
+std::optional<int64_t> IntOf(const torch::jit::Value* value) {
+  auto constant = torch::jit::toIValue(value);
+  if (constant && constant->isInt()) return constant->toInt();
+  return std::nullopt;
+}
+
+bool IsParameter(const torch::jit::Graph& graph, size_t first_parameter, const torch::jit::Value* value) {
+  for (size_t i = first_parameter; i < graph.inputs().size(); ++i) {
+    if (graph.inputs()[i] == value) return true;
+  }
+  return false;
 }
 
 int64_t Elements(const std::vector<int64_t>& shape) {
@@ -625,6 +644,52 @@ ModelGraph::Forward ModelGraph::GraphForward(std::shared_ptr<torch::jit::Graph> 
     RunCode(*code, stack);
     return Unpack(stack);
   };
+}
+
+void ModelGraph::CanonicalizeLinearProducts(torch::jit::Graph& graph, size_t first_parameter) {
+  std::vector<torch::jit::Node*> nodes(graph.nodes().begin(), graph.nodes().end());
+  std::set<torch::jit::Node*> destroyed;
+  for (torch::jit::Node* node : nodes) {
+    if (destroyed.count(node)) continue;
+    const std::string kind = KindOf(node);
+    const bool addmm = kind == "aten::addmm";
+    if (kind != "aten::matmul" && !addmm) continue;
+    torch::jit::Value* transposed = node->input(addmm ? 2 : 1);
+    if (KindOf(transposed->node()) != "aten::t" || transposed->uses().size() != 1) continue;
+    torch::jit::Value* weight = transposed->node()->input(0);
+    if (!IsParameter(graph, first_parameter, weight) || RankOf(weight) != 2) continue;
+    torch::jit::Value* x = node->input(addmm ? 1 : 0);
+    torch::jit::Value* bias = nullptr;
+    torch::jit::Value* result = node->output();
+    torch::jit::Node* add = nullptr;
+    if (addmm) {
+      if (IntOf(node->input(3)).value_or(0) != 1 || IntOf(node->input(4)).value_or(0) != 1) continue;
+      bias = node->input(0);
+    } else if (result->uses().size() == 1) {
+      torch::jit::Node* user = result->uses()[0].user;
+      const std::string user_kind = KindOf(user);
+      if ((user_kind == "aten::add" || user_kind == "aten::add_") && user->input(0) == result &&
+          IsParameter(graph, first_parameter, user->input(1)) && RankOf(user->input(1)) == 1 &&
+          IntOf(user->input(2)).value_or(0) == 1) {
+        add = user;
+        bias = add->input(1);
+        result = add->output();
+      }
+    }
+    torch::jit::WithInsertPoint here(node);
+    torch::jit::Value* linear = graph.insert(c10::aten::linear,
+                                 {x, weight, bias != nullptr ? bias : graph.insertConstant(c10::IValue())});
+    linear->setType(result->type());
+    result->replaceAllUsesWith(linear);
+    // The replaced operators go (an in-place add_ is not dead code to the JIT).
+    if (add != nullptr) {
+      destroyed.insert(add);
+      add->destroy();
+    }
+    node->destroy();
+    transposed->node()->destroy();
+  }
+  torch::jit::EliminateDeadCode(graph.block());
 }
 
 }  // namespace trident

@@ -177,6 +177,12 @@ class ModelGraph {
   // model's inputs, then one tensor per parameter) with `parameters` in the
   // interpreter: trace it (Trace) for the rewritten model's graph.
   static Forward GraphForward(std::shared_ptr<torch::jit::Graph> graph, std::vector<at::Tensor> parameters);
+  // Rewrites the products of a linear layer as the tracer records them from
+  // C++ (matmul(x, t(W)) then add_(b), or addmm(b, x, t(W))) in `graph` (a
+  // copy of a jit_graph(), parameters from input `first_parameter` on) into
+  // aten::linear(x, W, b), as Python's traces record them: one operator per
+  // layer for the passes that rewrite layers.
+  static void CanonicalizeLinearProducts(torch::jit::Graph& graph, size_t first_parameter);
 
  private:
   class Impl;

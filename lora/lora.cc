@@ -10,6 +10,8 @@
 #include <c10/core/GradMode.h>
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
 #include <torch/nn/module.h>
 
 #include "absl/strings/match.h"
@@ -17,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "base/rng.h"
 #include "base/status.h"
+#include "graph/model_graph.h"
 #include "lora/lora_config.pb.h"
 
 namespace trident {
@@ -95,6 +98,39 @@ class FirstError : public google::protobuf::io::ErrorCollector {
   std::string text;
 };
 
+// A [r, in] drawn for adapter parameter `a_name`: Kaiming-uniform (a = sqrt(5)), as nn.Linear and PEFT draw it.
+at::Tensor DrawA(const std::string& a_name, int64_t r, int64_t in_features, uint64_t seed) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, a_name));
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  c10::NoGradGuard no_grad;
+  return at::empty({r, in_features}).uniform_(-bound, bound, generator);
+}
+
+std::string AdapterName(const std::string& layer, const char* factor, const LoraOptions& options) {
+  return Join(layer, absl::StrCat(factor, ".", options.adapter_name, ".weight"));
+}
+
+// Counts which targets `layer` matches; whether any does.
+bool MatchTargets(const std::string& layer, const LoraOptions& options, std::vector<int>& hits) {
+  bool hit = false;
+  for (size_t i = 0; i < options.target_modules.size(); ++i) {
+    if (Matches(layer, options.target_modules[i])) hit = ++hits[i] > 0;
+  }
+  return hit;
+}
+
+// Freezes every parameter but what trains under `options`; the elements left trainable.
+int64_t Freeze(const NamedTensors& parameters, const LoraOptions& options, const std::vector<std::string>& adapted) {
+  const std::set<std::string> layers(adapted.begin(), adapted.end());
+  int64_t trainable = 0;
+  for (const auto& [name, p] : parameters) {
+    const bool trains = Trains(name, options, layers);
+    p.requires_grad_(trains);
+    if (trains) trainable += p.numel();
+  }
+  return trainable;
+}
+
 }  // namespace
 
 absl::Status ValidateLoraOptions(const LoraOptions& o) {
@@ -140,18 +176,67 @@ absl::StatusOr<LoraOptions> ReadLoraConfig(const std::string& path, const std::s
   return options;
 }
 
+absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOptions& options, uint64_t seed) {
+  TRIDENT_RETURN_IF_ERROR(ValidateLoraOptions(options));
+  if (options.dropout > 0) {
+    return absl::UnimplementedError(
+        "lora_config: adapter dropout is not offered on traced models; set dropout 0, or declare the model's "
+        "layers (LayerSequence with ParallelLinear)");
+  }
+  using torch::jit::Node;
+  using torch::jit::Value;
+  std::shared_ptr<torch::jit::Graph> graph = model.jit_graph()->copy();
+  const size_t first_parameter = graph->inputs().size() - model.parameters().size();
+  ModelGraph::CanonicalizeLinearProducts(*graph, first_parameter);
+  LoraGraph result;
+  result.layers.target_hits.assign(options.target_modules.size(), 0);
+  for (size_t i = 0; i < model.parameters().size(); ++i) {
+    result.parameters.emplace_back(model.parameter_names()[i], model.parameters()[i]);
+  }
+  std::vector<Node*> linears;
+  for (Node* node : graph->nodes()) {
+    if (node->kind() == c10::aten::linear) linears.push_back(node);
+  }
+  for (Node* node : linears) {
+    Value* weight = node->input(1);
+    if (weight->node() != graph->param_node() || weight->offset() < first_parameter) continue;
+    const auto& [name, w] = result.parameters[weight->offset() - first_parameter];
+    if (!absl::EndsWith(name, ".weight") || w.dim() != 2) continue;
+    const std::string layer = name.substr(0, name.size() - std::string(".weight").size());
+    if (!MatchTargets(layer, options, result.layers.target_hits)) continue;
+    at::Tensor a = DrawA(AdapterName(layer, "lora_A", options), options.r, w.size(1), seed).to(w.options());
+    at::Tensor b = at::zeros({w.size(0), options.r}, w.options());
+    Value* a_input = graph->addInput(AdapterName(layer, "lora_A", options))->setType(c10::TensorType::create(a));
+    Value* b_input = graph->addInput(AdapterName(layer, "lora_B", options))->setType(c10::TensorType::create(b));
+    result.parameters.emplace_back(AdapterName(layer, "lora_A", options), a);
+    result.parameters.emplace_back(AdapterName(layer, "lora_B", options), b);
+    // y = linear(x, W, b) + scale * linear(linear(x, A), B)
+    torch::jit::WithInsertPoint after(node->next());
+    Value* none = graph->insertConstant(c10::IValue());
+    Value* low_rank = graph->insert(c10::aten::linear, {node->input(0), a_input, none});
+    Value* adapter = graph->insert(c10::aten::linear, {low_rank, b_input, none});
+    Value* output = node->output();
+    Value* sum = graph->insert(c10::aten::add, {output, adapter}, {torch::jit::NamedValue("alpha", options.scale())});
+    sum->setType(output->type());
+    output->replaceAllUsesAfterNodeWith(sum->node(), sum);
+    result.layers.adapted.push_back(layer);
+  }
+  result.layers.trainable_parameters = Freeze(result.parameters, options, result.layers.adapted);
+  std::vector<at::Tensor> tensors;
+  for (const auto& [name, p] : result.parameters) tensors.push_back(p);
+  result.forward = ModelGraph::GraphForward(graph, std::move(tensors));
+  return result;
+}
+
 absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions& options, uint64_t seed) {
   TRIDENT_RETURN_IF_ERROR(ValidateLoraOptions(options));
   LoraLayers result;
   result.target_hits.assign(options.target_modules.size(), 0);
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> targets;
   for (const auto& item : model.named_modules()) {  // first all matches: adapters add modules
-    if (InsideAdapter(item.key())) continue;
-    bool hit = false;
-    for (size_t i = 0; i < options.target_modules.size(); ++i) {
-      if (Matches(item.key(), options.target_modules[i])) hit = ++result.target_hits[i] > 0;
+    if (!InsideAdapter(item.key()) && MatchTargets(item.key(), options, result.target_hits)) {
+      targets.emplace_back(item.key(), item.value());
     }
-    if (hit) targets.emplace_back(item.key(), item.value());
   }
   for (const auto& [name, module] : targets) {
     const auto features = LinearFeatures(*module);
@@ -161,25 +246,15 @@ absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions
           ", not a linear layer that takes adapters (ColumnParallelLinear, RowParallelLinear or ParallelLinear); "
           "name linear layers in target_modules, or build this one as trident::ParallelLinear"));
     }
-    const std::string a_name = Join(name, absl::StrCat("lora_A.", options.adapter_name, ".weight"));
-    auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, a_name));
-    const double bound = 1.0 / std::sqrt(static_cast<double>(features->second));  // kaiming_uniform_(a=sqrt(5))
-    at::Tensor full_a;
-    {
-      c10::NoGradGuard no_grad;
-      full_a = at::empty({options.r, features->second}).uniform_(-bound, bound, generator);
-    }
+    const at::Tensor full_a = DrawA(AdapterName(name, "lora_A", options), options.r, features->second, seed);
     TRIDENT_ASSIGN_OR_RETURN(auto shards, AddLowRankAdapter(*module, options.adapter_name, full_a, options.scale(),
                                                             options.dropout));
     for (const auto& [relative, spec] : shards) result.shards[Join(name, relative)] = spec;
     result.adapted.push_back(name);
   }
-  const std::set<std::string> adapted(result.adapted.begin(), result.adapted.end());
-  for (auto& item : model.named_parameters()) {
-    const bool trains = Trains(item.key(), options, adapted);
-    item.value().requires_grad_(trains);
-    if (trains) result.trainable_parameters += item.value().numel();
-  }
+  NamedTensors parameters;
+  for (const auto& item : model.named_parameters()) parameters.emplace_back(item.key(), item.value());
+  result.trainable_parameters = Freeze(parameters, options, result.adapted);
   return result;
 }
 

@@ -24,6 +24,7 @@
 #define TRIDENT_LORA_LORA_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -37,6 +38,8 @@ class Module;
 }  // namespace torch::nn
 
 namespace trident {
+
+class ModelGraph;  // graph/model_graph.h
 
 struct LoraOptions {
   int64_t r = 8;
@@ -71,6 +74,20 @@ struct LoraLayers {
 // sharded for tensor parallelism) and freezes the rest. Errors name a target
 // that is not a linear layer of a kind that takes an adapter.
 absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions& options, uint64_t seed);
+
+// A traced model with adapters: every linear product (aten::linear) whose
+// weight is a parameter "<layer>.weight" of a target layer gains the
+// low-rank path, its A and B appended to the parameters under the names
+// ApplyLora gives them (and drawn the same way). Parameters are frozen as
+// ApplyLora freezes them. Trace `forward` (ModelGraph::Trace) with
+// `parameters` for the adapted model's graph. Errors: adapter dropout (not
+// offered on traced models).
+struct LoraGraph {
+  NamedTensors parameters;
+  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
+  LoraLayers layers;
+};
+absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& graph, const LoraOptions& options, uint64_t seed);
 
 // Whether `name` is an adapter parameter ("...lora_A.<adapter>.weight").
 bool IsAdapterParameter(const std::string& name);

@@ -79,63 +79,6 @@ const std::set<std::string>& ElementWise() {
   return *kinds;
 }
 
-bool IsParameter(const Graph& graph, size_t first_parameter, const Value* value) {
-  for (size_t i = first_parameter; i < graph.inputs().size(); ++i) {
-    if (graph.inputs()[i] == value) return true;
-  }
-  return false;
-}
-
-// The products of a linear layer as the tracer records them from C++
-// (matmul(x, t(W)) followed by add_(b), or addmm(b, x, t(W))) become
-// aten::linear(x, W, b), as Python's traces record them, so the planner sees
-// one operator per layer.
-void CanonicalizeLinearProducts(Graph& graph, size_t first_parameter) {
-  std::vector<Node*> nodes(graph.nodes().begin(), graph.nodes().end());
-  std::set<Node*> destroyed;
-  for (Node* node : nodes) {
-    if (destroyed.count(node)) continue;
-    const std::string kind = KindOf(node);
-    const bool addmm = kind == "aten::addmm";
-    if (kind != "aten::matmul" && !addmm) continue;
-    Value* transposed = node->input(addmm ? 2 : 1);
-    if (KindOf(transposed->node()) != "aten::t" || transposed->uses().size() != 1) continue;
-    Value* weight = transposed->node()->input(0);
-    if (!IsParameter(graph, first_parameter, weight) || RankOf(weight) != 2) continue;
-    Value* x = node->input(addmm ? 1 : 0);
-    Value* bias = nullptr;
-    Value* result = node->output();
-    Node* add = nullptr;
-    if (addmm) {
-      if (IntOf(node->input(3)).value_or(0) != 1 || IntOf(node->input(4)).value_or(0) != 1) continue;
-      bias = node->input(0);
-    } else if (result->uses().size() == 1) {
-      Node* user = result->uses()[0].user;
-      const std::string user_kind = KindOf(user);
-      if ((user_kind == "aten::add" || user_kind == "aten::add_") && user->input(0) == result &&
-          IsParameter(graph, first_parameter, user->input(1)) && RankOf(user->input(1)) == 1 &&
-          IntOf(user->input(2)).value_or(0) == 1) {
-        add = user;
-        bias = add->input(1);
-        result = add->output();
-      }
-    }
-    torch::jit::WithInsertPoint here(node);
-    Value* linear = graph.insert(c10::aten::linear,
-                                 {x, weight, bias != nullptr ? bias : graph.insertConstant(c10::IValue())});
-    linear->setType(result->type());
-    result->replaceAllUsesWith(linear);
-    // The replaced operators go (an in-place add_ is not dead code to the JIT).
-    if (add != nullptr) {
-      destroyed.insert(add);
-      add->destroy();
-    }
-    node->destroy();
-    transposed->node()->destroy();
-  }
-  torch::jit::EliminateDeadCode(graph.block());
-}
-
 // How a value is laid out over the group: replicated (no entry), or split
 // along `dim` into tp equal parts of each of `blocks` equal pieces.
 struct Split {
@@ -1035,7 +978,7 @@ absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, 
                                                        const AutoTensorParallelOptions& options) {
   std::shared_ptr<Graph> graph = model.jit_graph()->copy();
   if (options.loss_only) KeepOnlyTheLoss(*graph);
-  CanonicalizeLinearProducts(*graph, graph->inputs().size() - model.parameters().size());
+  ModelGraph::CanonicalizeLinearProducts(*graph, graph->inputs().size() - model.parameters().size());
   Planner planner(graph, model.parameter_names(), tp.size, tp.sequence_parallel, options);
   TRIDENT_RETURN_IF_ERROR(planner.Plan());
   TensorParallelGraph result;

@@ -120,6 +120,31 @@ timeout 300 "$train" "${common[@]}" --model=torchscript:"$work/gpt.pt" --dp=1 --
 first=$(grep -a '^\[rank 0\] step 1/1 | loss' "$out" | sed 's/.*| loss \([0-9.]*\).*/\1/')
 untrained=$(head -1 "$work/python.txt")
 awk -v a="$first" -v b="$untrained" 'BEGIN { exit !(a < b - 0.5) }' || fail "init_from: loss $first vs untrained $untrained"
+# LoRA on the Python model's nn.Linear layers (adapters added to the traced
+# graph): one process and pp=2 train the same losses from the export above,
+# and the adapter exports under PEFT's names.
+printf 'r: 4\nalpha: 8\ntarget_modules: "c_attn"\ntarget_modules: "c_fc"\n' >"$work/lora.pbtxt"
+lora=("${common[@]}" --model=torchscript:"$work/gpt.pt" --init_from="$work/pp2.safetensors"
+      --lora_config="$work/lora.pbtxt" --max_steps=10)
+timeout 300 "$train" "${lora[@]}" --dp=1 --metrics_file="$work/lora1.jsonl" \
+  --export_safetensors="$work/adapter.safetensors" >"$out" 2>&1 || fail "LoRA run exited $?"
+grep -aq "LoRA adapter 'default' (r 4, scale 2)" "$out" || fail "LoRA summary line"
+grep -aq "exported adapter 'default' (PEFT names)" "$out" || fail "LoRA export line"
+timeout 300 "$train" "${lora[@]}" --dp=1 --pp=2 --metrics_file="$work/lora2.jsonl" >"$out" 2>&1 ||
+  fail "LoRA pp=2 run exited $?"
+"$python" - "$work/lora1.jsonl" "$work/lora2.jsonl" "$work/adapter.safetensors" <<'PY' || fail "LoRA losses or adapter"
+import json, sys, struct
+one = [json.loads(line)["loss"] for line in open(sys.argv[1])]
+two = [json.loads(line)["loss"] for line in open(sys.argv[2])]
+assert len(one) == len(two) == 10 and one[-1] != one[0], (one, two)
+worst = max(abs(a - b) / abs(a) for a, b in zip(one, two))
+print(f"LoRA on TorchScript: pp=2 against one process over 10 steps: {worst:.3g}")
+assert worst <= 1e-5, worst
+with open(sys.argv[3], "rb") as f:
+    names = sorted(k for k in json.loads(f.read(struct.unpack("<Q", f.read(8))[0])) if k != "__metadata__")
+assert names and all(n.startswith("base_model.model.transformer.h.") and ".lora_" in n for n in names), names
+PY
+
 # The model's own loss is absent: a registered loss on its logits, fed the inputs by name.
 train_and_compare logits --model=torchscript:"$work/logits.pt" --dp=1 --pp=2 --loss=cross_entropy \
   --input_names=input_ids

@@ -128,6 +128,7 @@ struct WholeModel {
   std::map<std::string, std::string> aliases;
   std::map<std::string, ShardSpec> tensor_parallel_shards;  // traced at tp > 1
   std::string tensor_parallel_report;
+  std::vector<int> lora_target_hits;  // traced with plan.lora
 };
 
 // The automatic tensor-parallel pass's options: its cost model at rates of
@@ -183,6 +184,17 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
                            ModelGraph::Trace(parameters, on_device, traced_forward, CheckBatch(on_device), owner));
   WholeModel whole;
   whole.aliases = graph->aliases();
+  if (plan.lora) {  // every target linear product gains its adapter, traced again
+    if (plan.tp > 1) {
+      return absl::UnimplementedError(
+          "LoRA with tp > 1 on a traced model is not supported: declare the model's layers (trace_method=layers, "
+          "ParallelLinear with ApplyTensorParallel), or use tp=1");
+    }
+    TRIDENT_ASSIGN_OR_RETURN(LoraGraph adapted, ApplyLoraToGraph(*graph, *plan.lora, plan.seed));
+    whole.lora_target_hits = std::move(adapted.layers.target_hits);
+    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(adapted.parameters, on_device, adapted.forward,
+                                                      CheckBatch(on_device), owner));
+  }
   if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
     TRIDENT_ASSIGN_OR_RETURN(
         TensorParallelGraph sharded,
@@ -248,19 +260,11 @@ absl::Status AddAdapters(torch::nn::Module& module, const ParallelPlan& plan, Mo
   return absl::OkStatus();
 }
 
-// LoRA on a module or TorchScript source: through the module's own linear
-// layers (ParallelLinear), before tracing.
-absl::Status AddAdaptersToWholeModel(const ModelSource& source, const ParallelPlan& plan, ModelPart* part) {
-  if (!plan.lora) return absl::OkStatus();
-  if (source.kind == ModelSource::Kind::kTorchScript) {
-    return absl::UnimplementedError(
-        "LoRA (lora_config) adapts C++ linear layers (ParallelLinear, the zoo's); a TorchScript model's layers "
-        "cannot take adapters yet: build the model in C++, or merge the adapters in Python");
-  }
-  if (plan.tp > 1 && plan.trace_method == "jit") {
-    return absl::UnimplementedError(
-        "LoRA with tp > 1 on a traced module is not supported: declare the model's layers (trace_method=layers, "
-        "ParallelLinear with ApplyTensorParallel), or use tp=1");
+// LoRA on a module run eagerly: through its own linear layers (ParallelLinear).
+// Traced models get theirs in the graph (TraceGraph).
+absl::Status AddAdaptersToEagerModule(const ModelSource& source, const ParallelPlan& plan, ModelPart* part) {
+  if (!plan.lora || plan.trace_method != "none" || source.kind != ModelSource::Kind::kModule) {
+    return absl::OkStatus();
   }
   return AddAdapters(*source.module, plan, part);
 }
@@ -294,7 +298,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
   if (source.kind == ModelSource::Kind::kLayers) {
     TRIDENT_RETURN_IF_ERROR(BuildLayers(source, plan, example, &part));
   } else {
-    TRIDENT_RETURN_IF_ERROR(AddAdaptersToWholeModel(source, plan, &part));
+    TRIDENT_RETURN_IF_ERROR(AddAdaptersToEagerModule(source, plan, &part));
     TRIDENT_ASSIGN_OR_RETURN(WholeModel whole, RunWhole(source, plan, tp_rank, device, example));
     part.layers = std::move(whole.layers);
     part.loss_inside = true;
@@ -306,6 +310,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       part.aliases = std::move(whole.aliases);
       part.shards.insert(whole.tensor_parallel_shards.begin(), whole.tensor_parallel_shards.end());
       part.tensor_parallel_report = std::move(whole.tensor_parallel_report);
+      if (plan.lora) part.lora_target_hits = std::move(whole.lora_target_hits);
     } else {
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
     }
