@@ -297,6 +297,27 @@ class InjectInf : public TrainerHooks {
   std::vector<at::Tensor> snapshots;
 };
 
+// Trains `config` (bf16, 2 data-parallel ranks) with InjectInf on each rank:
+// the 5th step is skipped everywhere, leaving the weights, and training goes on.
+void ExpectTheInfStepSkipped(const TrainerConfig& config, const std::function<void(const InjectInf&)>& check) {
+  testing::RunOnRanks(2, [&](int rank) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    auto trainer = Trainer::Create(config, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    auto hooks = std::make_shared<InjectInf>(rank);
+    (*trainer)->AddHooks(hooks);
+    auto result = (*trainer)->Train();
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(hooks->metrics.size(), static_cast<size_t>(config.max_steps()));
+    for (size_t i = 0; i < hooks->metrics.size(); ++i) EXPECT_EQ(hooks->metrics[i].skipped, i == 4) << "step " << i + 1;
+    EXPECT_TRUE(at::equal(hooks->snapshots[4], hooks->snapshots[3])) << "skipped: no update";
+    EXPECT_FALSE(at::equal(hooks->snapshots[5], hooks->snapshots[4])) << "training goes on";
+    EXPECT_TRUE(std::isfinite(result->losses.back()));
+    check(*hooks);
+  });
+}
+
 TEST(TrainerPrecisionTest, InfOnOneRankSkipsTheStepEverywhereAndHalvesTheScale) {
   TrainerConfig config = SmallConfig(2);
   config.set_precision("bf16");
@@ -304,48 +325,20 @@ TEST(TrainerPrecisionTest, InfOnOneRankSkipsTheStepEverywhereAndHalvesTheScale) 
   config.set_initial_scale_power(16);
   config.set_hysteresis(1);
   config.set_max_steps(10);
-  testing::RunOnRanks(2, [&](int rank) {
-    auto topology = testing::JoinTopology({{"data", 2}});
-    ASSERT_TRUE(topology.ok());
-    auto trainer = Trainer::Create(config, topology->get());
-    ASSERT_TRUE(trainer.ok()) << trainer.status();
-    auto hooks = std::make_shared<InjectInf>(rank);
-    (*trainer)->AddHooks(hooks);
-    auto result = (*trainer)->Train();
-    ASSERT_TRUE(result.ok()) << result.status();
-    ASSERT_EQ(hooks->metrics.size(), 10u);
-    for (int i = 0; i < 10; ++i) EXPECT_EQ(hooks->metrics[i].skipped, i == 4) << "step " << i + 1;
-    EXPECT_EQ(hooks->metrics[4].loss_scale, 65536);
-    EXPECT_EQ(hooks->metrics[5].loss_scale, 32768);
-    EXPECT_TRUE(at::equal(hooks->snapshots[4], hooks->snapshots[3])) << "skipped: no update";
-    EXPECT_FALSE(at::equal(hooks->snapshots[5], hooks->snapshots[4])) << "training goes on";
-    EXPECT_TRUE(std::isfinite(result->losses.back()));
+  ExpectTheInfStepSkipped(config, [](const InjectInf& hooks) {
+    EXPECT_EQ(hooks.metrics[4].loss_scale, 65536);
+    EXPECT_EQ(hooks.metrics[5].loss_scale, 32768);
   });
 }
 
-// amp_native's skip_if_nonfinite for bf16: the step with an inf is skipped
-// everywhere and nothing is ever scaled.
+// amp_native's skip_if_nonfinite for bf16: the same skip, and nothing is ever scaled.
 TEST(TrainerPrecisionTest, SkipIfNonfiniteSkipsWithoutScaling) {
   TrainerConfig config = SmallConfig(2);
   config.set_precision("bf16");
   config.set_skip_if_nonfinite(true);
   config.set_max_steps(8);
-  testing::RunOnRanks(2, [&](int rank) {
-    auto topology = testing::JoinTopology({{"data", 2}});
-    ASSERT_TRUE(topology.ok());
-    auto trainer = Trainer::Create(config, topology->get());
-    ASSERT_TRUE(trainer.ok()) << trainer.status();
-    auto hooks = std::make_shared<InjectInf>(rank);
-    (*trainer)->AddHooks(hooks);
-    auto result = (*trainer)->Train();
-    ASSERT_TRUE(result.ok()) << result.status();
-    ASSERT_EQ(hooks->metrics.size(), 8u);
-    for (int i = 0; i < 8; ++i) {
-      EXPECT_EQ(hooks->metrics[i].skipped, i == 4) << "step " << i + 1;
-      EXPECT_EQ(hooks->metrics[i].loss_scale, 1.0) << "step " << i + 1;
-    }
-    EXPECT_TRUE(at::equal(hooks->snapshots[4], hooks->snapshots[3])) << "skipped: no update";
-    EXPECT_FALSE(at::equal(hooks->snapshots[5], hooks->snapshots[4])) << "training goes on";
+  ExpectTheInfStepSkipped(config, [](const InjectInf& hooks) {
+    for (const StepMetrics& m : hooks.metrics) EXPECT_EQ(m.loss_scale, 1.0) << "step " << m.step;
   });
 }
 
