@@ -71,10 +71,10 @@ bool Trains(const std::string& name, const LoraOptions& options, const std::set<
   if (absl::EndsWith(name, "bias")) {
     if (options.bias == "all" || (options.bias == "lora_only" && adapted.count(module))) return true;
   }
-  for (std::string prefix = module;; prefix = ModuleOf(prefix)) {  // the module or one containing it
-    if (!prefix.empty() && MatchesAny(prefix, options.modules_to_save)) return true;
-    if (prefix.empty()) return false;
+  for (std::string prefix = module; !prefix.empty(); prefix = ModuleOf(prefix)) {  // the module or one containing it
+    if (MatchesAny(prefix, options.modules_to_save)) return true;
   }
+  return false;
 }
 
 std::set<std::string> AdaptedLayers(const NamedTensors& tensors, const std::string& adapter) {
@@ -200,7 +200,7 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
   for (Node* node : linears) {
     Value* weight = node->input(1);
     if (weight->node() != graph->param_node() || weight->offset() < first_parameter) continue;
-    const auto& [name, w] = result.parameters[weight->offset() - first_parameter];
+    const auto [name, w] = result.parameters[weight->offset() - first_parameter];  // copies: the list grows
     if (!absl::EndsWith(name, ".weight") || w.dim() != 2) continue;
     const std::string layer = name.substr(0, name.size() - std::string(".weight").size());
     if (!MatchTargets(layer, options, result.layers.target_hits)) continue;

@@ -251,8 +251,8 @@ absl::StatusOr<ModelSource> ResolveLayerModule(const ModelSource& source, const 
   return resolved;
 }
 
-// Adds plan.lora's adapters to `module` (a layer part, or a whole module
-// before it is traced or run) and records them in `part`.
+// Adds plan.lora's adapters to `module` (a layer part, or a module run
+// eagerly) and records them in `part`.
 absl::Status AddAdapters(torch::nn::Module& module, const ParallelPlan& plan, ModelPart* part) {
   TRIDENT_ASSIGN_OR_RETURN(LoraLayers adapted, ApplyLora(module, *plan.lora, plan.seed));
   part->lora_target_hits = std::move(adapted.target_hits);
