@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include "base/recompute.h"
 #include "models/internal/architectures.h"
 
 namespace trident {
@@ -13,7 +14,7 @@ namespace F = torch::nn::functional;
 
 // With tensor parallelism each rank owns n_head / tp whole heads: c_attn's
 // q, k and v blocks are split column-wise, c_proj row-wise.
-class CausalSelfAttentionImpl : public torch::nn::Module {
+class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableModule {
  public:
   CausalSelfAttentionImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block)
       : local_heads_(c.n_head / c.tp.size),
@@ -28,6 +29,11 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   }
 
   torch::Tensor forward(const torch::Tensor& x) {
+    if (!recompute() || !is_training()) return Attend(x);
+    return RecomputeInBackward([this](const Values& in) { return Values{Attend(in[0])}; }, {x})[0];
+  }
+
+  torch::Tensor Attend(const torch::Tensor& x) {
     torch::Tensor qkv = c_attn(x);  // [B, T, 3 * local width]: T is whole after the column input
     const int64_t B = qkv.size(0), T = qkv.size(1);
     qkv = qkv.view({B, T, 3, local_heads_, head_dim_}).permute({2, 0, 3, 1, 4});
@@ -49,7 +55,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(CausalSelfAttention);
 
-class MlpImpl : public torch::nn::Module {
+class MlpImpl : public torch::nn::Module, public RecomputableModule {
  public:
   explicit MlpImpl(const ModelConfig& c) {
     c_fc = register_module("c_fc", ColumnParallelLinear(c.tp, c.n_embd, 4 * c.n_embd));
@@ -57,7 +63,8 @@ class MlpImpl : public torch::nn::Module {
     dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return dropout(c_proj(torch::gelu(c_fc(x))));  // exact (erf) GELU
+    auto mlp = [this](const Values& in) { return Values{dropout(c_proj(torch::gelu(c_fc(in[0]))))}; };  // exact GELU
+    return recompute() && is_training() ? RecomputeInBackward(mlp, {x})[0] : mlp({x})[0];
   }
   ColumnParallelLinear c_fc{nullptr};
   RowParallelLinear c_proj{nullptr};

@@ -2,6 +2,7 @@
 // head, grouped-query attention when n_kv_head < n_head. Hugging Face names.
 #include <torch/torch.h>
 
+#include "base/recompute.h"
 #include "models/internal/architectures.h"
 
 namespace trident {
@@ -41,7 +42,7 @@ torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
 
 // With tensor parallelism each rank owns n_head / tp query heads and
 // n_kv_head / tp key/value heads (q, k, v split column-wise, o_proj row-wise).
-class AttentionImpl : public torch::nn::Module {
+class AttentionImpl : public torch::nn::Module, public RecomputableModule {
  public:
   AttentionImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block)
       : n_head_(c.n_head / c.tp.size),
@@ -57,6 +58,12 @@ class AttentionImpl : public torch::nn::Module {
     o_proj = register_module("o_proj", Row(c, c.n_embd, c.n_embd));
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    if (!recompute() || !is_training()) return Attend(x, cos, sin);
+    return RecomputeInBackward([this](const Values& in) { return Values{Attend(in[0], in[1], in[2])}; },
+                               {x, cos, sin})[0];
+  }
+
+  torch::Tensor Attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
     auto q = q_proj(x);  // T is whole after the column input
     const int64_t B = q.size(0), T = q.size(1);
     q = q.view({B, T, n_head_, head_dim_}).transpose(1, 2);
@@ -79,7 +86,7 @@ class AttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-class SwiGluImpl : public torch::nn::Module {
+class SwiGluImpl : public torch::nn::Module, public RecomputableModule {
  public:
   explicit SwiGluImpl(const ModelConfig& c) {
     const int64_t hidden = LlamaIntermediateSize(c);
@@ -88,7 +95,8 @@ class SwiGluImpl : public torch::nn::Module {
     down_proj = register_module("down_proj", Row(c, hidden, c.n_embd));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+    auto mlp = [this](const Values& in) { return Values{down_proj(torch::silu(gate_proj(in[0])) * up_proj(in[0]))}; };
+    return recompute() && is_training() ? RecomputeInBackward(mlp, {x})[0] : mlp({x})[0];
   }
   ColumnParallelLinear gate_proj{nullptr}, up_proj{nullptr};
   RowParallelLinear down_proj{nullptr};

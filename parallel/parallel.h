@@ -155,6 +155,11 @@ struct ParallelPlan {
   bool dealloc_pipeoutput = false;
   std::string activation_checkpointing = "none";
   std::vector<std::string> checkpoint_layers;
+  // ATorch's checkpoint method by module (Megatron's selective recomputation):
+  // modules of the layers by name or suffix ("attn", "mlp") that recompute
+  // their forward in backward; they must be RecomputableModule (the zoo's
+  // attention and MLP blocks). Layer and eager module sources.
+  std::vector<std::string> checkpoint_modules;
   int64_t checkpoint_num_layers = 1;
   double activation_checkpoint_ratio = 0.5;
   int zero_stage = 0;

@@ -98,7 +98,7 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
       internal::BuildModelPart(source, plan, stage, tp != nullptr ? tp->rank() : 0, device, example);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), built.status(), "building the model"));
   part = *std::move(built);
-  TRIDENT_RETURN_IF_ERROR(CheckLoraTargets());
+  TRIDENT_RETURN_IF_ERROR(CheckModulePatterns());
   if (auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get())) {
     ApplyPrecision(*module, precision);
   } else {
@@ -218,20 +218,24 @@ absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
   return AgreeOnFailure(topology->world(), pass.status(), "running the first forward");
 }
 
-// A LoRA target that matches no module on any pipeline stage is a mistake.
-absl::Status ParallelModel::Impl::CheckLoraTargets() {
-  if (!plan.lora) return absl::OkStatus();
-  const std::vector<std::string>& targets = plan.lora->target_modules;
-  at::Tensor hits = at::zeros({static_cast<int64_t>(targets.size())}, at::kLong);
-  for (size_t i = 0; i < part.lora_target_hits.size(); ++i) hits[i] = part.lora_target_hits[i];
-  if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->AllReduce(hits));
-  for (size_t i = 0; i < targets.size(); ++i) {
-    if (hits[i].item<int64_t>() == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("lora_config: target_modules entry '", targets[i],
-                                                     "' matches no module of the model"));
+// A module pattern (a LoRA target, a module to recompute) that matches no
+// module on any pipeline stage is a mistake.
+absl::Status ParallelModel::Impl::CheckModulePatterns() {
+  auto check = [&](const std::vector<std::string>& patterns, const std::vector<int>& local_hits,
+                   const char* what) -> absl::Status {
+    if (patterns.empty()) return absl::OkStatus();
+    at::Tensor hits = at::zeros({static_cast<int64_t>(patterns.size())}, at::kLong);
+    for (size_t i = 0; i < local_hits.size(); ++i) hits[i] = local_hits[i];
+    if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->AllReduce(hits));
+    for (size_t i = 0; i < patterns.size(); ++i) {
+      if (hits[i].item<int64_t>() == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(what, " entry '", patterns[i], "' matches no module of the model"));
+      }
     }
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  };
+  if (plan.lora) TRIDENT_RETURN_IF_ERROR(check(plan.lora->target_modules, part.lora_target_hits, "lora_config: target_modules"));
+  return check(plan.checkpoint_modules, part.recompute_hits, "checkpoint_modules:");
 }
 
 absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {

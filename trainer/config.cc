@@ -371,6 +371,7 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.dealloc_pipeoutput = c.dealloc_pipeoutput();
   plan.activation_checkpointing = c.activation_checkpointing();
   plan.checkpoint_layers = CommaList(c.checkpoint_layers());
+  plan.checkpoint_modules = CommaList(c.checkpoint_modules());
   plan.checkpoint_num_layers = c.checkpoint_num_layers();
   plan.activation_checkpoint_ratio = c.activation_checkpoint_ratio();
   plan.zero_stage = c.zero_stage();

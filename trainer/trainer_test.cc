@@ -81,6 +81,35 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
 
 // Tensor parallelism (and sequence parallelism) for gpt and llama, and the 3D
 // layout dp x tp x pp = 2 x 2 x 2 on 8 ranks, train the losses of one process.
+// checkpoint_modules: recomputed attention and MLP blocks train the losses of
+// the same layout without recomputation, dropout masks included (pipeline
+// stages draw their own masks, so each layout against itself).
+TEST(TrainerParityTest, RecomputedModulesTrainTheSameLosses) {
+  for (int pp : {1, 2}) {
+    TrainerConfig config = SmallConfig(1);
+    config.set_dropout(0.1);
+    config.set_micro_batch_size(2);
+    config.set_pp(pp);
+    SCOPED_TRACE(absl::StrCat("pp=", pp));
+    const std::vector<double> reference = TrainOnRanks(config, absl::StrCat("recompute_reference_pp", pp));
+    config.set_checkpoint_modules("attn,mlp");
+    ExpectSameLosses(reference, TrainOnRanks(config, absl::StrCat("recompute_pp", pp)), 1e-6);
+  }
+  testing::RunOnRanks(1, [](int) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok());
+    for (const auto& [modules, message] : std::vector<std::pair<std::string, std::string>>{
+             {"ln_1", "module 'transformer.h.0.ln_1' (torch::nn::LayerNormImpl) cannot recompute its forward"},
+             {"attn,atn", "checkpoint_modules: entry 'atn' matches no module of the model"}}) {
+      TrainerConfig config = SmallConfig(1);
+      config.set_checkpoint_modules(modules);
+      auto refused = Trainer::Create(config, topology->get());
+      ASSERT_FALSE(refused.ok()) << modules;
+      EXPECT_THAT(std::string(refused.status().message()), HasSubstr(message));
+    }
+  });
+}
+
 // dealloc_pipeoutput: stages that free what they sent train the same losses.
 TEST(TrainerParityTest, DeallocatedPipelineOutputsTrainTheSameLosses) {
   const std::vector<double> single = TrainOnRanks(SmallConfig(1), "dealloc_reference");

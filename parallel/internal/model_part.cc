@@ -4,8 +4,10 @@
 
 #include <torch/nn/module.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/recompute.h"
 #include "base/status.h"
 #include "graph/graph_layers.h"
 #include "graph/model_graph.h"
@@ -260,6 +262,36 @@ absl::Status AddAdapters(torch::nn::Module& module, const ParallelPlan& plan, Mo
   return absl::OkStatus();
 }
 
+// Turns on recomputation in the modules plan.checkpoint_modules names.
+// Errors name a matched module that cannot recompute itself.
+absl::Status MarkRecomputedModules(torch::nn::Module& model, const ParallelPlan& plan, ModelPart* part) {
+  part->recompute_hits.assign(plan.checkpoint_modules.size(), 0);
+  for (const auto& item : model.named_modules()) {
+    for (size_t i = 0; i < plan.checkpoint_modules.size(); ++i) {
+      const std::string& pattern = plan.checkpoint_modules[i];
+      if (item.key() != pattern && !absl::EndsWith(item.key(), "." + pattern)) continue;
+      auto* recomputable = dynamic_cast<RecomputableModule*>(item.value().get());
+      if (recomputable == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint_modules: module '", item.key(), "' (", item.value()->name(),
+            ") cannot recompute its forward; name the zoo's attention or MLP blocks (attn, mlp; self_attn), or "
+            "make the module a RecomputableModule (base/recompute.h)"));
+      }
+      recomputable->set_recompute(true);
+      ++part->recompute_hits[i];
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The module of a layer source's part or of an eager module source, for
+// per-module options (LoRA, recomputation); nullptr for traced sources.
+torch::nn::Module* ModuleOf(const ModelSource& source, const ParallelPlan& plan, const ModelPart& part) {
+  if (source.kind == ModelSource::Kind::kLayers) return dynamic_cast<torch::nn::Module*>(part.layers.get());
+  if (source.kind == ModelSource::Kind::kModule && plan.trace_method == "none") return source.module.get();
+  return nullptr;
+}
+
 // LoRA on a module run eagerly: through its own linear layers (ParallelLinear).
 // Traced models get theirs in the graph (TraceGraph).
 absl::Status AddAdaptersToEagerModule(const ModelSource& source, const ParallelPlan& plan, ModelPart* part) {
@@ -332,6 +364,15 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       }
       TRIDENT_RETURN_IF_ERROR(AddAdapters(*module, plan, &part));
     }
+  }
+  if (!plan.checkpoint_modules.empty()) {
+    torch::nn::Module* module = ModuleOf(source, plan, part);
+    if (module == nullptr) {
+      return absl::InvalidArgumentError(
+          "checkpoint_modules needs a model of modules (the zoo, a LayerSequence module, or trace_method=none); "
+          "for a traced model recompute whole shards (activation_checkpointing)");
+    }
+    TRIDENT_RETURN_IF_ERROR(MarkRecomputedModules(*module, plan, &part));
   }
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the model to the device", [&] { part.layers->To(device); }));
   return part;

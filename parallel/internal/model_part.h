@@ -33,6 +33,8 @@ struct ModelPart {
   // With plan.lora: how many modules each target matched here (a target no
   // stage matches is an error), and the adapters split over tp (in shards).
   std::vector<int> lora_target_hits;
+  // How many modules each plan.checkpoint_modules entry matched here.
+  std::vector<int> recompute_hits;
   // Module sources: a given loss function runs inside the layers, its result
   // first among the last layer's outputs.
   bool loss_inside = false;

@@ -75,7 +75,7 @@ class ParallelModel::Impl {
   absl::StatusOr<std::vector<double>> LossWeights(const std::vector<Batch>& batches) const;
   absl::Status Setup(OptimizerFactory make_optimizer, const Batch& example);
   absl::Status FindBoundaries(const Batch& example);
-  absl::Status CheckLoraTargets();
+  absl::Status CheckModulePatterns();
   absl::Status ClassifyParameters(const Batch& example);
   void PlanRecomputation();
 };

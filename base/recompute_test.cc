@@ -1,0 +1,30 @@
+#include "base/recompute.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace trident {
+namespace {
+
+// Recomputed in backward, a product with dropout gives the gradients of the
+// plain computation, for its parameter and its input.
+TEST(RecomputeTest, GradientsEqualThePlainComputation) {
+  torch::manual_seed(1);
+  const at::Tensor w0 = torch::randn({6, 4}), x0 = torch::randn({3, 4});
+  auto step = [&](bool recompute) {
+    at::Tensor w = w0.clone().requires_grad_(true), x = x0.clone().requires_grad_(true);
+    auto f = [&](const Values& in) { return Values{at::dropout(at::tanh(at::linear(in[0], w)), 0.5, true)}; };
+    torch::manual_seed(7);
+    at::Tensor y = recompute ? RecomputeInBackward(f, {x})[0] : f({x})[0];
+    (y * y).sum().backward();
+    return std::make_pair(w.grad(), x.grad());
+  };
+  const auto [w_plain, x_plain] = step(false);
+  const auto [w_re, x_re] = step(true);
+  ASSERT_TRUE(w_re.defined() && x_re.defined());
+  EXPECT_TRUE(torch::equal(w_re, w_plain));
+  EXPECT_TRUE(torch::equal(x_re, x_plain));
+}
+
+}  // namespace
+}  // namespace trident
