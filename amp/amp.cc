@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/autocast_state.h"
 #include "base/status.h"
 
 namespace trident {
@@ -22,38 +23,6 @@ absl::StatusOr<at::ScalarType> ParseDtype(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("precision '", name, "' is unknown; choose fp32, bf16 or fp16"));
 }
 
-// Autocast state, through the API of this LibTorch's version.
-bool AutocastEnabled(c10::DeviceType device) {
-#if TORCH_VERSION_MAJOR >= 2
-  return at::autocast::is_autocast_enabled(device);
-#else
-  return device == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
-#endif
-}
-
-at::ScalarType AutocastDtype(c10::DeviceType device) {
-#if TORCH_VERSION_MAJOR >= 2
-  return at::autocast::get_autocast_dtype(device);
-#else
-  return device == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
-                                        : at::autocast::get_autocast_gpu_dtype();
-#endif
-}
-
-void SetAutocast(c10::DeviceType device, bool enabled, at::ScalarType dtype) {
-#if TORCH_VERSION_MAJOR >= 2
-  at::autocast::set_autocast_enabled(device, enabled);
-  at::autocast::set_autocast_dtype(device, dtype);
-#else
-  if (device == c10::DeviceType::CPU) {
-    at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  } else {
-    at::autocast::set_enabled(enabled);
-    at::autocast::set_autocast_gpu_dtype(dtype);
-  }
-#endif
-}
 
 }  // namespace
 
@@ -110,9 +79,10 @@ void ApplyPrecision(torch::nn::Module& module, const PrecisionPolicy& policy) {
 AutocastScope::AutocastScope(const PrecisionPolicy& policy, c10::DeviceType device)
     : active_(policy.compute != at::kFloat), device_(device) {
   if (!active_) return;
-  was_enabled_ = AutocastEnabled(device);
-  was_dtype_ = AutocastDtype(device);
-  SetAutocast(device, true, policy.compute);
+  const AutocastState was = GetAutocastState(device);
+  was_enabled_ = was.enabled;
+  was_dtype_ = was.dtype;
+  SetAutocastState(device, {true, policy.compute});
   at::autocast::increment_nesting();
 }
 
@@ -120,7 +90,7 @@ AutocastScope::~AutocastScope() {
   if (!active_) return;
   // Cached casts of the weights are dropped when the outermost scope ends.
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  SetAutocast(device_, was_enabled_, was_dtype_);
+  SetAutocastState(device_, {was_enabled_, was_dtype_});
 }
 
 LossScaler::LossScaler(LossScalerOptions options)

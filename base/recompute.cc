@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "base/autocast_state.h"
 #include "base/rng.h"
 
 namespace trident {
@@ -13,6 +14,8 @@ namespace {
 struct RecomputedForward : torch::CustomClassHolder {
   std::function<Values(const Values&)> forward;
   at::Tensor rng;  // the CPU generator's state when the forward ran
+  // Autocast as the forward saw it: backward may run in another thread.
+  AutocastState cpu_autocast, cuda_autocast;
 };
 
 class RecomputeFunction : public torch::autograd::Function<RecomputeFunction> {
@@ -21,6 +24,8 @@ class RecomputeFunction : public torch::autograd::Function<RecomputeFunction> {
                                                 c10::intrusive_ptr<RecomputedForward> recomputed,
                                                 at::TensorList inputs) {  // a TensorList: autograd sees each tensor
     recomputed->rng = CpuRngState();
+    recomputed->cpu_autocast = GetAutocastState(c10::DeviceType::CPU);
+    recomputed->cuda_autocast = GetAutocastState(c10::DeviceType::CUDA);
     ctx->save_for_backward(inputs.vec());
     Values outputs = recomputed->forward(inputs.vec());  // gradients are off in here
     ctx->saved_data["forward"] = c10::IValue::make_capsule(std::move(recomputed));
@@ -35,12 +40,17 @@ class RecomputeFunction : public torch::autograd::Function<RecomputeFunction> {
       inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad()) : saved);
     }
     const at::Tensor rng = CpuRngState();
+    const AutocastState cpu = GetAutocastState(c10::DeviceType::CPU), cuda = GetAutocastState(c10::DeviceType::CUDA);
     SetCpuRngState(recomputed->rng);
+    SetAutocastState(c10::DeviceType::CPU, recomputed->cpu_autocast);
+    SetAutocastState(c10::DeviceType::CUDA, recomputed->cuda_autocast);
     Values outputs;
     {
       c10::AutoGradMode with_grad(true);
       outputs = recomputed->forward(inputs);
     }
+    SetAutocastState(c10::DeviceType::CPU, cpu);
+    SetAutocastState(c10::DeviceType::CUDA, cuda);
     SetCpuRngState(rng);
     Values roots, with;
     for (size_t k = 0; k < outputs.size() && k < grads.size(); ++k) {

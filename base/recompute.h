@@ -16,8 +16,8 @@ namespace trident {
 // (so dropout draws the same masks again); backward reruns it with gradients
 // and backpropagates through the rerun: parameters' gradients accumulate as
 // they would without recomputation, and the inputs get theirs. Without
-// gradients (no_grad, evaluation) it just runs `forward`. The rerun happens
-// in the autograd engine's thread: on CUDA, autocast is not active there.
+// gradients (no_grad, evaluation) it just runs `forward`. The rerun sees the
+// autocast state the forward saw (backward may run in another thread).
 Values RecomputeInBackward(const std::function<Values(const Values&)>& forward, const Values& inputs);
 
 // A module whose forward can recompute itself in backward (the zoo's

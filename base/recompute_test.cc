@@ -1,7 +1,11 @@
 #include "base/recompute.h"
 
+#include <thread>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include "base/autocast_state.h"
 
 namespace trident {
 namespace {
@@ -24,6 +28,26 @@ TEST(RecomputeTest, GradientsEqualThePlainComputation) {
   ASSERT_TRUE(w_re.defined() && x_re.defined());
   EXPECT_TRUE(torch::equal(w_re, w_plain));
   EXPECT_TRUE(torch::equal(x_re, x_plain));
+}
+
+// The rerun sees the forward's autocast (bf16 here) even where backward runs
+// in a thread without it, as the autograd engine's CUDA threads are.
+TEST(RecomputeTest, TheRerunUsesTheForwardsAutocast) {
+  torch::manual_seed(2);
+  const at::Tensor w0 = torch::randn({8, 8}), x0 = torch::randn({4, 8});
+  auto grad_of_w = [&](bool recompute) {
+    at::Tensor w = w0.clone().requires_grad_(true), x = x0.clone().requires_grad_(true);
+    auto f = [&](const Values& in) { return Values{at::linear(at::tanh(at::linear(in[0], w)), w).to(at::kFloat)}; };
+    at::Tensor loss;
+    SetAutocastState(c10::DeviceType::CPU, {true, at::kBFloat16});
+    loss = (recompute ? RecomputeInBackward(f, {x})[0] : f({x})[0]).pow(2).sum();
+    SetAutocastState(c10::DeviceType::CPU, {false, at::kBFloat16});
+    std::thread([&] { loss.backward(); }).join();
+    return w.grad();
+  };
+  const at::Tensor plain = grad_of_w(false), recomputed = grad_of_w(true);
+  ASSERT_TRUE(recomputed.defined());
+  EXPECT_TRUE(torch::equal(recomputed, plain)) << (recomputed - plain).abs().max();
 }
 
 }  // namespace
