@@ -128,7 +128,8 @@ class LlamaBodyImpl : public torch::nn::Module {
       embed_tokens = register_module("embed_tokens", VocabParallelEmbedding(c.tp, c.vocab_size, c.n_embd));
     }
     layers = register_module("layers", std::make_shared<torch::nn::Module>());
-    blocks = BuildBlocks<DecoderLayer>(model, *layers, c.n_layer, [&](int64_t b) { return DecoderLayer(c, model.key_value_cache(), b); });
+    blocks = BuildBlocks<DecoderLayer>(model, *layers, c.n_layer,
+                                       [&](int64_t b) { return DecoderLayer(c, model.key_value_cache(), b); });
     if (model.HasLayer(c.n_layer + 1)) norm = register_module("norm", RmsNorm(c.n_embd));
   }
   VocabParallelEmbedding embed_tokens{nullptr};

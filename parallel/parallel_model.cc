@@ -229,12 +229,15 @@ absl::Status ParallelModel::Impl::CheckModulePatterns() {
     if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->AllReduce(hits));
     for (size_t i = 0; i < patterns.size(); ++i) {
       if (hits[i].item<int64_t>() == 0) {
-        return absl::InvalidArgumentError(absl::StrCat(what, " entry '", patterns[i], "' matches no module of the model"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, " entry '", patterns[i], "' matches no module of the model"));
       }
     }
     return absl::OkStatus();
   };
-  if (plan.lora) TRIDENT_RETURN_IF_ERROR(check(plan.lora->target_modules, part.lora_target_hits, "lora_config: target_modules"));
+  if (plan.lora) {
+    TRIDENT_RETURN_IF_ERROR(check(plan.lora->target_modules, part.lora_target_hits, "lora_config: target_modules"));
+  }
   return check(plan.checkpoint_modules, part.recompute_hits, "checkpoint_modules:");
 }
 

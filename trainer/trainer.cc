@@ -252,8 +252,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     t.ForHooks([&](TrainerHooks& h) { h.OnStepStart(t.State()); });
     const auto step_start = Clock::now();
     const bool breakdown = c.wall_clock_breakdown();
-    const std::map<std::string, CommunicationTime> communication = breakdown ? CommunicationTimes()
-                                                                             : std::map<std::string, CommunicationTime>();
+    const auto communication = breakdown ? CommunicationTimes() : std::map<std::string, CommunicationTime>();
     TRIDENT_ASSIGN_OR_RETURN(std::vector<Batch> batches, t.MicroBatches(*t.train_data, *t.sampler, t.step));
     const double data_s = Seconds(Clock::now() - step_start);
     const bool profiled = t.step + 1 == c.profile_step();
@@ -356,11 +355,10 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   }
   const int64_t sample_tokens = c.text_generation() ? c.out_seq_length() : c.sample_tokens();
   if (sample_tokens > 0 && t.model->source().returns_logits) {
-    const auto start = std::chrono::steady_clock::now();
+    const auto sampling_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(result.sample, Sample(c.prompt(), sample_tokens));
     t.Print(absl::StrFormat("sample (temperature %g, top_k %d, %d tokens in %.2f s%s):\n%s", c.temperature(),
-                            c.top_k(), sample_tokens,
-                            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                            c.top_k(), sample_tokens, Seconds(Clock::now() - sampling_start),
                             c.kv_cache() && t.model->layers().SupportsDecoding() ? ", key/value cache" : "",
                             result.sample));
   } else if (sample_tokens > 0) {

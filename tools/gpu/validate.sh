@@ -98,7 +98,8 @@ for run in full recompute lora; do
   [ $run = lora ] && extra=(--lora_config=build/lora/lora.pbtxt --export_safetensors=build/lora/adapter.safetensors)
   [ $run = recompute ] && extra=(--checkpoint_modules=attn,mlp)
   timeout 180 build/train "${gpt2[@]}" "${extra[@]}" --max_steps=40 --sample_tokens=0 \
-    --metrics_file="$logs/finetune_$run.jsonl" >"$logs/finetune_$run.log" 2>&1 || { status=1; tail -20 "$logs/finetune_$run.log"; }
+    --metrics_file="$logs/finetune_$run.jsonl" >"$logs/finetune_$run.log" 2>&1 ||
+    { status=1; tail -20 "$logs/finetune_$run.log"; }
   grep -E "per rank:|LoRA adapter|step 40/40|exported" "$logs/finetune_$run.log"
   echo "$run fine-tuning: $(median "$logs/finetune_$run.jsonl")"
 done
@@ -115,8 +116,8 @@ for cache in true false; do
     >"$logs/generation_$cache.log" 2>&1 || { status=1; tail -20 "$logs/generation_$cache.log"; }
   echo "kv_cache=$cache: $(grep -o 'sample (.*' "$logs/generation_$cache.log")"
 done
-grep -q 'sample (' "$logs/generation_true.log" && cmp <(sed -n '/^\[rank 0\] sample (/,$p' "$logs/generation_true.log" | tail -n +2 | head -5) \
-    <(sed -n '/^\[rank 0\] sample (/,$p' "$logs/generation_false.log" | tail -n +2 | head -5) &&
+generated() { sed -n '/^\[rank 0\] sample (/,$p' "$logs/generation_$1.log" | tail -n +2 | head -5; }
+grep -q 'sample (' "$logs/generation_true.log" && cmp <(generated true) <(generated false) &&
   echo "cached and uncached generation drew the same text" || { status=1; echo "generation differs with the cache"; }
 
 steps=${VALIDATE_STEPS:-50}
