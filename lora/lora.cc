@@ -1,15 +1,11 @@
 #include "lora/lora.h"
 
 #include <cmath>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
-#include <google/protobuf/io/tokenizer.h>
-#include <google/protobuf/text_format.h>
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/nn/module.h>
@@ -19,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "base/rng.h"
 #include "base/status.h"
+#include "base/text_proto.h"
 #include "graph/model_graph.h"
 #include "lora/lora_config.pb.h"
 
@@ -89,15 +86,6 @@ std::string Join(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : absl::StrCat(prefix, ".", name);
 }
 
-// Keeps the first text-format parse error instead of logging it.
-class FirstError : public google::protobuf::io::ErrorCollector {
- public:
-  void AddError(int line, int column, const std::string& message) override {
-    if (text.empty()) text = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
-  }
-  std::string text;
-};
-
 // A [r, in] drawn for adapter parameter `a_name`: Kaiming-uniform (a = sqrt(5)), as nn.Linear and PEFT draw it.
 at::Tensor DrawA(const std::string& a_name, int64_t r, int64_t in_features, uint64_t seed) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, a_name));
@@ -151,18 +139,8 @@ absl::Status ValidateLoraOptions(const LoraOptions& o) {
 }
 
 absl::StatusOr<LoraOptions> ReadLoraConfig(const std::string& path, const std::string& adapter_name) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read lora_config file ", path));
-  std::stringstream text;
-  text << in.rdbuf();
   LoraConfig config;
-  FirstError error;
-  google::protobuf::TextFormat::Parser parser;
-  parser.RecordErrorsTo(&error);
-  if (!parser.ParseFromString(text.str(), &config)) {
-    return absl::InvalidArgumentError(absl::StrCat("lora_config file ", path, " is not a valid LoraConfig (",
-                                                   error.text, "); the fields are in lora/lora_config.proto"));
-  }
+  TRIDENT_RETURN_IF_ERROR(ReadTextProto(path, "lora_config", &config));
   LoraOptions options;
   options.r = config.r();
   options.alpha = config.alpha();

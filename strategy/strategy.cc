@@ -4,14 +4,13 @@
 #include <fstream>
 #include <map>
 #include <set>
-#include <sstream>
 
-#include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "base/text_proto.h"
 
 namespace trident {
 namespace {
@@ -37,14 +36,6 @@ const std::map<std::string, std::set<std::string>>& MethodFields() {
   };
   return *fields;
 }
-
-class FirstError : public google::protobuf::io::ErrorCollector {
- public:
-  void AddError(int line, int column, const std::string& message) override {
-    if (text.empty()) text = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
-  }
-  std::string text;
-};
 
 // Checks each method's name and fields, and that no method comes twice.
 absl::Status CheckMethods(const Strategy& strategy) {
@@ -114,18 +105,8 @@ absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size,
 }  // namespace
 
 absl::StatusOr<Strategy> LoadStrategy(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read strategy file ", path));
-  std::stringstream text;
-  text << in.rdbuf();
   Strategy strategy;
-  FirstError error;
-  google::protobuf::TextFormat::Parser parser;
-  parser.RecordErrorsTo(&error);
-  if (!parser.ParseFromString(text.str(), &strategy)) {
-    return Invalid(absl::StrCat("strategy file ", path, " is not a valid Strategy (", error.text,
-                                "); see strategy/strategy.proto"));
-  }
+  TRIDENT_RETURN_IF_ERROR(ReadTextProto(path, "strategy", &strategy));
   return strategy;
 }
 

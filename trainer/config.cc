@@ -2,11 +2,8 @@
 
 #include <algorithm>
 #include <set>
-#include <fstream>
-#include <sstream>
 
 #include <google/protobuf/descriptor.h>
-#include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
 #include "absl/strings/match.h"
@@ -16,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "base/status.h"
+#include "base/text_proto.h"
 
 namespace trident {
 namespace {
@@ -24,30 +22,11 @@ using google::protobuf::FieldDescriptor;
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
-// Keeps the first text-format parse error instead of logging it.
-class FirstError : public google::protobuf::io::ErrorCollector {
- public:
-  void AddError(int line, int column, const std::string& message) override {
-    if (text.empty()) text = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
-  }
-  std::string text;
-};
-
 }  // namespace
 
 absl::StatusOr<TrainerConfig> LoadTrainerConfig(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file ", path));
-  std::stringstream text;
-  text << in.rdbuf();
   TrainerConfig config;
-  FirstError error;
-  google::protobuf::TextFormat::Parser parser;
-  parser.RecordErrorsTo(&error);
-  if (!parser.ParseFromString(text.str(), &config)) {
-    return Invalid(absl::StrCat("config file ", path, " is not a valid TrainerConfig (",
-                                error.text, "); the fields are in trainer/config.proto"));
-  }
+  TRIDENT_RETURN_IF_ERROR(ReadTextProto(path, "config", &config));
   return config;
 }
 
@@ -87,11 +66,7 @@ absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* con
     }
     if (field->type() == FieldDescriptor::TYPE_STRING) {
       reflection->SetString(config, field, value);
-    } else if (FirstError error; [&] {
-                 google::protobuf::TextFormat::Parser parser;
-                 parser.RecordErrorsTo(&error);
-                 return !parser.ParseFieldValueFromString(value, field, config);
-               }()) {
+    } else if (!ParseTextFieldValue(value, field, config)) {
       return Invalid(absl::StrCat("flag --", name, "='", value, "' is not a valid ",
                                   field->type_name(), " value"));
     }

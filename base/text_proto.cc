@@ -1,0 +1,51 @@
+#include "base/text_proto.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/message.h>
+#include <google/protobuf/text_format.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace trident {
+namespace {
+
+// Keeps the first text-format parse error instead of logging it.
+class FirstError : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    if (text.empty()) text = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
+  }
+  std::string text;
+};
+
+}  // namespace
+
+absl::Status ReadTextProto(const std::string& path, const std::string& what, google::protobuf::Message* message) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", what, " file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  FirstError error;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&error);
+  if (!parser.ParseFromString(text.str(), message)) {
+    const google::protobuf::Descriptor* type = message->GetDescriptor();
+    return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, " is not a valid ", type->name(), " (",
+                                                   error.text, "); the fields are in ", type->file()->name()));
+  }
+  return absl::OkStatus();
+}
+
+bool ParseTextFieldValue(const std::string& text, const google::protobuf::FieldDescriptor* field,
+                         google::protobuf::Message* message) {
+  FirstError error;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&error);
+  return parser.ParseFieldValueFromString(text, field, message);
+}
+
+}  // namespace trident
