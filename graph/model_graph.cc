@@ -398,6 +398,10 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
       const size_t operand = (kind == "aten::addmm" || kind == "aten::baddbmm") ? 1 : 0;
       const std::vector<int64_t> shape = ShapeOf(node->inputs()[operand]);
       g.forward_flops = 2.0 * output_elements * (shape.empty() ? 1 : shape.back());
+    } else if (kind == "trident::causal_attention") {
+      // Two products, q k^T and P v, counted whole as an unfused graph's are.
+      const std::vector<int64_t> keys = ShapeOf(node->inputs()[1]);
+      g.forward_flops = 4.0 * output_elements * (keys.size() == 4 ? keys[2] : 1);
     } else {
       g.forward_flops = static_cast<double>(output_elements);
     }

@@ -5,6 +5,7 @@
 
 #include "base/recompute.h"
 #include "models/internal/architectures.h"
+#include "replace/replace.h"
 
 namespace trident {
 namespace internal {
@@ -14,7 +15,7 @@ namespace F = torch::nn::functional;
 
 // With tensor parallelism each rank owns n_head / tp whole heads: c_attn's
 // q, k and v blocks are split column-wise, c_proj row-wise.
-class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableModule {
+class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableModule, public ReplaceableModule {
  public:
   CausalSelfAttentionImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block)
       : local_heads_(c.n_head / c.tp.size),
@@ -28,6 +29,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
     resid_dropout = register_module("resid_dropout", torch::nn::Dropout(c.dropout));
   }
 
+  bool Offers(const std::string& pair) const override { return pair == "fused_attention" && dropout_ == 0; }
+
   torch::Tensor forward(const torch::Tensor& x) {
     if (!recompute() || !is_training()) return Attend(x);
     return RecomputeInBackward([this](const Values& in) { return Values{Attend(in[0])}; }, {x})[0];
@@ -39,7 +42,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
     qkv = qkv.view({B, T, 3, local_heads_, head_dim_}).permute({2, 0, 3, 1, 4});
     torch::Tensor k = qkv[1], v = qkv[2];
     if (cache_->active()) std::tie(k, v) = cache_->Append(block_, k, v);
-    torch::Tensor y = CausalAttention(qkv[0], k, v, dropout_, is_training());
+    torch::Tensor y = CausalAttention(qkv[0], k, v, dropout_, is_training(), Uses("fused_attention"));
     return resid_dropout(c_proj(y.transpose(1, 2).reshape({B, T, local_heads_ * head_dim_})));
   }
 
@@ -55,15 +58,20 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
 };
 TORCH_MODULE(CausalSelfAttention);
 
-class MlpImpl : public torch::nn::Module, public RecomputableModule {
+class MlpImpl : public torch::nn::Module, public RecomputableModule, public ReplaceableModule {
  public:
   explicit MlpImpl(const ModelConfig& c) {
     c_fc = register_module("c_fc", ColumnParallelLinear(c.tp, c.n_embd, 4 * c.n_embd));
     c_proj = register_module("c_proj", RowParallelLinear(c.tp, 4 * c.n_embd, c.n_embd));
     dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
   }
+  bool Offers(const std::string& pair) const override { return pair == "fused_bias_gelu"; }
   torch::Tensor forward(const torch::Tensor& x) {
-    auto mlp = [this](const Values& in) { return Values{dropout(c_proj(torch::gelu(c_fc(in[0]))))}; };  // exact GELU
+    auto mlp = [this](const Values& in) {
+      torch::Tensor h = Uses("fused_bias_gelu") ? FusedBiasGelu(c_fc->ForwardSkipBias(in[0]), c_fc->bias)
+                                                : torch::gelu(c_fc(in[0]));  // exact GELU
+      return Values{dropout(c_proj(h))};
+    };
     return recompute() && is_training() ? RecomputeInBackward(mlp, {x})[0] : mlp({x})[0];
   }
   ColumnParallelLinear c_fc{nullptr};
@@ -76,7 +84,8 @@ torch::nn::LayerNorm MakeLayerNorm(int64_t width) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({width}).eps(1e-5));
 }
 
-class BlockImpl : public torch::nn::Module {
+// fused_layer_norm: the attention's residual add and ln_2 in one pass.
+class BlockImpl : public torch::nn::Module, public ReplaceableModule {
  public:
   BlockImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block) {
     ln_1 = register_module("ln_1", MakeLayerNorm(c.n_embd));
@@ -84,7 +93,14 @@ class BlockImpl : public torch::nn::Module {
     ln_2 = register_module("ln_2", MakeLayerNorm(c.n_embd));
     mlp = register_module("mlp", Mlp(c));
   }
+  bool Offers(const std::string& pair) const override { return pair == "fused_layer_norm"; }
   torch::Tensor forward(torch::Tensor x) {
+    if (Uses("fused_layer_norm")) {
+      const auto& norm = ln_2->options;
+      auto [sum, normed] = FusedAddLayerNorm(x, attn(ln_1(x)), 1.0, norm.normalized_shape(), ln_2->weight,
+                                             ln_2->bias, norm.eps());
+      return sum + mlp(normed);
+    }
     x = x + attn(ln_1(x));
     return x + mlp(ln_2(x));
   }

@@ -4,6 +4,7 @@
 
 #include "base/recompute.h"
 #include "models/internal/architectures.h"
+#include "replace/replace.h"
 
 namespace trident {
 namespace internal {
@@ -42,7 +43,7 @@ torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
 
 // With tensor parallelism each rank owns n_head / tp query heads and
 // n_kv_head / tp key/value heads (q, k, v split column-wise, o_proj row-wise).
-class AttentionImpl : public torch::nn::Module, public RecomputableModule {
+class AttentionImpl : public torch::nn::Module, public RecomputableModule, public ReplaceableModule {
  public:
   AttentionImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block)
       : n_head_(c.n_head / c.tp.size),
@@ -57,6 +58,8 @@ class AttentionImpl : public torch::nn::Module, public RecomputableModule {
     v_proj = register_module("v_proj", Column(c, c.n_embd, kv_width));
     o_proj = register_module("o_proj", Row(c, c.n_embd, c.n_embd));
   }
+  bool Offers(const std::string& pair) const override { return pair == "fused_attention" && dropout_ == 0; }
+
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
     if (!recompute() || !is_training()) return Attend(x, cos, sin);
     return RecomputeInBackward([this](const Values& in) { return Values{Attend(in[0], in[1], in[2])}; },
@@ -72,7 +75,7 @@ class AttentionImpl : public torch::nn::Module, public RecomputableModule {
     q = ApplyRotary(q, cos, sin);
     k = ApplyRotary(k, cos, sin);
     if (cache_->active()) std::tie(k, v) = cache_->Append(block_, k, v);
-    auto y = CausalAttention(q, k, v, dropout_, is_training());
+    auto y = CausalAttention(q, k, v, dropout_, is_training(), Uses("fused_attention"));
     return o_proj(y.transpose(1, 2).reshape({B, T, n_head_ * head_dim_}));
   }
   ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};

@@ -13,6 +13,7 @@
 #include "base/rng.h"
 #include "base/status.h"
 #include "models/internal/architectures.h"
+#include "replace/replace.h"
 
 namespace trident {
 namespace {
@@ -236,7 +237,7 @@ std::pair<at::Tensor, at::Tensor> KeyValueCache::Append(int64_t layer, const at:
 }
 
 at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           double dropout, bool training) {
+                           double dropout, bool training, bool fused) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Tk = k.size(2);
   at::Tensor keys = k, values = v;
   if (k.size(1) != H) {
@@ -244,6 +245,7 @@ at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::T
     keys = k.repeat_interleave(repeat, /*dim=*/1);
     values = v.repeat_interleave(repeat, /*dim=*/1);
   }
+  if (fused) return FusedCausalAttention(q, keys, values);
   // Additive: -inf above the diagonal; the queries are the last T of Tk positions.
   thread_local at::Tensor mask;
   auto causal_mask = [&] {

@@ -160,6 +160,13 @@ struct ParallelPlan {
   // their forward in backward; they must be RecomputableModule (the zoo's
   // attention and MLP blocks). Layer and eager module sources.
   std::vector<std::string> checkpoint_modules;
+  // ATorch's module_replace: replacement pairs by registered name
+  // (replace/replace.h: fused_attention, fused_layer_norm, fused_bias_gelu,
+  // and users' own), applied to the model's modules (the zoo, eager modules)
+  // or to the operator patterns of a traced graph. A pair that does not
+  // support the compute dtype is left out; one that replaces nothing on any
+  // stage is an error.
+  std::vector<std::string> module_replace;
   int64_t checkpoint_num_layers = 1;
   double activation_checkpoint_ratio = 0.5;
   int zero_stage = 0;

@@ -238,6 +238,7 @@ absl::Status ParallelModel::Impl::CheckModulePatterns() {
   if (plan.lora) {
     TRIDENT_RETURN_IF_ERROR(check(plan.lora->target_modules, part.lora_target_hits, "lora_config: target_modules"));
   }
+  TRIDENT_RETURN_IF_ERROR(check(part.replace_report.pairs, part.replace_report.hits, "module_replace:"));
   return check(plan.checkpoint_modules, part.recompute_hits, "checkpoint_modules:");
 }
 
@@ -442,6 +443,7 @@ std::string ParallelModel::Describe() const {
   if (!m.part.tensor_parallel_report.empty()) {
     absl::StrAppend(&text, "  automatic tensor parallelism:\n", m.part.tensor_parallel_report);
   }
+  if (!m.plan.module_replace.empty()) absl::StrAppend(&text, "  ", m.part.replace_report.Summary(), " (this rank)\n");
   if (m.plan.lora) {
     int64_t trainable = 0, all = 0;
     for (const auto& [name, p] : m.parameters) {

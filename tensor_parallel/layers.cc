@@ -100,9 +100,19 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const TensorParallelism& tp, 
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, bias);
-  if (adapter.defined()) y = WithColumnAdapter(adapter, x, y, tp_, is_training());
+  at::Tensor y = LocalProduct(x, bias);
   return gather_output_ && tp_.size > 1 ? GatherFromTensorParallelRegion(y, tp_.group) : y;
+}
+
+at::Tensor ColumnParallelLinearImpl::ForwardSkipBias(const at::Tensor& x) {
+  TORCH_CHECK(!gather_output_ || tp_.size == 1,
+              "ColumnParallelLinear::ForwardSkipBias: the output must stay split (gather_output false)");
+  return LocalProduct(x, at::Tensor());
+}
+
+at::Tensor ColumnParallelLinearImpl::LocalProduct(const at::Tensor& x, const at::Tensor& b) {
+  at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, b);
+  return adapter.defined() ? WithColumnAdapter(adapter, x, y, tp_, is_training()) : y;
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features,

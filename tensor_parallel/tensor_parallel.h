@@ -122,12 +122,17 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   ColumnParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features,
                            bool bias = true, bool gather_output = false, int64_t blocks = 1);
   at::Tensor forward(const at::Tensor& x);
+  // This rank's output without the bias (Megatron's skip_bias_add), for a
+  // caller that adds it fused with what follows (fused_bias_gelu).
+  at::Tensor ForwardSkipBias(const at::Tensor& x);
   // How weight (and bias) shard the full parameter.
   ShardSpec weight_shard() const { return {0, tp_.size, tp_.rank, blocks_}; }
   at::Tensor weight, bias;
   LowRankAdapter adapter;
 
  private:
+  // The product on this rank's columns with bias `b` (may be undefined) and the adapter's output.
+  at::Tensor LocalProduct(const at::Tensor& x, const at::Tensor& b);
   TensorParallelism tp_;
   bool gather_output_;
   int64_t blocks_;

@@ -7,7 +7,8 @@
 # losses of the same module run eagerly in Python from the same weights (20
 # steps, 1e-5 relative); its tied weights stay
 # tied across pipeline stages; a model returning logits trains with a named
-# loss; untraceable models, bad input names and models without a loss are
+# loss; module_replace rewrites its traced patterns with the same losses;
+# untraceable models, bad input names and models without a loss are
 # refused with errors that say why.
 set -u
 bin="$TEST_SRCDIR/trident"
@@ -144,6 +145,17 @@ with open(sys.argv[3], "rb") as f:
     names = sorted(k for k in json.loads(f.read(struct.unpack("<Q", f.read(8))[0])) if k != "__metadata__")
 assert names and all(n.startswith("base_model.model.transformer.h.") and ".lora_" in n for n in names), names
 PY
+
+# module_replace on the traced graph: the Python model's explicit attention,
+# its residual adds into LayerNorm and its c_fc + GELU become the fused
+# operators, with the losses of Python eager, in one process, at pp=2 and at
+# tp=2 with sequence parallelism.
+fused=(--module_replace=fused_attention,fused_layer_norm,fused_bias_gelu)
+train_and_compare replace --model=torchscript:"$work/gpt.pt" --dp=1 "${fused[@]}"
+grep -aq "module_replace: fused_attention 2, fused_layer_norm 4, fused_bias_gelu 2 (this rank)" "$out" ||
+  fail "replace: not every pattern was replaced"
+train_and_compare replace_pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 "${fused[@]}"
+train_and_compare replace_tp2_sp --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2 --sequence_parallel "${fused[@]}"
 
 # The model's own loss is absent: a registered loss on its logits, fed the inputs by name.
 train_and_compare logits --model=torchscript:"$work/logits.pt" --dp=1 --pp=2 --loss=cross_entropy \

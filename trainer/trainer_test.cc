@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -106,6 +107,60 @@ TEST(TrainerParityTest, RecomputedModulesTrainTheSameLosses) {
       auto refused = Trainer::Create(config, topology->get());
       ASSERT_FALSE(refused.ok()) << modules;
       EXPECT_THAT(std::string(refused.status().message()), HasSubstr(message));
+    }
+  });
+}
+
+// module_replace: gpt with every built-in pair (attention in two query
+// blocks: 160 positions) and llama with fused attention train the losses of
+// the original model in one process, at tp=2 with sequence parallelism, at
+// pp=2, and under ZeRO-3.
+TEST(TrainerParityTest, ReplacedModulesTrainTheSameLosses) {
+  for (const char* model : {"gpt", "llama"}) {
+    auto configure = [&](int dp, int tp, int pp) {
+      TrainerConfig config = SmallConfig(dp);
+      config.set_model(model);
+      config.set_preset(absl::StrCat(model, "-tiny"));
+      config.set_block_size(160);
+      config.set_tp(tp);
+      config.set_pp(pp);
+      config.set_sequence_parallel(tp > 1);
+      config.set_micro_batch_size(pp > 1 ? 2 : 8 / dp);
+      return config;
+    };
+    const std::vector<double> reference = TrainOnRanks(configure(1, 1, 1), absl::StrCat("replace_reference_", model));
+    for (auto [dp, tp, pp] : std::vector<std::tuple<int, int, int>>{{1, 1, 1}, {1, 2, 1}, {1, 1, 2}, {2, 1, 1}}) {
+      TrainerConfig config = configure(dp, tp, pp);
+      config.set_module_replace(std::string(model) == "gpt" ? "fused_attention,fused_layer_norm,fused_bias_gelu"
+                                                            : "fused_attention");
+      if (dp > 1) config.set_zero_stage(3);
+      const std::string tag = absl::StrCat("replace_", model, "_dp", dp, "_tp", tp, "_pp", pp);
+      SCOPED_TRACE(tag);
+      ExpectSameLosses(reference, TrainOnRanks(config, tag), 1e-5);
+    }
+  }
+  testing::RunOnRanks(1, [](int) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok());
+    struct Refused {
+      const char* model;
+      double dropout;
+      const char* pairs;
+      const char* message;
+    };
+    for (const Refused& r : {Refused{"llama", 0, "fused_layer_norm",
+                                     "module_replace: entry 'fused_layer_norm' matches no module of the model"},
+                             Refused{"gpt", 0.1, "fused_attention",
+                                     "module_replace: entry 'fused_attention' matches no module of the model"},
+                             Refused{"gpt", 0, "fused_atention", "unknown replacement pair (module_replace) 'fused_atention'"}}) {
+      TrainerConfig config = SmallConfig(1);
+      config.set_model(r.model);
+      config.set_preset(absl::StrCat(r.model, "-tiny"));
+      config.set_dropout(r.dropout);
+      config.set_module_replace(r.pairs);
+      auto refused = Trainer::Create(config, topology->get());
+      ASSERT_FALSE(refused.ok()) << r.pairs;
+      EXPECT_THAT(std::string(refused.status().message()), HasSubstr(r.message));
     }
   });
 }

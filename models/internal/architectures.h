@@ -74,9 +74,10 @@ class KeyValueCache {
 // Causal attention of q [B, heads, Tq, head_dim] over k and v [B, heads, Tk,
 // head_dim] with Tk >= Tq: query i is position Tk - Tq + i (the keys before
 // the queries' are cached ones). Keys and values may have fewer heads than
-// queries (grouped-query attention).
+// queries (grouped-query attention). `fused`: through FusedCausalAttention
+// (replace/replace.h; no dropout).
 at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           double dropout, bool training);
+                           double dropout, bool training, bool fused = false);
 
 }  // namespace internal
 }  // namespace trident

@@ -11,6 +11,7 @@
 #include "base/status.h"
 #include "graph/graph_layers.h"
 #include "graph/model_graph.h"
+#include "amp/amp.h"
 #include "partition/partition.h"
 #include "tensor_parallel/tensor_parallel.h"
 
@@ -121,6 +122,13 @@ absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, co
   return absl::OkStatus();
 }
 
+// The dtype the model computes in under plan.precision: the autocast dtype,
+// or the parameters' without autocast (pure_bf16).
+absl::StatusOr<at::ScalarType> ComputeDtype(const ParallelPlan& plan) {
+  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(plan.precision, plan.precision_table));
+  return precision.compute != at::kFloat ? precision.compute : precision.param;
+}
+
 // A module or TorchScript source run whole: traced into a graph cut into
 // shards (trace_method "jit") or run eagerly as one layer ("none").
 struct WholeModel {
@@ -131,6 +139,7 @@ struct WholeModel {
   std::map<std::string, ShardSpec> tensor_parallel_shards;  // traced at tp > 1
   std::string tensor_parallel_report;
   std::vector<int> lora_target_hits;  // traced with plan.lora
+  ReplaceReport replace_report;       // traced with plan.module_replace
 };
 
 // The automatic tensor-parallel pass's options: its cost model at rates of
@@ -209,6 +218,13 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
                                                       CheckBatch(on_device)));
     whole.tensor_parallel_shards = std::move(sharded.shards);
     whole.tensor_parallel_report = sharded.plan.Report();
+  }
+  if (!plan.module_replace.empty()) {  // the pairs' operator patterns, on this rank's graph
+    TRIDENT_ASSIGN_OR_RETURN(at::ScalarType dtype, ComputeDtype(plan));
+    TRIDENT_ASSIGN_OR_RETURN(ReplacedGraph replaced, ReplaceInGraph(*graph, plan.module_replace, dtype));
+    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(replaced.parameters, on_device, replaced.forward,
+                                                      CheckBatch(on_device), owner));
+    whole.replace_report = std::move(replaced.report);
   }
   const std::string split = plan.split_method.empty() ? "farthest_min_deps" : plan.split_method;
   const int shard_count = plan.shard_count > 0 ? plan.shard_count : DefaultShardCount(*graph);
@@ -343,6 +359,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       part.shards.insert(whole.tensor_parallel_shards.begin(), whole.tensor_parallel_shards.end());
       part.tensor_parallel_report = std::move(whole.tensor_parallel_report);
       if (plan.lora) part.lora_target_hits = std::move(whole.lora_target_hits);
+      part.replace_report = std::move(whole.replace_report);
     } else {
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
     }
@@ -373,6 +390,16 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
           "for a traced model recompute whole shards (activation_checkpointing)");
     }
     TRIDENT_RETURN_IF_ERROR(MarkRecomputedModules(*module, plan, &part));
+  }
+  if (!plan.module_replace.empty() && !part.traced) {
+    torch::nn::Module* module = ModuleOf(source, plan, part);
+    if (module == nullptr) {
+      return absl::InvalidArgumentError(
+          "module_replace needs a model of modules (the zoo, a LayerSequence module, or trace_method=none) or a "
+          "traced one (trace_method=jit)");
+    }
+    TRIDENT_ASSIGN_OR_RETURN(at::ScalarType dtype, ComputeDtype(plan));
+    TRIDENT_ASSIGN_OR_RETURN(part.replace_report, ReplaceModules(*module, plan.module_replace, dtype));
   }
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the model to the device", [&] { part.layers->To(device); }));
   return part;

@@ -14,6 +14,7 @@
 #include "parallel/parallel.h"
 #include "partition/plan.pb.h"
 #include "pipeline/stage_runner.h"
+#include "replace/replace.h"
 
 namespace trident {
 namespace internal {
@@ -35,6 +36,8 @@ struct ModelPart {
   std::vector<int> lora_target_hits;
   // How many modules each plan.checkpoint_modules entry matched here.
   std::vector<int> recompute_hits;
+  // What plan.module_replace replaced here.
+  ReplaceReport replace_report;
   // Module sources: a given loss function runs inside the layers, its result
   // first among the last layer's outputs.
   bool loss_inside = false;
