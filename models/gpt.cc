@@ -116,7 +116,7 @@ class TransformerImpl : public torch::nn::Module {
   TransformerImpl(const ModelConfig& c, const LanguageModel& model) {
     const bool embedding = model.HasLayer(0), head = model.HasLayer(c.n_layer + 1);
     if (embedding || (head && c.tie_word_embeddings)) {  // a tied head reads wte
-      wte = register_module("wte", VocabParallelEmbedding(c.tp, c.vocab_size, c.n_embd));
+      wte = register_module("wte", VocabParallelEmbedding(VocabularyParallelism(c), c.vocab_size, c.n_embd));
     }
     if (embedding) wpe = register_module("wpe", torch::nn::Embedding(c.block_size, c.n_embd));
     drop = register_module("drop", torch::nn::Dropout(c.dropout));
@@ -138,7 +138,8 @@ class Gpt : public LanguageModel {
   Gpt(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
     transformer = register_module("transformer", Transformer(c, *this));
     if (!c.tie_word_embeddings && HasLayer(c.n_layer + 1)) {
-      lm_head = register_module("lm_head", ColumnParallelLinear(c.tp, c.n_embd, c.vocab_size, /*bias=*/false));
+      lm_head = register_module("lm_head", ColumnParallelLinear(VocabularyParallelism(c), c.n_embd, c.vocab_size,
+                                                                /*bias=*/false));
     }
   }
 
@@ -149,16 +150,17 @@ class Gpt : public LanguageModel {
     const TensorParallelism& tp = config().tp;
     if (i == 0) {
       // With sequence parallelism the tokens arrive as this rank's sequence shard.
-      at::Tensor tokens = transformer->wte(x);
+      at::Tensor tokens = transformer->wte(EmbeddedIds(x, config()));
       const int64_t T = tokens.size(1), shards = tp.sequence_parallel ? tp.size : 1;
       KeyValueCache& cache = *key_value_cache();  // decoding: positions go on from the cached ones
       const int64_t first = (cache.active() ? cache.Embed(T * shards) : 0) + (shards > 1 ? tp.rank * T : 0);
       auto positions = torch::arange(first, first + T, x.options().dtype(torch::kLong));
       return transformer->drop(tokens + transformer->wpe(positions));
     }
-    if (i == NumLayers() - 1) {  // this rank's vocabulary slice of the logits
+    if (i == NumLayers() - 1) {  // this rank's vocabulary slice of the logits (or the whole vocabulary's)
       if (lm_head) return lm_head(transformer->ln_f(x));
-      return F::linear(ColumnParallelInput(transformer->ln_f(x), tp), transformer->wte->weight);  // tied
+      at::Tensor normed = transformer->ln_f(x);
+      return F::linear(tp.parallel_vocab ? ColumnParallelInput(normed, tp) : normed, transformer->wte->weight);  // tied
     }
     return transformer->blocks[i - 1]->forward(x);
   }

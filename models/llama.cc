@@ -128,7 +128,8 @@ class LlamaBodyImpl : public torch::nn::Module {
  public:
   LlamaBodyImpl(const ModelConfig& c, const LanguageModel& model) {
     if (model.HasLayer(0)) {
-      embed_tokens = register_module("embed_tokens", VocabParallelEmbedding(c.tp, c.vocab_size, c.n_embd));
+      embed_tokens =
+          register_module("embed_tokens", VocabParallelEmbedding(VocabularyParallelism(c), c.vocab_size, c.n_embd));
     }
     layers = register_module("layers", std::make_shared<torch::nn::Module>());
     blocks = BuildBlocks<DecoderLayer>(model, *layers, c.n_layer,
@@ -146,15 +147,18 @@ class Llama : public LanguageModel {
  public:
   Llama(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
     model = register_module("model", LlamaBody(c, *this));
-    if (HasLayer(c.n_layer + 1)) lm_head = register_module("lm_head", Column(c, c.n_embd, c.vocab_size));
+    if (HasLayer(c.n_layer + 1)) {
+      lm_head = register_module("lm_head", ColumnParallelLinear(VocabularyParallelism(c), c.n_embd, c.vocab_size,
+                                                                /*bias=*/false));
+    }
   }
 
   std::string BlockPrefix() const override { return "model.layers."; }
 
   at::Tensor ForwardLayer(int64_t i, const at::Tensor& x) override {
     CheckLayer(i);
-    if (i == 0) return model->embed_tokens(x);
-    if (i == NumLayers() - 1) return lm_head(model->norm(x));  // this rank's vocabulary slice
+    if (i == 0) return model->embed_tokens(EmbeddedIds(x, config()));
+    if (i == NumLayers() - 1) return lm_head(model->norm(x));  // this rank's vocabulary slice (or all of it)
     // With sequence parallelism x is a sequence shard; the rotation covers all T.
     const TensorParallelism& tp = config().tp;
     const int64_t T = x.size(1) * (tp.sequence_parallel ? tp.size : 1);

@@ -134,8 +134,8 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
   }
   // Tensor parallelism splits heads, the MLP width and the vocabulary.
   const int64_t tp = c.tp.size;
-  std::vector<std::pair<std::string, int64_t>> split = {{"n_head", c.n_head},
-                                                        {"vocab_size", c.vocab_size}};
+  std::vector<std::pair<std::string, int64_t>> split = {{"n_head", c.n_head}};
+  if (c.tp.parallel_vocab) split.emplace_back("vocab_size", c.vocab_size);
   if (c.model == "gpt") split.emplace_back("the MLP width 4*n_embd", 4 * c.n_embd);
   if (c.model == "llama") {
     split.emplace_back("n_kv_head", c.n_kv_head > 0 ? c.n_kv_head : c.n_head);
@@ -147,7 +147,7 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
       return absl::InvalidArgumentError(absl::StrCat(
           name, "=", value, " is not divisible by tp=", tp,
           name == "vocab_size" ? "; set vocab_size to a multiple of tp (a padded vocabulary "
-                                 "trains the same)"
+                                 "trains the same), or keep the vocabulary whole (parallel_vocab false)"
                                : ""));
     }
   }
@@ -174,10 +174,20 @@ at::Tensor LanguageModel::Loss(const at::Tensor& tokens, const at::Tensor& targe
 
 at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tensor& targets) {
   const TensorParallelism& tp = config_.tp;
-  if (tp.size > 1) {
+  if (tp.size > 1 && tp.parallel_vocab) {
     return VocabParallelCrossEntropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
                                      tp.group)
         .mean();
+  }
+  if (tp.size > 1 && tp.sequence_parallel) {
+    // The whole vocabulary's logits of this rank's sequence shard: the mean
+    // over all tokens is the sum over ranks of each shard's mean / tp. Backward
+    // gives each rank its shard's share; the replicated parameters' partial
+    // gradients are summed as sequence parallelism sums them.
+    const int64_t T = logits.size(1);
+    at::Tensor shard = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}), targets.narrow(1, tp.rank * T, T).reshape({-1}));
+    return ReduceFromTensorParallelRegion(shard / static_cast<double>(tp.size), tp.group);
   }
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                                               targets.reshape({-1}));
@@ -185,19 +195,21 @@ at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tenso
 
 std::map<std::string, ShardSpec> LanguageModel::ParameterShards() const {
   std::map<std::string, ShardSpec> shards;
+  auto add = [&](const std::string& name, const ShardSpec& spec) {
+    if (spec.parts > 1) shards[name] = spec;  // a layer of one part (the whole vocabulary) is replicated
+  };
   for (const auto& item : named_modules()) {
     const std::string prefix = item.key().empty() ? "" : item.key() + ".";
     const torch::nn::Module* module = item.value().get();
     if (auto* column = dynamic_cast<const ColumnParallelLinearImpl*>(module)) {
-      shards[prefix + "weight"] = column->weight_shard();
-      if (column->bias.defined()) shards[prefix + "bias"] = column->weight_shard();
+      add(prefix + "weight", column->weight_shard());
+      if (column->bias.defined()) add(prefix + "bias", column->weight_shard());
     } else if (auto* row = dynamic_cast<const RowParallelLinearImpl*>(module)) {
-      shards[prefix + "weight"] = row->weight_shard();
+      add(prefix + "weight", row->weight_shard());
     } else if (auto* embedding = dynamic_cast<const VocabParallelEmbeddingImpl*>(module)) {
-      shards[prefix + "weight"] = embedding->weight_shard();
+      add(prefix + "weight", embedding->weight_shard());
     }
   }
-  if (config_.tp.size == 1) shards.clear();
   return shards;
 }
 
@@ -208,6 +220,19 @@ int64_t LanguageModel::NumParameters() const {
 }
 
 namespace internal {
+
+TensorParallelism VocabularyParallelism(const ModelConfig& c) {
+  if (c.tp.parallel_vocab) return c.tp;
+  TensorParallelism whole;
+  whole.group = c.tp.group;
+  return whole;
+}
+
+at::Tensor EmbeddedIds(const at::Tensor& ids, const ModelConfig& c) {
+  if (c.tp.parallel_vocab || !c.tp.sequence_parallel || c.tp.size == 1) return ids;
+  const int64_t shard = ids.size(1) / c.tp.size;
+  return ids.narrow(1, c.tp.rank * shard, shard);
+}
 
 std::vector<std::pair<std::string, at::Tensor>> PrefixedParameters(const torch::nn::Module& module,
                                                                    const std::string& prefix) {

@@ -51,7 +51,8 @@ struct ModelConfig {
   // its own, lm_head.weight (Merak's no_tie_modules).
   bool tie_word_embeddings = true;
   // gpt and llama: the tensor-parallel shard this process builds (heads,
-  // MLP width and vocabulary split tp.size ways; sequence parallelism).
+  // MLP width and, with tp.parallel_vocab, the vocabulary split tp.size
+  // ways; sequence parallelism).
   TensorParallelism tp;
 };
 

@@ -124,6 +124,9 @@ struct ParallelPlan {
   int tp = 1;  // tensor-parallel ranks ("tensor"): the source must build shards
   int pp = 1;  // pipeline stages ("pipeline")
   bool sequence_parallel = false;  // norms and dropout on sequence shards (tp > 1)
+  // Merak's parallel_vocab: the vocabulary split over tp (the embedding's
+  // rows, the head's outputs, the loss); false keeps embedding and head whole.
+  bool parallel_vocab = true;
   // Traced models at tp > 1: split every product the automatic pass can, also
   // where its cost model finds the communication dearer than the compute saved.
   bool tp_split_all = false;

@@ -108,12 +108,13 @@ struct ArgumentRewrite {
 
 class Planner {
  public:
-  Planner(std::shared_ptr<Graph> graph, std::vector<std::string> parameter_names, int64_t tp,
-          bool sequence_parallel, const AutoTensorParallelOptions& options)
+  Planner(std::shared_ptr<Graph> graph, std::vector<std::string> parameter_names, const TensorParallelism& tp,
+          const AutoTensorParallelOptions& options)
       : graph_(std::move(graph)),
         names_(std::move(parameter_names)),
-        tp_(tp),
-        sequence_(sequence_parallel),
+        tp_(tp.size),
+        sequence_(tp.sequence_parallel),
+        vocabulary_(tp.parallel_vocab),
         options_(options) {
     const size_t first_parameter = graph_->inputs().size() - names_.size();
     for (size_t i = 0; i < names_.size(); ++i) parameter_index_[graph_->inputs()[first_parameter + i]] = i;
@@ -181,7 +182,8 @@ class Planner {
       if (!kept_whole) {
         return absl::InvalidArgumentError(absl::StrCat(
             "sequence parallelism: ", where, " cannot run on sequence shards of its input; turn "
-            "sequence_parallel off for this model"));
+            "sequence_parallel off for this model",
+            vocabulary_ ? "" : ", or split the vocabulary (parallel_vocab true) so that the head gathers them"));
       }
     }
   }
@@ -671,7 +673,7 @@ class Planner {
   // that has no padding row.
   bool VocabularySplits(const Node* embedding) const {
     const std::vector<int64_t> weight = ShapeOf(embedding->input(0));
-    return weight.size() == 2 && weight[0] % tp_ == 0 && IntOf(embedding->input(2)).value_or(0) == -1 &&
+    return vocabulary_ && weight.size() == 2 && weight[0] % tp_ == 0 && IntOf(embedding->input(2)).value_or(0) == -1 &&
            parameter_index_.count(embedding->input(0)) &&
            embedding->input(1)->node()->kind() == c10::prim::Param;
   }
@@ -694,9 +696,10 @@ class Planner {
 
   // cross_entropy_loss of logits split along the vocabulary: the
   // vocabulary-parallel cross-entropy, which never gathers the logits.
+  // Without parallel_vocab split logits are a conflict: the head stays whole.
   bool CrossEntropy(Node* node) {
     const Split& logits = splits_.at(node->input(0));
-    const bool plain = RankOf(node->input(0)) == 2 && logits.dim == 1 && logits.blocks == 1 &&
+    const bool plain = vocabulary_ && RankOf(node->input(0)) == 2 && logits.dim == 1 && logits.blocks == 1 &&
                        !splits_.count(node->input(1)) && IsNone(node->input(2)) &&
                        torch::jit::toIValue(node->input(5)).value_or(c10::IValue(1.0)).toDouble() == 0.0 &&
                        IntOf(node->input(3)).has_value() && IntOf(node->input(4)).has_value();
@@ -916,6 +919,7 @@ class Planner {
   std::map<const Value*, Split> splits_;
   std::map<Node*, int64_t> columns_;  // column products -> pieces of their output
   bool sequence_;
+  bool vocabulary_;  // parallel_vocab: embeddings and heads may split their vocabulary
   AutoTensorParallelOptions options_;
   // Per operator that runs split: the column products it depends on, its
   // FLOPs and the bytes of the collectives it brings (forward and backward).
@@ -979,7 +983,7 @@ absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, 
   std::shared_ptr<Graph> graph = model.jit_graph()->copy();
   if (options.loss_only) KeepOnlyTheLoss(*graph);
   ModelGraph::CanonicalizeLinearProducts(*graph, graph->inputs().size() - model.parameters().size());
-  Planner planner(graph, model.parameter_names(), tp.size, tp.sequence_parallel, options);
+  Planner planner(graph, model.parameter_names(), tp, options);
   TRIDENT_RETURN_IF_ERROR(planner.Plan());
   TensorParallelGraph result;
   result.plan.parameters = planner.Apply(tp.rank, tp.group, result.plan);

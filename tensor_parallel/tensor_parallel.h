@@ -50,6 +50,10 @@ struct TensorParallelism {
   // between the parallel layers; their parameters' gradients are partial and
   // must be summed over the group (see SequenceParallelGradients).
   bool sequence_parallel = false;
+  // Merak's parallel_vocab: the token embedding's rows and the head's outputs
+  // split over the group (the vocabulary-parallel embedding, head and loss);
+  // false keeps both whole on every rank.
+  bool parallel_vocab = true;
 };
 
 // The operators, called through the dispatcher (so they trace and autograd).

@@ -348,6 +348,7 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.checkpoint_layers = CommaList(c.checkpoint_layers());
   plan.checkpoint_modules = CommaList(c.checkpoint_modules());
   plan.module_replace = CommaList(c.module_replace());
+  plan.parallel_vocab = c.parallel_vocab();
   plan.checkpoint_num_layers = c.checkpoint_num_layers();
   plan.activation_checkpoint_ratio = c.activation_checkpoint_ratio();
   plan.zero_stage = c.zero_stage();

@@ -60,8 +60,16 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
         layers.KeepPositions(cached_positions);  // the padding's keys and values go
       }
       if (model.stage() == model.stages() - 1) {
-        at::Tensor logits = outputs->at(0).select(1, valid - 1).squeeze(0).cpu();
-        if (tp != nullptr) {  // this rank's vocabulary slice -> all of it
+        at::Tensor logits = outputs->at(0).cpu();
+        const bool vocabulary_slices = tp != nullptr && model.plan().parallel_vocab;
+        if (tp != nullptr && !vocabulary_slices && model.plan().sequence_parallel) {
+          // The whole vocabulary for this rank's sequence shard -> every position.
+          auto gathered = tp->AllGather(logits.contiguous(), 1);
+          TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
+          logits = *gathered;
+        }
+        logits = logits.select(1, valid - 1).squeeze(0);
+        if (vocabulary_slices) {  // this rank's vocabulary slice -> all of it
           auto gathered = tp->AllGather(logits.contiguous(), 0);
           TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
           logits = *gathered;

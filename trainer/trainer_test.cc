@@ -215,6 +215,43 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
   }
 }
 
+// parallel_vocab false: embedding and head whole on every tensor-parallel
+// rank (with sequence parallelism each rank's loss is its sequence shard's),
+// for gpt (tied and untied heads) and llama, and a vocabulary tp does not
+// divide (257).
+TEST(TrainerParityTest, WholeVocabularyLossesEqualOneProcess) {
+  struct Layout {
+    const char* model;
+    int tp, pp;
+    bool sequence_parallel, untied = false;
+    int64_t vocab_size = 256;
+  };
+  std::map<std::string, std::vector<double>> single;
+  for (const Layout& layout :
+       {Layout{"gpt", 2, 1, false}, Layout{"gpt", 2, 1, true}, Layout{"gpt", 2, 2, true}, Layout{"gpt", 2, 1, true, true},
+        Layout{"llama", 2, 1, true}, Layout{"gpt", 2, 1, true, false, 257}}) {
+    auto configure = [&](int tp, int pp) {
+      TrainerConfig config = SmallConfig(1);
+      config.set_model(layout.model);
+      config.set_preset(absl::StrCat(layout.model, "-tiny"));
+      config.set_no_tie_modules(layout.untied);
+      config.set_vocab_size(layout.vocab_size);
+      config.set_tp(tp);
+      config.set_pp(pp);
+      config.set_micro_batch_size(pp > 1 ? 2 : 8);
+      config.set_sequence_parallel(tp > 1 && layout.sequence_parallel);
+      config.set_parallel_vocab(false);
+      return config;
+    };
+    const std::string model = absl::StrCat(layout.model, layout.untied ? "_untied" : "", "_v", layout.vocab_size);
+    if (!single.count(model)) single[model] = TrainOnRanks(configure(1, 1), "whole_vocabulary_reference_" + model);
+    const std::string tag =
+        absl::StrCat("whole_vocabulary_", model, "_tp", layout.tp, "_pp", layout.pp, layout.sequence_parallel ? "_sp" : "");
+    SCOPED_TRACE(tag);
+    ExpectSameLosses(single[model], TrainOnRanks(configure(layout.tp, layout.pp), tag), 1e-5);
+  }
+}
+
 // no_tie_modules: gpt's head has its own matrix, trained the same in every
 // layout, and exported under lm_head.weight beside the embedding's.
 TEST(TrainerParityTest, UntiedHeadLossesEqualOneProcess) {
@@ -518,6 +555,9 @@ TEST(TrainerSampleTest, ParallelLayoutsSampleLikeOneProcess) {
   layouts.set_pp(2);
   layouts.set_sequence_parallel(true);
   EXPECT_EQ(sample(layouts, "sample_tp2_pp2_sp"), reference);
+  layouts.set_parallel_vocab(false);  // the whole vocabulary's logits, on sequence shards
+  EXPECT_EQ(sample(layouts, "sample_tp2_pp2_sp_whole_vocabulary"), reference);
+  layouts.set_parallel_vocab(true);
   layouts.set_tp(1);
   layouts.set_sequence_parallel(false);
   layouts.set_schedule("interleaved_1f1b");

@@ -17,6 +17,15 @@ std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, const LayerRa
 std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, const LayerRanges& ranges);
 std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, const LayerRanges& ranges);
 
+// The tensor parallelism of the token embedding and the head: the model's,
+// or, without parallel_vocab, none (every rank holds the whole vocabulary).
+TensorParallelism VocabularyParallelism(const ModelConfig& config);
+
+// The token ids [B, T] the embedding looks up: with sequence parallelism and
+// the whole vocabulary, this rank's sequence shard (a vocabulary-parallel
+// embedding looks up all of them and reduce-scatters the sum into shards).
+at::Tensor EmbeddedIds(const at::Tensor& ids, const ModelConfig& config);
+
 // Llama's SwiGLU width: intermediate_size, or 2/3 of 4 * n_embd rounded up to
 // a multiple of 32.
 int64_t LlamaIntermediateSize(const ModelConfig& config);

@@ -209,7 +209,7 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
     TRIDENT_ASSIGN_OR_RETURN(
         TensorParallelGraph sharded,
-        AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel},
+        AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel, plan.parallel_vocab},
                            AutoTensorParallelCosts(plan, !source.returns_logits)));
     // The rewritten graph holds this rank's parameters itself: a loaded
     // TorchScript module, and with it the full tensors of the split ones, is
