@@ -154,7 +154,8 @@ absl::StatusOr<LoraOptions> ReadLoraConfig(const std::string& path, const std::s
   return options;
 }
 
-absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOptions& options, uint64_t seed) {
+absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOptions& options, uint64_t seed,
+                                           const std::map<std::string, ShardSpec>& shards) {
   TRIDENT_RETURN_IF_ERROR(ValidateLoraOptions(options));
   if (options.dropout > 0) {
     return absl::UnimplementedError(
@@ -175,6 +176,19 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
   for (Node* node : graph->nodes()) {
     if (node->kind() == c10::aten::linear) linears.push_back(node);
   }
+  // The region collective `node` (the entry of a column product's input, or
+  // the reduction of a row product's output) applied again to `x`.
+  auto same_collective = [&](Node* node, Value* x) {
+    std::vector<torch::jit::NamedValue> inputs = {x};
+    for (size_t i = 1; i < node->inputs().size(); ++i) inputs.emplace_back(node->input(i));
+    return graph->insert(node->kind(), inputs);
+  };
+  auto region_op = [](const Node* node, std::initializer_list<const char*> kinds) {
+    for (const char* kind : kinds) {
+      if (node->kind() == c10::Symbol::fromQualString(kind)) return true;
+    }
+    return false;
+  };
   for (Node* node : linears) {
     Value* weight = node->input(1);
     if (weight->node() != graph->param_node() || weight->offset() < first_parameter) continue;
@@ -182,18 +196,48 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
     if (!absl::EndsWith(name, ".weight") || w.dim() != 2) continue;
     const std::string layer = name.substr(0, name.size() - std::string(".weight").size());
     if (!MatchTargets(layer, options, result.layers.target_hits)) continue;
-    at::Tensor a = DrawA(AdapterName(layer, "lora_A", options), options.r, w.size(1), seed).to(w.options());
-    at::Tensor b = at::zeros({w.size(0), options.r}, w.options());
-    Value* a_input = graph->addInput(AdapterName(layer, "lora_A", options))->setType(c10::TensorType::create(a));
-    Value* b_input = graph->addInput(AdapterName(layer, "lora_B", options))->setType(c10::TensorType::create(b));
-    result.parameters.emplace_back(AdapterName(layer, "lora_A", options), a);
-    result.parameters.emplace_back(AdapterName(layer, "lora_B", options), b);
-    // y = linear(x, W, b) + scale * linear(linear(x, A), B)
-    torch::jit::WithInsertPoint after(node->next());
+    const std::string a_name = AdapterName(layer, "lora_A", options), b_name = AdapterName(layer, "lora_B", options);
+    // Tensor parallelism (the automatic pass's shards): a column product keeps
+    // A whole and its rows of B, the rank-r product entering the region as the
+    // product's input does; a row product its columns of A and B whole, the
+    // partial rank-r product reduced as the product's output is.
+    auto spec = shards.find(name);
+    const bool column = spec != shards.end() && spec->second.dim == 0;
+    const bool row = spec != shards.end() && spec->second.dim == 1;
+    Node* entry = node->input(0)->node();
+    Node* reduction = node->output()->uses().size() == 1 ? node->output()->uses()[0].user : nullptr;
+    if (column && !region_op(entry, {"trident::copy_to_tp_region", "trident::gather_from_sequence_region"})) {
+      return absl::UnimplementedError(absl::StrCat("lora_config: the column-parallel product of '", layer,
+                                                   "' does not read its input straight from the tensor-parallel "
+                                                   "region's entry; leave it out of target_modules, or use tp=1"));
+    }
+    if (row && (reduction == nullptr || !region_op(reduction, {"trident::reduce_from_tp_region",
+                                                               "trident::reduce_scatter_to_sequence_region"}))) {
+      return absl::UnimplementedError(absl::StrCat("lora_config: the row-parallel product of '", layer,
+                                                   "' is not reduced straight after it; leave it out of "
+                                                   "target_modules, or use tp=1"));
+    }
+    const int64_t in_features = row ? w.size(1) * spec->second.parts : w.size(1);
+    at::Tensor a = DrawA(a_name, options.r, in_features, seed).to(w.options());
+    if (row) {
+      a = ShardSpec{1, spec->second.parts, spec->second.index, 1}.Slice(a).contiguous();
+      result.layers.shards[a_name] = {1, spec->second.parts, spec->second.index, 1};
+    }
+    at::Tensor b = at::zeros({w.size(0), options.r}, w.options());  // rows of B where W's rows are split
+    if (column) result.layers.shards[b_name] = spec->second;
+    Value* a_input = graph->addInput(a_name)->setType(c10::TensorType::create(a));
+    Value* b_input = graph->addInput(b_name)->setType(c10::TensorType::create(b));
+    result.parameters.emplace_back(a_name, a);
+    result.parameters.emplace_back(b_name, b);
+    // y = W x (+ b) + scale * B A x, the adapter added where the product's output is whole.
+    Node* after = row ? reduction : node;
+    torch::jit::WithInsertPoint insert(after->next());
     Value* none = graph->insertConstant(c10::IValue());
-    Value* low_rank = graph->insert(c10::aten::linear, {node->input(0), a_input, none});
+    Value* low_rank = graph->insert(c10::aten::linear, {column ? entry->input(0) : node->input(0), a_input, none});
+    if (column) low_rank = same_collective(entry, low_rank);
+    if (row) low_rank = same_collective(reduction, low_rank);
     Value* adapter = graph->insert(c10::aten::linear, {low_rank, b_input, none});
-    Value* output = node->output();
+    Value* output = after->output();
     Value* sum = graph->insert(c10::aten::add, {output, adapter}, {torch::jit::NamedValue("alpha", options.scale())});
     sum->setType(output->type());
     output->replaceAllUsesAfterNodeWith(sum->node(), sum);

@@ -80,14 +80,19 @@ absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions
 // low-rank path, its A and B appended to the parameters under the names
 // ApplyLora gives them (and drawn the same way). Parameters are frozen as
 // ApplyLora freezes them. Trace `forward` (ModelGraph::Trace) with
-// `parameters` for the adapted model's graph. Errors: adapter dropout (not
-// offered on traced models).
+// `parameters` for the adapted model's graph. `shards`: how the graph's
+// parameters are this rank's slices (a graph AutoTensorParallel rewrote):
+// adapters are sliced and their products enter and leave the tensor-parallel
+// regions as ApplyLora's do (layers.shards gets the adapters' slices).
+// Errors: adapter dropout (not offered on traced models), a split product
+// whose region does not begin or end right at it.
 struct LoraGraph {
   NamedTensors parameters;
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
   LoraLayers layers;
 };
-absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& graph, const LoraOptions& options, uint64_t seed);
+absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& graph, const LoraOptions& options, uint64_t seed,
+                                           const std::map<std::string, ShardSpec>& shards = {});
 
 // Whether `name` is an adapter parameter ("...lora_A.<adapter>.weight").
 bool IsAdapterParameter(const std::string& name);

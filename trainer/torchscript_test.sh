@@ -156,6 +156,33 @@ with open(sys.argv[3], "rb") as f:
     names = sorted(k for k in json.loads(f.read(struct.unpack("<Q", f.read(8))[0])) if k != "__metadata__")
 assert names and all(n.startswith("base_model.model.transformer.h.") and ".lora_" in n for n in names), names
 PY
+# At tp=2 (with sequence parallelism too) the adapters of the split products,
+# column (c_attn, c_fc) and row (c_proj, mlp_proj), train one process's losses
+# and export its adapter.
+printf 'r: 4\nalpha: 8\ntarget_modules: "c_attn"\ntarget_modules: "c_proj"\ntarget_modules: "c_fc"\ntarget_modules: "mlp_proj"\n' \
+  >"$work/lora_all.pbtxt"
+lora_all=("${common[@]}" --model=torchscript:"$work/gpt.pt" --init_from="$work/pp2.safetensors"
+          --lora_config="$work/lora_all.pbtxt" --max_steps=10)
+for layout in "1 false" "2 false" "2 true"; do
+  set -- $layout
+  timeout 300 "$train" "${lora_all[@]}" --dp=1 --tp="$1" --sequence_parallel="$2" --metrics_file="$work/lora_tp$1_$2.jsonl" \
+    --export_safetensors="$work/adapter_tp$1_$2.safetensors" >"$out" 2>&1 || fail "LoRA tp=$1 sequence_parallel=$2 run exited $?"
+done
+# The adapters' slices join into one process's adapter. Adam normalises B's
+# first, rounding-level gradients into whole steps (see the SGD exports
+# below), so the bound is 1e-4; the comparison prints the largest difference.
+"$bin/tools/checkpoint" compare "$work/adapter_tp1_false.safetensors" "$work/adapter_tp2_true.safetensors" 1e-4 \
+  >"$out" 2>&1 || fail "the tp=2 adapter differs from one process's"
+echo "LoRA adapter at tp=2 with sequence parallelism against one process: $(tail -1 "$out")"
+"$python" - "$work"/lora_tp{1_false,2_false,2_true}.jsonl <<'PY' || fail "LoRA losses at tp=2 differ"
+import json, sys
+one, *others = ([json.loads(line)["loss"] for line in open(p)] for p in sys.argv[1:])
+for name, other in zip(("tp=2", "tp=2 with sequence parallelism"), others):
+    assert len(one) == len(other) == 10 and one[-1] != one[0], (one, other)
+    worst = max(abs(a - b) / abs(a) for a, b in zip(one, other))
+    print(f"LoRA on TorchScript: {name} against one process over 10 steps: {worst:.3g}")
+    assert worst <= 1e-5, worst
+PY
 
 # module_replace on the traced graph: the Python model's explicit attention,
 # its residual adds into LayerNorm and its c_fc + GELU become the fused

@@ -195,17 +195,6 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
                            ModelGraph::Trace(parameters, on_device, traced_forward, CheckBatch(on_device), owner));
   WholeModel whole;
   whole.aliases = graph->aliases();
-  if (plan.lora) {  // every target linear product gains its adapter, traced again
-    if (plan.tp > 1) {
-      return absl::UnimplementedError(
-          "LoRA with tp > 1 on a traced model is not supported: declare the model's layers (trace_method=layers, "
-          "ParallelLinear with ApplyTensorParallel), or use tp=1");
-    }
-    TRIDENT_ASSIGN_OR_RETURN(LoraGraph adapted, ApplyLoraToGraph(*graph, *plan.lora, plan.seed));
-    whole.lora_target_hits = std::move(adapted.layers.target_hits);
-    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(adapted.parameters, on_device, adapted.forward,
-                                                      CheckBatch(on_device), owner));
-  }
   if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
     TRIDENT_ASSIGN_OR_RETURN(
         TensorParallelGraph sharded,
@@ -218,6 +207,14 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
                                                       CheckBatch(on_device)));
     whole.tensor_parallel_shards = std::move(sharded.shards);
     whole.tensor_parallel_report = sharded.plan.Report();
+  }
+  if (plan.lora) {  // every target linear product gains its adapter (sliced as it is), traced again
+    TRIDENT_ASSIGN_OR_RETURN(LoraGraph adapted,
+                             ApplyLoraToGraph(*graph, *plan.lora, plan.seed, whole.tensor_parallel_shards));
+    whole.lora_target_hits = std::move(adapted.layers.target_hits);
+    whole.tensor_parallel_shards.insert(adapted.layers.shards.begin(), adapted.layers.shards.end());
+    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(adapted.parameters, on_device, adapted.forward,
+                                                      CheckBatch(on_device), plan.tp > 1 ? nullptr : owner));
   }
   if (!plan.module_replace.empty()) {  // the pairs' operator patterns, on this rank's graph
     TRIDENT_ASSIGN_OR_RETURN(at::ScalarType dtype, ComputeDtype(plan));
