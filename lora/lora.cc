@@ -220,8 +220,9 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
     const int64_t in_features = row ? w.size(1) * spec->second.parts : w.size(1);
     at::Tensor a = DrawA(a_name, options.r, in_features, seed).to(w.options());
     if (row) {
-      a = ShardSpec{1, spec->second.parts, spec->second.index, 1}.Slice(a).contiguous();
-      result.layers.shards[a_name] = {1, spec->second.parts, spec->second.index, 1};
+      const ShardSpec columns{1, spec->second.parts, spec->second.index, 1};
+      a = columns.Slice(a).contiguous();
+      result.layers.shards[a_name] = columns;
     }
     at::Tensor b = at::zeros({w.size(0), options.r}, w.options());  // rows of B where W's rows are split
     if (column) result.layers.shards[b_name] = spec->second;
@@ -234,8 +235,7 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
     torch::jit::WithInsertPoint insert(after->next());
     Value* none = graph->insertConstant(c10::IValue());
     Value* low_rank = graph->insert(c10::aten::linear, {column ? entry->input(0) : node->input(0), a_input, none});
-    if (column) low_rank = same_collective(entry, low_rank);
-    if (row) low_rank = same_collective(reduction, low_rank);
+    if (column || row) low_rank = same_collective(column ? entry : reduction, low_rank);
     Value* adapter = graph->insert(c10::aten::linear, {low_rank, b_input, none});
     Value* output = after->output();
     Value* sum = graph->insert(c10::aten::add, {output, adapter}, {torch::jit::NamedValue("alpha", options.scale())});

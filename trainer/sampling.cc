@@ -60,15 +60,15 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
         layers.KeepPositions(cached_positions);  // the padding's keys and values go
       }
       if (model.stage() == model.stages() - 1) {
-        at::Tensor logits = outputs->at(0).cpu();
+        at::Tensor logits = outputs->at(0);
         const bool vocabulary_slices = tp != nullptr && model.plan().parallel_vocab;
         if (tp != nullptr && !vocabulary_slices && model.plan().sequence_parallel) {
           // The whole vocabulary for this rank's sequence shard -> every position.
-          auto gathered = tp->AllGather(logits.contiguous(), 1);
+          auto gathered = tp->AllGather(logits.cpu().contiguous(), 1);
           TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
           logits = *gathered;
         }
-        logits = logits.select(1, valid - 1).squeeze(0);
+        logits = logits.select(1, valid - 1).squeeze(0).cpu();  // one position leaves the device
         if (vocabulary_slices) {  // this rank's vocabulary slice -> all of it
           auto gathered = tp->AllGather(logits.contiguous(), 0);
           TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));

@@ -207,6 +207,7 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
                                                       CheckBatch(on_device)));
     whole.tensor_parallel_shards = std::move(sharded.shards);
     whole.tensor_parallel_report = sharded.plan.Report();
+    owner = nullptr;  // later graphs hold this rank's parameters themselves
   }
   if (plan.lora) {  // every target linear product gains its adapter (sliced as it is), traced again
     TRIDENT_ASSIGN_OR_RETURN(LoraGraph adapted,
@@ -214,7 +215,7 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
     whole.lora_target_hits = std::move(adapted.layers.target_hits);
     whole.tensor_parallel_shards.insert(adapted.layers.shards.begin(), adapted.layers.shards.end());
     TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(adapted.parameters, on_device, adapted.forward,
-                                                      CheckBatch(on_device), plan.tp > 1 ? nullptr : owner));
+                                                      CheckBatch(on_device), owner));
   }
   if (!plan.module_replace.empty()) {  // the pairs' operator patterns, on this rank's graph
     TRIDENT_ASSIGN_OR_RETURN(at::ScalarType dtype, ComputeDtype(plan));
