@@ -257,6 +257,9 @@ absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& pat
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     loaded.parameters.emplace_back(item.name, item.value);
   }
+  for (const auto& item : module->named_modules()) {
+    if (!item.name.empty()) loaded.module_types[item.name] = item.value.type()->name()->qualifiedName();
+  }
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("reading forward of ", path), [&] {
     const auto& arguments = module->get_method("forward").function().getSchema().arguments();
     for (size_t i = 1; i < arguments.size(); ++i) loaded.argument_names.push_back(arguments[i].name());

@@ -97,6 +97,8 @@ struct TorchScriptModule {
   std::vector<std::pair<std::string, at::Tensor>> parameters;
   // The names of forward's arguments, without self.
   std::vector<std::string> argument_names;
+  // Every submodule's class by its name ("transformer.h.0" -> "__torch__.Block").
+  std::map<std::string, std::string> module_types;
   // Calls forward: a tensor, or a tuple or list of tensors (None elements are
   // dropped), become the outputs. Throws when forward returns anything else.
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/module_names.h"
 #include "base/rng.h"
 #include "base/status.h"
 #include "base/text_proto.h"
@@ -24,14 +25,9 @@ namespace {
 
 constexpr char kPeftPrefix[] = "base_model.model.";
 
-// Whether module `name` is meant by `pattern` (the full name, or a suffix after '.').
-bool Matches(const std::string& name, const std::string& pattern) {
-  return name == pattern || absl::EndsWith(name, "." + pattern);
-}
-
 bool MatchesAny(const std::string& name, const std::vector<std::string>& patterns) {
   for (const std::string& pattern : patterns) {
-    if (Matches(name, pattern)) return true;
+    if (ModuleNameMatches(name, pattern)) return true;
   }
   return false;
 }
@@ -102,7 +98,7 @@ std::string AdapterName(const std::string& layer, const char* factor, const Lora
 bool MatchTargets(const std::string& layer, const LoraOptions& options, std::vector<int>& hits) {
   bool hit = false;
   for (size_t i = 0; i < options.target_modules.size(); ++i) {
-    if (Matches(layer, options.target_modules[i])) hit = ++hits[i] > 0;
+    if (ModuleNameMatches(layer, options.target_modules[i])) hit = ++hits[i] > 0;
   }
   return hit;
 }

@@ -444,6 +444,15 @@ std::string ParallelModel::Describe() const {
     absl::StrAppend(&text, "  automatic tensor parallelism:\n", m.part.tensor_parallel_report);
   }
   if (!m.plan.module_replace.empty()) absl::StrAppend(&text, "  ", m.part.replace_report.Summary(), " (this rank)\n");
+  if (!m.plan.checkpoint_modules.empty()) {
+    std::vector<std::string> hits;
+    for (size_t i = 0; i < m.plan.checkpoint_modules.size(); ++i) {
+      hits.push_back(absl::StrCat(m.plan.checkpoint_modules[i], " ", m.part.recompute_hits.at(i)));
+    }
+    absl::StrAppend(&text, "  checkpoint_modules: ", absl::StrJoin(hits, ", "),
+                    m.part.traced ? " (modules whose operators recompute in backward)\n"
+                                  : " (modules recomputing in backward on this rank)\n");
+  }
   if (m.plan.lora) {
     int64_t trainable = 0, all = 0;
     for (const auto& [name, p] : m.parameters) {

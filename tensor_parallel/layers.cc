@@ -5,9 +5,9 @@
 #include <ATen/ATen.h>
 #include <torch/nn/functional/linear.h>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/module_names.h"
 #include "base/status.h"
 #include "tensor_parallel/tensor_parallel.h"
 #include "topology/topology.h"
@@ -296,16 +296,6 @@ absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Mo
   return shards;
 }
 
-namespace {
-
-// Whether module or buffer `name` is meant by `pattern` (the full name, or a
-// suffix after '.').
-bool Matches(const std::string& name, const std::string& pattern) {
-  return name == pattern || absl::EndsWith(name, "." + pattern);
-}
-
-}  // namespace
-
 absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelLayers& layers,
                                  const TensorParallelism& tp) {
   // An error for the first name that matched nothing.
@@ -327,7 +317,7 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
     auto match = [&](const std::vector<std::string>& patterns, std::vector<int>& hits) {
       bool any = false;
       for (size_t i = 0; i < patterns.size(); ++i) {
-        if (Matches(name, patterns[i])) any = ++hits[i] > 0;
+        if (ModuleNameMatches(name, patterns[i])) any = ++hits[i] > 0;
       }
       return any;
     };
@@ -355,7 +345,7 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
   }
   for (auto& item : model.named_buffers()) {
     for (size_t i = 0; i < layers.attributes.size(); ++i) {
-      if (!Matches(item.key(), layers.attributes[i])) continue;
+      if (!ModuleNameMatches(item.key(), layers.attributes[i])) continue;
       ++attribute_hits[i];
       at::Tensor& value = item.value();
       const int64_t v = value.item<int64_t>();

@@ -7,7 +7,8 @@
 # losses of the same module run eagerly in Python from the same weights (20
 # steps, 1e-5 relative); its tied weights stay
 # tied across pipeline stages; a model returning logits trains with a named
-# loss; module_replace rewrites its traced patterns with the same losses;
+# loss; module_replace rewrites its traced patterns with the same losses, and
+# checkpoint_modules recomputes its blocks with them;
 # untraceable models, bad input names and models without a loss are
 # refused with errors that say why.
 set -u
@@ -64,6 +65,15 @@ train_and_compare dp2_pp2 --model=torchscript:"$work/gpt.pt" --dp=2 --pp=2 --sch
 # ZeRO-3 (parameters gathered shard by shard) and recomputation on the traced graph.
 train_and_compare zero3 --model=torchscript:"$work/gpt.pt" --dp=2 --zero_stage=3
 train_and_compare recompute --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 --activation_checkpointing=full
+# ATorch's checkpoint method on the traced graph: the Python blocks, named by
+# class, recompute their operators (ZeRO-3 gathering parameters for the rerun,
+# and across pp=2); the products by name at tp=2 with sequence parallelism.
+train_and_compare recompute_blocks --model=torchscript:"$work/gpt.pt" --dp=2 --zero_stage=3 --checkpoint_modules=Block
+grep -aq "checkpoint_modules: Block 2 (modules whose operators recompute in backward)" "$out" ||
+  fail "recompute_blocks: the blocks were not found"
+train_and_compare recompute_blocks_pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 --checkpoint_modules=Block
+train_and_compare recompute_tp2_sp --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2 --sequence_parallel \
+  --checkpoint_modules=c_attn,c_fc
 # The automatic search profiles the traced model's shards on 2 ranks and trains
 # the layout it chose with the same parity.
 train_and_compare auto --model=torchscript:"$work/gpt.pt" --nproc=2 --strategy=auto \
@@ -215,4 +225,8 @@ refused "hold no scalar loss" --model=torchscript:"$work/logits.pt" --dp=1 --inp
 refused "layers.0.wk.weight), makes a dimension of size 2 from the split one (attention heads, for example), which tp=4 does not divide" \
   --model=torchscript:"$work/llama.pt" --dp=1 --tp=4
 refused "cannot read TorchScript file $work/missing.pt" --model=torchscript:"$work/missing.pt"
+refused "checkpoint_modules: module 'transformer.wte' is not one run of operators in the traced graph" \
+  --model=torchscript:"$work/gpt.pt" --dp=1 --checkpoint_modules=wte
+refused "checkpoint_modules: entry 'attn' matches no module of the model" --model=torchscript:"$work/gpt.pt" --dp=1 \
+  --checkpoint_modules=attn
 echo "torchscript_test: all checks passed"

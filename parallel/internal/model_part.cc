@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/module_names.h"
 #include "base/recompute.h"
 #include "base/status.h"
 #include "graph/graph_layers.h"
@@ -139,6 +140,7 @@ struct WholeModel {
   std::map<std::string, ShardSpec> tensor_parallel_shards;  // traced at tp > 1
   std::string tensor_parallel_report;
   std::vector<int> lora_target_hits;  // traced with plan.lora
+  std::vector<int> recompute_hits;    // traced with plan.checkpoint_modules
   ReplaceReport replace_report;       // traced with plan.module_replace
 };
 
@@ -163,6 +165,7 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   std::function<Values(const Values&)> forward;
   std::shared_ptr<void> owner;
   std::vector<std::string> arguments;  // TorchScript: forward's argument names
+  std::map<std::string, std::string> module_types;  // for checkpoint_modules by class
   if (source.kind == ModelSource::Kind::kTorchScript) {
     TRIDENT_ASSIGN_OR_RETURN(TorchScriptModule module, TorchScriptModule::Load(source.torchscript_path));
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the module to the device", [&] { module.to(device); }));
@@ -170,9 +173,11 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
     forward = module.forward;
     owner = module.module;
     arguments = module.argument_names;
+    module_types = module.module_types;
   } else {
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the module to the device", [&] { source.module->to(device); }));
     for (const auto& item : source.module->named_parameters()) parameters.emplace_back(item.key(), item.value());
+    for (const auto& item : source.module->named_modules()) module_types[item.key()] = item.value()->name();
     forward = source.forward;
     owner = source.module;
   }
@@ -230,8 +235,13 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
                            SplitIntoShards(*graph, split, shard_count, plan.leaf_modules));
   whole.shards = ShardProfiles(*graph, shards);
   whole.total_flops = graph->total_flops();
+  ModuleSpans recomputed;  // ATorch's checkpoint method: found by the modules' parameters
+  if (!plan.checkpoint_modules.empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(recomputed, FindModuleSpans(*graph, plan.checkpoint_modules, module_types));
+    whole.recompute_hits = std::move(recomputed.hits);
+  }
   std::shared_ptr<ModelGraph> shared(std::move(graph));
-  TRIDENT_ASSIGN_OR_RETURN(whole.layers, GraphLayers::Create(shared, shards));
+  TRIDENT_ASSIGN_OR_RETURN(whole.layers, GraphLayers::Create(shared, shards, recomputed.spans));
   return whole;
 }
 
@@ -283,7 +293,7 @@ absl::Status MarkRecomputedModules(torch::nn::Module& model, const ParallelPlan&
   for (const auto& item : model.named_modules()) {
     for (size_t i = 0; i < plan.checkpoint_modules.size(); ++i) {
       const std::string& pattern = plan.checkpoint_modules[i];
-      if (item.key() != pattern && !absl::EndsWith(item.key(), "." + pattern)) continue;
+      if (!ModuleNameMatches(item.key(), pattern) && !ModuleTypeMatches(item.value()->name(), pattern)) continue;
       auto* recomputable = dynamic_cast<RecomputableModule*>(item.value().get());
       if (recomputable == nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -358,6 +368,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       part.tensor_parallel_report = std::move(whole.tensor_parallel_report);
       if (plan.lora) part.lora_target_hits = std::move(whole.lora_target_hits);
       part.replace_report = std::move(whole.replace_report);
+      part.recompute_hits = std::move(whole.recompute_hits);
     } else {
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
     }
@@ -380,12 +391,12 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       TRIDENT_RETURN_IF_ERROR(AddAdapters(*module, plan, &part));
     }
   }
-  if (!plan.checkpoint_modules.empty()) {
+  if (!plan.checkpoint_modules.empty() && !part.traced) {
     torch::nn::Module* module = ModuleOf(source, plan, part);
     if (module == nullptr) {
       return absl::InvalidArgumentError(
-          "checkpoint_modules needs a model of modules (the zoo, a LayerSequence module, or trace_method=none); "
-          "for a traced model recompute whole shards (activation_checkpointing)");
+          "checkpoint_modules needs a model of modules (the zoo, a LayerSequence module, or trace_method=none) or a "
+          "traced one (trace_method=jit)");
     }
     TRIDENT_RETURN_IF_ERROR(MarkRecomputedModules(*module, plan, &part));
   }
