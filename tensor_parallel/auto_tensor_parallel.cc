@@ -135,8 +135,11 @@ class Planner {
       rows_.clear();
       narrowings_.clear();
       sequence_inputs_.clear();
+      replicated_sequence_inputs_.clear();
       embeddings_.clear();
+      sequence_embeddings_.clear();
       cross_entropies_.clear();
+      sequence_cross_entropies_.clear();
       rewrites_.clear();
       work_.clear();
       conflict_ = nullptr;
@@ -182,8 +185,7 @@ class Planner {
       if (!kept_whole) {
         return absl::InvalidArgumentError(absl::StrCat(
             "sequence parallelism: ", where, " cannot run on sequence shards of its input; turn "
-            "sequence_parallel off for this model",
-            vocabulary_ ? "" : ", or split the vocabulary (parallel_vocab true) so that the head gathers them"));
+            "sequence_parallel off for this model"));
       }
     }
   }
@@ -232,7 +234,12 @@ class Planner {
       auto sequence = sequence_inputs_.find(input);
       Value* copied;
       if (sequence != sequence_inputs_.end()) {
-        copied = graph_->insert(gather_sequence, {input, group_name, sequence->second});
+        Value* shard = input;
+        if (replicated_sequence_inputs_.count(input)) {
+          const int64_t length = ShapeOf(input)[sequence->second] / tp_;
+          shard = graph_->insert(c10::aten::narrow, {input, sequence->second, rank * length, length});
+        }
+        copied = graph_->insert(gather_sequence, {shard, group_name, sequence->second});
         plan.collectives.push_back(absl::StrCat("gather_from_sequence_region before node ", position_[first],
                                                 " (all-gathers ", Describe(input), "; its backward reduce-scatters)"));
       } else {
@@ -280,6 +287,38 @@ class Planner {
                                    {rows, graph_->insert(c10::aten::unsqueeze, {outside, -1}), 0.0});
       Value* result = summed(mine, rows, node, "vocabulary-parallel embedding; ");
       for (const torch::jit::Use& use : uses) use.user->replaceInput(use.offset, result);
+    }
+    for (Node* node : sequence_embeddings_) {
+      torch::jit::WithInsertPoint here(node);
+      Value* ids = node->input(1);
+      const int64_t length = ShapeOf(ids)[1] / tp_;
+      node->replaceInput(1, graph_->insert(c10::aten::narrow, {ids, 1, rank * length, length}));
+    }
+    for (const auto& [node, blocks] : sequence_cross_entropies_) {
+      // This rank's rows: the targets' sequence shard in each of `blocks`
+      // pieces; their summed loss over every rank's count, summed over the group.
+      Value* targets = node->input(1);
+      const int64_t count = ShapeOf(targets)[0], length = count / blocks / tp_;
+      const std::vector<torch::jit::Use> uses = node->output()->uses();
+      const bool mean = *IntOf(node->input(3)) == 1;
+      {
+        torch::jit::WithInsertPoint here(node);
+        Value* pieces = graph_->insert(c10::aten::reshape, {targets, std::vector<int64_t>{blocks, count / blocks}});
+        Value* mine = graph_->insert(c10::aten::narrow, {pieces, 1, rank * length, length});
+        node->replaceInput(1, graph_->insert(c10::aten::reshape, {mine, std::vector<int64_t>{-1}}));
+        node->replaceInput(3, graph_->insertConstant(int64_t{2}));  // sum
+      }
+      torch::jit::WithInsertPoint after(node->next());
+      Value* loss = node->output();
+      if (mean) {
+        Value* counted = graph_->insert(c10::aten::type_as, {graph_->insert(c10::aten::ne, {targets, *IntOf(node->input(4))}), loss});
+        loss = graph_->insert(c10::aten::div, {loss, graph_->insert(c10::aten::sum, {counted})});
+      }
+      loss = graph_->insert(reduce, {loss, group_name});
+      for (const torch::jit::Use& use : uses) use.user->replaceInput(use.offset, loss);
+      plan.collectives.push_back(absl::StrCat("reduce_from_tp_region after node ", position_[node],
+                                              " (sums the sequence shards' cross-entropy)"));
+      plan.bytes_per_micro_batch += AllReduceBytes(node->output());
     }
     for (Node* node : cross_entropies_) {
       torch::jit::WithInsertPoint here(node);
@@ -610,20 +649,37 @@ class Planner {
     const std::vector<int64_t> weight = ShapeOf(node->input(1));
     const bool on_sequence_shards = x != splits_.end() && x->second.sequence;
     if (x == splits_.end() || on_sequence_shards) {  // replicated input, or gathered from sequence shards
-      if (!shardable && !tied && weight.size() == 2) whole_[node] = "its weight is read by other operators too";
-      if ((!shardable && !tied) || whole_.count(node) || weight.size() != 2 || Pinned(node) == Pin::kRow) {
+      auto whole = [&] {
         if (on_sequence_shards) splits_[node->output()] = x->second;  // a whole product on sequence shards
         return true;
+      };
+      if (!shardable && !tied && weight.size() == 2) whole_[node] = "its weight is read by other operators too";
+      if ((!shardable && !tied) || whole_.count(node) || weight.size() != 2 || Pinned(node) == Pin::kRow) {
+        return whole();
       }
       const int64_t blocks = PiecesTakenApart(node);
       if (weight[0] % (blocks * tp_) != 0) {
         whole_[node] = absl::StrCat(weight[0], " output features", blocks > 1 ? absl::StrCat(" in ", blocks, " pieces") : "",
                                     " do not split ", tp_, " ways");
-        return true;
+        return whole();
       }
       columns_[node] = blocks;
       splits_[node->output()] = Split{RankOf(node->output()) - 1, blocks, {node}};
-      if (on_sequence_shards) sequence_inputs_[node->input(0)] = x->second.dim;
+      if (on_sequence_shards) {
+        sequence_inputs_[node->input(0)] = x->second.dim;
+      } else if (sequence_) {
+        // A replicated input enters the sequence-parallel region here: this
+        // rank's sequence shard of it, gathered, so that its gradient is this
+        // shard's too, as every replicated parameter's must be.
+        const std::vector<int64_t> shape = ShapeOf(node->input(0));
+        if (shape.size() < 2 || shape[shape.size() - 2] % tp_ != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "sequence parallelism: ", Describe(node), " reads [", absl::StrJoin(shape, ", "),
+              "], whose sequence (the dimension before the features) tp=", tp_, " does not divide"));
+        }
+        sequence_inputs_[node->input(0)] = static_cast<int64_t>(shape.size()) - 2;
+        replicated_sequence_inputs_.insert(node->input(0));
+      }
       return true;
     }
     if (!shardable || x->second.blocks != 1 || x->second.dim != RankOf(node->input(0)) - 1) return false;
@@ -684,13 +740,26 @@ class Planner {
   absl::StatusOr<bool> Embedding(Node* node) {
     if (splits_.count(node->input(1))) return false;
     const Value* weight = node->input(0);
-    if (!VocabularySplits(node)) return true;
+    if (!VocabularySplits(node)) return WholeOnSequenceShards(node);
     for (const torch::jit::Use& use : weight->uses()) {
       const std::string kind = KindOf(use.user);
       if (kind == "aten::embedding") continue;
-      if (kind != "aten::linear" || whole_.count(use.user) || !TiedToEmbeddings(use.user)) return true;
+      if (kind != "aten::linear" || whole_.count(use.user) || !TiedToEmbeddings(use.user)) {
+        return WholeOnSequenceShards(node);
+      }
     }
     embeddings_.push_back(node);
+    return SequenceShards(node, node->output());
+  }
+
+  // With sequence parallelism, an embedding kept whole looks up this rank's
+  // sequence shard of the model's ids ([B, T]) only: what follows runs on
+  // sequence shards from the start, and the embedding's gradient is this
+  // shard's, as every replicated parameter's is.
+  absl::StatusOr<bool> WholeOnSequenceShards(Node* node) {
+    const Value* ids = node->input(1);
+    if (!sequence_ || ids->node()->kind() != c10::prim::Param || RankOf(ids) != 2) return true;
+    sequence_embeddings_.push_back(node);
     return SequenceShards(node, node->output());
   }
 
@@ -699,12 +768,27 @@ class Planner {
   // Without parallel_vocab split logits are a conflict: the head stays whole.
   bool CrossEntropy(Node* node) {
     const Split& logits = splits_.at(node->input(0));
+    if (logits.sequence) return SequenceCrossEntropy(node, logits);
     const bool plain = vocabulary_ && RankOf(node->input(0)) == 2 && logits.dim == 1 && logits.blocks == 1 &&
                        !splits_.count(node->input(1)) && IsNone(node->input(2)) &&
                        torch::jit::toIValue(node->input(5)).value_or(c10::IValue(1.0)).toDouble() == 0.0 &&
                        IntOf(node->input(3)).has_value() && IntOf(node->input(4)).has_value();
     if (!plain) return false;
     cross_entropies_.push_back(node);
+    return true;
+  }
+
+  // cross_entropy_loss of logits whose rows are sequence shards (a whole
+  // head on sequence shards, flattened [B * T, V]): each rank's loss over its
+  // rows, summed over the group (a mean divides by every rank's count).
+  bool SequenceCrossEntropy(Node* node, const Split& logits) {
+    const std::optional<int64_t> reduction = IntOf(node->input(3));
+    const std::vector<int64_t> rows = ShapeOf(node->input(0)), targets = ShapeOf(node->input(1));
+    const bool fits = RankOf(node->input(0)) == 2 && logits.dim == 0 && !splits_.count(node->input(1)) &&
+                      targets.size() == 1 && targets[0] == rows[0] && rows[0] % (logits.blocks * tp_) == 0 &&
+                      IsNone(node->input(2)) && (reduction == 1 || reduction == 2) && IntOf(node->input(4));
+    if (!fits) return false;
+    sequence_cross_entropies_.emplace_back(node, logits.blocks);
     return true;
   }
 
@@ -933,8 +1017,11 @@ class Planner {
   std::vector<Node*> rows_;
   std::vector<OperandNarrowing> narrowings_;
   std::map<const Value*, int64_t> sequence_inputs_;  // column inputs on sequence shards -> their sequence dim
+  std::set<const Value*> replicated_sequence_inputs_;  // of those, the replicated ones (narrowed first)
   std::vector<Node*> embeddings_;       // vocabulary-parallel embeddings
+  std::vector<Node*> sequence_embeddings_;  // kept whole, looking up sequence shards of the ids
   std::vector<Node*> cross_entropies_;  // of vocabulary-split logits
+  std::vector<std::pair<Node*, int64_t>> sequence_cross_entropies_;  // of sequence-shard rows, in pieces
   std::vector<ArgumentRewrite> rewrites_;
   std::map<Node*, std::string> whole_;  // products kept whole, and why
   Node* conflict_ = nullptr;

@@ -21,6 +21,7 @@ using ::testing::Not;
 
 struct Sizes {
   int64_t vocab = 64, block = 8, embd = 32, heads = 4, kv_heads = 2, layers = 2;
+  bool computed_ids = false;  // GPT: token ids computed from the input, not the input itself
 };
 
 at::Tensor CausalScores(const at::Tensor& q, const at::Tensor& k) {
@@ -54,7 +55,7 @@ struct GptBlockImpl : torch::nn::Module {
 TORCH_MODULE(GptBlock);
 
 struct GptImpl : torch::nn::Module {
-  explicit GptImpl(const Sizes& s) {
+  explicit GptImpl(const Sizes& s) : computed_ids(s.computed_ids) {
     wte = register_module("wte", torch::nn::Embedding(s.vocab, s.embd));
     wpe = register_module("wpe", torch::nn::Embedding(s.block, s.embd));
     h = register_module("h", torch::nn::ModuleList());
@@ -62,11 +63,12 @@ struct GptImpl : torch::nn::Module {
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.embd})));
   }
   at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets) {
-    at::Tensor x = wte(idx) + wpe(at::arange(idx.size(1)));
+    at::Tensor x = wte(computed_ids ? idx.remainder(wte->weight.size(0)) : idx) + wpe(at::arange(idx.size(1)));
     for (const auto& block : *h) x = block->as<GptBlock>()->forward(x);
     at::Tensor logits = at::linear(ln_f(x), wte->weight);  // the head tied to the embedding, as in GPT-2
     return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}), targets.view({-1}));
   }
+  bool computed_ids;
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
@@ -164,7 +166,7 @@ std::map<std::string, ParameterLayout> ByName(const AutoTensorParallelPlan& plan
 // the rewritten graph's, which must equal them (gradients as slices).
 template <typename Model>
 void ExpectParity(int p, int r, const Sizes& sizes, const std::function<void(const AutoTensorParallelPlan&)>& check,
-                  bool sequence_parallel = false) {
+                  bool sequence_parallel = false, bool parallel_vocab = true) {
   auto topology = testing::JoinTopology({{"tensor", p}});
   ASSERT_TRUE(topology.ok()) << topology.status();
   torch::manual_seed(7);
@@ -179,7 +181,7 @@ void ExpectParity(int p, int r, const Sizes& sizes, const std::function<void(con
 
   std::unique_ptr<ModelGraph> whole = Traced(model, idx, targets);
   ASSERT_NE(whole, nullptr);
-  absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(*whole, {p, r, "tp", sequence_parallel});
+  absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(*whole, {p, r, "tp", sequence_parallel, parallel_vocab});
   ASSERT_TRUE(sharded.ok()) << sharded.status();
   check(sharded->plan);
   auto part = ModelGraph::Trace(sharded->parameters, {idx, targets}, sharded->forward);
@@ -280,6 +282,53 @@ TEST(AutoSequenceParallelTest, LlamaEqualsOneProcess) {
     Sizes sizes;
     sizes.kv_heads = 2;
     ExpectParity<Llama>(2, r, sizes, [](const AutoTensorParallelPlan&) {}, /*sequence_parallel=*/true);
+  });
+}
+
+// Without parallel_vocab, the embedding kept whole looks up each rank's
+// sequence shard of the ids, the whole head computes that shard's logits,
+// and the loss is the shards' summed over the group: GPT's tied head and
+// Llama's own.
+// Token ids computed in the model: the embedding runs replicated, and its
+// output enters the sequence-parallel region at the first column product as
+// this rank's shard, gathered (so its gradient is the shard's as well).
+TEST(AutoSequenceParallelTest, AReplicatedInputEntersAtTheFirstColumnProduct) {
+  testing::RunOnRanks(2, [](int r) {
+    Sizes sizes;
+    sizes.computed_ids = true;
+    ExpectParity<Gpt>(2, r, sizes, [](const AutoTensorParallelPlan& plan) {
+      EXPECT_EQ(ByName(plan)["wte.weight"].role, ParameterLayout::Role::kReplicated);
+      EXPECT_THAT(plan.Report(), Not(HasSubstr("copy_to_tp_region")));
+    }, /*sequence_parallel=*/true);
+  });
+}
+
+std::function<void(const AutoTensorParallelPlan&)> WholeVocabularyPlan(const std::string& embedding,
+                                                                        const std::string& head) {
+  return [=](const AutoTensorParallelPlan& plan) {
+    auto layouts = ByName(plan);
+    EXPECT_EQ(layouts[embedding].role, ParameterLayout::Role::kReplicated);
+    EXPECT_EQ(layouts[head].role, ParameterLayout::Role::kReplicated);
+    EXPECT_THAT(plan.Report(), HasSubstr("sums the sequence shards' cross-entropy"));
+    EXPECT_THAT(plan.Report(), Not(HasSubstr("vocab_parallel_cross_entropy")));
+    EXPECT_THAT(plan.Report(), Not(HasSubstr("copy_to_tp_region")));
+  };
+}
+
+TEST(AutoSequenceParallelTest, WholeVocabularyGptEqualsOneProcess) {
+  testing::RunOnRanks(2, [](int r) {
+    ExpectParity<Gpt>(2, r, Sizes{}, WholeVocabularyPlan("wte.weight", "wte.weight"), /*sequence_parallel=*/true,
+                      /*parallel_vocab=*/false);
+  });
+}
+
+TEST(AutoSequenceParallelTest, WholeVocabularyLlamaEqualsOneProcess) {
+  testing::RunOnRanks(2, [](int r) {
+    Sizes sizes;
+    sizes.kv_heads = 2;
+    sizes.vocab = 67;  // the vocabulary need not divide
+    ExpectParity<Llama>(2, r, sizes, WholeVocabularyPlan("embed.weight", "lm_head.weight"),
+                        /*sequence_parallel=*/true, /*parallel_vocab=*/false);
   });
 }
 

@@ -264,7 +264,11 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
 // why. With sequence parallelism the activations between the split products
 // are split along the sequence: gathered before column products,
 // reduce-scattered after row products and vocabulary-parallel embeddings,
-// replicated operands (a position embedding) narrowed to the rank's shard.
+// replicated operands (a position embedding) narrowed to the rank's shard;
+// an embedding kept whole looks up the rank's shard of the ids, a replicated
+// input enters at its first column product as the rank's shard, and the
+// cross-entropy of sequence-shard logits (a whole head) is each shard's,
+// summed over the group.
 // Each shard is the slice (ShardSpec) of the single-process parameter.
 //
 //   auto graph = ModelGraph::Trace(...);                        // the whole model
