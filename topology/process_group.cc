@@ -288,6 +288,31 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
   return ReduceLocally(received, op).movedim(0, dim).contiguous().to(input.device());
 }
 
+absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input, at::Tensor& output) const {
+  if (!input.is_contiguous() || !output.is_contiguous() || input.numel() != output.numel() * size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reduce_scatter on process group '", name_, "': IReduceScatter needs contiguous tensors and an "
+        "input of size() times the output's elements"));
+  }
+  if (local()) {
+    output.copy_(input.view(output.sizes()));
+    return PendingWork::Done();
+  }
+  // As ReduceScatter: an all-to-all of the chunks, reduced here once it arrived.
+  at::Tensor chunks = OnDevice(input).view({size(), -1});
+  at::Tensor received = at::empty_like(chunks);
+  c10d::AllToAllOptions options;
+  options.timeout = timeout_;
+  std::vector<int64_t> equal_splits;
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, Start("reduce_scatter", [&] {
+    return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
+  }));
+  pending.after_ = [output, received, chunks]() mutable {
+    output.copy_(ReduceLocally(received, ReduceOp::kSum).view(output.sizes()));
+  };
+  return pending;
+}
+
 absl::Status ProcessGroup::Barrier() const {
   c10d::BarrierOptions options;
   options.timeout = timeout_;

@@ -132,6 +132,11 @@ class ProcessGroup {
   // into size() equal chunks along `dim` and rank r gets the reduced chunk r.
   absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& input, int64_t dim = 0,
                                            ReduceOp op = ReduceOp::kSum) const;
+  // Starts a summing reduce-scatter of contiguous `input` along its first
+  // dimension: once the returned work's Wait() succeeds, contiguous `output`
+  // (size() times fewer elements) holds this rank's chunk of the sum, added
+  // the same way ReduceScatter adds it.
+  absl::StatusOr<PendingWork> IReduceScatter(const at::Tensor& input, at::Tensor& output) const;
   absl::Status Barrier() const;
 
   // Point to point, peers given as group ranks. Receives need a tensor of the

@@ -102,6 +102,14 @@ TEST_P(CollectivesTest, BroadcastAllGatherReduceScatterAndBarrier) {
     const float sum_of_factors = world * (world + 1) / 2.0f;
     EXPECT_TRUE(at::equal(*scattered, at::tensor({2.0f * rank, 2.0f * rank + 1}) * sum_of_factors))
         << *scattered;
+    // Started and finished later, into a given tensor: the same chunk.
+    at::Tensor chunk = at::zeros({2});
+    auto scattering = group.IReduceScatter(input, chunk);
+    ASSERT_TRUE(scattering.ok()) << scattering.status();
+    ASSERT_TRUE(scattering->Wait().ok());
+    EXPECT_TRUE(at::equal(chunk, *scattered)) << chunk;
+    at::Tensor wrong = at::zeros({3});
+    EXPECT_EQ(group.IReduceScatter(input, wrong).status().code(), absl::StatusCode::kInvalidArgument);
     // Along dim 1 of a [2, world] matrix: rank r gets column r of the maximum.
     at::Tensor matrix = at::arange(2 * world, at::kFloat).view({2, world}) + rank;
     auto column = group.ReduceScatter(matrix, /*dim=*/1, ReduceOp::kMax);
@@ -214,6 +222,10 @@ TEST(OneRankGroupTest, CollectivesAreLocal) {
     auto gathering = group.IAllGather(input, output);
     ASSERT_TRUE(gathering.ok() && gathering->Wait().ok());
     EXPECT_TRUE(at::equal(output, at::arange(6, at::kFloat)));
+    at::Tensor reduced = at::zeros({6});
+    auto scattering = group.IReduceScatter(output, reduced);
+    ASSERT_TRUE(scattering.ok() && scattering->Wait().ok());
+    EXPECT_TRUE(at::equal(reduced, output));
 
     auto scattered = group.ReduceScatter(input, /*dim=*/1, ReduceOp::kAvg);
     ASSERT_TRUE(scattered.ok());

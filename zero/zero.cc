@@ -55,6 +55,10 @@ struct ZeroOptimizer::Bucket {
   int holders = 0;
   std::optional<PendingWork> prefetch;  // an all-gather into `incoming` under way
   at::Tensor incoming;
+  // Stage 2 and 3: a reduce-scatter into `reduced` under way (issued from the
+  // gradient hook, so backward goes on while the gradients travel).
+  std::optional<PendingWork> reducing;
+  at::Tensor reduced;
 };
 
 int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer, int64_t parameter_bytes) {
@@ -406,17 +410,28 @@ void ZeroOptimizer::PrepareForBackward(bool last_micro_batch) { last_micro_batch
 void ZeroOptimizer::OnGradientReady(int index) {
   Bucket& bucket = buckets_[index];
   if (--bucket.pending > 0) return;
-  absl::Status status = ReduceScatter(bucket, bucket.full_grad);
+  absl::Status status = StartReduceScatter(bucket, bucket.full_grad);
   if (!status.ok() && first_error_.ok()) first_error_ = status;
   bucket.full_grad = at::Tensor();
   bucket.pending = static_cast<int>(bucket.params.size());
 }
 
-absl::Status ZeroOptimizer::ReduceScatter(Bucket& bucket, const at::Tensor& full) {
+absl::Status ZeroOptimizer::StartReduceScatter(Bucket& bucket, const at::Tensor& full) {
+  TRIDENT_RETURN_IF_ERROR(FinishReduceScatter(bucket));  // the last micro-batch's, if still travelling
   const double f = options_.gradient_predivide_factor;
-  TRIDENT_ASSIGN_OR_RETURN(at::Tensor mine, group_->ReduceScatter(f == 1.0 ? full : full / f, 0));
-  bucket.chunk_grad.add_(mine);
+  bucket.reduced = at::empty_like(bucket.chunk_grad);
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork started, group_->IReduceScatter(f == 1.0 ? full : full / f, bucket.reduced));
+  bucket.reducing = std::move(started);
   return absl::OkStatus();
+}
+
+absl::Status ZeroOptimizer::FinishReduceScatter(Bucket& bucket) {
+  if (!bucket.reducing) return absl::OkStatus();
+  absl::Status waited = bucket.reducing->Wait();
+  bucket.reducing.reset();
+  if (waited.ok()) bucket.chunk_grad.add_(bucket.reduced);
+  bucket.reduced = at::Tensor();
+  return waited;
 }
 
 absl::Status ZeroOptimizer::FinishBackward() {
@@ -431,6 +446,10 @@ absl::Status ZeroOptimizer::FinishBackward() {
     bucket.incoming = at::Tensor();
     if (!waited.ok() && first_error_.ok()) first_error_ = waited;
   }
+  for (Bucket& bucket : buckets_) {
+    absl::Status reduced = FinishReduceScatter(bucket);
+    if (!reduced.ok() && first_error_.ok()) first_error_ = reduced;
+  }
   absl::Status status = first_error_;
   first_error_ = absl::OkStatus();
   TRIDENT_RETURN_IF_ERROR(status);
@@ -438,7 +457,10 @@ absl::Status ZeroOptimizer::FinishBackward() {
     // A stage-2 bucket left partly filled (parameters without a gradient this
     // round) is reduced here; every rank has the same ones.
     const bool partial = !bucket.keep_full && bucket.full_grad.defined();
-    if (bucket.keep_full || partial) TRIDENT_RETURN_IF_ERROR(ReduceScatter(bucket, bucket.full_grad));
+    if (bucket.keep_full || partial) {
+      TRIDENT_RETURN_IF_ERROR(StartReduceScatter(bucket, bucket.full_grad));
+      TRIDENT_RETURN_IF_ERROR(FinishReduceScatter(bucket));
+    }
     if (partial) {
       bucket.full_grad = at::Tensor();
       bucket.pending = static_cast<int>(bucket.params.size());

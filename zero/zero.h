@@ -225,7 +225,11 @@ class ZeroOptimizer : private LayerObserver {
   struct Bucket;
   ZeroOptimizer() = default;
   void OnGradientReady(int bucket);
-  absl::Status ReduceScatter(Bucket& bucket, const at::Tensor& full);
+  // Starts reducing `full` (a bucket's whole gradient) into the bucket's
+  // chunk, after finishing the reduction still under way; FinishReduceScatter
+  // waits for it and adds it to chunk_grad.
+  absl::Status StartReduceScatter(Bucket& bucket, const at::Tensor& full);
+  absl::Status FinishReduceScatter(Bucket& bucket);
   // Stage 3: reference-counted gathering and releasing of a bucket.
   absl::Status Gather(Bucket& bucket);
   void Release(Bucket& bucket);
