@@ -22,6 +22,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "topology/topology.h"
@@ -85,18 +86,21 @@ absl::Status RunRank(TrainerConfig config) {
                 static_cast<long long>(config.global_batch_size()),
                 static_cast<long long>(config.grad_accumulation_steps()));
   }
-  // This rank's share of the cores goes to the BLAS pool (OPENBLAS_NUM_THREADS,
-  // set by the launcher; set here at run time under mpirun or srun) and ATen's
-  // intra-op threads default to 1: measured fastest on CPU (see config.proto).
+  // This rank's share of the cores goes to the pool that runs its matrix
+  // products (see config.proto's intra_op_threads): fp32 products run on the
+  // BLAS pool (OPENBLAS_NUM_THREADS, set by the launcher; set here at run time
+  // under mpirun or srun) with one intra-op thread; bf16 products on CPU run
+  // in oneDNN on ATen's intra-op threads, with a BLAS pool of one.
   const int share = static_cast<int>(
       std::max(1u, std::thread::hardware_concurrency() / std::max(1, env.local_world_size)));
+  const bool onednn_products = config.device() != "cuda" && absl::StrContains(config.precision(), "bf16");
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
     using SetThreads = void (*)(int);
     if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-      set(share);
+      set(onednn_products ? 1 : share);
     }
   }
-  at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : 1);
+  at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : onednn_products ? share : 1);
   TuneAllocatorForTraining();
   TopologyOptions options;
   options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};

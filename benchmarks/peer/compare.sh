@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trident's `train` against PyTorch eager Python on the same GPT (n_layer 4,
 # n_head 4, n_embd 256, block 128, vocab 256), data and steps, global batch 16,
-# one rank; the Python side at its best of 1 and 2 threads. Then data-parallel
+# one rank; the Python side at its best of 1 and 2 threads; the same in bf16
+# (the peer under torch.autocast). Then data-parallel
 # scaling: dp=2 with one thread per rank against one rank with one thread.
 #
 #   bazel build -c opt //benchmarks:peer_compare && bazel-bin/benchmarks/peer_compare [STEPS]
@@ -40,6 +41,18 @@ echo "peer comparison ($steps steps, gpt n_layer 4 n_embd 256 block 128, batch 1
 echo "  trident train (its default: BLAS pool of 2, 1 intra-op thread): $cpp tokens/s"
 echo "  pytorch eager python:      $py1 tokens/s (1 thread), $py2 tokens/s (2 threads)"
 echo "  ratio trident / best python: $("$python" -c "print(f'{$cpp / $best:.2f}x')")"
+
+# bf16 compute: Trident's bf16 (autocast-style, fp32 master weights) against
+# PyTorch eager under torch.autocast("cpu", torch.bfloat16), each at its best
+# thread setting (Trident's default gives bf16 products the intra-op pool).
+cpp16=$(cpp_rate cpp16 "" --dp=1 --micro_batch_size=16 --precision=bf16)
+py16_1=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --threads=1 --steps="$steps" --precision=bf16 | cut -d' ' -f2)
+py16_2=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --threads=2 --steps="$steps" --precision=bf16 | cut -d' ' -f2)
+best16=$("$python" -c "print(max($py16_1, $py16_2))")
+echo "bf16 compute:"
+echo "  trident train --precision=bf16 (its default: intra-op threads on every core, BLAS pool of 1): $cpp16 tokens/s"
+echo "  pytorch eager python, autocast bf16: $py16_1 tokens/s (1 thread), $py16_2 tokens/s (2 threads)"
+echo "  ratio trident / best python: $("$python" -c "print(f'{$cpp16 / $best16:.2f}x')")"
 
 one=$(cpp_rate dp1 1 --dp=1 --micro_batch_size=16)
 two=$(cpp_rate dp2 1 --dp=2 --micro_batch_size=8)

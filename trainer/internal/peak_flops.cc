@@ -36,10 +36,11 @@ std::string CpuModel() {
   return "unknown";
 }
 
-std::string CachePath() {
+std::string CachePath(at::ScalarType dtype) {
   const char* home = std::getenv("HOME");
   const size_t key = std::hash<std::string>()(CpuModel());
-  return absl::StrCat(home != nullptr ? home : "/tmp", "/.cache/trident/peak_flops_cpu_", key);
+  return absl::StrCat(home != nullptr ? home : "/tmp", "/.cache/trident/peak_flops_cpu_", key,
+                      dtype == at::kFloat ? "" : absl::StrCat("_", c10::toString(dtype)));
 }
 
 // OpenBLAS's pool size, through its C API when this process has it.
@@ -76,9 +77,10 @@ std::string GpuName(int index) {
 
 }  // namespace
 
-double MeasureCorePeakFlops() {
+double MeasureCorePeakFlops(at::ScalarType dtype) {
+  const std::string cache = CachePath(dtype);
   {
-    std::ifstream cached(CachePath());
+    std::ifstream cached(cache);
     double flops = 0;
     if (cached >> flops && flops > 0) return flops;
   }
@@ -88,7 +90,8 @@ double MeasureCorePeakFlops() {
   at::set_num_threads(1);
   const int64_t n = 1024;
   // Constant inputs: drawing random ones would advance the training RNG.
-  auto a = at::full({n, n}, 0.5), b = at::full({n, n}, 0.25), c = at::empty({n, n});
+  const auto options = at::TensorOptions().dtype(dtype);
+  auto a = at::full({n, n}, 0.5, options), b = at::full({n, n}, 0.25, options), c = at::empty({n, n}, options);
   at::mm_out(c, a, b);  // warm up
   int64_t products = 0;
   const auto start = Clock::now();
@@ -102,10 +105,10 @@ double MeasureCorePeakFlops() {
   BlasThreads(blas);
   const double flops = 2.0 * n * n * n * products / seconds;
   std::error_code error;
-  fs::create_directories(fs::path(CachePath()).parent_path(), error);
-  const std::string temporary = absl::StrCat(CachePath(), ".", getpid());
+  fs::create_directories(fs::path(cache).parent_path(), error);
+  const std::string temporary = absl::StrCat(cache, ".", getpid());
   std::ofstream(temporary) << flops;
-  fs::rename(temporary, CachePath(), error);
+  fs::rename(temporary, cache, error);
   return flops;
 }
 
@@ -122,11 +125,14 @@ absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string&
     }
     return 0.0;
   }
-  // One rank per node measures (and caches) while the others wait.
+  // One rank per node measures (and caches) while the others wait; bf16
+  // compute is measured against bf16 products (oneDNN's, about twice as fast
+  // with AVX-512 BF16).
+  const at::ScalarType dtype = absl::StrContains(precision, "bf16") ? at::kBFloat16 : at::kFloat;
   double per_core = 0;
-  if (env.local_rank == 0) per_core = MeasureCorePeakFlops();
+  if (env.local_rank == 0) per_core = MeasureCorePeakFlops(dtype);
   TRIDENT_RETURN_IF_ERROR(topology.world().Barrier());
-  if (env.local_rank != 0) per_core = MeasureCorePeakFlops();  // read from the cache
+  if (env.local_rank != 0) per_core = MeasureCorePeakFlops(dtype);  // read from the cache
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int share = std::max(1, cores / local);  // each rank's BLAS pool
   return per_core * std::min(cores, local * share) * nodes;
