@@ -1,6 +1,7 @@
 #include "graph/model_graph.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -228,6 +229,30 @@ const torch::jit::Node* FindValueRead(const torch::jit::Block* block,
   return nullptr;
 }
 
+// A trace records the devices its tensors were made on as constants (Python's
+// torch.arange(T, device=idx.device) traced on the CPU makes its positions on
+// the CPU ever after): every CPU device constant of every method of `module`
+// and its submodules becomes `device`.
+void MoveDeviceConstants(torch::jit::Module& module, const at::Device& device) {
+  std::set<const torch::jit::Graph*> done;
+  std::function<void(torch::jit::Block*)> rewrite = [&](torch::jit::Block* block) {
+    for (torch::jit::Node* node : block->nodes()) {
+      for (torch::jit::Block* inner : node->blocks()) rewrite(inner);
+      if (node->kind() != c10::prim::Constant || node->output()->type()->kind() != c10::TypeKind::DeviceObjType) continue;
+      if (!torch::jit::toIValue(node->output())->toDevice().is_cpu()) continue;
+      torch::jit::WithInsertPoint here(node);
+      node->output()->replaceAllUsesWith(node->owningGraph()->insertConstant(device));
+    }
+    torch::jit::EliminateDeadCode(block);
+  };
+  for (const torch::jit::Module& owner : module.modules()) {
+    for (const torch::jit::Method& method : owner.get_methods()) {
+      std::shared_ptr<torch::jit::Graph> graph = method.graph();
+      if (done.insert(graph.get()).second) rewrite(graph->block());
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& path) {
@@ -285,7 +310,10 @@ absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& pat
     }
     return outputs;
   };
-  loaded.to = [module](const at::Device& device) { module->to(device); };
+  loaded.to = [module](const at::Device& device) {
+    module->to(device);
+    if (!device.is_cpu()) MoveDeviceConstants(*module, device);
+  };
   loaded.module = module;
   return loaded;
 }

@@ -1,7 +1,7 @@
 // ParallelModel on CUDA (needs a GPU; tagged gpu): parameters, batches and
 // optimizer state on the rank's GPU, NCCL collectives (with CPU scalars staged
 // through the GPU), and the losses of the same steps on CPU; bf16 and fp16
-// autocast on the CUDA device type.
+// autocast on the CUDA device type; the zoo's cached decoding on CUDA.
 #include <cstdlib>
 #include <fstream>
 
@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "models/models.h"
 #include "parallel/parallel.h"
 #include "testing/multiprocess.h"
 
@@ -78,6 +79,33 @@ TEST(ParallelModelGpuTest, CudaStepsMatchCpu) {
     const std::vector<double> mixed = Train("cuda", half);
     ASSERT_EQ(mixed.size(), 5u) << half;
     EXPECT_NEAR(mixed.back(), cpu.back(), 0.05 * std::abs(cpu.back())) << half;
+  }
+}
+
+// Decoding with the key/value cache on CUDA (fp32, attention through SDPA): a
+// prompt, then one token at a time, gives the whole sequence's logits to
+// rounding. The one-token products round differently from the whole
+// sequence's, so text sampled both ways may part where two logits nearly tie;
+// the logits are what must agree.
+TEST(ModelsGpuTest, CachedDecodingComputesTheWholeSequencesLogits) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "run gpu-tagged tests on a machine with a GPU";
+  for (const char* name : {"gpt", "llama"}) {
+    SCOPED_TRACE(name);
+    ModelConfig c = *PresetModelConfig(name, std::string(name) + "-tiny");
+    c.n_layer = 2;
+    auto model = *CreateModel(c, 1);
+    model->to(torch::kCUDA);
+    model->eval();
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(0);
+    auto tokens = torch::randint(c.vocab_size, {1, 64}, torch::kLong).to(torch::kCUDA);
+    const at::Tensor whole = model->Logits(tokens);
+    model->StartDecoding();
+    std::vector<at::Tensor> pieces = {model->Logits(tokens.narrow(1, 0, 8))};
+    for (int64_t t = 8; t < 64; ++t) pieces.push_back(model->Logits(tokens.narrow(1, t, 1)));
+    model->StopDecoding();
+    const double scale = 1 + whole.abs().max().item<double>();
+    EXPECT_LE((torch::cat(pieces, 1) - whole).abs().max().item<double>(), 1e-4 * scale);
   }
 }
 
