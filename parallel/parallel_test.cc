@@ -286,6 +286,53 @@ TEST(ParallelModelTest, FullRecomputationHoldsOneLayerAtATime) {
   });
 }
 
+// After the first step (which allocates gradients and AdamW's state), a
+// training step leaves exactly the tensor bytes it found, peaks at the same
+// bytes and makes the same allocations as every other: nothing grows from
+// step to step.
+TEST(ParallelModelTest, StepsAfterTheFirstAllocateNothingNew) {
+  testing::RunOnRanks(1, [](int) {
+    MemoryCounter& counter = MemoryCounter::Install();
+    auto topology = testing::JoinTopology({{"data", 1}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    torch::manual_seed(7);
+    const Batch batch = {torch::randn({128, 64}), torch::randn({128, 64})};
+    ParallelPlan plan;
+    plan.micro_batch_size = 64;
+    plan.num_micro_batches = 2;
+    plan.trace_method = "layers";
+    ModelSource source = ModelSource::FromModule(std::make_shared<WideLayers>(), nullptr);
+    source.loss = *LossRegistry().Find("mse");
+    const std::vector<Batch> micro_batches = {{batch[0].narrow(0, 0, 64), batch[1].narrow(0, 0, 64)},
+                                              {batch[0].narrow(0, 64, 64), batch[1].narrow(0, 64, 64)}};
+    auto model = Parallelize(source, plan, topology->get(), micro_batches[0],
+                             *MakeOptimizerFactory("adamw", ComponentArgs()));
+    ASSERT_TRUE(model.ok()) << model.status();
+    struct StepMemory {
+      int64_t live_after, peak, allocations;
+    };
+    std::vector<StepMemory> steps;
+    for (int step = 0; step < 5; ++step) {
+      const int64_t before = counter.live_bytes(), allocations = counter.allocations();
+      counter.ResetPeak();
+      (*model)->ZeroGrad();
+      ASSERT_TRUE((*model)->ForwardBackward(micro_batches).ok());
+      ASSERT_TRUE((*model)->ClipGradNorm(1.0).ok());
+      ASSERT_TRUE((*model)->Step(1e-3).ok());
+      steps.push_back({counter.live_bytes(), counter.peak_bytes() - before, counter.allocations() - allocations});
+    }
+    for (int step = 2; step < 5; ++step) {
+      EXPECT_EQ(steps[step].live_after, steps[1].live_after) << "step " << step;
+      EXPECT_EQ(steps[step].peak, steps[1].peak) << "step " << step;
+      EXPECT_EQ(steps[step].allocations, steps[1].allocations) << "step " << step;
+    }
+    EXPECT_EQ(steps[1].live_after, steps[0].live_after) << "the first step's gradients and state stay, nothing more";
+    std::printf("a step: %lld allocations, peak %lld bytes above its start\n",
+                static_cast<long long>(steps[1].allocations), static_cast<long long>(steps[1].peak));
+    MemoryCounter::Uninstall();
+  });
+}
+
 // Problems found while setting up on one stage reach every rank as errors
 // before any step, and problems of the plan and source come first.
 TEST(ParallelModelTest, SetupErrorsReachEveryRank) {
