@@ -1,8 +1,8 @@
 #include "graph/graph_layers.h"
 
 #include <algorithm>
-#include <map>
 #include <functional>
+#include <map>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -124,14 +124,14 @@ absl::StatusOr<std::unique_ptr<GraphLayers>> GraphLayers::Create(std::shared_ptr
     std::set<int> fields;
     for (; next < pieces.size() && piece_cuts[next] < boundaries[i + 1]; ++next) {
       const int64_t first = piece_cuts[next];
-      const bool again = std::any_of(widened.begin(), widened.end(), [&](const NodeSpan& span) {
+      const bool recomputing = std::any_of(widened.begin(), widened.end(), [&](const NodeSpan& span) {
         return span.first <= first && first < span.end;
       });
       for (const std::string& name : pieces[next]->parameter_names()) {
         if (named.insert(name).second) parameters.emplace_back(name, by_name.at(name));
       }
       fields.insert(pieces[next]->model_inputs().begin(), pieces[next]->model_inputs().end());
-      shard.push_back({std::move(pieces[next]), again});
+      shard.push_back({std::move(pieces[next]), recomputing});
     }
     layers->pieces_.push_back(std::move(shard));
     layers->parameters_.push_back(std::move(parameters));

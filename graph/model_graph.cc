@@ -238,8 +238,9 @@ void MoveDeviceConstants(torch::jit::Module& module, const at::Device& device) {
   std::function<void(torch::jit::Block*)> rewrite = [&](torch::jit::Block* block) {
     for (torch::jit::Node* node : block->nodes()) {
       for (torch::jit::Block* inner : node->blocks()) rewrite(inner);
-      if (node->kind() != c10::prim::Constant || node->output()->type()->kind() != c10::TypeKind::DeviceObjType) continue;
-      if (!torch::jit::toIValue(node->output())->toDevice().is_cpu()) continue;
+      const bool device_constant = node->kind() == c10::prim::Constant &&
+                                   node->output()->type()->kind() == c10::TypeKind::DeviceObjType;
+      if (!device_constant || !torch::jit::toIValue(node->output())->toDevice().is_cpu()) continue;
       torch::jit::WithInsertPoint here(node);
       node->output()->replaceAllUsesWith(node->owningGraph()->insertConstant(device));
     }

@@ -311,7 +311,8 @@ class Planner {
       torch::jit::WithInsertPoint after(node->next());
       Value* loss = node->output();
       if (mean) {
-        Value* counted = graph_->insert(c10::aten::type_as, {graph_->insert(c10::aten::ne, {targets, *IntOf(node->input(4))}), loss});
+        Value* kept = graph_->insert(c10::aten::ne, {targets, *IntOf(node->input(4))});  // not ignore_index
+        Value* counted = graph_->insert(c10::aten::type_as, {kept, loss});
         loss = graph_->insert(c10::aten::div, {loss, graph_->insert(c10::aten::sum, {counted})});
       }
       loss = graph_->insert(reduce, {loss, group_name});

@@ -181,7 +181,8 @@ void ExpectParity(int p, int r, const Sizes& sizes, const std::function<void(con
 
   std::unique_ptr<ModelGraph> whole = Traced(model, idx, targets);
   ASSERT_NE(whole, nullptr);
-  absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(*whole, {p, r, "tp", sequence_parallel, parallel_vocab});
+  absl::StatusOr<TensorParallelGraph> sharded =
+      AutoTensorParallel(*whole, {p, r, "tp", sequence_parallel, parallel_vocab});
   ASSERT_TRUE(sharded.ok()) << sharded.status();
   check(sharded->plan);
   auto part = ModelGraph::Trace(sharded->parameters, {idx, targets}, sharded->forward);
