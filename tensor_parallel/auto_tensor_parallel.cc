@@ -294,6 +294,12 @@ class Planner {
       const int64_t length = ShapeOf(ids)[1] / tp_;
       node->replaceInput(1, graph_->insert(c10::aten::narrow, {ids, 1, rank * length, length}));
     }
+    // 1 where cross_entropy_loss `node`'s whole targets are not its
+    // ignore_index (ignored targets count for nothing), in `like`'s dtype.
+    auto counted_targets = [&](Node* node, Value* targets, Value* like) {
+      Value* kept = graph_->insert(c10::aten::ne, {targets, *IntOf(node->input(4))});
+      return graph_->insert(c10::aten::type_as, {kept, like});
+    };
     for (const auto& [node, blocks] : sequence_cross_entropies_) {
       // This rank's rows: the targets' sequence shard in each of `blocks`
       // pieces; their summed loss over every rank's count, summed over the group.
@@ -311,8 +317,7 @@ class Planner {
       torch::jit::WithInsertPoint after(node->next());
       Value* loss = node->output();
       if (mean) {
-        Value* kept = graph_->insert(c10::aten::ne, {targets, *IntOf(node->input(4))});  // not ignore_index
-        Value* counted = graph_->insert(c10::aten::type_as, {kept, loss});
+        Value* counted = counted_targets(node, targets, loss);
         loss = graph_->insert(c10::aten::div, {loss, graph_->insert(c10::aten::sum, {counted})});
       }
       loss = graph_->insert(reduce, {loss, group_name});
@@ -327,9 +332,7 @@ class Planner {
       Value* targets = node->input(1);
       Value* per_token = graph_->insert(c10::Symbol::fromQualString("trident::vocab_parallel_cross_entropy"),
                                         {logits, targets, group_name});
-      // Ignored targets count for nothing, as in cross_entropy.
-      Value* counted = graph_->insert(
-          c10::aten::type_as, {graph_->insert(c10::aten::ne, {targets, *IntOf(node->input(4))}), per_token});
+      Value* counted = counted_targets(node, targets, per_token);
       Value* losses = graph_->insert(c10::aten::mul, {per_token, counted});
       const int64_t reduction = *IntOf(node->input(3));  // 0 none, 1 mean, 2 sum
       Value* loss = losses;
