@@ -1,5 +1,7 @@
 #include "base/recompute.h"
 
+#include <algorithm>
+
 #include <ATen/core/ivalue.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -13,6 +15,8 @@ namespace {
 
 struct RecomputedForward : torch::CustomClassHolder {
   std::function<Values(const Values&)> forward;
+  size_t num_inputs = 0;   // the forward's inputs: the first of the Function's
+  size_t num_anchors = 0;  // after them: tensors that only make the outputs need gradients
   at::Tensor rng;  // the CPU generator's state when the forward ran
   // Autocast as the forward saw it: backward may run in another thread.
   AutocastState cpu_autocast, cuda_autocast;
@@ -26,8 +30,9 @@ class RecomputeFunction : public torch::autograd::Function<RecomputeFunction> {
     recomputed->rng = CpuRngState();
     recomputed->cpu_autocast = GetAutocastState(c10::DeviceType::CPU);
     recomputed->cuda_autocast = GetAutocastState(c10::DeviceType::CUDA);
-    ctx->save_for_backward(inputs.vec());
-    Values outputs = recomputed->forward(inputs.vec());  // gradients are off in here
+    const Values forward_inputs(inputs.begin(), inputs.begin() + recomputed->num_inputs);
+    ctx->save_for_backward(forward_inputs);
+    Values outputs = recomputed->forward(forward_inputs);  // gradients are off in here
     ctx->saved_data["forward"] = c10::IValue::make_capsule(std::move(recomputed));
     return outputs;
   }
@@ -63,17 +68,28 @@ class RecomputeFunction : public torch::autograd::Function<RecomputeFunction> {
     for (const at::Tensor& input : inputs) {
       input_grads.push_back(input.defined() && input.requires_grad() ? input.grad() : at::Tensor());
     }
+    input_grads.resize(input_grads.size() + recomputed->num_anchors);
     return input_grads;
   }
 };
 
 }  // namespace
 
-Values RecomputeInBackward(const std::function<Values(const Values&)>& forward, const Values& inputs) {
+Values RecomputeInBackward(const std::function<Values(const Values&)>& forward, const Values& inputs,
+                           const Values& parameters) {
   if (!c10::GradMode::is_enabled()) return forward(inputs);
   auto recomputed = c10::make_intrusive<RecomputedForward>();
   recomputed->forward = forward;
-  return RecomputeFunction::apply(recomputed, at::TensorList(inputs));
+  recomputed->num_inputs = inputs.size();
+  auto needs_gradient = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+  Values anchored = inputs;
+  if (std::none_of(inputs.begin(), inputs.end(), needs_gradient) &&
+      std::any_of(parameters.begin(), parameters.end(), needs_gradient)) {
+    // The Function's outputs need gradients only where one of its inputs does.
+    anchored.push_back(at::empty({0}, parameters.front().options()).requires_grad_(true));
+    recomputed->num_anchors = 1;
+  }
+  return RecomputeFunction::apply(recomputed, at::TensorList(anchored));
 }
 
 }  // namespace trident

@@ -18,7 +18,11 @@ namespace trident {
 // they would without recomputation, and the inputs get theirs. Without
 // gradients (no_grad, evaluation) it just runs `forward`. The rerun sees the
 // autocast state the forward saw (backward may run in another thread).
-Values RecomputeInBackward(const std::function<Values(const Values&)>& forward, const Values& inputs);
+// `parameters` are the tensors `forward` reads besides its inputs: where none
+// of the inputs needs a gradient (an embedding's token ids) but one of them
+// does, the outputs still need gradients, so backward reruns the forward.
+Values RecomputeInBackward(const std::function<Values(const Values&)>& forward, const Values& inputs,
+                           const Values& parameters = {});
 
 // A module whose forward can recompute itself in backward (the zoo's
 // attention and MLP blocks); ParallelPlan::checkpoint_modules turns it on.

@@ -30,6 +30,22 @@ TEST(RecomputeTest, GradientsEqualThePlainComputation) {
   EXPECT_TRUE(torch::equal(x_re, x_plain));
 }
 
+// A recomputed embedding: no input needs a gradient (token ids), its weight
+// does, and gets the plain computation's.
+TEST(RecomputeTest, ParametersGetGradientsWhereNoInputNeedsOne) {
+  torch::manual_seed(3);
+  const at::Tensor table = torch::randn({10, 4}), ids = torch::randint(10, {3, 5});
+  auto grad_of_table = [&](bool recompute) {
+    at::Tensor w = table.clone().requires_grad_(true);
+    auto f = [&](const Values& in) { return Values{at::embedding(w, in[0])}; };
+    (recompute ? RecomputeInBackward(f, {ids}, {w})[0] : f({ids})[0]).pow(2).sum().backward();
+    return w.grad();
+  };
+  const at::Tensor plain = grad_of_table(false), recomputed = grad_of_table(true);
+  ASSERT_TRUE(recomputed.defined());
+  EXPECT_TRUE(torch::equal(recomputed, plain));
+}
+
 // The rerun sees the forward's autocast (bf16 here) even where backward runs
 // in a thread without it, as the autograd engine's CUDA threads are.
 TEST(RecomputeTest, TheRerunUsesTheForwardsAutocast) {

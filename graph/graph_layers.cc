@@ -127,11 +127,13 @@ absl::StatusOr<std::unique_ptr<GraphLayers>> GraphLayers::Create(std::shared_ptr
       const bool recomputing = std::any_of(widened.begin(), widened.end(), [&](const NodeSpan& span) {
         return span.first <= first && first < span.end;
       });
+      Values read;
       for (const std::string& name : pieces[next]->parameter_names()) {
-        if (named.insert(name).second) parameters.emplace_back(name, by_name.at(name));
+        read.push_back(by_name.at(name));
+        if (named.insert(name).second) parameters.emplace_back(name, read.back());
       }
       fields.insert(pieces[next]->model_inputs().begin(), pieces[next]->model_inputs().end());
-      shard.push_back({std::move(pieces[next]), recomputing});
+      shard.push_back({std::move(pieces[next]), recomputing, std::move(read)});
     }
     layers->pieces_.push_back(std::move(shard));
     layers->parameters_.push_back(std::move(parameters));
@@ -176,7 +178,7 @@ Values GraphLayers::ForwardLayer(int64_t i, const Values& inputs, const Batch& b
       if (!sent.ok()) throw std::runtime_error(std::string(sent.status().message()));
       return *std::move(sent);
     };
-    const Values sent = piece.recomputed ? RecomputeInBackward(run, received) : run(received);
+    const Values sent = piece.recomputed ? RecomputeInBackward(run, received, piece.parameters) : run(received);
     for (size_t k = 0; k < graph.sent().size(); ++k) values[graph.sent()[k]] = sent[k];
   }
   Values outputs;

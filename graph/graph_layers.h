@@ -86,6 +86,7 @@ class GraphLayers : public LayerSequence {
   struct Piece {
     std::unique_ptr<StageGraph> graph;
     bool recomputed = false;
+    Values parameters;  // what the piece reads (recomputed pieces: see RecomputeInBackward)
   };
   std::vector<std::vector<Piece>> pieces_;
   // Value ids crossing each boundary (entering shard i: crossing_[i]); the

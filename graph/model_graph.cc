@@ -106,6 +106,7 @@ class ModelGraph::Impl {
   std::unique_ptr<torch::jit::Code> code;
   std::shared_ptr<void> keep_alive;  // a loaded TorchScript module that owns the parameters
   std::map<std::string, std::string> aliases;
+  std::vector<std::string> alias_order;  // aliases' keys in the order Trace was given them
 
   // Index of the op that makes `value`; -1 for graph inputs and cloneable values.
   int64_t Producer(const torch::jit::Value* value) const {
@@ -340,6 +341,7 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
     auto [it, first] = names.emplace(tensor.unsafeGetTensorImpl(), name);
     if (!first) {  // tied: one graph input under the first name
       impl->aliases[name] = it->second;
+      impl->alias_order.push_back(name);
       continue;
     }
     impl->parameters.push_back(tensor);
@@ -680,6 +682,47 @@ ModelGraph::Forward ModelGraph::GraphForward(std::shared_ptr<torch::jit::Graph> 
     RunCode(*code, stack);
     return Unpack(stack);
   };
+}
+
+absl::StatusOr<ModelGraph::Untied> ModelGraph::Untie() const {
+  Untied result;
+  std::shared_ptr<torch::jit::Graph> graph = impl_->graph->copy();
+  const std::vector<at::Tensor>& tensors = impl_->parameters;
+  for (size_t i = 0; i < tensors.size(); ++i) result.parameters.emplace_back(impl_->parameter_names[i], tensors[i]);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string& owner = impl_->parameter_names[i];
+    std::vector<std::string> names = {owner};
+    for (const std::string& alias : impl_->alias_order) {
+      if (impl_->aliases.at(alias) == owner) names.push_back(alias);
+    }
+    if (names.size() == 1) continue;
+    torch::jit::Value* tied = graph->inputs()[impl_->num_inputs + i];
+    std::vector<torch::jit::Node*> readers;
+    for (const torch::jit::Use& use : tied->uses()) {
+      if (std::find(readers.begin(), readers.end(), use.user) == readers.end()) readers.push_back(use.user);
+    }
+    std::sort(readers.begin(), readers.end(), [](torch::jit::Node* a, torch::jit::Node* b) { return a->isBefore(b); });
+    if (readers.size() != names.size()) {
+      std::vector<std::string> kinds;
+      for (const torch::jit::Node* reader : readers) kinds.push_back(reader->kind().toQualString());
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no_tie_modules: the tied parameter ", absl::StrJoin(names, " = "), " has ", names.size(),
+          " names but ", readers.size(), " operator(s) read it in the traced graph (", absl::StrJoin(kinds, ", "),
+          "), so which name each reads is unknown; untie it in the model itself"));
+    }
+    for (size_t k = 1; k < names.size(); ++k) {
+      torch::jit::Value* own = graph->addInput();
+      own->setType(tied->type());
+      readers[k]->replaceInputWith(tied, own);
+      result.parameters.emplace_back(names[k],
+                                     tensors[i].detach().clone().set_requires_grad(tensors[i].requires_grad()));
+      result.untied.push_back(absl::StrCat(names[k], " (was ", owner, ")"));
+    }
+  }
+  std::vector<at::Tensor> inputs;
+  for (const auto& [name, tensor] : result.parameters) inputs.push_back(tensor);
+  result.forward = GraphForward(std::move(graph), std::move(inputs));
+  return result;
 }
 
 void ModelGraph::CanonicalizeLinearProducts(torch::jit::Graph& graph, size_t first_parameter) {

@@ -186,6 +186,20 @@ class ModelGraph {
   // layer for the passes that rewrite layers.
   static void CanonicalizeLinearProducts(torch::jit::Graph& graph, size_t first_parameter);
 
+  // The graph with its tied parameters untied (Merak's no_tie_modules): each
+  // second name of a tied tensor (aliases()) becomes a parameter of its own,
+  // starting as a copy of the tied tensor. The operators that read a tied
+  // input are given its names in turn: the k-th reader in graph order reads
+  // the k-th name in the order Trace was given them (module order: GPT's
+  // embedding, transformer.wte, before its head, lm_head). Fails, naming the
+  // readers, where a tied tensor has not one reading operator per name.
+  struct Untied {
+    std::vector<std::pair<std::string, at::Tensor>> parameters;  // trace `forward` with these
+    Forward forward;
+    std::vector<std::string> untied;  // "lm_head.weight (was transformer.wte.weight)", one per alias
+  };
+  absl::StatusOr<Untied> Untie() const;
+
  private:
   class Impl;
   explicit ModelGraph(std::unique_ptr<Impl> impl);

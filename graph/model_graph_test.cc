@@ -118,6 +118,52 @@ TEST(ModelGraphTest, DataDependentControlFlowIsAClearError) {
   EXPECT_THAT(std::string(graph.status().message()), HasSubstr("Declare the model as a LayerSequence"));
 }
 
+// no_tie_modules: the reads of a tied tensor go, in graph order, to its names
+// in the order Trace was given them, each name a tensor of its own.
+TEST(ModelGraphTest, UntieGivesEachNameOfATiedTensorItsOwnReader) {
+  torch::manual_seed(0);
+  const at::Tensor w = torch::randn({4, 4}).requires_grad_(), x = torch::randn({2, 4});
+  const std::vector<std::pair<std::string, at::Tensor>> tied = {{"embed.weight", w}, {"head.weight", w}};
+  auto twice = [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{at::linear(at::tanh(at::linear(in[0], w)), w).pow(2).sum()};
+  };
+  auto graph = ModelGraph::Trace(tied, {x}, twice);
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  EXPECT_EQ((*graph)->aliases(), (std::map<std::string, std::string>{{"head.weight", "embed.weight"}}));
+  auto untied = (*graph)->Untie();
+  ASSERT_TRUE(untied.ok()) << untied.status();
+  EXPECT_EQ(untied->untied, std::vector<std::string>{"head.weight (was embed.weight)"});
+  ASSERT_EQ(untied->parameters.size(), 2u);
+  EXPECT_EQ(untied->parameters[1].first, "head.weight");
+  EXPECT_FALSE(untied->parameters[1].second.is_same(w));
+  EXPECT_TRUE(at::equal(untied->parameters[1].second, w));
+  auto retraced = ModelGraph::Trace(untied->parameters, {x}, untied->forward);
+  ASSERT_TRUE(retraced.ok()) << retraced.status();
+  EXPECT_TRUE((*retraced)->aliases().empty());
+  auto loss = (*retraced)->Run({x});
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  (*loss)[0].backward();
+  // The same computation with two tensors from the start.
+  const at::Tensor first = w.detach().clone().requires_grad_(), second = w.detach().clone().requires_grad_();
+  const at::Tensor expected = at::linear(at::tanh(at::linear(x, first)), second).pow(2).sum();
+  expected.backward();
+  EXPECT_NEAR((*loss)[0].item<double>(), expected.item<double>(), 1e-5);
+  EXPECT_TRUE(torch::allclose(untied->parameters[0].second.grad(), first.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(untied->parameters[1].second.grad(), second.grad(), 1e-5, 1e-6));
+  EXPECT_FALSE(torch::allclose(first.grad(), second.grad(), 1e-2, 1e-2)) << "the two reads have their own gradients";
+
+  // Three reads of a tensor with two names: which reads which is unknown.
+  auto thrice = [&](const std::vector<at::Tensor>& in) {
+    const at::Tensor penalty = w.sum();
+    return std::vector<at::Tensor>{at::linear(at::tanh(at::linear(in[0], w)), w).pow(2).sum() + penalty};
+  };
+  graph = ModelGraph::Trace(tied, {x}, thrice);
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  EXPECT_THAT(std::string((*graph)->Untie().status().message()),
+              HasSubstr("the tied parameter embed.weight = head.weight has 2 names but 3 operator(s) read it in the "
+                        "traced graph (aten::sum, aten::linear, aten::linear)"));
+}
+
 }  // namespace
 }  // namespace trident
 

@@ -127,6 +127,12 @@ struct ParallelPlan {
   // Merak's parallel_vocab: the vocabulary split over tp (the embedding's
   // rows, the head's outputs, the loss); false keeps embedding and head whole.
   bool parallel_vocab = true;
+  // Merak's no_tie_modules for traced models: each name of a tied parameter
+  // becomes a parameter of its own (ModelGraph::Untie), starting from the
+  // tied values. Layer sequences untie in their own build (the zoo's
+  // tie_word_embeddings), so one that still ties, or an eager module that
+  // does, is refused.
+  bool no_tie_modules = false;
   // Traced models at tp > 1: split every product the automatic pass can, also
   // where its cost model finds the communication dearer than the compute saved.
   bool tp_split_all = false;

@@ -443,6 +443,11 @@ std::string ParallelModel::Describe() const {
   if (!m.part.tensor_parallel_report.empty()) {
     absl::StrAppend(&text, "  automatic tensor parallelism:\n", m.part.tensor_parallel_report);
   }
+  if (m.plan.no_tie_modules && m.part.traced) {
+    absl::StrAppend(&text, "  no_tie_modules: ",
+                    m.part.untied.empty() ? "the model ties no parameters" : absl::StrJoin(m.part.untied, ", "),
+                    "\n");
+  }
   if (!m.plan.module_replace.empty()) absl::StrAppend(&text, "  ", m.part.replace_report.Summary(), " (this rank)\n");
   if (!m.plan.checkpoint_modules.empty()) {
     std::vector<std::string> hits;

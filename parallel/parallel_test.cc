@@ -141,6 +141,72 @@ TEST(ParallelModelTest, TracedEagerAndLayersAgree) {
   });
 }
 
+// A net whose second product reads the first's weight under its own name
+// (b.weight), as GPT's head reads its token embedding; or a copy of it.
+struct TiedNetImpl : torch::nn::Module {
+  explicit TiedNetImpl(bool tied) {
+    torch::manual_seed(3);
+    a = register_module("a", torch::nn::Linear(4, 4));
+    b = register_module("b", std::make_shared<torch::nn::Module>());
+    b_weight = b->register_parameter("weight", tied ? a->weight : a->weight.detach().clone());
+    c = register_module("c", torch::nn::Linear(4, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return c(torch::tanh(torch::nn::functional::linear(torch::tanh(a(x)), b_weight)));
+  }
+  torch::nn::Linear a{nullptr}, c{nullptr};
+  std::shared_ptr<torch::nn::Module> b;
+  torch::Tensor b_weight;
+};
+
+ModelSource TiedSource(bool tied) {
+  auto net = std::make_shared<TiedNetImpl>(tied);
+  ModelSource source = ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
+  source.loss = *LossRegistry().Find("mse");
+  return source;
+}
+
+// no_tie_modules: a traced module's tied weight becomes two tensors and trains
+// as the module with an untied copy does (eagerly); a tied module that is not
+// traced is refused.
+TEST(ParallelModelTest, NoTieModulesUntiesTracedModulesAndRefusesEagerOnes) {
+  testing::RunOnRanks(1, [](int) {
+    auto topology = testing::JoinTopology({{"data", 1}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    auto train = [&](const ModelSource& source, const std::string& trace_method, bool no_tie_modules) {
+      ParallelPlan plan;
+      plan.micro_batch_size = 2;
+      plan.trace_method = trace_method;
+      plan.no_tie_modules = no_tie_modules;
+      std::vector<double> losses;
+      auto model = Parallelize(source, plan, topology->get(), MicroBatch(0), Sgd());
+      EXPECT_TRUE(model.ok()) << model.status();
+      if (!model.ok()) return losses;
+      if (no_tie_modules) {
+        EXPECT_THAT((*model)->Describe(), HasSubstr("no_tie_modules: b.weight (was a.weight)"));
+      }
+      for (int step = 0; step < 4; ++step) {
+        (*model)->ZeroGrad();
+        auto loss = (*model)->ForwardBackward({MicroBatch(step)});
+        EXPECT_TRUE(loss.ok() && (*model)->Step(0.5).ok());
+        losses.push_back(loss.value_or(0));
+      }
+      return losses;
+    };
+    const std::vector<double> untied = train(TiedSource(/*tied=*/true), "jit", true);
+    const std::vector<double> reference = train(TiedSource(/*tied=*/false), "none", false);
+    ASSERT_EQ(untied.size(), reference.size());
+    for (size_t i = 0; i < untied.size(); ++i) EXPECT_NEAR(untied[i], reference[i], 1e-6) << "step " << i;
+    EXPECT_NE(train(TiedSource(/*tied=*/true), "jit", false).back(), untied.back()) << "tied trains otherwise";
+    ParallelPlan plan;
+    plan.micro_batch_size = 2;
+    plan.trace_method = "none";
+    plan.no_tie_modules = true;
+    EXPECT_THAT(std::string(Parallelize(TiedSource(true), plan, topology->get(), MicroBatch(0), Sgd()).status().message()),
+                HasSubstr("no_tie_modules: the model ties b.weight to a.weight and is not traced"));
+  });
+}
+
 // TinyNet with ParallelLinear layers, which take LoRA adapters.
 struct AdaptableNetImpl : torch::nn::Module {
   AdaptableNetImpl() {

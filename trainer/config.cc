@@ -349,6 +349,7 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.checkpoint_modules = CommaList(c.checkpoint_modules());
   plan.module_replace = CommaList(c.module_replace());
   plan.parallel_vocab = c.parallel_vocab();
+  plan.no_tie_modules = c.no_tie_modules();
   plan.checkpoint_num_layers = c.checkpoint_num_layers();
   plan.activation_checkpoint_ratio = c.activation_checkpoint_ratio();
   plan.zero_stage = c.zero_stage();
@@ -403,7 +404,7 @@ std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& c) {
   if (c.has_dropout()) args["dropout"] = absl::StrCat(c.dropout());
   if (c.has_rope_theta()) args["rope_theta"] = absl::StrCat(c.rope_theta());
   if (c.has_init_method_std() || args.count("preset")) args["init_method_std"] = absl::StrCat(c.init_method_std());
-  if (c.no_tie_modules()) args["tie_word_embeddings"] = "false";
+  if (c.no_tie_modules() && args.count("preset")) args["tie_word_embeddings"] = "false";  // the zoo unties itself
   return {type, ComponentArgs(absl::StrCat("model '", type, "'"), std::move(args))};
 }
 

@@ -6,7 +6,8 @@
 # --strategy=auto chooses, with the
 # losses of the same module run eagerly in Python from the same weights (20
 # steps, 1e-5 relative); its tied weights stay
-# tied across pipeline stages; a model returning logits trains with a named
+# tied across pipeline stages, or untie with no_tie_modules (the losses of
+# the Python model with its head untied); a model returning logits trains with a named
 # loss; module_replace rewrites its traced patterns with the same losses, and
 # checkpoint_modules recomputes its blocks with them;
 # untraceable models, bad input names and models without a loss are
@@ -62,6 +63,20 @@ train_and_compare pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 \
   --export_safetensors="$work/pp2.safetensors"
 "$python" "$model_py" tied "$work/pp2.safetensors" >"$out" 2>&1 || fail "tied weights differ after pp=2"
 train_and_compare dp2_pp2 --model=torchscript:"$work/gpt.pt" --dp=2 --pp=2 --schedule=zb_h1
+# no_tie_modules: the traced head reads a tensor of its own, starting from the
+# tied values, as the Python model's head does once untied: at pp=2 (exported
+# beside the embedding), at dp=2 x tp=2 (vocabulary-parallel embedding and
+# head), and with the embedding, now read by its lookup alone, recomputed.
+"$python" "$model_py" train "$work/gpt.pt" "$work/data" 20 untied >"$work/python_untied.txt" 2>"$out" ||
+  fail "Python training of the untied model"
+[ "$(tail -1 "$work/python_untied.txt")" != "$(tail -1 "$work/python.txt")" ] || fail "untying changed no loss"
+untied=(--model=torchscript:"$work/gpt.pt" --no_tie_modules)
+REFERENCE=python_untied train_and_compare untied_pp2 "${untied[@]}" --dp=1 --pp=2 \
+  --export_safetensors="$work/untied.safetensors"
+grep -aq "no_tie_modules: lm_head.weight (was transformer.wte.weight)" "$out" || fail "untied_pp2: the head is tied"
+"$python" "$model_py" untied "$work/untied.safetensors" >"$out" 2>&1 || fail "untied weights equal after pp=2"
+REFERENCE=python_untied train_and_compare untied_dp2_tp2 "${untied[@]}" --dp=2 --tp=2 --zero_stage=1
+REFERENCE=python_untied train_and_compare untied_recompute_wte "${untied[@]}" --dp=1 --checkpoint_modules=wte
 # ZeRO-3 (parameters gathered shard by shard) and recomputation on the traced graph.
 train_and_compare zero3 --model=torchscript:"$work/gpt.pt" --dp=2 --zero_stage=3
 train_and_compare recompute --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 --activation_checkpointing=full

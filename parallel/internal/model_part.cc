@@ -137,6 +137,7 @@ struct WholeModel {
   std::vector<LayerProfile> shards;       // traced: what each shard reads and computes (else empty)
   double total_flops = 0;                 // traced: forward FLOPs of one micro-batch
   std::map<std::string, std::string> aliases;
+  std::vector<std::string> untied;  // traced with plan.no_tie_modules
   std::map<std::string, ShardSpec> tensor_parallel_shards;  // traced at tp > 1
   std::string tensor_parallel_report;
   std::vector<int> lora_target_hits;  // traced with plan.lora
@@ -199,6 +200,12 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ModelGraph> graph,
                            ModelGraph::Trace(parameters, on_device, traced_forward, CheckBatch(on_device), owner));
   WholeModel whole;
+  if (plan.no_tie_modules) {  // each name of a tied parameter its own, traced again
+    TRIDENT_ASSIGN_OR_RETURN(ModelGraph::Untied untied, graph->Untie());
+    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(untied.parameters, on_device, untied.forward,
+                                                      CheckBatch(on_device), owner));
+    whole.untied = std::move(untied.untied);
+  }
   whole.aliases = graph->aliases();
   if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
     TRIDENT_ASSIGN_OR_RETURN(
@@ -316,6 +323,25 @@ torch::nn::Module* ModuleOf(const ModelSource& source, const ParallelPlan& plan,
   return nullptr;
 }
 
+// no_tie_modules unties traced graphs (TraceGraph); a part that is not traced
+// and still ties parameters (the source's aliases, or one tensor under two
+// names of its module) is refused.
+absl::Status CheckUntied(const ModelSource& source, const ParallelPlan& plan, const ModelPart& part) {
+  std::map<std::string, std::string> tied = source.aliases;
+  if (torch::nn::Module* module = ModuleOf(source, plan, part)) {
+    std::map<const void*, std::string> names;
+    for (const auto& item : module->named_parameters()) {
+      auto [it, first] = names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+      if (!first) tied.emplace(item.key(), it->second);
+    }
+  }
+  if (tied.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "no_tie_modules: the model ties ", tied.begin()->first, " to ", tied.begin()->second,
+      " and is not traced, so Trident cannot give each name its own tensor; untie them in the model (the zoo's "
+      "gpt does with tie_word_embeddings=false) or trace it (trace_method=jit)"));
+}
+
 // LoRA on a module run eagerly: through its own linear layers (ParallelLinear).
 // Traced models get theirs in the graph (TraceGraph).
 absl::Status AddAdaptersToEagerModule(const ModelSource& source, const ParallelPlan& plan, ModelPart* part) {
@@ -369,6 +395,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       if (plan.lora) part.lora_target_hits = std::move(whole.lora_target_hits);
       part.replace_report = std::move(whole.replace_report);
       part.recompute_hits = std::move(whole.recompute_hits);
+      part.untied = std::move(whole.untied);
     } else {
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages({{"module"}}, StagePartition(plan)));
     }
@@ -391,6 +418,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       TRIDENT_RETURN_IF_ERROR(AddAdapters(*module, plan, &part));
     }
   }
+  if (plan.no_tie_modules && !part.traced) TRIDENT_RETURN_IF_ERROR(CheckUntied(source, plan, part));
   if (!plan.checkpoint_modules.empty() && !part.traced) {
     torch::nn::Module* module = ModuleOf(source, plan, part);
     if (module == nullptr) {

@@ -36,6 +36,8 @@ struct ModelPart {
   std::vector<int> lora_target_hits;
   // How many modules each plan.checkpoint_modules entry matched here.
   std::vector<int> recompute_hits;
+  // Traced with plan.no_tie_modules: the names untied, as ModelGraph::Untie reports them.
+  std::vector<std::string> untied;
   // What plan.module_replace replaced here.
   ReplaceReport replace_report;
   // Module sources: a given loss function runs inside the layers, its result

@@ -5,11 +5,14 @@
                                             embeddings, grouped-query attention, SwiGLU)
   torchscript_gpt.py save_logits OUT.pt     the same model returning only logits (forward(idx))
   torchscript_gpt.py save_branching OUT.pt  a scripted model whose control flow reads its data
-  torchscript_gpt.py train OUT.pt DATA_DIR STEPS [llama] > losses.txt
+  torchscript_gpt.py train OUT.pt DATA_DIR STEPS [llama|untied] > losses.txt
                                             trains the same module eagerly with Trident's
-                                            recipe and prints one loss per step
-  torchscript_gpt.py tied EXPORT.safetensors
-                                            checks the exported tied weights are equal
+                                            recipe and prints one loss per step; with
+                                            `untied`, the GPT's head starts as a copy of
+                                            the embedding and trains on its own
+  torchscript_gpt.py tied|untied EXPORT.safetensors
+                                            checks the exported head and embedding are
+                                            equal (tied) or not (untied)
   torchscript_gpt.py compare A.safetensors B.safetensors
                                             checks two exports hold the same tensors (1e-5)
 
@@ -185,9 +188,11 @@ def learning_rate(step, max_steps):
     return MIN_LR + 0.5 * (1.0 + math.cos(math.pi * progress)) * (LR - MIN_LR)
 
 
-def train(path, data_dir, steps, arch):
+def train(path, data_dir, steps, arch, untied):
     torch.set_num_threads(1)
     model = build(arch)  # the module Trident loads (traced from these weights), run eagerly
+    if untied:  # Merak's no_tie_modules: the head gets its own matrix, from the tied values
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     tokens = np.fromfile(f"{data_dir}/train.bin", dtype="<u2").astype(np.int64)
     samples = (len(tokens) - 1) // BLOCK
     params = list(model.parameters())  # tied weights listed once
@@ -221,10 +226,11 @@ def read_safetensors(path):
             if name != "__metadata__"}, header
 
 
-def tied(path):
+def tied(path, expect_equal):
     tensors, _ = read_safetensors(path)
-    assert tensors["lm_head.weight"] == tensors["transformer.wte.weight"], "tied weights differ"
-    print("tied weights equal")
+    equal = tensors["lm_head.weight"] == tensors["transformer.wte.weight"]
+    assert equal == expect_equal, "tied weights differ" if expect_equal else "untied weights are equal"
+    print("tied weights equal" if equal else "untied weights differ")
 
 
 def compare(path_a, path_b):
@@ -249,8 +255,8 @@ if __name__ == "__main__":
     elif command == "save_branching":
         torch.jit.script(Branching()).save(sys.argv[2])
     elif command == "train":
-        train(sys.argv[2], sys.argv[3], int(sys.argv[4]), arch)
+        train(sys.argv[2], sys.argv[3], int(sys.argv[4]), arch, sys.argv[-1] == "untied")
     elif command == "compare":
         compare(sys.argv[2], sys.argv[3])
     else:
-        tied(sys.argv[2])
+        tied(sys.argv[2], command == "tied")
