@@ -189,8 +189,15 @@ at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tenso
         logits.reshape({-1, logits.size(-1)}), targets.narrow(1, tp.rank * T, T).reshape({-1}));
     return ReduceFromTensorParallelRegion(shard / static_cast<double>(tp.size), tp.group);
   }
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                              targets.reshape({-1}));
+  const at::Tensor rows = logits.reshape({-1, logits.size(-1)}), classes = targets.reshape({-1});
+  return Uses("fused_cross_entropy") ? FusedCrossEntropy(rows, classes)
+                                     : torch::nn::functional::cross_entropy(rows, classes);
+}
+
+bool LanguageModel::Offers(const std::string& pair) const {
+  const TensorParallelism& tp = config_.tp;
+  return pair == "fused_cross_entropy" && HasLayer(NumLayers() - 1) &&
+         !(tp.size > 1 && (tp.parallel_vocab || tp.sequence_parallel));
 }
 
 std::map<std::string, ShardSpec> LanguageModel::ParameterShards() const {

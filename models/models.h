@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "graph/graph.h"
+#include "replace/replace.h"
 #include "tensor_parallel/tensor_parallel.h"
 
 namespace trident {
@@ -68,7 +69,7 @@ absl::Status ValidateModelConfig(const ModelConfig& config);
 // [B, T, vocab]. Every zoo model is a LayerSequence: an embedding layer
 // ("embedding"), its blocks (named by their parameter prefix, such as
 // "transformer.h.3"), and a head ("head") that produces the logits.
-class LanguageModel : public torch::nn::Module, public LayerSequence {
+class LanguageModel : public torch::nn::Module, public LayerSequence, public ReplaceableModule {
  public:
   // A model of config.n_layer + 2 layers that materialises the layers in
   // `ranges` only (all of them when empty).
@@ -92,6 +93,9 @@ class LanguageModel : public torch::nn::Module, public LayerSequence {
   // Mean token cross-entropy of `logits` against `targets` (vocabulary-parallel
   // with tensor parallelism: the full logits are never gathered).
   at::Tensor SequenceLoss(const at::Tensor& logits, const at::Tensor& targets);
+  // module_replace: the part holding the head offers fused_cross_entropy for
+  // the loss over its whole vocabulary (not split over tensor parallelism).
+  bool Offers(const std::string& pair) const override;
   // LayerSequence: SequenceLoss of the head's logits against batch field 1.
   at::Tensor Loss(const Values& outputs, const Batch& batch) override;
   // Incremental decoding (LayerSequence): attention layers cache their keys

@@ -238,6 +238,54 @@ at::Tensor BiasGeluKernel(const at::Tensor& x, const at::Tensor& bias, c10::stri
   return BiasGeluForward(x, bias.to(x.scalar_type()), approximate);
 }
 
+// ---- cross-entropy ----
+
+// The loss and, with `gradient`, d(loss)/d(logits) in fp32 from the same
+// buffer: log-softmax, then softmax in place, minus the one-hot target, over
+// the count of counted rows (ignored rows zero).
+std::pair<at::Tensor, at::Tensor> CrossEntropyForward(const at::Tensor& logits, const at::Tensor& targets,
+                                                      int64_t ignore_index, bool gradient) {
+  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
+              "trident::cross_entropy takes logits [N, C] and targets [N]; got ", logits.sizes(), " and ",
+              targets.sizes());
+  at::Tensor log_p = at::log_softmax(logits, 1, at::kFloat);
+  const at::Tensor counted = targets.ne(ignore_index);
+  const at::Tensor rows = at::where(counted, targets, at::zeros({}, targets.options())).unsqueeze(1);
+  const at::Tensor count = counted.sum().to(at::kFloat);
+  const at::Tensor picked = log_p.gather(1, rows).squeeze(1);
+  at::Tensor loss = at::where(counted, picked, at::zeros({}, picked.options())).sum().neg_().div_(count);
+  if (!gradient) return {loss, at::Tensor()};
+  const at::Tensor weight = counted.to(at::kFloat).div_(count).unsqueeze(1);
+  at::Tensor grad = log_p.exp_();  // the softmax, in the log-softmax's buffer
+  grad.scatter_add_(1, rows, at::full_like(weight, -1)).mul_(weight);
+  return {loss, grad};
+}
+
+struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
+                            int64_t ignore_index) {
+    auto [loss, grad] = CrossEntropyForward(logits, targets, ignore_index, /*gradient=*/true);
+    ctx->saved_data["grad"] = grad;  // all backward needs: not the logits, not their log-softmax
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return loss;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor grad = ctx->saved_data["grad"].toTensor();
+    ctx->saved_data.erase("grad");  // the only reference: a leaf's .grad may take the buffer itself
+    grad.mul_(grads[0]);  // in place: a graph is run backward once
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grad.to(dtype), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor CrossEntropyAutograd(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
+  return CrossEntropyFunction::apply(logits, targets, ignore_index);
+}
+
+at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
+  return CrossEntropyForward(logits, targets, ignore_index, /*gradient=*/false).first;
+}
+
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> Op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
@@ -250,12 +298,14 @@ TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def("add_layer_norm(Tensor x, Tensor residual, Scalar alpha, int[] normalized_shape, Tensor? weight, "
         "Tensor? bias, float eps) -> (Tensor, Tensor)");
   m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> Tensor");
+  m.def("cross_entropy(Tensor logits, Tensor targets, int ignore_index) -> Tensor");
 }
 
 #define TRIDENT_REPLACE_KERNELS(m)                      \
   m.impl("causal_attention", AttentionKernel);          \
   m.impl("add_layer_norm", AddLayerNormKernel);         \
-  m.impl("bias_gelu", BiasGeluKernel)
+  m.impl("bias_gelu", BiasGeluKernel);                  \
+  m.impl("cross_entropy", CrossEntropyKernel)
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) { TRIDENT_REPLACE_KERNELS(m); }
 TORCH_LIBRARY_IMPL(trident, CUDA, m) { TRIDENT_REPLACE_KERNELS(m); }
@@ -264,6 +314,7 @@ TORCH_LIBRARY_IMPL(trident, Autograd, m) {
   m.impl("causal_attention", CausalAttentionAutograd);
   m.impl("add_layer_norm", AddLayerNormAutograd);
   m.impl("bias_gelu", BiasGeluAutograd);
+  m.impl("cross_entropy", CrossEntropyAutograd);
 }
 
 at::Tensor FusedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -289,6 +340,11 @@ at::Tensor FusedBiasGelu(const at::Tensor& x, const at::Tensor& bias, const std:
   static const auto op =
       Op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("trident::bias_gelu");
   return op.call(x, bias, approximate);
+}
+
+at::Tensor FusedCrossEntropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
+  static const auto op = Op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("trident::cross_entropy");
+  return op.call(logits, targets, ignore_index);
 }
 
 }  // namespace trident

@@ -170,6 +170,23 @@ bool HasBias(const torch::jit::Match& match, const ValueMap& vmap) {
   return b.size() == 1 && !IsNone(Matched(match, vmap, "b"));
 }
 
+constexpr const char* kCrossEntropyPattern = R"IR(
+graph(%logits, %targets, %weight, %reduction, %ignore_index, %smoothing):
+  %loss = aten::cross_entropy_loss(%logits, %targets, %weight, %reduction, %ignore_index, %smoothing)
+  return (%loss))IR";
+
+constexpr const char* kCrossEntropyReplacement = R"IR(
+graph(%logits, %targets, %weight, %reduction, %ignore_index, %smoothing):
+  %loss = trident::cross_entropy(%logits, %targets, %ignore_index)
+  return (%loss))IR";
+
+// Class ids against logits [N, C], unweighted, averaged, without smoothing.
+bool IsPlainMeanCrossEntropy(const torch::jit::Match& match, const ValueMap& vmap) {
+  return SizesOf(Matched(match, vmap, "logits")).size() == 2 && SizesOf(Matched(match, vmap, "targets")).size() == 1 &&
+         IsNone(Matched(match, vmap, "weight")) && NumberOf(Matched(match, vmap, "reduction")) == 1.0 &&
+         NumberOf(Matched(match, vmap, "smoothing")) == 0.0;
+}
+
 const std::set<at::ScalarType> kFloatingTypes = {at::kFloat, at::kBFloat16, at::kHalf};
 
 const bool kBuiltInsRegistered = [] {
@@ -188,6 +205,10 @@ const bool kBuiltInsRegistered = [] {
                        kFloatingTypes,
                        [](torch::nn::Module& m) { return UseBuiltInPair("fused_bias_gelu", m); },
                        {{kBiasGeluPattern, kBiasGeluReplacement, HasBias}}});
+  RegisterReplacePair({"fused_cross_entropy",
+                       kFloatingTypes,
+                       [](torch::nn::Module& m) { return UseBuiltInPair("fused_cross_entropy", m); },
+                       {{kCrossEntropyPattern, kCrossEntropyReplacement, IsPlainMeanCrossEntropy}}});
   return true;
 }();
 

@@ -1,9 +1,9 @@
 // replace: module replacement (ATorch's module_replace): parts of a model's
 // forward swapped for optimized implementations that compute the same thing.
 //
-// Three pairs are built in, each a registered operator with its own forward
+// Four pairs are built in, each a registered operator with its own forward
 // and backward (trident::causal_attention, trident::add_layer_norm,
-// trident::bias_gelu):
+// trident::bias_gelu, trident::cross_entropy):
 //
 //   fused_attention   causal softmax attention computed in blocks of 128
 //                     queries: no scores above the diagonal outside a block are
@@ -14,6 +14,11 @@
 //                     backward (the sum's gradient goes to both summands)
 //   fused_bias_gelu   bias add + GELU written once (GELU in place in the sum's
 //                     buffer); backward adds again instead of keeping the sum
+//   fused_cross_entropy  the mean cross-entropy of logits [N, C] as one
+//                     operator: log-softmax in fp32 and, in the same forward, the
+//                     logits' gradient in that buffer, which is all backward
+//                     keeps (unfused, the log-softmax is kept and backward makes
+//                     two more buffers of the logits' size)
 //
 // A pair replaces two kinds of originals:
 //   - modules, by type: each module of a model is offered to the pair's
@@ -78,6 +83,11 @@ std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const a
 // gelu(x + bias) (bias over the last dimension); `approximate` "none" (erf)
 // or "tanh".
 at::Tensor FusedBiasGelu(const at::Tensor& x, const at::Tensor& bias, const std::string& approximate = "none");
+
+// The mean over targets other than `ignore_index` of -log_softmax(logits)[target]
+// (logits [N, C], targets [N] class ids), computed in fp32 as F::cross_entropy
+// is under autocast.
+at::Tensor FusedCrossEntropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index = -100);
 
 // One rewrite of a traced graph: every match of `pattern` (TorchScript IR,
 // torch::jit::SubgraphRewriter's syntax) that `filter` accepts (none: all)

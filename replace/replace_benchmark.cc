@@ -1,7 +1,7 @@
 // Forward + backward time of each built-in replacement pair against the
 // operators it replaces, at gpt-tiny's shapes (16 x 128 tokens, width 256, 4
-// heads) and gpt2-124m's (1 x 1024 tokens, width 768, 12 heads; one sequence
-// keeps the unfused attention's scores at 48 MB).
+// heads, vocabulary 256) and gpt2-124m's (1 x 1024 tokens, width 768, 12 heads,
+// vocabulary 50257; one sequence keeps the unfused attention's scores at 48 MB).
 //
 //   bazel run -c opt //replace:replace_benchmark
 //   (arguments: shape 0 = gpt-tiny, 1 = gpt2-124m; 0 = original, 1 = fused)
@@ -11,30 +11,38 @@
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
+#include "base/memory_counter.h"
 #include "replace/replace.h"
 
 namespace trident {
 namespace {
 
 struct Shape {
-  int64_t batch, tokens, width, heads;
+  int64_t batch, tokens, width, heads, vocab;
 };
-constexpr Shape kShapes[] = {{16, 128, 256, 4}, {1, 1024, 768, 12}};
+constexpr Shape kShapes[] = {{16, 128, 256, 4, 256}, {1, 1024, 768, 12, 50257}};
 
 // Runs forward + backward of `f` on leaves made from `inputs`, state.range(0)
-// picking the shape, reporting tokens per second.
+// picking the shape, reporting tokens per second and the peak of tensor bytes
+// a forward + backward allocates beyond its inputs (`peak_mb`).
 template <typename Make, typename F>
 void Run(benchmark::State& state, Make make, F f) {
   at::set_num_threads(1);
+  MemoryCounter& memory = MemoryCounter::Install();
   const Shape& shape = kShapes[state.range(0)];
   torch::manual_seed(1);
   std::vector<at::Tensor> inputs = make(shape);
   for (at::Tensor& t : inputs) t.requires_grad_(true);
+  int64_t peak = 0;
   for (auto _ : state) {
     for (at::Tensor& t : inputs) t.mutable_grad() = at::Tensor();
+    memory.ResetPeak();
+    const int64_t before = memory.live_bytes();
     f(inputs, shape).sum().backward();
+    peak = memory.peak_bytes() - before;
   }
   state.SetItemsProcessed(state.iterations() * shape.batch * shape.tokens);
+  state.counters["peak_mb"] = peak / 1e6;
 }
 
 void BM_Attention(benchmark::State& state) {
@@ -85,9 +93,21 @@ void BM_BiasGelu(benchmark::State& state) {
       });
 }
 
+void BM_CrossEntropy(benchmark::State& state) {
+  const bool fused = state.range(1) == 1;
+  const Shape& shape = kShapes[state.range(0)];
+  const at::Tensor targets = at::randint(shape.vocab, {shape.batch * shape.tokens}, at::kLong);
+  Run(state,
+      [](const Shape& s) { return std::vector<at::Tensor>{at::randn({s.batch * s.tokens, s.vocab})}; },
+      [fused, targets](const std::vector<at::Tensor>& in, const Shape&) {
+        return fused ? FusedCrossEntropy(in[0], targets) : torch::nn::functional::cross_entropy(in[0], targets);
+      });
+}
+
 BENCHMARK(BM_Attention)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AddLayerNorm)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_BiasGelu)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CrossEntropy)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trident

@@ -105,6 +105,35 @@ TEST(FusedBiasGeluTest, MatchesGeluOfTheSumAndItsGradients) {
   }
 }
 
+// The loss and the logits' gradient of F::cross_entropy, with ignored
+// targets, for fp32 logits and (against fp32's, to bf16 rounding) bf16 ones;
+// the incoming gradient scales the logits'.
+TEST(FusedCrossEntropyTest, MatchesCrossEntropyAndItsGradients) {
+  torch::manual_seed(5);
+  const at::Tensor logits = at::randn({37, 300}) * 4;
+  at::Tensor targets = at::randint(300, {37}, at::kLong);
+  targets.index_put_({at::arange(0, 37, 5)}, -100);
+  auto loss_and_grad = [&](bool fused, at::ScalarType dtype) {
+    at::Tensor leaf = logits.to(dtype).clone().requires_grad_(true);
+    at::Tensor loss = fused ? FusedCrossEntropy(leaf, targets)
+                            : torch::nn::functional::cross_entropy(leaf.to(at::kFloat), targets);
+    (loss * 3).backward();
+    return std::make_pair(loss.detach(), leaf.grad());
+  };
+  const auto [want_loss, want_grad] = loss_and_grad(false, at::kFloat);
+  const auto [got_loss, got_grad] = loss_and_grad(true, at::kFloat);
+  ExpectClose(got_loss, want_loss, "loss");
+  ExpectClose(got_grad, want_grad, "gradient");
+  EXPECT_EQ(got_grad.index({0}).abs().max().item<double>(), 0) << "an ignored row gets no gradient";
+  const auto [bf16_loss, bf16_grad] = loss_and_grad(true, at::kBFloat16);
+  EXPECT_EQ(bf16_loss.scalar_type(), at::kFloat);
+  EXPECT_EQ(bf16_grad.scalar_type(), at::kBFloat16);
+  EXPECT_LE(RelativeDifference(bf16_loss, want_loss), 1e-2);
+  EXPECT_LE(RelativeDifference(bf16_grad.to(at::kFloat), want_grad), 1e-2);
+  c10::NoGradGuard no_grad;  // evaluation: the loss alone
+  ExpectClose(FusedCrossEntropy(logits, targets), want_loss, "loss without gradients");
+}
+
 // A module of the registry's own kind: a user's module with a fast path.
 struct UserNormImpl : torch::nn::Module {
   bool fast = false;
@@ -143,7 +172,7 @@ TEST(ReplaceModulesTest, OffersEveryModuleToEachPair) {
   report = ReplaceModules(*root, {"fused_atention"}, at::kFloat);
   ASSERT_FALSE(report.ok());
   EXPECT_NE(std::string(report.status().message()).find("unknown replacement pair (module_replace) 'fused_atention'; "
-                                                        "choose fused_attention, fused_bias_gelu, fused_layer_norm"),
+                                                        "choose fused_attention, fused_bias_gelu, fused_cross_entropy, fused_layer_norm"),
             std::string::npos)
       << report.status();
 }
@@ -217,6 +246,39 @@ TEST(ReplaceInGraphTest, RewritesTheTracedPatternsAndComputesTheSame) {
   replaced = ReplaceInGraph(**traced, {"fused_attention"}, at::kFloat);
   ASSERT_TRUE(replaced.ok()) << replaced.status();
   EXPECT_EQ(replaced->report.hits, std::vector<int>{0});
+}
+
+// A head and its mean cross-entropy, traced: the loss becomes one operator,
+// with the same loss and gradients; a smoothed loss is not the pair's.
+TEST(ReplaceInGraphTest, RewritesTheMeanCrossEntropy) {
+  torch::manual_seed(6);
+  torch::nn::Linear head(16, 50);
+  const at::Tensor x = at::randn({2, 8, 16}), targets = at::randint(50, {2, 8}, at::kLong);
+  for (double smoothing : {0.0, 0.1}) {
+    auto forward = [&](const std::vector<at::Tensor>& in) {
+      const at::Tensor logits = head(in[0]);
+      return std::vector<at::Tensor>{torch::nn::functional::cross_entropy(
+          logits.reshape({-1, 50}), in[1].reshape({-1}),
+          torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(smoothing))};
+    };
+    absl::StatusOr<std::unique_ptr<ModelGraph>> traced = ModelGraph::Trace(*head, {x, targets}, forward);
+    ASSERT_TRUE(traced.ok()) << traced.status();
+    absl::StatusOr<ReplacedGraph> replaced = ReplaceInGraph(**traced, {"fused_cross_entropy"}, at::kFloat);
+    ASSERT_TRUE(replaced.ok()) << replaced.status();
+    EXPECT_EQ(replaced->report.hits, std::vector<int>{smoothing == 0 ? 1 : 0}) << (*traced)->IrText();
+    if (smoothing != 0) continue;
+    absl::StatusOr<std::unique_ptr<ModelGraph>> retraced =
+        ModelGraph::Trace(replaced->parameters, {x, targets}, replaced->forward);
+    ASSERT_TRUE(retraced.ok()) << retraced.status();
+    auto loss_and_gradients = [&](ModelGraph& graph) {
+      head->zero_grad();
+      at::Tensor loss = graph.Run({x, targets}).value()[0];
+      loss.backward();
+      return std::vector<at::Tensor>{loss.detach(), head->weight.grad().clone(), head->bias.grad().clone()};
+    };
+    std::vector<at::Tensor> want = loss_and_gradients(**traced), got = loss_and_gradients(**retraced);
+    for (size_t i = 0; i < want.size(); ++i) ExpectClose(got[i], want[i], "loss or gradient " + std::to_string(i));
+  }
 }
 
 }  // namespace

@@ -221,6 +221,9 @@ grep -aq "module_replace: fused_attention 2, fused_layer_norm 4, fused_bias_gelu
   fail "replace: not every pattern was replaced"
 train_and_compare replace_pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 "${fused[@]}"
 train_and_compare replace_tp2_sp --model=torchscript:"$work/gpt.pt" --dp=1 --tp=2 --sequence_parallel "${fused[@]}"
+# The model's F.cross_entropy as one operator, on the last of two stages.
+train_and_compare replace_loss_pp2 --model=torchscript:"$work/gpt.pt" --dp=1 --pp=2 --module_replace=fused_cross_entropy
+grep -aq "module_replace: fused_cross_entropy 1 (this rank)" "$out" || fail "replace_loss_pp2: the loss was not replaced"
 
 # The model's own loss is absent: a registered loss on its logits, fed the inputs by name.
 train_and_compare logits --model=torchscript:"$work/logits.pt" --dp=1 --pp=2 --loss=cross_entropy \
