@@ -1,5 +1,6 @@
 #include "zero/zero.h"
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <sstream>
@@ -216,6 +217,26 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     for (int i : planned_bucket.parameters) members.back().push_back(flat[i]);
     member_group.push_back(static_cast<size_t>(planned_bucket.group));
   }
+  // Stage 2 and 3: each gradient moves into its bucket as soon as it is
+  // accumulated. Adding the hook makes the parameter's grad accumulator,
+  // which records its shape: before a stage-3 parameter is released.
+  auto add_gradient_hooks = [&zero](int index) {
+    Bucket& bucket = zero->buckets_[index];
+    bucket.pending = static_cast<int>(bucket.params.size());
+    if (bucket.keep_full) return;
+    for (size_t i = 0; i < bucket.params.size(); ++i) {
+      ZeroOptimizer* self = zero.get();
+      const int slot = static_cast<int>(i);
+      zero->hooks_.Add(bucket.params[i], [self, index, slot] {
+        Bucket& bucket = self->buckets_[index];
+        at::Tensor param = bucket.params[slot];
+        if (!bucket.full_grad.defined()) bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
+        bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(param.grad().reshape({-1}));
+        param.mutable_grad() = at::Tensor();  // the whole gradient is not kept
+        self->OnGradientReady(index);
+      });
+    }
+  };
   for (size_t m = 0; m < members.size(); ++m) {
     Bucket bucket;
     bucket.params = members[m];
@@ -227,25 +248,34 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
       bucket.numel += p.numel();
     }
     bucket.numel = (bucket.numel + parts - 1) / parts * parts;
-    const int64_t chunk = bucket.numel / parts;
-    bucket.buffer = at::zeros({bucket.numel}, bucket.params.front().options());
-    at::Tensor counted = at::zeros({bucket.numel}, bucket.buffer.options());
+    const int64_t chunk = bucket.numel / parts, chunk_begin = rank * chunk;
+    const at::TensorOptions options = bucket.params.front().options();
+    // Stage 3 copies this rank's chunk straight from the parameters: no whole
+    // bucket is made, and each parameter is released once its bucket is built.
+    if (!bucket.sharded) bucket.buffer = at::zeros({bucket.numel}, options);
+    bucket.chunk = bucket.sharded ? at::zeros({chunk}, options) : bucket.buffer.narrow(0, chunk_begin, chunk);
+    bucket.counted = at::zeros({chunk}, options);
     for (size_t i = 0; i < bucket.params.size(); ++i) {
       at::Tensor param = bucket.params[i];
-      at::Tensor slot = bucket.buffer.narrow(0, bucket.offsets[i], param.numel());
-      slot.copy_(param.reshape({-1}));
-      param.set_data(slot.view(param.sizes()));  // the parameter now lives in the bucket
-      if (!o.counted_in_norm || o.counted_in_norm(param)) {
-        counted.narrow(0, bucket.offsets[i], param.numel()).fill_(1);
+      // The part of the parameter inside this rank's chunk: [begin, end) of the bucket.
+      const int64_t begin = std::max(bucket.offsets[i], chunk_begin);
+      const int64_t end = std::min(bucket.offsets[i] + param.numel(), chunk_begin + chunk);
+      if (bucket.sharded && begin < end) {
+        bucket.chunk.narrow(0, begin - chunk_begin, end - begin)
+            .copy_(param.reshape({-1}).narrow(0, begin - bucket.offsets[i], end - begin));
+      } else if (!bucket.sharded) {
+        at::Tensor slot = bucket.buffer.narrow(0, bucket.offsets[i], param.numel());
+        slot.copy_(param.reshape({-1}));
+        param.set_data(slot.view(param.sizes()));  // the parameter now lives in the bucket
+      }
+      if (begin < end && (!o.counted_in_norm || o.counted_in_norm(param))) {
+        bucket.counted.narrow(0, begin - chunk_begin, end - begin).fill_(1);
       }
     }
-    bucket.chunk = bucket.buffer.narrow(0, rank * chunk, chunk);
-    if (bucket.sharded) bucket.chunk = bucket.chunk.clone();  // the buffer is released below
-    bucket.chunk_grad = at::zeros({chunk}, bucket.buffer.options());
+    bucket.chunk_grad = at::zeros({chunk}, options);
     bucket.chunk.mutable_grad() = bucket.chunk_grad;
-    bucket.counted = counted.narrow(0, rank * chunk, chunk).clone();
     if (bucket.keep_full) {
-      bucket.full_grad = at::zeros({bucket.numel}, bucket.buffer.options());
+      bucket.full_grad = at::zeros({bucket.numel}, options);
       for (size_t i = 0; i < bucket.params.size(); ++i) {
         at::Tensor param = bucket.params[i];
         param.mutable_grad() =
@@ -254,31 +284,11 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     }
     shards[member_group[m]].push_back(bucket.chunk);
     zero->buckets_.push_back(std::move(bucket));
-  }
-  // Stage 2: each gradient moves into its bucket as soon as it is accumulated.
-  for (size_t b = 0; b < zero->buckets_.size(); ++b) {
-    Bucket& bucket = zero->buckets_[b];
-    bucket.pending = static_cast<int>(bucket.params.size());
-    if (bucket.keep_full) continue;
-    for (size_t i = 0; i < bucket.params.size(); ++i) {
-      ZeroOptimizer* self = zero.get();
-      const int index = static_cast<int>(b), slot = static_cast<int>(i);
-      zero->hooks_.Add(bucket.params[i], [self, index, slot] {
-        Bucket& bucket = self->buckets_[index];
-        at::Tensor param = bucket.params[slot];
-        if (!bucket.full_grad.defined()) bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
-        bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(param.grad().reshape({-1}));
-        param.mutable_grad() = at::Tensor();  // the whole gradient is not kept
-        self->OnGradientReady(index);
-      });
+    add_gradient_hooks(static_cast<int>(m));
+    if (zero->buckets_.back().sharded) {  // released: the parameters' storage goes (Release)
+      zero->buckets_.back().holders = 1;
+      zero->Release(zero->buckets_.back());
     }
-  }
-  // Stage 3: release the parameters (after their grad accumulators exist: an
-  // accumulator records its parameter's shape when it is made).
-  for (Bucket& bucket : zero->buckets_) {
-    if (!bucket.sharded) continue;
-    bucket.holders = 1;
-    zero->Release(bucket);
   }
   if (o.stage == 3) o.layers->SetObserver(zero.get());
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the sharded optimizer",
@@ -411,9 +421,13 @@ void ZeroOptimizer::OnGradientReady(int index) {
   Bucket& bucket = buckets_[index];
   if (--bucket.pending > 0) return;
   absl::Status status = StartReduceScatter(bucket, bucket.full_grad);
-  if (!status.ok() && first_error_.ok()) first_error_ = status;
   bucket.full_grad = at::Tensor();
   bucket.pending = static_cast<int>(bucket.params.size());
+  reducing_.push_back(index);
+  for (; status.ok() && reducing_.size() > kReduceScattersInFlight; reducing_.pop_front()) {
+    status = FinishReduceScatter(buckets_[reducing_.front()]);
+  }
+  if (!status.ok() && first_error_.ok()) first_error_ = status;
 }
 
 absl::Status ZeroOptimizer::StartReduceScatter(Bucket& bucket, const at::Tensor& full) {
@@ -450,6 +464,7 @@ absl::Status ZeroOptimizer::FinishBackward() {
     absl::Status reduced = FinishReduceScatter(bucket);
     if (!reduced.ok() && first_error_.ok()) first_error_ = reduced;
   }
+  reducing_.clear();
   absl::Status status = first_error_;
   first_error_ = absl::OkStatus();
   TRIDENT_RETURN_IF_ERROR(status);

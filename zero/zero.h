@@ -33,6 +33,7 @@
 #define TRIDENT_ZERO_ZERO_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -248,6 +249,11 @@ class ZeroOptimizer : private LayerObserver {
   std::set<int64_t> backward_held_;  // stage 3: layers gathered for backward
   bool last_micro_batch_ = false;
   absl::Status first_error_;
+  // Buckets whose reduce-scatter was issued from the gradient hook, oldest
+  // first: at most kReduceScattersInFlight travel at once, since each holds
+  // its bucket's whole gradient (all of them: a whole model's gradients).
+  static constexpr size_t kReduceScattersInFlight = 2;
+  std::deque<int> reducing_;
 };
 
 }  // namespace trident
