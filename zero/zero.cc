@@ -518,11 +518,21 @@ absl::Status ZeroOptimizer::SumGradientsOver(const ProcessGroup& group,
 }
 
 double ZeroOptimizer::LocalSquaredGradNorm() const {
-  double sum = 0;
+  // In fp64, a slice at a time: a bucket may be the whole model (the default
+  // zero_reduce_bucket_size), and whole fp64 temporaries of it would be the
+  // largest allocations of the step.
+  constexpr int64_t kSlice = 1 << 20;
+  at::Tensor sum;
   for (const Bucket& bucket : buckets_) {
-    sum += (bucket.chunk_grad.to(at::kDouble).square() * bucket.counted).sum().item<double>();
+    const int64_t numel = bucket.chunk_grad.numel();
+    for (int64_t begin = 0; begin < numel; begin += kSlice) {
+      const int64_t n = std::min(kSlice, numel - begin);
+      at::Tensor squares = bucket.chunk_grad.narrow(0, begin, n).to(at::kDouble).square_();
+      at::Tensor part = (squares * bucket.counted.narrow(0, begin, n)).sum();
+      sum = sum.defined() ? sum + part : part;
+    }
   }
-  return sum;
+  return sum.defined() ? sum.item<double>() : 0.0;
 }
 
 void ZeroOptimizer::ScaleGradients(double factor) {
