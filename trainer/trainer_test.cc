@@ -381,9 +381,24 @@ TEST(TrainerCheckpointTest, ZeroResumeIsBitExact) {
   ExpectResumeIsBitExact(config, "zero_resume");
 }
 
+// The error of this LibTorch's bf16 matrix product against the exact product
+// of the same bf16 inputs, relative to its largest element: about 4e-3 where
+// it accumulates in fp32 (oneDNN on CPUs with AVX-512), about 9e-2 where
+// LibTorch 1.13's fallback accumulates in bf16 (measured on an AMD EPYC
+// without AVX-512).
+double Bf16ProductError() {
+  torch::manual_seed(0);
+  const at::Tensor a = torch::randn({256, 1024}).to(at::kBFloat16), b = torch::randn({1024, 256}).to(at::kBFloat16);
+  const at::Tensor exact = at::mm(a.to(at::kFloat), b.to(at::kFloat));
+  return ((at::mm(a, b).to(at::kFloat) - exact).abs().max() / exact.abs().max()).item<double>();
+}
+
 // bf16 compute (fp32 master weights) tracks the fp32 loss curve: within 2% at
-// each of steps 191-200.
+// each of steps 191-200 where bf16 products accumulate in fp32, within 10%
+// where this LibTorch's own products accumulate in bf16.
 TEST(TrainerPrecisionTest, Bf16TracksFp32) {
+  const double product_error = Bf16ProductError();
+  const double bound = product_error < 1e-2 ? 0.02 : 0.10;
   TrainerConfig fp32 = SmallConfig(1);
   fp32.set_max_steps(200);
   TrainerConfig bf16 = fp32;
@@ -395,10 +410,12 @@ TEST(TrainerPrecisionTest, Bf16TracksFp32) {
   for (size_t i = 190; i < 200; ++i) {
     const double relative = std::abs(mixed[i] - reference[i]) / reference[i];
     worst = std::max(worst, relative);
-    EXPECT_LT(relative, 0.02) << "step " << i + 1;
+    EXPECT_LT(relative, bound) << "step " << i + 1 << " (bf16 product error " << product_error << ")";
   }
   EXPECT_LT(reference[199], reference[0] * 0.7) << "the model should learn";
-  std::printf("bf16 vs fp32 over steps 191-200: largest relative difference %.3g\n", worst);
+  EXPECT_LT(mixed[199], reference[0] * 0.7) << "bf16 should learn";
+  std::printf("bf16 vs fp32 over steps 191-200: largest relative difference %.3g (bf16 product error %.3g)\n", worst,
+              product_error);
 }
 
 // An inf gradient injected on one rank: every rank skips that update (weights
