@@ -224,8 +224,8 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     Bucket& bucket = zero->buckets_[index];
     bucket.pending = static_cast<int>(bucket.params.size());
     if (bucket.keep_full) return;
+    ZeroOptimizer* self = zero.get();
     for (size_t i = 0; i < bucket.params.size(); ++i) {
-      ZeroOptimizer* self = zero.get();
       const int slot = static_cast<int>(i);
       zero->hooks_.Add(bucket.params[i], [self, index, slot] {
         Bucket& bucket = self->buckets_[index];
@@ -260,13 +260,13 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
       // The part of the parameter inside this rank's chunk: [begin, end) of the bucket.
       const int64_t begin = std::max(bucket.offsets[i], chunk_begin);
       const int64_t end = std::min(bucket.offsets[i] + param.numel(), chunk_begin + chunk);
-      if (bucket.sharded && begin < end) {
-        bucket.chunk.narrow(0, begin - chunk_begin, end - begin)
-            .copy_(param.reshape({-1}).narrow(0, begin - bucket.offsets[i], end - begin));
-      } else if (!bucket.sharded) {
+      if (!bucket.sharded) {
         at::Tensor slot = bucket.buffer.narrow(0, bucket.offsets[i], param.numel());
         slot.copy_(param.reshape({-1}));
         param.set_data(slot.view(param.sizes()));  // the parameter now lives in the bucket
+      } else if (begin < end) {
+        bucket.chunk.narrow(0, begin - chunk_begin, end - begin)
+            .copy_(param.reshape({-1}).narrow(0, begin - bucket.offsets[i], end - begin));
       }
       if (begin < end && (!o.counted_in_norm || o.counted_in_norm(param))) {
         bucket.counted.narrow(0, begin - chunk_begin, end - begin).fill_(1);
