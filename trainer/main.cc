@@ -101,7 +101,7 @@ absl::Status RunRank(TrainerConfig config) {
     }
   }
   at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : onednn_products ? share : 1);
-  TuneAllocatorForTraining();
+  TuneAllocatorForTraining(/*sharded_parameters=*/config.zero_stage() == 3);
   TopologyOptions options;
   options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
   if (!config.strategy().empty()) options.mesh_axes = {};  // the search lays the ranks out

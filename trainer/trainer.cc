@@ -374,8 +374,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   return result;
 }
 
-void TuneAllocatorForTraining() {
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+void TuneAllocatorForTraining(bool sharded_parameters) {
+  mallopt(M_MMAP_THRESHOLD, sharded_parameters ? 1 << 20 : 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 

@@ -49,18 +49,50 @@ struct ZeroOptimizer::Bucket {
   at::Tensor full_grad;    // whole gradients (kept, or stage 2 while the bucket fills)
   at::Tensor counted;      // 1 where a chunk element belongs to a parameter in the norm
   int pending = 0;         // stage 2: gradients still to arrive in this round
-  // Stage 3: the parameters are released at rest (`buffer` undefined, `chunk`
-  // a tensor of its own), gathered while `holders` > 0.
+  // Stage 3: the parameters are released at rest (empty tensors, `buffer`'s
+  // storage freed, `chunk` a tensor of its own), gathered while `holders` > 0.
   bool sharded = false;
   std::vector<std::vector<int64_t>> shapes;  // the parameters' shapes
   int holders = 0;
-  std::optional<PendingWork> prefetch;  // an all-gather into `incoming` under way
-  at::Tensor incoming;
+  // A tensor sharing `buffer`'s storage left the layer that gathered it (a
+  // transposed weight passed to the next traced shard), or backward may reach
+  // that layer unannounced: Release then leaves the storage to that tensor
+  // and gives the bucket a new one.
+  bool escaped = false;
+  std::optional<PendingWork> prefetch;  // an all-gather into `buffer` under way
   // Stage 2 and 3: a reduce-scatter into `reduced` under way (issued from the
   // gradient hook, so backward goes on while the gradients travel).
   std::optional<PendingWork> reducing;
   at::Tensor reduced;
 };
+
+// Stage 3 frees a released bucket's memory inside its buffer's storage
+// instead of dropping the buffer: views autograd saved of the gathered
+// parameters (a transposed weight) share that storage, so they hold no memory
+// while the bucket is released, and see the values again once Gather has
+// refilled it, as it does before the layer's backward (BackwardReached).
+void FreeStorage(const at::Tensor& buffer) {
+  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, buffer.device()));
+  storage->set_nbytes(0);
+}
+
+// A buffer of `numel` elements whose storage holds no memory yet.
+at::Tensor UnallocatedBuffer(int64_t numel, const at::TensorOptions& options) {
+  at::Tensor buffer = at::empty({0}, options);
+  buffer.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
+  return buffer;
+}
+
+bool HasStorage(const at::Tensor& buffer) { return buffer.defined() && buffer.storage().nbytes() > 0; }
+
+void AllocateStorage(const at::Tensor& buffer) {
+  if (HasStorage(buffer)) return;
+  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+  const size_t bytes = buffer.numel() * buffer.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
 
 int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer, int64_t parameter_bytes) {
   int64_t held = 0;
@@ -252,7 +284,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     const at::TensorOptions options = bucket.params.front().options();
     // Stage 3 copies this rank's chunk straight from the parameters: no whole
     // bucket is made, and each parameter is released once its bucket is built.
-    if (!bucket.sharded) bucket.buffer = at::zeros({bucket.numel}, options);
+    bucket.buffer = bucket.sharded ? UnallocatedBuffer(bucket.numel, options) : at::zeros({bucket.numel}, options);
     bucket.chunk = bucket.sharded ? at::zeros({chunk}, options) : bucket.buffer.narrow(0, chunk_begin, chunk);
     bucket.counted = at::zeros({chunk}, options);
     for (size_t i = 0; i < bucket.params.size(); ++i) {
@@ -309,13 +341,12 @@ ZeroOptimizer::~ZeroOptimizer() {
 absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
   if (!bucket.sharded || bucket.holders++ > 0) return absl::OkStatus();
   if (!bucket.prefetch) {
-    bucket.incoming = at::empty({bucket.numel}, bucket.chunk.options());
-    TRIDENT_ASSIGN_OR_RETURN(bucket.prefetch, group_->IAllGather(bucket.chunk, bucket.incoming));
+    AllocateStorage(bucket.buffer);
+    TRIDENT_ASSIGN_OR_RETURN(bucket.prefetch, group_->IAllGather(bucket.chunk, bucket.buffer));
   }
   absl::Status waited = bucket.prefetch->Wait();
   bucket.prefetch.reset();
   TRIDENT_RETURN_IF_ERROR(waited);
-  bucket.buffer = std::move(bucket.incoming);
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < bucket.params.size(); ++i) {
     at::Tensor param = bucket.params[i];
@@ -329,7 +360,12 @@ void ZeroOptimizer::Release(Bucket& bucket) {
   if (!bucket.sharded || --bucket.holders > 0) return;
   c10::NoGradGuard no_grad;
   for (at::Tensor param : bucket.params) param.set_data(at::empty({0}, bucket.chunk.options()));
-  bucket.buffer = at::Tensor();
+  if (bucket.escaped) {
+    bucket.buffer = UnallocatedBuffer(bucket.numel, bucket.chunk.options());
+    bucket.escaped = false;
+  } else {
+    FreeStorage(bucket.buffer);
+  }
 }
 
 // Gathers a layer's buckets and starts the all-gathers of the next layer's.
@@ -344,8 +380,8 @@ void ZeroOptimizer::Prefetch(int64_t layer) {
   for (int b : layout_.layer_buckets[layer]) {
     Bucket& bucket = buckets_[b];
     if (!bucket.sharded || bucket.holders > 0 || bucket.prefetch) continue;
-    bucket.incoming = at::empty({bucket.numel}, bucket.chunk.options());
-    auto started = group_->IAllGather(bucket.chunk, bucket.incoming);
+    AllocateStorage(bucket.buffer);
+    auto started = group_->IAllGather(bucket.chunk, bucket.buffer);
     TORCH_CHECK(started.ok(), std::string(started.status().message()));
     bucket.prefetch = *std::move(started);
   }
@@ -359,6 +395,7 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
 }
 
 void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) {
+  bool announced = false;
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
     // An output passed on unchanged from an earlier layer belongs to that layer.
@@ -370,8 +407,16 @@ void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values
       BackwardReached(layer);
       return grad;
     });
+    announced = true;
   }
-  for (int b : layout_.layer_buckets[layer]) Release(buckets_[b]);
+  for (int b : layout_.layer_buckets[layer]) {
+    Bucket& bucket = buckets_[b];
+    bucket.escaped |= !announced && at::GradMode::is_enabled();
+    for (const at::Tensor& output : outputs) {
+      bucket.escaped |= output.defined() && output.storage().is_alias_of(bucket.buffer.storage());
+    }
+    Release(bucket);
+  }
 }
 
 void ZeroOptimizer::BackwardReached(int64_t layer) {
@@ -395,7 +440,7 @@ absl::Status ZeroOptimizer::ReleaseAllParameters(bool keep_changes) {
   const int64_t rank = group_->rank();
   for (Bucket& bucket : buckets_) {
     if (!bucket.sharded) continue;
-    if (keep_changes && bucket.buffer.defined()) {
+    if (keep_changes && HasStorage(bucket.buffer)) {
       bucket.chunk.detach().copy_(bucket.buffer.narrow(0, rank * bucket.chunk.numel(), bucket.chunk.numel()));
     }
     Release(bucket);
@@ -457,7 +502,7 @@ absl::Status ZeroOptimizer::FinishBackward() {
     if (!bucket.prefetch) continue;  // prefetched for a layer that did not run
     absl::Status waited = bucket.prefetch->Wait();
     bucket.prefetch.reset();
-    bucket.incoming = at::Tensor();
+    if (bucket.holders == 0) FreeStorage(bucket.buffer);
     if (!waited.ok() && first_error_.ok()) first_error_ = waited;
   }
   for (Bucket& bucket : buckets_) {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "base/memory_counter.h"
 #include "models/models.h"
 #include "testing/multiprocess.h"
 
@@ -149,6 +150,98 @@ TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
     // Stage 3: a quarter of the parameters at rest too.
     EXPECT_NEAR(reports[2].parameter_bytes, parameter_bytes / 4.0, 0.01 * parameter_bytes);
     EXPECT_NEAR(reports[1].parameter_bytes, parameter_bytes, 0.01 * parameter_bytes);
+  });
+}
+
+// Stage 3 between forward and backward: the views autograd keeps of the
+// gathered weights (the products' transposed matrices) hold no memory once
+// their layer is released, so a model of large weights and few activations
+// keeps far less than its parameters.
+TEST(ZeroMemoryTest, StageThreeKeepsNoGatheredWeightsForBackward) {
+  testing::RunOnRanks(2, [](int) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    ModelConfig config = TinyModel();
+    config.n_embd = 256;
+    config.n_head = 4;
+    config.n_kv_head = 4;
+    MemoryCounter& memory = MemoryCounter::Install();
+    auto model = *CreateModel(config, 5);
+    int64_t parameter_bytes = 0;
+    for (const auto& p : model->parameters()) parameter_bytes += p.numel() * 4;
+    ZeroOptions options;
+    options.stage = 3;
+    options.layers = model.get();
+    for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
+    auto zero = *ZeroOptimizer::Create(Groups(*model), &**(*topology)->Group("dp"), options, MakeAdamW);
+    const int64_t before = memory.live_bytes();
+    at::Tensor loss = model->Loss(torch::zeros({1, 2}, torch::kLong), torch::zeros({1, 2}, torch::kLong));
+    const int64_t kept = memory.live_bytes() - before;
+    std::printf("kept for backward: %lld bytes; parameters %lld bytes\n", static_cast<long long>(kept),
+                static_cast<long long>(parameter_bytes));
+    EXPECT_LT(kept, parameter_bytes / 10);
+    loss.backward();
+    EXPECT_TRUE(zero->FinishBackward().ok());
+    MemoryCounter::Uninstall();
+  });
+}
+
+// Two layers, the first passing its transposed weight on to the second, as a
+// traced shard may pass on a view it made of its parameter.
+class ViewPassingLayers : public LayerSequence, public torch::nn::Module {
+ public:
+  ViewPassingLayers() {
+    torch::manual_seed(3);
+    first = register_parameter("first", torch::randn({4, 4}));
+    second = register_parameter("second", torch::randn({4, 4}));
+  }
+  int64_t NumLayers() const override { return 2; }
+  std::string LayerName(int64_t i) const override { return i == 0 ? "first" : "second"; }
+  Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) override {
+    if (i == 0) return {torch::mm(batch.at(0), first.t()), first.t()};
+    return {torch::mm(inputs.at(0), inputs.at(1)) + torch::mm(inputs.at(0), second)};
+  }
+  NamedTensors LayerParameters(int64_t i) override {
+    return {i == 0 ? std::make_pair(std::string("first"), first) : std::make_pair(std::string("second"), second)};
+  }
+  at::Tensor Loss(const Values& outputs, const Batch&) override { return outputs.at(0).square().mean(); }
+  at::Tensor first, second;
+};
+
+// Stage 3 releases the first layer's bucket while the second still reads the
+// view passed on to it, in forward and in backward: it keeps its values, and
+// one SGD step equals one process's.
+TEST(ZeroStageThreeTest, ViewsPassedToTheNextLayerKeepTheirValues) {
+  testing::RunOnRanks(2, [](int) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    ViewPassingLayers plain, sharded;
+    ZeroOptions options;
+    options.stage = 3;
+    options.layers = &sharded;
+    options.layer_indices = {0, 1};
+    options.reduce_bucket_bytes = 16;  // a bucket per parameter
+    auto make_sgd = [](const std::vector<std::vector<at::Tensor>>& groups) -> std::unique_ptr<torch::optim::Optimizer> {
+      return std::make_unique<torch::optim::SGD>(groups.at(0), torch::optim::SGDOptions(0.1));
+    };
+    auto zero = ZeroOptimizer::Create({sharded.parameters()}, &**(*topology)->Group("dp"), options, make_sgd);
+    ASSERT_TRUE(zero.ok()) << zero.status();
+    const Batch batch = {torch::ones({3, 4})};
+    auto run = [&](LayerSequence& model) {
+      const Values hidden = model.RunLayer(0, {}, batch);
+      return model.Loss(model.RunLayer(1, hidden, batch), batch);
+    };
+    (*zero)->ZeroGrad();
+    (*zero)->PrepareForBackward(true);
+    run(sharded).backward();
+    ASSERT_TRUE((*zero)->FinishBackward().ok());
+    ASSERT_TRUE((*zero)->Step(0.1).ok());
+    run(plain).backward();
+    torch::optim::SGD(plain.parameters(), torch::optim::SGDOptions(0.1)).step();
+    ASSERT_TRUE((*zero)->GatherAllParameters().ok());
+    EXPECT_TRUE(torch::allclose(sharded.first, plain.first, 1e-6, 1e-6));
+    EXPECT_TRUE(torch::allclose(sharded.second, plain.second, 1e-6, 1e-6));
+    EXPECT_FALSE(torch::allclose(sharded.first, ViewPassingLayers().first)) << "the step changes the weights";
   });
 }
 
