@@ -84,7 +84,7 @@ at::Tensor UnallocatedBuffer(int64_t numel, const at::TensorOptions& options) {
   return buffer;
 }
 
-bool HasStorage(const at::Tensor& buffer) { return buffer.defined() && buffer.storage().nbytes() > 0; }
+bool HasStorage(const at::Tensor& buffer) { return buffer.storage().nbytes() > 0; }
 
 void AllocateStorage(const at::Tensor& buffer) {
   if (HasStorage(buffer)) return;
@@ -502,7 +502,7 @@ absl::Status ZeroOptimizer::FinishBackward() {
     if (!bucket.prefetch) continue;  // prefetched for a layer that did not run
     absl::Status waited = bucket.prefetch->Wait();
     bucket.prefetch.reset();
-    if (bucket.holders == 0) FreeStorage(bucket.buffer);
+    FreeStorage(bucket.buffer);  // no holders: a Gather would have taken the prefetch
     if (!waited.ok() && first_error_.ok()) first_error_ = waited;
   }
   for (Bucket& bucket : buckets_) {

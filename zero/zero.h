@@ -21,14 +21,13 @@
 //            and released after, gathered again when backward reaches the layer
 //            and released two layers later; the next layer's all-gathers start
 //            early (prefetch) in both directions. Gradients as in stage 2, no
-//            all-gather after the update. A released bucket frees the
-//            memory inside its buffer's storage, so the views autograd saves
-//            of a layer's weights (a transposed matrix) hold none either until
+//            all-gather after the update. A released bucket frees the memory
+//            inside its buffer's storage, so the views autograd saves of a
+//            layer's weights (a transposed matrix) hold none either until
 //            backward gathers the layer again (a view that leaves the layer,
 //            passed on to the next, keeps its memory: the bucket takes a new
-//            storage instead). Each rank copies its chunks
-//            straight from the parameters it is given, freeing them bucket
-//            by bucket.
+//            storage instead). Each rank copies its chunks straight from the
+//            parameters it is given, freeing them bucket by bucket.
 //
 //   auto zero = ZeroOptimizer::Create({decayed, not_decayed}, &dp, options,
 //       [](const std::vector<std::vector<at::Tensor>>& shards) { ...AdamW over them... });
