@@ -24,54 +24,25 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 logs="${1:-$root/build}"
-mkdir -p "$logs" build
-prefix="$root/.gpu_deps/root"
-if ls .gpu_deps/*.deb >/dev/null 2>&1; then
-  mkdir -p "$prefix"
-  for deb in .gpu_deps/*.deb; do dpkg -x "$deb" "$prefix"; done
-  export PATH="$prefix/usr/bin:$PATH"
-  export LD_LIBRARY_PATH="$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
-fi
-torch_dir=$(python3 -c 'import os, torch; print(os.path.join(torch.utils.cmake_prefix_path, "Torch"))') ||
-  { echo "validate: no PyTorch with CMake files found"; exit 1; }
-nvidia-smi -L || { echo "validate: no GPU visible"; exit 1; }
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-# NCCL's header comes with the nvidia-nccl wheel beside PyTorch.
-nccl_header=$(find /usr/include /usr/local/cuda/include \
-  "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null)" -name nccl.h 2>/dev/null | head -1)
-nccl_include=$(dirname "${nccl_header:-/nonexistent/nccl.h}")
-echo "nccl.h: ${nccl_header:-not found}"
-generator=()
-command -v ninja >/dev/null && generator=(-G Ninja)
+source tools/gpu/common.sh
 start=$SECONDS
-echo "== configure and build (LibTorch from $torch_dir)"
-cmake -S tools/gpu -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$torch_dir" \
-  -DCMAKE_PREFIX_PATH="$prefix/usr" -DProtobuf_PROTOC_EXECUTABLE="$prefix/usr/bin/protoc" \
-  -DNCCL_INCLUDE_DIR="$nccl_include" >"$logs/build.log" 2>&1 ||
-  { tail -60 "$logs/build.log"; exit 1; }
-# Keep going past errors so that one run lists every file that does not compile.
-keep_going=(-k 0)
-[ ${#generator[@]} -gt 0 ] || keep_going=(-k)
-cmake --build build -j"$(nproc)" --target train prepare_data checkpoint amp_amp_gpu_test parallel_parallel_gpu_test \
-  replace_replace_test \
-  -- "${keep_going[@]}" >>"$logs/build.log" 2>&1
+gpu_configure "$logs" || exit 1
+gpu_build "$logs" train prepare_data checkpoint amp_amp_gpu_test parallel_parallel_gpu_test base_aligned_linear_gpu_test \
+  replace_replace_test
 built=$?
-grep -E 'error:|undefined reference' "$logs/build.log" | sort -u >"$logs/errors.txt"
-echo "build: exit $built after $((SECONDS - start)) s, $(wc -l <"$logs/errors.txt") distinct error lines"
 compile_rest() {  # the other targets, to list every file that does not compile (VALIDATE_REST_S=0 skips)
   [ "${VALIDATE_REST_S:-300}" != 0 ] || return 0
   echo "== compile check of the rest of the tree (tests, benchmarks)"
   timeout "${VALIDATE_REST_S:-300}" cmake --build build -j"$(nproc)" -- "${keep_going[@]}" >"$logs/build_rest.log" 2>&1 ||
     { grep -E 'error:|undefined reference' "$logs/build_rest.log" | sort -u | head -60; return 1; }
 }
-if [ $built -ne 0 ]; then head -80 "$logs/errors.txt"; compile_rest; exit 1; fi
+if [ $built -ne 0 ]; then compile_rest; exit 1; fi
 
 status=0
 echo "== gpu tests"
 timeout 120 ctest --test-dir build -R 'gpu_test|replace_test' --output-on-failure || status=1
 
-find /usr/share/doc -name copyright | head -400 | xargs cat >build/text.txt 2>/dev/null
-build/prepare_data --input=build/text.txt --output_dir=build/data >/dev/null || exit 1
+gpu_data || exit 1
 
 echo "== checkpoint on the GPU: gpt-tiny, 20 steps straight against 10 + save + resume for 10"
 tiny=(--data=build/data --model=gpt --preset=gpt-tiny --device=cuda --dp=1 --micro_batch_size=8 --global_batch_size=8
@@ -100,12 +71,6 @@ print(f"traced GPT on CUDA, checkpoint_modules=Block against none over {len(plai
 assert len(plain) == len(recomputed) == 20 and worst <= 1e-5, worst
 PY
 
-median() {  # median tokens/s (and mfu) of a metrics file after the first 10 steps
-  python3 -c 'import json,statistics,sys
-rows=[json.loads(l) for l in open(sys.argv[1])][10:]
-print("%.0f tokens/s" % statistics.median(r["tokens_per_s"] for r in rows),
-      *("mfu %.1f%%" % (100 * statistics.median(r["mfu"] for r in rows)),) if rows and "mfu" in rows[0] else ())' "$1"
-}
 echo "== LoRA and text generation on the GPU: gpt2-124m (vocab 50257), bf16, batch 8 x 1024"
 mkdir -p build/lora
 printf 'r: 16\nalpha: 32\ntarget_modules: "c_attn"\ntarget_modules: "c_proj"\ntarget_modules: "c_fc"\n' >build/lora/lora.pbtxt
@@ -120,7 +85,7 @@ for run in full recompute replace lora; do
     --metrics_file="$logs/finetune_$run.jsonl" >"$logs/finetune_$run.log" 2>&1 ||
     { status=1; tail -20 "$logs/finetune_$run.log"; }
   grep -E "per rank:|LoRA adapter|module_replace|step 40/40|exported" "$logs/finetune_$run.log"
-  echo "$run fine-tuning: $(median "$logs/finetune_$run.jsonl")"
+  echo "$run fine-tuning: $(gpu_median "$logs/finetune_$run.jsonl")"
 done
 # Recomputation reruns the same kernels; the fused pairs round bf16 differently (the bias outside the GEMM).
 python3 - "$logs"/finetune_{full,recompute,replace}.jsonl <<'PY' || status=1
@@ -162,7 +127,7 @@ for precision in fp32 bf16; do
     >"$logs/trident_$precision.log" 2>&1 || { status=1; tail -20 "$logs/trident_$precision.log"; }
   grep -E "step $steps/$steps|model gpt" "$logs/trident_$precision.log"
   [ ${#profile[@]} -gt 0 ] && sed -n '/operators of step/,/GPU busy/p' "$logs/trident_$precision.log"
-  echo "trident $precision: $(median "$logs/trident_$precision.jsonl")"
+  echo "trident $precision: $(gpu_median "$logs/trident_$precision.jsonl")"
 done
 for peer in ${VALIDATE_PEERS-manual:fp32 manual:bf16 sdpa:bf16}; do
   attention=${peer%:*} precision=${peer#*:}
