@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include "base/aligned_linear.h"
 #include "base/recompute.h"
 #include "models/internal/architectures.h"
 #include "replace/replace.h"
@@ -160,7 +161,8 @@ class Gpt : public LanguageModel {
     if (i == NumLayers() - 1) {  // this rank's vocabulary slice of the logits (or the whole vocabulary's)
       if (lm_head) return lm_head(transformer->ln_f(x));
       at::Tensor normed = transformer->ln_f(x);
-      return F::linear(tp.parallel_vocab ? ColumnParallelInput(normed, tp) : normed, transformer->wte->weight);  // tied
+      return AlignedLinear(tp.parallel_vocab ? ColumnParallelInput(normed, tp) : normed, transformer->wte->weight,
+                           at::Tensor());  // tied
     }
     return transformer->blocks[i - 1]->forward(x);
   }

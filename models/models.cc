@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/aligned_linear.h"
 #include "base/rng.h"
 #include "base/status.h"
 #include "models/internal/architectures.h"
@@ -189,7 +190,8 @@ at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tenso
         logits.reshape({-1, logits.size(-1)}), targets.narrow(1, tp.rank * T, T).reshape({-1}));
     return ReduceFromTensorParallelRegion(shard / static_cast<double>(tp.size), tp.group);
   }
-  const at::Tensor rows = logits.reshape({-1, logits.size(-1)}), classes = targets.reshape({-1});
+  // On CUDA the head's logits are a view of a product padded to an aligned width: the loss reads the product.
+  const at::Tensor rows = PaddedForSoftmax(logits.reshape({-1, logits.size(-1)})), classes = targets.reshape({-1});
   return Uses("fused_cross_entropy") ? FusedCrossEntropy(rows, classes)
                                      : torch::nn::functional::cross_entropy(rows, classes);
 }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/aligned_linear.h"
 #include "base/module_names.h"
 #include "base/status.h"
 #include "tensor_parallel/tensor_parallel.h"
@@ -111,7 +112,7 @@ at::Tensor ColumnParallelLinearImpl::ForwardSkipBias(const at::Tensor& x) {
 }
 
 at::Tensor ColumnParallelLinearImpl::LocalProduct(const at::Tensor& x, const at::Tensor& b) {
-  at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, b);
+  at::Tensor y = AlignedLinear(ColumnParallelInput(x, tp_), weight, b);
   return adapter.defined() ? WithColumnAdapter(adapter, x, y, tp_, is_training()) : y;
 }
 
@@ -202,7 +203,7 @@ at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
     return bias.defined() ? y + bias : y;
   }
   // Plain mode is column mode at tp = 1 (a tp of size 1).
-  at::Tensor y = at::linear(ColumnParallelInput(x, tp_), weight, bias);
+  at::Tensor y = AlignedLinear(ColumnParallelInput(x, tp_), weight, bias);
   return adapter.defined() ? WithColumnAdapter(adapter, x, y, tp_, is_training()) : y;
 }
 
