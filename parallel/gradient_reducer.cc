@@ -10,7 +10,9 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
                                  const ProcessGroup* group, int64_t bucket_bytes,
                                  double predivide_factor)
     : group_(group != nullptr && group->size() > 1 ? group : nullptr),
-      predivide_factor_(predivide_factor) {
+      predivide_factor_(predivide_factor),
+      parameters_(parameters) {
+  if (group_ == nullptr) return;  // gradients as autograd makes them: nothing to sum
   const std::vector<std::vector<at::Tensor>> members = BucketsInBackwardOrder(parameters, bucket_bytes);
   buckets_.resize(members.size());
   for (size_t b = 0; b < members.size(); ++b) {
@@ -23,7 +25,6 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
       at::Tensor param = p;
       param.mutable_grad() = buckets_[b].buffer.narrow(0, offset, p.numel()).view(p.sizes());
       offset += p.numel();
-      if (group_ == nullptr) continue;
       const int index = static_cast<int>(b);
       hooks_.Add(param, [this, index] { OnGradientReady(index); });
     }
@@ -33,7 +34,15 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
 GradientReducer::~GradientReducer() = default;
 
 void GradientReducer::ZeroGrad() {
-  for (Bucket& bucket : buckets_) bucket.buffer.zero_();
+  if (group_ != nullptr) {
+    for (Bucket& bucket : buckets_) bucket.buffer.zero_();
+    return;
+  }
+  // Undefined, so that backward's first gradient becomes .grad itself (no fill, no add).
+  for (const at::Tensor& p : parameters_) {
+    at::Tensor param = p;
+    param.mutable_grad() = at::Tensor();
+  }
 }
 
 void GradientReducer::PrepareForBackward(bool last_micro_batch) {
@@ -63,7 +72,17 @@ void GradientReducer::Launch(Bucket& bucket) {
 }
 
 absl::Status GradientReducer::FinishBackward() {
-  if (group_ == nullptr) return absl::OkStatus();
+  if (group_ == nullptr) {
+    // A parameter backward did not reach gets zeros, as a bucket would give it:
+    // the optimizer then treats it as with data parallelism.
+    for (const at::Tensor& p : parameters_) {
+      if (!p.grad().defined()) {
+        at::Tensor param = p;
+        param.mutable_grad() = at::zeros_like(p);
+      }
+    }
+    return absl::OkStatus();
+  }
   // NOTE: buckets whose parameters got no gradient this step (unused parameters)
   // are launched here, in bucket order, so every rank issues the same sequence.
   for (Bucket& bucket : buckets_) {

@@ -4,6 +4,10 @@
 // into its bucket's flat buffer, so accumulation writes straight into the
 // buffer; and a bucket's all-reduce starts as soon as the last of its
 // gradients is accumulated, while backward continues with earlier layers.
+// Without a group to sum over there are no buckets: ZeroGrad leaves the
+// gradients undefined, backward's first gradient of a parameter becomes its
+// .grad (no zero fill, no addition), and FinishBackward gives the parameters
+// backward did not reach zeros.
 #ifndef TRIDENT_PARALLEL_GRADIENT_REDUCER_H_
 #define TRIDENT_PARALLEL_GRADIENT_REDUCER_H_
 
@@ -29,7 +33,7 @@ class GradientReducer {
                   int64_t bucket_bytes, double predivide_factor = 1.0);
   ~GradientReducer();
 
-  // Zeroes every gradient (the bucket buffers).
+  // Zeroes every gradient (the bucket buffers; without a group, undefines them).
   void ZeroGrad();
   // Call before each backward; `last_micro_batch` starts the all-reduces during it.
   void PrepareForBackward(bool last_micro_batch);
@@ -50,6 +54,7 @@ class GradientReducer {
 
   const ProcessGroup* group_;
   double predivide_factor_;
+  std::vector<at::Tensor> parameters_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_sizes_;  // parameters per bucket
   GradientAccumulatedHooks hooks_;

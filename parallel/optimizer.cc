@@ -61,6 +61,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     const double lr = options.lr(), decay = options.weight_decay(), eps = options.eps();
     const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
     std::map<std::pair<std::string, at::ScalarType>, GpuAdamWBatch> gpu;
+    // The fused kernel only reads the step counts: parameters at the same step
+    // on a device share one tensor (one fill per step, not one per parameter).
+    std::map<std::pair<std::string, int64_t>, at::Tensor> step_tensors;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const at::Tensor& grad = p.grad();
@@ -92,7 +95,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         batch.grads.push_back(grad);
         batch.exp_avgs.push_back(s.exp_avg());
         batch.exp_avg_sqs.push_back(s.exp_avg_sq());
-        batch.steps.push_back(at::full({}, static_cast<double>(s.step()), p.options().dtype(at::kFloat)));
+        at::Tensor& step = step_tensors[{p.device().str(), s.step()}];
+        if (!step.defined()) step = at::full({}, static_cast<double>(s.step()), p.options().dtype(at::kFloat));
+        batch.steps.push_back(step);
         continue;
       }
 #endif

@@ -48,9 +48,11 @@ class PlainDataParallel : public ParameterUpdate {
     return false;
   }
   void ScaleGradients(double factor) override {
+    std::vector<at::Tensor> grads;  // one multi-tensor kernel, not one per parameter (GPU launches)
     for (const at::Tensor& p : list_) {
-      if (p.grad().defined()) p.grad().mul_(factor);
+      if (p.grad().defined()) grads.push_back(p.grad());
     }
+    if (!grads.empty()) at::_foreach_mul_(grads, factor);
   }
   double LocalSquaredGradNorm() const override {
     std::vector<at::Tensor> grads;

@@ -20,8 +20,8 @@ TEST(ParameterUpdateTest, ClipGradNormCountsOnceAndScalesAll) {
   auto update = MakeParameterUpdate(options);
   ASSERT_TRUE(update.ok()) << update.status();
   auto set_grads = [&] {
-    a.grad().copy_(torch::tensor({3.0f, 0.0f}));
-    b.grad().copy_(torch::tensor({4.0f}));
+    a.mutable_grad() = torch::tensor({3.0f, 0.0f});
+    b.mutable_grad() = torch::tensor({4.0f});
   };
   (*update)->ZeroGrad();
   set_grads();
@@ -35,6 +35,30 @@ TEST(ParameterUpdateTest, ClipGradNormCountsOnceAndScalesAll) {
   set_grads();
   EXPECT_NEAR(*(*counted_b)->ClipGradNorm(0.1), 4.0, 1e-5);
   EXPECT_NEAR(a.grad()[0].item<float>(), 3.0 * 0.1 / 4.0, 1e-5);
+}
+
+// Without data parallelism ZeroGrad leaves gradients undefined (backward's
+// first one becomes .grad) and FinishBackward gives the parameters backward
+// did not reach zeros, so the optimizer updates them as under data parallelism.
+TEST(ParameterUpdateTest, OneRankTakesBackwardsGradientsAndZeroesTheUnreached) {
+  auto used = torch::ones({3}, torch::requires_grad());
+  auto unused = torch::ones({2}, torch::requires_grad());
+  ParameterUpdateOptions options;
+  options.parameters = {{"used", used}, {"unused", unused}};
+  options.counted = {used, unused};
+  options.make_optimizer = *MakeOptimizerFactory("sgd", ComponentArgs());
+  auto update = MakeParameterUpdate(options);
+  ASSERT_TRUE(update.ok()) << update.status();
+  for (int step = 0; step < 2; ++step) {
+    (*update)->ZeroGrad();
+    EXPECT_FALSE(used.grad().defined());
+    (*update)->PrepareForBackward(true);
+    (used * torch::tensor({1.0f, 2.0f, 3.0f})).sum().backward();
+    ASSERT_TRUE((*update)->FinishBackward().ok());
+    EXPECT_TRUE(torch::equal(used.grad(), torch::tensor({1.0f, 2.0f, 3.0f})));  // not added to the last step's
+    ASSERT_TRUE(unused.grad().defined());
+    EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({2})));
+  }
 }
 
 }  // namespace

@@ -107,7 +107,10 @@ class PipelineStageRunner::Impl {
   int stage_, stages_, chunks_;
   int micro_ = 0;
   std::vector<Slot> slots_;  // chunk * micro_ + m
-  std::vector<double> weights_, losses_;
+  std::vector<double> weights_;
+  // Each micro-batch's loss, read once the step's work is queued: reading one
+  // (a GPU sync) between forward and backward would idle the GPU.
+  std::vector<at::Tensor> losses_;
   std::vector<std::pair<PendingWork, at::Tensor>> sends_;  // in flight, with their tensors
   std::vector<PendingWork> posted_;  // receives started by kPostSendActivationRecvGrad
   internal::DeferredWeightGradients::Parameters parameters_;
@@ -151,7 +154,7 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
       at::Tensor loss = options_.loss ? options_.loss(x, batch) : layers_.Loss(x, batch);
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "the loss must be a scalar; it has shape ", loss.sizes());
-      losses_[m] = loss.item<double>();
+      losses_[m] = loss.detach();
       const double scale = options_.loss_scale ? options_.loss_scale() : 1.0;
       loss = loss * weights_[m];
       if (scale != 1.0) loss = loss * scale;
@@ -413,7 +416,7 @@ absl::StatusOr<std::vector<double>> PipelineStageRunner::Impl::Run(const std::ve
   }
   weights_ = weights;
   weights_.resize(micro_, 1.0 / std::max(1, micro_));
-  losses_.assign(micro_, 0.0);
+  losses_.assign(micro_, at::Tensor());
   slots_.clear();
   slots_.resize(chunks_ * micro_);
   peak_live = 0;
@@ -449,7 +452,10 @@ absl::StatusOr<std::vector<double>> PipelineStageRunner::Impl::Run(const std::ve
   TRIDENT_RETURN_IF_ERROR(CompleteSends(/*all=*/true));
   slots_.clear();
   if (!LastVirtual(chunks_ - 1)) return std::vector<double>();
-  return losses_;
+  std::vector<double> losses;
+  for (const at::Tensor& loss : losses_) losses.push_back(loss.defined() ? loss.item<double>() : 0.0);
+  losses_.clear();
+  return losses;
 }
 
 PipelineStageRunner::PipelineStageRunner(LayerSequence& layers, const ProcessGroup* pipeline,

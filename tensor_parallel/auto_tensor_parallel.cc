@@ -457,7 +457,7 @@ class Planner {
                        (IsNone(node->input(3)) || (end && *end >= ShapeOf(x)[d])) && step == 1;
       return all && set(node->output(), d, blocks);
     }
-    if (kind == "aten::select") {
+    if (kind == "aten::select" || kind == "aten::unbind") {  // unbind: a list of all the selects
       const int64_t at = dim_argument(1, rank);
       return at != d && set(node->output(), d > at ? d - 1 : d, blocks);
     }
