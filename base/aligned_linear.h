@@ -29,7 +29,10 @@ inline constexpr int64_t kAlignedWidth = 64;
 // the padded product, possibly reshaped), the padded product, contiguous,
 // with its pad columns set to -inf in place: its softmax is x's with zeros
 // appended, and a gradient flows to the product without the view's strided
-// copies. Otherwise `x` itself.
+// copies. Otherwise `x` itself. The test is of layout alone (x the first
+// columns of a contiguous base whose width is x's rounded up to
+// kAlignedWidth), so give it only results of those two: any such base's
+// columns past x are overwritten.
 at::Tensor PaddedForSoftmax(const at::Tensor& x);
 
 // The padded product itself, on any device: `width` >= weight.size(0) output
