@@ -5,6 +5,8 @@
 #                           does not compile (LOGDIR/errors.txt); returns the build's status
 prefix="$PWD/.gpu_deps/root"
 keep_going=(-k 0)
+# Every gpu-tagged test's CMake target: `ctest -R gpu_test` runs them all, so build them all.
+gpu_tests=(amp_amp_gpu_test parallel_parallel_gpu_test base_aligned_linear_gpu_test)
 
 gpu_configure() {
   local logs=$1

@@ -19,7 +19,7 @@ cd "$root"
 logs="${1:-$root/build}"
 source tools/gpu/common.sh
 tests=()
-[ "${PERF_TESTS:-0}" = 1 ] && tests=(amp_amp_gpu_test parallel_parallel_gpu_test base_aligned_linear_gpu_test)
+[ "${PERF_TESTS:-0}" = 1 ] && tests=("${gpu_tests[@]}")
 gpu_configure "$logs" && gpu_build "$logs" train prepare_data "${tests[@]}" && gpu_data || exit 1
 status=0
 if [ ${#tests[@]} -gt 0 ]; then

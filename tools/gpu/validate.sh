@@ -27,8 +27,7 @@ logs="${1:-$root/build}"
 source tools/gpu/common.sh
 start=$SECONDS
 gpu_configure "$logs" || exit 1
-gpu_build "$logs" train prepare_data checkpoint amp_amp_gpu_test parallel_parallel_gpu_test base_aligned_linear_gpu_test \
-  replace_replace_test
+gpu_build "$logs" train prepare_data checkpoint "${gpu_tests[@]}" replace_replace_test
 built=$?
 compile_rest() {  # the other targets, to list every file that does not compile (VALIDATE_REST_S=0 skips)
   [ "${VALIDATE_REST_S:-300}" != 0 ] || return 0
