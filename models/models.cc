@@ -190,10 +190,12 @@ at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tenso
         logits.reshape({-1, logits.size(-1)}), targets.narrow(1, tp.rank * T, T).reshape({-1}));
     return ReduceFromTensorParallelRegion(shard / static_cast<double>(tp.size), tp.group);
   }
-  // On CUDA the head's logits are a view of a product padded to an aligned width: the loss reads the product.
+  // On CUDA the head's logits are a view of a product padded to an aligned width: the loss reads the
+  // product, always through the fused cross-entropy's kernels (two passes over the logits in their own
+  // precision, where the unfused loss makes and reads several fp32 copies).
   const at::Tensor rows = PaddedForSoftmax(logits.reshape({-1, logits.size(-1)})), classes = targets.reshape({-1});
-  return Uses("fused_cross_entropy") ? FusedCrossEntropy(rows, classes)
-                                     : torch::nn::functional::cross_entropy(rows, classes);
+  return Uses("fused_cross_entropy") || rows.is_cuda() ? FusedCrossEntropy(rows, classes)
+                                                       : torch::nn::functional::cross_entropy(rows, classes);
 }
 
 bool LanguageModel::Offers(const std::string& pair) const {

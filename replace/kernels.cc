@@ -261,15 +261,44 @@ std::pair<at::Tensor, at::Tensor> CrossEntropyForward(const at::Tensor& logits, 
   return {loss, grad};
 }
 
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> Op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// On the CPU: the loss and its gradient from one fp32 buffer, made in forward
+// (all backward keeps). On CUDA: each row's log-sum-exp in one pass over the
+// logits (trident::cross_entropy_rows, kept with the logits), and backward
+// writes the gradient in the logits' precision in one more pass
+// (trident::cross_entropy_rows_backward); both kernels are in
+// cross_entropy_cuda.cu.
 struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                             int64_t ignore_index) {
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    if (logits.is_cuda()) {
+      static const auto rows_op =
+          Op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t)>(
+              "trident::cross_entropy_rows");
+      auto [lse, losses] = rows_op.call(logits, targets, ignore_index);
+      const at::Tensor count = targets.ne(ignore_index).sum().to(at::kFloat);
+      ctx->save_for_backward({logits, targets, lse, count});
+      ctx->saved_data["ignore_index"] = ignore_index;
+      return losses.sum().div_(count);
+    }
     auto [loss, grad] = CrossEntropyForward(logits, targets, ignore_index, /*gradient=*/true);
     ctx->saved_data["grad"] = grad;  // all backward needs: not the logits, not their log-softmax
-    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     return loss;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (ctx->saved_data.count("ignore_index") > 0) {  // the CUDA path
+      static const auto backward_op = Op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, int64_t)>("trident::cross_entropy_rows_backward");
+      const auto saved = ctx->get_saved_variables();
+      const at::Tensor scale = grads[0].to(at::kFloat) / saved[3];  // on the device: no wait for the loss
+      return {backward_op.call(saved[0], saved[1], saved[2], scale, ctx->saved_data["ignore_index"].toInt()),
+              at::Tensor(), at::Tensor()};
+    }
     at::Tensor grad = ctx->saved_data["grad"].toTensor();
     ctx->saved_data.erase("grad");  // the only reference: a leaf's .grad may take the buffer itself
     grad.mul_(grads[0]);  // in place: a graph is run backward once
@@ -286,11 +315,6 @@ at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& target
   return CrossEntropyForward(logits, targets, ignore_index, /*gradient=*/false).first;
 }
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> Op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trident, m) {
@@ -299,6 +323,10 @@ TORCH_LIBRARY_FRAGMENT(trident, m) {
         "Tensor? bias, float eps) -> (Tensor, Tensor)");
   m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> Tensor");
   m.def("cross_entropy(Tensor logits, Tensor targets, int ignore_index) -> Tensor");
+  // CUDA only (cross_entropy_cuda.cc): each row's log-sum-exp and loss in fp32; the logits' gradient.
+  m.def("cross_entropy_rows(Tensor logits, Tensor targets, int ignore_index) -> (Tensor, Tensor)");
+  m.def("cross_entropy_rows_backward(Tensor logits, Tensor targets, Tensor lse, Tensor scale, int ignore_index) -> "
+        "Tensor");
 }
 
 #define TRIDENT_REPLACE_KERNELS(m)                      \

@@ -18,7 +18,10 @@
 //                     operator: log-softmax in fp32 and, in the same forward, the
 //                     logits' gradient in that buffer, which is all backward
 //                     keeps (unfused, the log-softmax is kept and backward makes
-//                     two more buffers of the logits' size)
+//                     two more buffers of the logits' size); on CUDA (the CMake
+//                     GPU build) two kernels: each row's log-sum-exp in one pass
+//                     over the logits, and backward's gradient written in the
+//                     logits' precision in one more, nothing else of their size
 //
 // A pair replaces two kinds of originals:
 //   - modules, by type: each module of a model is offered to the pair's
