@@ -40,13 +40,15 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
   torch::Tensor Attend(const torch::Tensor& x) {
     torch::Tensor qkv = c_attn(x);  // [B, T, 3 * local width]: T is whole after the column input
     const int64_t B = qkv.size(0), T = qkv.size(1);
-    // unbind, not three selects: its backward stacks the three gradients in one
-    // copy, where each select's would fill a zero tensor of qkv's size and add.
-    const std::vector<torch::Tensor> qkv_parts =
-        qkv.view({B, T, 3, local_heads_, head_dim_}).permute({2, 0, 3, 1, 4}).unbind(0);
-    torch::Tensor k = qkv_parts[1], v = qkv_parts[2];
+    // unbind along the q/k/v axis, then heads first ([B, H, T, D] views): backward
+    // stacks the three gradients straight into qkv's layout, one copy (three
+    // selects would each fill a zero tensor of qkv's size and add; unbinding a
+    // heads-first permutation would need a second copy back to qkv's layout).
+    const std::vector<torch::Tensor> qkv_parts = qkv.view({B, T, 3, local_heads_, head_dim_}).unbind(2);
+    torch::Tensor q = qkv_parts[0].transpose(1, 2), k = qkv_parts[1].transpose(1, 2),
+                  v = qkv_parts[2].transpose(1, 2);
     if (cache_->active()) std::tie(k, v) = cache_->Append(block_, k, v);
-    torch::Tensor y = CausalAttention(qkv_parts[0], k, v, dropout_, is_training(), Uses("fused_attention"));
+    torch::Tensor y = CausalAttention(q, k, v, dropout_, is_training(), Uses("fused_attention"));
     return resid_dropout(c_proj(y.transpose(1, 2).reshape({B, T, local_heads_ * head_dim_})));
   }
 
