@@ -1,7 +1,7 @@
 // One gpt-tiny transformer block (n_embd 256, 4 heads) at tp = 1, 2 and 4:
 // forward + backward time of a [16, 128, 256] activation and the bytes each
 // rank communicates per forward + backward, with and without sequence
-// parallelism; one thread per rank.
+// parallelism, and sub-pipelined (tp_overlapping_level 1); one thread per rank.
 //
 //   bazel run -c opt //benchmarks:tensor_parallel_benchmark
 #include <benchmark/benchmark.h>
@@ -26,16 +26,17 @@ namespace {
 constexpr int kWarmup = 2, kTimed = 10;
 
 // One rank: times kTimed forward + backward passes of block 0; rank 0 reports
-// "milliseconds bytes" per pass. args: {sequence_parallel 0|1}.
+// "milliseconds bytes" per pass. args: {sequence_parallel 0|1, overlapping_level 0|1}.
 absl::Status RunWorker(const std::vector<std::string>& args, std::string* result) {
   const bool sequence_parallel = args.at(0) == "1";
+  const int overlapping_level = std::stoi(args.at(1));
   at::set_num_threads(1);
   TopologyOptions options;
   options.mesh_axes = {{"tensor", DeviceMesh::kInferSize}};
   TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment(options));
   const int tp = topology->world_size(), rank = topology->rank();
   TRIDENT_ASSIGN_OR_RETURN(ModelConfig config, PresetModelConfig("gpt", "gpt-tiny"));
-  config.tp = {tp, rank, "tp", sequence_parallel && tp > 1};
+  config.tp = {tp, rank, "tp", sequence_parallel && tp > 1, /*parallel_vocab=*/true, overlapping_level};
   TRIDENT_ASSIGN_OR_RETURN(auto block, CreateModelLayers(config, 1, 1, 2));
   const int64_t T = config.block_size / (config.tp.sequence_parallel ? tp : 1);
   at::Tensor x = at::randn({16, T, config.n_embd}).requires_grad_(true);
@@ -58,9 +59,10 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
 void BM_TransformerBlock(benchmark::State& state) {
   const int tp = static_cast<int>(state.range(0));
   const bool sequence_parallel = state.range(1) != 0;
+  const std::string overlapping_level = std::to_string(state.range(2));
   double ms = 0, bytes = 0;
   for (auto _ : state) {
-    auto results = testing::RunRankWorkers(tp, {sequence_parallel ? "1" : "0"});
+    auto results = testing::RunRankWorkers(tp, {sequence_parallel ? "1" : "0", overlapping_level});
     if (!results.ok()) {
       state.SkipWithError(std::string(results.status().message()).c_str());
       return;
@@ -71,8 +73,15 @@ void BM_TransformerBlock(benchmark::State& state) {
   state.counters["fwd_bwd_ms"] = ms;
   state.counters["bytes_per_rank"] = bytes;
 }
-BENCHMARK(BM_TransformerBlock)->Args({1, 0})->Args({2, 0})->Args({4, 0})->Args({2, 1})->Args({4, 1})
-    ->ArgNames({"tp", "sp"})->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_TransformerBlock)
+    ->Args({1, 0, 0})
+    ->Args({2, 0, 0})
+    ->Args({4, 0, 0})
+    ->Args({2, 1, 0})
+    ->Args({4, 1, 0})
+    ->Args({2, 0, 1})
+    ->Args({4, 0, 1})
+    ->ArgNames({"tp", "sp", "overlap"})->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trident

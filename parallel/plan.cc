@@ -20,6 +20,16 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
   if (p.sequence_parallel && p.tp == 1) {
     return invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
   }
+  if (p.tp_overlapping_level < 0 || p.tp_overlapping_level > 1) {
+    return invalid("tp_overlapping_level=", p.tp_overlapping_level,
+                   ": 0 (none) and 1 (sub-pipelined products inside each parallel layer) are implemented; "
+                   "2 and 3 (overlap across a transformer block, across blocks) are not");
+  }
+  if (p.tp_overlapping_level > 0 && p.sequence_parallel) {
+    return invalid("tp_overlapping_level=", p.tp_overlapping_level,
+                   " overlaps the all-reduces of tensor parallelism; with sequence_parallel the layers "
+                   "all-gather and reduce-scatter instead: set one of them off");
+  }
   if (p.zero_stage < 0 || p.zero_stage > 3) {
     return invalid("zero_stage=", p.zero_stage, " is unknown; choose 0, 1, 2 or 3");
   }

@@ -50,11 +50,29 @@ at::Tensor WithRowAdapter(const LowRankAdapter& adapter, const at::Tensor& x, co
   return AddAdapterOutput(adapter, RowParallelOutput(AdapterProduct(adapter, x, training), tp), y);
 }
 
+// Whether a layer's product is sub-pipelined (tp_overlapping_level 1).
+bool SubPipelined(const TensorParallelism& tp, const LowRankAdapter& adapter) {
+  return tp.overlapping_level >= 1 && tp.size > 1 && !tp.sequence_parallel && !adapter.defined();
+}
+
+// A column-parallel layer's output on this rank's columns for its input `x`
+// (replicated, or sequence shards), with bias `bias` (may be undefined).
+at::Tensor ColumnParallelProduct(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                 const LowRankAdapter& adapter, const TensorParallelism& tp, bool training) {
+  if (SubPipelined(tp, adapter)) return SubPipelinedColumnProduct(x, weight, bias, tp.group);
+  at::Tensor y = AlignedLinear(ColumnParallelInput(x, tp), weight, bias);
+  return adapter.defined() ? WithColumnAdapter(adapter, x, y, tp, training) : y;
+}
+
 // A row-parallel layer's output for its input features `x`: the partial
 // product summed over the group, the adapter's, then the replicated bias. At
 // tp = 1 the bias enters the product (one kernel fewer per layer on the GPU).
 at::Tensor RowParallelProduct(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                               const LowRankAdapter& adapter, const TensorParallelism& tp, bool training) {
+  if (SubPipelined(tp, adapter)) {
+    const at::Tensor y = SubPipelinedRowProduct(x, weight, tp.group);
+    return bias.defined() ? y + bias : y;
+  }
   const bool bias_in_product = tp.size == 1;
   at::Tensor y = RowParallelOutput(at::linear(x, weight, bias_in_product ? bias : at::Tensor()), tp);
   if (adapter.defined()) y = WithRowAdapter(adapter, x, y, tp, training);
@@ -123,8 +141,7 @@ at::Tensor ColumnParallelLinearImpl::ForwardSkipBias(const at::Tensor& x) {
 }
 
 at::Tensor ColumnParallelLinearImpl::LocalProduct(const at::Tensor& x, const at::Tensor& b) {
-  at::Tensor y = AlignedLinear(ColumnParallelInput(x, tp_), weight, b);
-  return adapter.defined() ? WithColumnAdapter(adapter, x, y, tp_, is_training()) : y;
+  return ColumnParallelProduct(x, weight, b, adapter, tp_, is_training());
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features,
@@ -210,8 +227,7 @@ at::Tensor ParallelLinearImpl::forward(const at::Tensor& x) {
     return RowParallelProduct(x, weight, bias, adapter, tp_, is_training());
   }
   // Plain mode is column mode at tp = 1 (a tp of size 1).
-  at::Tensor y = AlignedLinear(ColumnParallelInput(x, tp_), weight, bias);
-  return adapter.defined() ? WithColumnAdapter(adapter, x, y, tp_, is_training()) : y;
+  return ColumnParallelProduct(x, weight, bias, adapter, tp_, is_training());
 }
 
 namespace {

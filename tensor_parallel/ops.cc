@@ -1,5 +1,9 @@
 // The tensor-parallel collectives as registered operators with autograd.
+#include <algorithm>
 #include <atomic>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -7,6 +11,8 @@
 #include <torch/library.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/aligned_linear.h"
+#include "base/autocast_state.h"
 #include "tensor_parallel/tensor_parallel.h"
 #include "topology/topology.h"
 
@@ -229,6 +235,115 @@ at::Tensor CrossEntropyAutograd(const at::Tensor& logits, const at::Tensor& targ
   return CrossEntropy::apply(logits, targets, std::string(g));
 }
 
+// ---- sub-pipelined products (tp_overlapping_level 1) ----
+
+// Row blocks [start, start + rows) of a product of `rows` rows: kSubBatches
+// near-equal ones, each reduced as soon as it is computed.
+constexpr int64_t kSubBatches = 2;
+
+std::vector<std::pair<int64_t, int64_t>> RowBlocks(int64_t rows) {
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  const int64_t count = std::max<int64_t>(1, std::min(kSubBatches, rows));
+  for (int64_t b = 0, start = 0; b < count; ++b) {
+    const int64_t end = rows * (b + 1) / count;
+    blocks.emplace_back(start, end - start);
+    start = end;
+  }
+  return blocks;
+}
+
+// Starts the all-reduce of the contiguous block `rows` of `y`, computed first by `compute(block)`.
+template <typename Compute>
+PendingWork ComputeAndStartAllReduce(const ProcessGroup& group, at::Tensor& y, std::pair<int64_t, int64_t> rows,
+                                     Compute compute) {
+  at::Tensor block = y.narrow(0, rows.first, rows.second);
+  compute(block, rows);
+  auto started = group.IAllReduce(block);
+  Check(started.status());
+  bytes_communicated += 2 * Bytes(block) * (group.size() - 1) / group.size();
+  return std::move(*started);
+}
+
+// Waits for every started reduction (all of them, even after a failure), then reports the first failure.
+void WaitAll(std::vector<PendingWork>& started) {
+  absl::Status first = absl::OkStatus();
+  for (PendingWork& work : started) {
+    absl::Status waited = work.Wait();
+    if (first.ok()) first = waited;
+  }
+  Check(first);
+}
+
+at::Tensor Rows(const at::Tensor& x) { return x.reshape({-1, x.size(-1)}); }
+
+std::vector<int64_t> WithLastSize(at::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> out(sizes.begin(), sizes.end());
+  out.back() = last;
+  return out;
+}
+
+// A column-parallel layer's product from replicated input: forward as linear;
+// backward sums the input's gradient over the group block by block, the
+// blocks travelling while the weight's gradient is computed.
+struct SubPipelinedColumn : torch::autograd::Function<SubPipelinedColumn> {
+  // `bias` is empty for a layer without one (a custom function takes no undefined inputs).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, std::string group) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["bias"] = bias.numel() > 0;
+    return AlignedLinear(x, weight, bias.numel() > 0 ? bias : at::Tensor());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const at::Tensor g = Rows(grads[0]);
+    const ProcessGroup& group = GroupNamed(ctx->saved_data["group"].toStringRef());
+    at::Tensor grad_x = at::empty({g.size(0), weight.size(1)}, g.options());
+    std::vector<PendingWork> started;
+    for (const auto& rows : RowBlocks(g.size(0))) {
+      started.push_back(ComputeAndStartAllReduce(group, grad_x, rows, [&](at::Tensor& block, auto r) {
+        at::mm_out(block, g.narrow(0, r.first, r.second), weight);
+      }));
+    }
+    at::Tensor grad_weight = g.t().mm(Rows(x));
+    at::Tensor grad_bias = ctx->saved_data["bias"].toBool() ? g.sum(0) : at::Tensor();
+    WaitAll(started);
+    return {grad_x.view(x.sizes()), grad_weight, grad_bias, at::Tensor()};
+  }
+};
+
+// A row-parallel layer's product summed over the group: each block of rows
+// travels while the next is multiplied; backward as linear's (no collective).
+struct SubPipelinedRow : torch::autograd::Function<SubPipelinedRow> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, std::string group) {
+    ctx->save_for_backward({x, weight});
+    const at::Tensor rows = Rows(x), weight_t = weight.t();
+    at::Tensor y = at::empty({rows.size(0), weight.size(0)}, rows.options());
+    const ProcessGroup& process_group = GroupNamed(group);
+    std::vector<PendingWork> started;
+    for (const auto& blocks : RowBlocks(rows.size(0))) {
+      started.push_back(ComputeAndStartAllReduce(process_group, y, blocks, [&](at::Tensor& block, auto r) {
+        at::mm_out(block, rows.narrow(0, r.first, r.second), weight_t);
+      }));
+    }
+    WaitAll(started);
+    return y.view(WithLastSize(x.sizes(), weight.size(0)));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const at::Tensor g = Rows(grads[0]);
+    return {g.mm(weight).view(x.sizes()), g.t().mm(Rows(x)), at::Tensor()};
+  }
+};
+
+// Under autocast, `t` in the autocast dtype (as linear's operands would be), through a recorded cast.
+at::Tensor AutocastOperand(const at::Tensor& t) {
+  const AutocastState autocast = GetAutocastState(t.device().type());
+  return autocast.enabled && at::isFloatingType(t.scalar_type()) ? t.to(autocast.dtype) : t;
+}
+
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> Op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
@@ -309,6 +424,16 @@ at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor&
       Op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>(
           "trident::vocab_parallel_cross_entropy");
   return op.call(logits, targets, group);
+}
+
+at::Tensor SubPipelinedColumnProduct(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                     const std::string& group) {
+  const at::Tensor b = bias.defined() ? AutocastOperand(bias) : at::empty({0}, weight.options());
+  return SubPipelinedColumn::apply(AutocastOperand(x), AutocastOperand(weight), b, group);
+}
+
+at::Tensor SubPipelinedRowProduct(const at::Tensor& x, const at::Tensor& weight, const std::string& group) {
+  return SubPipelinedRow::apply(AutocastOperand(x), AutocastOperand(weight), group);
 }
 
 int64_t TensorParallelBytesCommunicated() { return bytes_communicated.load(); }

@@ -54,6 +54,11 @@ struct TensorParallelism {
   // split over the group (the vocabulary-parallel embedding, head and loss);
   // false keeps both whole on every rank.
   bool parallel_vocab = true;
+  // Merak's tp_overlapping_level: 0 none; 1 sub-pipelined products inside each
+  // column- and row-parallel layer (without sequence parallelism or an
+  // adapter): the product runs in row blocks and each block's all-reduce
+  // travels while the next block, or the weight's gradient, is computed.
+  int overlapping_level = 0;
 };
 
 // The operators, called through the dispatcher (so they trace and autograd).
@@ -77,6 +82,19 @@ at::Tensor ColumnParallelInput(const at::Tensor& x, const TensorParallelism& tp)
 // The output of a row-parallel product: summed over the group, or
 // reduce-scattered into sequence shards; `y` itself at tp = 1.
 at::Tensor RowParallelOutput(const at::Tensor& y, const TensorParallelism& tp);
+
+// Merak's sub-pipelined tensor parallelism (overlapping_level 1): a layer's
+// product in row blocks, each block's all-reduce started as soon as the block
+// is computed. Column: `x` replicated, returns linear(x, weight, bias) on this
+// rank's columns; backward sums x's gradient over `group` block by block while
+// the weight's gradient is computed. Row: `x` this rank's input features,
+// returns linear(x, weight) summed over `group`, each block travelling while
+// the next is multiplied; backward has no collective. Values equal the
+// blocking layers' (ColumnParallelInput + linear; linear + RowParallelOutput);
+// under autocast the operands are cast as linear's would be.
+at::Tensor SubPipelinedColumnProduct(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                     const std::string& group);
+at::Tensor SubPipelinedRowProduct(const at::Tensor& x, const at::Tensor& weight, const std::string& group);
 
 // Bytes this process has sent through the operators above (all-reduce counted
 // as 2 (p-1)/p of the tensor, all-gather and reduce-scatter as (p-1)/p of the

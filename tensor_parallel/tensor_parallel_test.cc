@@ -9,6 +9,7 @@
 
 #include "graph/model_graph.h"
 #include "testing/multiprocess.h"
+#include "topology/topology.h"
 
 namespace trident {
 namespace {
@@ -104,15 +105,21 @@ INSTANTIATE_TEST_SUITE_P(Ranks, TensorParallelOpsTest, ::testing::Values(2, 4));
 
 // A column-then-row MLP and a vocabulary-parallel embedding built from slices
 // of full weights compute the full layers' outputs and weight gradients, with
-// and without sequence parallelism.
-class TensorParallelLayersTest : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+// and without sequence parallelism, and sub-pipelined (tp_overlapping_level 1).
+class TensorParallelLayersTest : public ::testing::TestWithParam<std::tuple<int, bool, int>> {};
+
+int64_t AllReducesIssued() {
+  const auto times = CommunicationTimes();
+  const auto found = times.find("all_reduce");
+  return found == times.end() ? 0 : found->second.operations;
+}
 
 TEST_P(TensorParallelLayersTest, LayersEqualTheirUnshardedForm) {
-  const auto [p, sequence_parallel] = GetParam();
-  testing::RunOnRanks(p, [p = p, sp = sequence_parallel](int r) {
+  const auto [p, sequence_parallel, overlapping_level] = GetParam();
+  testing::RunOnRanks(p, [p = p, sp = sequence_parallel, level = overlapping_level](int r) {
     auto topology = testing::JoinTopology({{"tensor", p}});
     ASSERT_TRUE(topology.ok()) << topology.status();
-    const TensorParallelism tp{p, r, "tp", sp};
+    const TensorParallelism tp{p, r, "tp", sp, /*parallel_vocab=*/true, level};
     const int64_t C = 8, H = 16, V = 12;
     const at::Tensor W1 = Shared({3 * H, C}, 5), b1 = Shared({3 * H}, 6);
     const at::Tensor W2 = Shared({C, 3 * H}, 7), b2 = Shared({C}, 8), E = Shared({V, C}, 9);
@@ -142,12 +149,19 @@ TEST_P(TensorParallelLayersTest, LayersEqualTheirUnshardedForm) {
       embedding->weight.copy_(embedding->weight_shard().Slice(E));
     }
     at::Tensor x = (sp ? X.chunk(p, 1)[r] : X).clone().requires_grad_(true);
+    const int64_t all_reduces_before = AllReducesIssued();
     at::Tensor y = row->forward(at::gelu(column->forward(x))) + embedding->forward(ids);
     const at::Tensor mine = sp ? expected.detach().chunk(p, 1)[r] : expected.detach();
     ExpectClose(y, mine, "output");
     // With sequence parallelism each rank's loss covers its shard, and the
     // losses sum to the reference; without, every rank's loss is the reference.
     (y * y).sum().backward();
+    if (!sp) {
+      // The column layer's input gradient and the row layer's output: one
+      // all-reduce each, or one per block of 4 rows when sub-pipelined; and
+      // the embedding's.
+      EXPECT_EQ(AllReducesIssued() - all_reduces_before, level == 1 ? 2 * 2 + 1 : 1 + 1 + 1);
+    }
     if (sp) ASSERT_TRUE(SequenceParallelGradients({row->bias}, "tp").ok());
     ExpectClose(column->weight.grad(), column->weight_shard().Slice(full[0].grad()), "column weight");
     ExpectClose(column->bias.grad(), column->weight_shard().Slice(full[1].grad()), "column bias");
@@ -158,8 +172,10 @@ TEST_P(TensorParallelLayersTest, LayersEqualTheirUnshardedForm) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(RanksAndSequenceParallel, TensorParallelLayersTest,
-                         ::testing::Combine(::testing::Values(2, 4), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(RanksSequenceParallelAndSubPipelining, TensorParallelLayersTest,
+                         ::testing::Values(std::make_tuple(2, false, 0), std::make_tuple(2, true, 0),
+                                           std::make_tuple(2, false, 1), std::make_tuple(4, false, 0),
+                                           std::make_tuple(4, true, 0), std::make_tuple(4, false, 1)));
 
 TEST(ShardSpecTest, SliceAndUnsliceRoundTripWithBlocks) {
   const at::Tensor full = at::arange(24).view({12, 2});

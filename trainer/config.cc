@@ -332,6 +332,7 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.tp = c.tp();
   plan.pp = c.pp();
   plan.sequence_parallel = c.sequence_parallel();
+  plan.tp_overlapping_level = c.tp_overlapping_level();
   plan.tp_split_all = c.tp_split_all();
   plan.tp_layer_lists = LayerListsFromConfig(c).value_or(TensorParallelLayerLists());
   plan.virtual_stages = c.virtual_stages();

@@ -125,6 +125,15 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("tp_plan_report prints the automatic tensor-parallel plan of a run with tp > 1"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_sequence_parallel(true); }, 1),
               HasSubstr("sequence_parallel needs tp > 1"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_tp_overlapping_level(2); }, 1),
+              HasSubstr("tp_overlapping_level=2: 0 (none) and 1"));
+  EXPECT_THAT(error([](TrainerConfig& c) {
+                c.set_dp(1);
+                c.set_tp(2);
+                c.set_sequence_parallel(true);
+                c.set_tp_overlapping_level(1);
+              }, 2),
+              HasSubstr("with sequence_parallel the layers all-gather and reduce-scatter instead"));
   EXPECT_THAT(error([](TrainerConfig& c) {
                 c.set_dp(1);
                 c.set_pp(2);

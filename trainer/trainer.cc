@@ -62,7 +62,8 @@ absl::StatusOr<std::vector<Batch>> Trainer::Impl::MicroBatches(const Dataset& da
 absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
   TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, world_size));
   ModelContext context;
-  context.tp = {config.tp(), 0, "tp", config.sequence_parallel(), config.parallel_vocab()};
+  context.tp = {config.tp(), 0, "tp", config.sequence_parallel(), config.parallel_vocab(),
+                config.tp_overlapping_level()};
   context.seed = config.seed();
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, context, false));
   TRIDENT_RETURN_IF_ERROR(CheckSource(parts.model, PlanFromConfig(config)));
@@ -81,7 +82,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   context.seed = config.seed();
   if (config.tp() > 1) {
     TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * tp, topology->Group("tensor"));
-    context.tp = {config.tp(), tp->rank(), tp->name(), config.sequence_parallel(), config.parallel_vocab()};
+    context.tp = {config.tp(),
+                  tp->rank(),
+                  tp->name(),
+                  config.sequence_parallel(),
+                  config.parallel_vocab(),
+                  config.tp_overlapping_level()};
   }
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, context, true));
   ParallelPlan plan = PlanFromConfig(config);

@@ -188,13 +188,15 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
     const char* model;
     int dp, tp, pp;
     bool sequence_parallel = false;
+    int overlapping_level = 0;  // tp_overlapping_level: 1 sub-pipelines every parallel layer
   };
   std::map<std::string, std::vector<double>> single;
   for (const Layout& layout :
        {Layout{"gpt", 1, 2, 1}, Layout{"gpt", 1, 4, 1}, Layout{"gpt", 1, 2, 1, true},
         Layout{"gpt", 1, 4, 1, true}, Layout{"llama", 1, 2, 1}, Layout{"llama", 1, 4, 1},
         Layout{"llama", 1, 2, 1, true}, Layout{"llama", 1, 4, 1, true},
-        Layout{"gpt", 2, 2, 2, true}}) {
+        Layout{"gpt", 2, 2, 2, true}, Layout{"gpt", 1, 2, 1, false, 1}, Layout{"llama", 1, 4, 1, false, 1},
+        Layout{"gpt", 2, 2, 2, false, 1}}) {
     auto configure = [&](int dp, int tp, int pp) {
       TrainerConfig config = SmallConfig(dp);
       config.set_model(layout.model);
@@ -204,13 +206,15 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
       config.set_pp(pp);
       config.set_micro_batch_size(2);
       config.set_sequence_parallel(tp > 1 && layout.sequence_parallel);
+      config.set_tp_overlapping_level(layout.overlapping_level);
       return config;
     };
     if (!single.count(layout.model)) {
       single[layout.model] = TrainOnRanks(configure(1, 1, 1), absl::StrCat("tp_reference_", layout.model));
     }
-    const std::string tag = absl::StrCat(layout.model, "_dp", layout.dp, "_tp", layout.tp, "_pp",
-                                         layout.pp, layout.sequence_parallel ? "_sp" : "");
+    const std::string tag =
+        absl::StrCat(layout.model, "_dp", layout.dp, "_tp", layout.tp, "_pp", layout.pp,
+                     layout.sequence_parallel ? "_sp" : "", layout.overlapping_level > 0 ? "_overlap" : "");
     SCOPED_TRACE(tag);
     ExpectSameLosses(single[layout.model], TrainOnRanks(configure(layout.dp, layout.tp, layout.pp), tag),
                      1e-5);
