@@ -30,7 +30,6 @@ fi
 steps=${PERF_STEPS:-40}
 runs=${PERF_RUNS:-"micro8
 micro16 --micro_batch_size=16 --global_batch_size=16
-fused_loss --module_replace=fused_cross_entropy
 fused_all --module_replace=fused_attention,fused_layer_norm,fused_bias_gelu,fused_cross_entropy"}
 first=1
 while read -r name flags; do
