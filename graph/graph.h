@@ -87,6 +87,10 @@ class LayerSequence {
   // keeping the tensors' identities. The default moves LayerParameters of the
   // layers in [0, NumLayers()) that are materialised.
   virtual void To(const at::Device& device);
+  // Parts built with deferred values (ModelSource::build_deferred) draw the
+  // values of the parameters layer i reads here, those not drawn yet; the
+  // same values `build` gives. The default (values drawn when built): nothing.
+  virtual void MaterializeLayer(int64_t /*i*/) {}
   // Incremental decoding (text generation with a key/value cache), for models
   // that offer it: after StartDecoding each forward takes only the positions
   // that follow those already given (token ids for layer 0), which attend to

@@ -359,7 +359,8 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
 
 absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
                                                                  uint64_t seed,
-                                                                 const LayerRanges& ranges) {
+                                                                 const LayerRanges& ranges,
+                                                                 bool defer_values) {
   TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(config));
   for (const auto& [first_layer, end_layer] : ranges) {
     if (first_layer < 0 || end_layer > config.n_layer + 2 || first_layer >= end_layer) {
@@ -373,36 +374,52 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
     if (config.model == "gpt") model = internal::BuildGpt(config, ranges);
     if (config.model == "llama") model = internal::BuildLlama(config, ranges);
     if (config.model == "mlp") model = internal::BuildMlp(config, ranges);
-    torch::NoGradGuard no_grad;
     const double std = config.init_method_std;
     const double residual_std = std / std::sqrt(2.0 * config.n_layer);
-    const std::map<std::string, ShardSpec> shards = model->ParameterShards();
-    for (auto& item : model->named_parameters()) {
-      const std::string& name = item.key();
-      at::Tensor& p = item.value();
+    auto draw = [config, seed, std, residual_std, shards = model->ParameterShards()](const std::string& name,
+                                                                                     at::Tensor& p) {
+      torch::NoGradGuard no_grad;
       if (p.dim() >= 2) {
         // GPT-2: residual projections get a smaller std.
-        const bool residual = config.model == "gpt" && absl::EndsWith(name, "c_proj.weight");
+        const double drawn_std = config.model == "gpt" && absl::EndsWith(name, "c_proj.weight") ? residual_std : std;
         auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, name));
         auto shard = shards.find(name);
         if (shard == shards.end()) {
-          p.normal_(0.0, residual ? residual_std : std, generator);
-          continue;
+          p.normal_(0.0, drawn_std, generator);
+          return;
         }
         // A shard is the slice of the weight the single-process model draws.
         std::vector<int64_t> full = p.sizes().vec();
         full[shard->second.dim] *= shard->second.parts;
-        p.copy_(shard->second.Slice(at::empty(full).normal_(0.0, residual ? residual_std : std,
-                                                            generator)));
+        p.copy_(shard->second.Slice(at::empty(full).normal_(0.0, drawn_std, generator)));
       } else if (absl::EndsWith(name, "bias")) {
         p.zero_();
       } else {
         p.fill_(1.0);  // norm scales
       }
+    };
+    if (defer_values) {
+      model->DeferValues(draw);
+    } else {
+      for (auto& item : model->named_parameters()) draw(item.key(), item.value());
     }
   });
   TRIDENT_RETURN_IF_ERROR(built);
   return model;
+}
+
+void LanguageModel::DeferValues(std::function<void(const std::string&, at::Tensor&)> draw) {
+  draw_ = std::move(draw);
+  for (const auto& item : named_parameters()) undrawn_[item.value().unsafeGetTensorImpl()] = item.key();
+}
+
+void LanguageModel::MaterializeLayer(int64_t i) {
+  for (auto& [name, p] : LayerParameters(i)) {
+    auto undrawn = undrawn_.find(p.unsafeGetTensorImpl());
+    if (undrawn == undrawn_.end()) continue;
+    draw_(undrawn->second, p);
+    undrawn_.erase(undrawn);
+  }
 }
 
 }  // namespace trident

@@ -14,6 +14,7 @@
 #define TRIDENT_MODELS_MODELS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -118,6 +119,12 @@ class LanguageModel : public torch::nn::Module, public LayerSequence, public Rep
   // Number of scalar parameters, tied ones counted once.
   int64_t NumParameters() const;
   const ModelConfig& config() const { return config_; }
+  // A model built with deferred values (CreateModelLayers' defer_values)
+  // draws the values of layer i's parameters here, those not drawn yet.
+  void MaterializeLayer(int64_t i) override;
+  // Defers the initial values of every parameter: `draw` (stored name,
+  // parameter) writes one when MaterializeLayer reaches it.
+  void DeferValues(std::function<void(const std::string&, at::Tensor&)> draw);
 
  protected:
   // The parameter prefix of the blocks, such as "transformer.h.".
@@ -129,6 +136,8 @@ class LanguageModel : public torch::nn::Module, public LayerSequence, public Rep
   ModelConfig config_;
   LayerRanges ranges_;
   std::shared_ptr<internal::KeyValueCache> cache_;
+  std::function<void(const std::string&, at::Tensor&)> draw_;
+  std::map<const c10::TensorImpl*, std::string> undrawn_;  // stored names
 };
 
 // Builds `config`'s model. Every parameter is drawn from its own generator,
@@ -146,10 +155,13 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
                                                                  int64_t first_layer,
                                                                  int64_t end_layer);
 // The same for several ranges, such as the model chunks of an interleaved
-// pipeline rank (layers [0, 2) and [6, 8) of 12).
+// pipeline rank (layers [0, 2) and [6, 8) of 12). With `defer_values` the
+// parameters' memory is reserved but not written (so it is not resident) and
+// MaterializeLayer(i) draws layer i's values, the same ones.
 absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
                                                                  uint64_t seed,
-                                                                 const LayerRanges& ranges);
+                                                                 const LayerRanges& ranges,
+                                                                 bool defer_values = false);
 
 }  // namespace trident
 

@@ -1,6 +1,7 @@
 #include "models/models.h"
 
 #include <cmath>
+#include <set>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -320,6 +321,40 @@ TEST_P(EveryModelTest, PartsBuiltAloneMatchTheWholeModel) {
   } catch (const std::out_of_range& e) {
     EXPECT_THAT(e.what(), HasSubstr("(layers 0 to 0, 3 to 4)"));
   }
+}
+
+// Deferred values (ZeRO-3's build): a layer's parameters get their values
+// when MaterializeLayer reaches the first layer that reads them, the values
+// the model built whole has, and only once (a tied embedding keeps the first
+// layer's, whatever it became since).
+TEST_P(EveryModelTest, DeferredValuesAreDrawnLayerByLayer) {
+  const std::string preset = GetParam();
+  ModelConfig c = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  c.n_layer = 3;
+  auto whole = Make(c, 21);
+  auto whole_params = whole->named_parameters();
+  auto deferred = CreateModelLayers(c, 21, LayerRanges{{0, 5}}, /*defer_values=*/true);
+  ASSERT_TRUE(deferred.ok()) << deferred.status();
+  auto params = (*deferred)->named_parameters();
+  torch::NoGradGuard no_grad;
+  for (auto& item : params) item.value().fill_(-7.0f);  // whatever the memory held
+  std::set<const c10::TensorImpl*> drawn;
+  for (int64_t i = 0; i < (*deferred)->NumLayers(); ++i) {
+    for (const auto& [name, p] : (*deferred)->LayerParameters(i)) {
+      if (!drawn.count(p.unsafeGetTensorImpl())) EXPECT_TRUE((p == -7.0f).all().item<bool>()) << name << " drawn early";
+    }
+    (*deferred)->MaterializeLayer(i);
+    for (const auto& [name, p] : (*deferred)->LayerParameters(i)) {
+      const bool first_time = drawn.insert(p.unsafeGetTensorImpl()).second;
+      const std::string stored = whole->TiedParameters().count(name) ? whole->TiedParameters().at(name) : name;
+      const at::Tensor expected = first_time ? whole_params[stored] : whole_params[stored] + 1.0f;
+      EXPECT_TRUE(torch::equal(p, expected)) << "layer " << i << ": " << name;
+    }
+    if (i == 0) {
+      for (auto& [name, p] : (*deferred)->LayerParameters(0)) p.add_(1.0f);  // not drawn again
+    }
+  }
+  EXPECT_EQ(drawn.size(), params.size());
 }
 
 }  // namespace

@@ -13,6 +13,11 @@ ModelSource ZooModelSource(const ModelConfig& config, uint64_t seed) {
                                                            : CreateModelLayers(config, seed, ranges));
         return std::shared_ptr<LayerSequence>(part);
       });
+  source.build_deferred = [config, seed](const LayerRanges& ranges) -> absl::StatusOr<std::shared_ptr<LayerSequence>> {
+    const LayerRanges all = ranges.empty() ? LayerRanges{{0, config.n_layer + 2}} : ranges;
+    TRIDENT_ASSIGN_OR_RETURN(auto part, CreateModelLayers(config, seed, all, /*defer_values=*/true));
+    return std::shared_ptr<LayerSequence>(part);
+  };
   source.shards = [](LayerSequence& part) {
     return dynamic_cast<LanguageModel&>(part).ParameterShards();
   };

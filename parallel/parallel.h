@@ -79,6 +79,11 @@ struct ModelSource {
   // ranges. `build` may be called more than once.
   int64_t num_layers = 0;
   std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges& ranges)> build;
+  // Optional, kLayers: `build` with the parameters' memory reserved but not
+  // written, their values drawn by the part's MaterializeLayer. ZeRO stage 3
+  // on CPU builds with it: each layer's values are drawn, sliced to this
+  // rank's chunk and freed before the next, so no rank holds the whole model.
+  std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges& ranges)> build_deferred;
 
   // kModule: a module and its forward over the batch fields it is given (see
   // ParallelPlan::input_names); traced with the JIT tracer, or run eagerly as

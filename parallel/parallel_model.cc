@@ -113,7 +113,6 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   }
   TRIDENT_ASSIGN_OR_RETURN(schedule, MakeSchedule(stages() > 1 ? plan.schedule : "1f1b", plan.virtual_stages));
   PlanRecomputation();
-  TRIDENT_RETURN_IF_ERROR(FindBoundaries(example));
   TRIDENT_RETURN_IF_ERROR(ClassifyParameters(example));
   ParameterUpdateOptions options;
   options.parameters = trainable;
@@ -136,6 +135,15 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   auto made = MakeParameterUpdate(std::move(options));
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), made.status(), "building the optimizer"));
   update = *std::move(made);
+  // Values ZeRO-3 did not draw as it sharded (frozen parameters); then the
+  // first forward, which may read them all.
+  absl::Status drawn = CatchExceptions("drawing the parameters' values", [&] {
+    for (const StageChunk& chunk : part.chunks) {
+      for (int64_t i = chunk.first_layer; i < chunk.end_layer; ++i) part.layers->MaterializeLayer(i);
+    }
+  });
+  TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), drawn, "building the model"));
+  TRIDENT_RETURN_IF_ERROR(FindBoundaries(example));
   if (precision.loss_scaling || plan.loss_scaling) scaler.emplace(plan.loss_scaler);
   StageRunnerOptions runner_options;
   runner_options.chunks = part.chunks;

@@ -24,6 +24,21 @@ int64_t Bytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
 
+// Columns [offset, offset + length) of a bucket seen as [group size, chunk]:
+// element offset.. of every rank's chunk.
+struct ChunkColumns {
+  int64_t offset = 0, length = 0;
+};
+
+// A chunk of `chunk` elements in column ranges of at most `most` elements.
+std::vector<ChunkColumns> SplitChunk(int64_t chunk, int64_t most) {
+  std::vector<ChunkColumns> columns;
+  for (int64_t offset = 0; offset < chunk; offset += most) {
+    columns.push_back({offset, std::min(most, chunk - offset)});
+  }
+  return columns;
+}
+
 // State tensors per element of the known element-wise optimizers (-1: unknown).
 int StatePerElement(const torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return 2;
@@ -45,10 +60,15 @@ struct ZeroOptimizer::Bucket {
   bool keep_full = false;  // gradients accumulate whole until FinishBackward
   at::Tensor buffer;       // the parameters' values, flat
   at::Tensor chunk;        // this rank's chunk of `buffer`: what the optimizer updates
-  at::Tensor chunk_grad;   // the averaged gradient of `chunk`
+  // The averaged gradient of `chunk`: from the first reduction of a step to
+  // ZeroGrad (a keep_full bucket's is its part of full_grad, always there).
+  at::Tensor chunk_grad;
   at::Tensor full_grad;    // whole gradients (kept, or stage 2 while the bucket fills)
-  at::Tensor counted;      // 1 where a chunk element belongs to a parameter in the norm
+  // The chunk's elements [begin, end) that belong to parameters counted in the
+  // gradient norm (ranges, not a mask: a mask would be as large as the chunk).
+  std::vector<std::pair<int64_t, int64_t>> counted;
   int pending = 0;         // stage 2: gradients still to arrive in this round
+  bool gradients_arrived = false;  // every gradient of this backward has arrived
   // Stage 3: the parameters are released at rest (empty tensors, `buffer`'s
   // storage freed, `chunk` a tensor of its own), gathered while `holders` > 0.
   bool sharded = false;
@@ -177,7 +197,7 @@ MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int stat
   for (const ZeroBucket& bucket : layout.buckets) {
     const int64_t full = bucket.numel * bucket.element_size, chunk = full / group_size;
     report.parameter_bytes += bucket.sharded ? chunk : full;
-    report.gradient_bytes += chunk + (bucket.keep_full ? full : 0);
+    report.gradient_bytes += bucket.keep_full ? full : chunk;  // a kept gradient holds its chunk
     if (!bucket.keep_full) largest_scratch = std::max(largest_scratch, full);
     chunk_bytes += chunk;
   }
@@ -269,7 +289,18 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
       });
     }
   };
+  // Stage 3: a part built with deferred values draws a layer's values just
+  // before the first bucket it reads is sliced (and its parameters freed).
+  std::map<int, int64_t> first_reader;
+  for (const auto& [layer, buckets] : zero->layout_.layer_buckets) {
+    for (int b : buckets) first_reader.emplace(b, layer);
+  }
   for (size_t m = 0; m < members.size(); ++m) {
+    if (o.stage == 3) {
+      const int64_t layer = first_reader.at(static_cast<int>(m));
+      TRIDENT_RETURN_IF_ERROR(
+          CatchExceptions("drawing the parameters' values", [&] { o.layers->MaterializeLayer(layer); }));
+    }
     Bucket bucket;
     bucket.params = members[m];
     bucket.keep_full = keep_full(bucket.params.front());
@@ -286,7 +317,6 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     // bucket is made, and each parameter is released once its bucket is built.
     bucket.buffer = bucket.sharded ? UnallocatedBuffer(bucket.numel, options) : at::zeros({bucket.numel}, options);
     bucket.chunk = bucket.sharded ? at::zeros({chunk}, options) : bucket.buffer.narrow(0, chunk_begin, chunk);
-    bucket.counted = at::zeros({chunk}, options);
     for (size_t i = 0; i < bucket.params.size(); ++i) {
       at::Tensor param = bucket.params[i];
       // The part of the parameter inside this rank's chunk: [begin, end) of the bucket.
@@ -301,18 +331,20 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
             .copy_(param.reshape({-1}).narrow(0, begin - bucket.offsets[i], end - begin));
       }
       if (begin < end && (!o.counted_in_norm || o.counted_in_norm(param))) {
-        bucket.counted.narrow(0, begin - chunk_begin, end - begin).fill_(1);
+        bucket.counted.emplace_back(begin - chunk_begin, end - chunk_begin);
       }
     }
-    bucket.chunk_grad = at::zeros({chunk}, options);
-    bucket.chunk.mutable_grad() = bucket.chunk_grad;
     if (bucket.keep_full) {
+      // The whole gradient stays, and the reduced chunk replaces this rank's
+      // part of it (no second copy of the chunk).
       bucket.full_grad = at::zeros({bucket.numel}, options);
+      bucket.chunk_grad = bucket.full_grad.narrow(0, chunk_begin, chunk);
       for (size_t i = 0; i < bucket.params.size(); ++i) {
         at::Tensor param = bucket.params[i];
         param.mutable_grad() =
             bucket.full_grad.narrow(0, bucket.offsets[i], param.numel()).view(param.sizes());
       }
+      bucket.chunk.mutable_grad() = bucket.chunk_grad;
     }
     shards[member_group[m]].push_back(bucket.chunk);
     zero->buckets_.push_back(std::move(bucket));
@@ -424,9 +456,28 @@ void ZeroOptimizer::BackwardReached(int64_t layer) {
   // Backward goes down the layers: prefetch the one below.
   auto below = layout_.layer_buckets.lower_bound(layer);
   if (below != layout_.layer_buckets.begin()) Prefetch(std::prev(below)->first);
-  // Layers two or more above are done with backward: release them.
+  // Layers two or more above are done with backward: release those still held
+  // (a parameter that got no gradient this time keeps its layer until here).
   for (auto it = backward_held_.upper_bound(layer + 1); it != backward_held_.end();) {
     for (int b : layout_.layer_buckets[*it]) Release(buckets_[b]);
+    it = backward_held_.erase(it);
+  }
+}
+
+// Every node of backward that reads a parameter has run once its gradient is
+// accumulated, so a layer whose gradients have all arrived needs its
+// parameters no more in this backward.
+void ZeroOptimizer::ReleaseLayersWithGradients() {
+  for (auto it = backward_held_.begin(); it != backward_held_.end();) {
+    const std::vector<int>& needed = layout_.layer_buckets[*it];
+    const bool done = std::all_of(needed.begin(), needed.end(), [&](int b) {
+      return !buckets_[b].sharded || buckets_[b].gradients_arrived;
+    });
+    if (!done) {
+      ++it;
+      continue;
+    }
+    for (int b : needed) Release(buckets_[b]);
     it = backward_held_.erase(it);
   }
 }
@@ -450,25 +501,45 @@ absl::Status ZeroOptimizer::ReleaseAllParameters(bool keep_changes) {
 
 void ZeroOptimizer::ZeroGrad() {
   for (Bucket& bucket : buckets_) {
-    bucket.chunk_grad.zero_();
     if (bucket.keep_full) {
       bucket.full_grad.zero_();
     } else {
+      // Between steps a chunk gradient holds no memory: while backward fills
+      // a bucket's whole gradient, the chunk's is not there beside it yet.
+      bucket.chunk_grad = at::Tensor();
+      bucket.chunk.mutable_grad() = at::Tensor();
       bucket.full_grad = at::Tensor();
       bucket.pending = static_cast<int>(bucket.params.size());
     }
   }
 }
 
-void ZeroOptimizer::PrepareForBackward(bool last_micro_batch) { last_micro_batch_ = last_micro_batch; }
+at::Tensor& ZeroOptimizer::ChunkGrad(Bucket& bucket) {
+  if (!bucket.chunk_grad.defined()) {
+    bucket.chunk_grad = at::zeros_like(bucket.chunk);
+    bucket.chunk.mutable_grad() = bucket.chunk_grad;
+  }
+  return bucket.chunk_grad;
+}
+
+void ZeroOptimizer::PrepareForBackward(bool last_micro_batch) {
+  last_micro_batch_ = last_micro_batch;
+  for (Bucket& bucket : buckets_) bucket.gradients_arrived = false;
+}
 
 void ZeroOptimizer::OnGradientReady(int index) {
   Bucket& bucket = buckets_[index];
   if (--bucket.pending > 0) return;
-  absl::Status status = StartReduceScatter(bucket, bucket.full_grad);
+  // A large bucket is reduced now, a slice at a time (in flight, it would
+  // hold a second whole copy of its gradient).
+  const bool in_slices = bucket.numel > 4 * options_.max_message_elements;
+  absl::Status status = in_slices ? ReduceScatterInSlices(bucket, bucket.full_grad)
+                                  : StartReduceScatter(bucket, bucket.full_grad);
   bucket.full_grad = at::Tensor();
   bucket.pending = static_cast<int>(bucket.params.size());
-  reducing_.push_back(index);
+  bucket.gradients_arrived = true;
+  ReleaseLayersWithGradients();
+  if (!in_slices) reducing_.push_back(index);
   for (; status.ok() && reducing_.size() > kReduceScattersInFlight; reducing_.pop_front()) {
     status = FinishReduceScatter(buckets_[reducing_.front()]);
   }
@@ -478,7 +549,7 @@ void ZeroOptimizer::OnGradientReady(int index) {
 absl::Status ZeroOptimizer::StartReduceScatter(Bucket& bucket, const at::Tensor& full) {
   TRIDENT_RETURN_IF_ERROR(FinishReduceScatter(bucket));  // the last micro-batch's, if still travelling
   const double f = options_.gradient_predivide_factor;
-  bucket.reduced = at::empty_like(bucket.chunk_grad);
+  bucket.reduced = at::empty_like(bucket.chunk);
   TRIDENT_ASSIGN_OR_RETURN(PendingWork started, group_->IReduceScatter(f == 1.0 ? full : full / f, bucket.reduced));
   bucket.reducing = std::move(started);
   return absl::OkStatus();
@@ -488,9 +559,25 @@ absl::Status ZeroOptimizer::FinishReduceScatter(Bucket& bucket) {
   if (!bucket.reducing) return absl::OkStatus();
   absl::Status waited = bucket.reducing->Wait();
   bucket.reducing.reset();
-  if (waited.ok()) bucket.chunk_grad.add_(bucket.reduced);
+  if (waited.ok()) ChunkGrad(bucket).add_(bucket.reduced);
   bucket.reduced = at::Tensor();
   return waited;
+}
+
+absl::Status ZeroOptimizer::ReduceScatterInSlices(Bucket& bucket, const at::Tensor& full) {
+  TRIDENT_RETURN_IF_ERROR(FinishReduceScatter(bucket));  // the last micro-batch's, if still travelling
+  const int64_t parts = group_->size(), chunk = bucket.chunk.numel();
+  const double f = options_.gradient_predivide_factor;
+  at::Tensor rows = full.view({parts, chunk});
+  for (const ChunkColumns& c : SplitChunk(chunk, std::max<int64_t>(1, options_.max_message_elements / parts))) {
+    at::Tensor slice = rows.narrow(1, c.offset, c.length).contiguous();
+    at::Tensor reduced = at::empty({c.length}, slice.options());
+    TRIDENT_ASSIGN_OR_RETURN(PendingWork work, group_->IReduceScatter(f == 1.0 ? slice : slice / f, reduced));
+    TRIDENT_RETURN_IF_ERROR(work.Wait());
+    at::Tensor part = ChunkGrad(bucket).narrow(0, c.offset, c.length);
+    bucket.keep_full ? part.copy_(reduced) : part.add_(reduced);  // keep_full: this rank's part of `full`
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ZeroOptimizer::FinishBackward() {
@@ -517,19 +604,16 @@ absl::Status ZeroOptimizer::FinishBackward() {
     // A stage-2 bucket left partly filled (parameters without a gradient this
     // round) is reduced here; every rank has the same ones.
     const bool partial = !bucket.keep_full && bucket.full_grad.defined();
-    if (bucket.keep_full || partial) {
-      TRIDENT_RETURN_IF_ERROR(StartReduceScatter(bucket, bucket.full_grad));
-      TRIDENT_RETURN_IF_ERROR(FinishReduceScatter(bucket));
-    }
+    if (bucket.keep_full || partial) TRIDENT_RETURN_IF_ERROR(ReduceScatterInSlices(bucket, bucket.full_grad));
     if (partial) {
       bucket.full_grad = at::Tensor();
       bucket.pending = static_cast<int>(bucket.params.size());
     }
     const double f = options_.gradient_predivide_factor;
     if (f == 1.0) {
-      bucket.chunk_grad.div_(group_->size());
+      ChunkGrad(bucket).div_(group_->size());  // zeros where no gradient arrived
     } else {
-      bucket.chunk_grad.mul_(f / group_->size());
+      ChunkGrad(bucket).mul_(f / group_->size());
     }
   }
   return absl::OkStatus();
@@ -569,12 +653,12 @@ double ZeroOptimizer::LocalSquaredGradNorm() const {
   constexpr int64_t kSlice = 1 << 20;
   at::Tensor sum;
   for (const Bucket& bucket : buckets_) {
-    const int64_t numel = bucket.chunk_grad.numel();
-    for (int64_t begin = 0; begin < numel; begin += kSlice) {
-      const int64_t n = std::min(kSlice, numel - begin);
-      at::Tensor squares = bucket.chunk_grad.narrow(0, begin, n).to(at::kDouble).square_();
-      at::Tensor part = (squares * bucket.counted.narrow(0, begin, n)).sum();
-      sum = sum.defined() ? sum + part : part;
+    for (const auto& [first, end] : bucket.counted) {
+      for (int64_t begin = first; begin < end; begin += kSlice) {
+        const int64_t n = std::min(kSlice, end - begin);
+        at::Tensor part = bucket.chunk_grad.narrow(0, begin, n).to(at::kDouble).square_().sum();
+        sum = sum.defined() ? sum + part : part;
+      }
     }
   }
   return sum.defined() ? sum.item<double>() : 0.0;
@@ -597,29 +681,56 @@ absl::Status ZeroOptimizer::Step(double lr) {
     optimizer_->step();
   }));
   c10::NoGradGuard no_grad;
+  // Stages 1 and 2: the updated chunks go back into every bucket's buffer
+  // (stage 3 gathers its buckets when layers run), in messages of at most
+  // zero_allgather_bucket_size of chunks, several buckets or part of one each.
   const int64_t parts = group_->size();
-  std::vector<Bucket*> whole;  // stage 3 gathers its buckets when layers run
+  struct Piece {
+    Bucket* bucket;
+    ChunkColumns columns;
+  };
+  std::vector<std::vector<Piece>> messages;
+  int64_t in_message = 0;
   for (Bucket& bucket : buckets_) {
-    if (!bucket.sharded) whole.push_back(&bucket);
+    if (bucket.sharded) continue;
+    const int64_t element_bytes = static_cast<int64_t>(bucket.chunk.element_size());
+    const int64_t most = std::max<int64_t>(
+        1, std::min(options_.allgather_bucket_bytes / element_bytes, options_.max_message_elements / parts));
+    for (const ChunkColumns& c : SplitChunk(bucket.chunk.numel(), most)) {
+      if (messages.empty() || in_message + c.length > most ||
+          messages.back().front().bucket->chunk.scalar_type() != bucket.chunk.scalar_type()) {
+        messages.emplace_back();
+        in_message = 0;
+      }
+      messages.back().push_back({&bucket, c});
+      in_message += c.length;
+    }
   }
-  for (size_t first = 0; first < whole.size();) {
-    // Buckets [first, end) go in one message; rank r's row holds its chunks.
-    size_t end = first + 1;
-    int64_t bytes = Bytes(whole[first]->chunk);
-    while (end < whole.size() && bytes + Bytes(whole[end]->chunk) <= options_.allgather_bucket_bytes) {
-      bytes += Bytes(whole[end++]->chunk);
+  for (const std::vector<Piece>& message : messages) {
+    const Piece& first = message.front();
+    if (message.size() == 1 && first.columns.length == first.bucket->chunk.numel()) {
+      // A whole bucket: straight into its buffer (its chunk is a view of it).
+      TRIDENT_ASSIGN_OR_RETURN(PendingWork work, group_->IAllGather(first.bucket->chunk, first.bucket->buffer));
+      TRIDENT_RETURN_IF_ERROR(work.Wait());
+      continue;
     }
-    std::vector<at::Tensor> chunks;
-    for (size_t b = first; b < end; ++b) chunks.push_back(whole[b]->chunk);
-    TRIDENT_ASSIGN_OR_RETURN(at::Tensor gathered, group_->AllGather(at::cat(chunks), 0));
-    gathered = gathered.view({parts, -1});
+    std::vector<at::Tensor> pieces;
+    for (const Piece& piece : message) {
+      pieces.push_back(piece.bucket->chunk.narrow(0, piece.columns.offset, piece.columns.length));
+    }
+    at::Tensor mine = at::cat(pieces);
+    at::Tensor gathered = at::empty({parts * mine.numel()}, mine.options());
+    TRIDENT_ASSIGN_OR_RETURN(PendingWork work, group_->IAllGather(mine, gathered));
+    TRIDENT_RETURN_IF_ERROR(work.Wait());
+    at::Tensor rows = gathered.view({parts, mine.numel()});
     int64_t offset = 0;
-    for (size_t b = first; b < end; ++b) {
-      const int64_t n = whole[b]->chunk.numel();
-      whole[b]->buffer.view({parts, n}).copy_(gathered.narrow(1, offset, n));
-      offset += n;
+    for (const Piece& piece : message) {
+      Bucket& bucket = *piece.bucket;
+      bucket.buffer.view({parts, bucket.chunk.numel()})
+          .narrow(1, piece.columns.offset, piece.columns.length)
+          .copy_(rows.narrow(1, offset, piece.columns.length));
+      offset += piece.columns.length;
     }
-    first = end;
   }
   return absl::OkStatus();
 }

@@ -19,7 +19,8 @@
 //   stage 3  buckets are a layer's parameters, and at rest each rank holds only
 //            its chunks: a layer's buckets are all-gathered just before it runs
 //            and released after, gathered again when backward reaches the layer
-//            and released two layers later; the next layer's all-gathers start
+//            and released as soon as its gradients have all arrived (two layers
+//            later where one got none); the next layer's all-gathers start
 //            early (prefetch) in both directions. Gradients as in stage 2, no
 //            all-gather after the update. A released bucket frees the memory
 //            inside its buffer's storage, so the views autograd saves of a
@@ -27,7 +28,9 @@
 //            backward gathers the layer again (a view that leaves the layer,
 //            passed on to the next, keeps its memory: the bucket takes a new
 //            storage instead). Each rank copies its chunks straight from the
-//            parameters it is given, freeing them bucket by bucket.
+//            parameters it is given, freeing them bucket by bucket; a model
+//            built with deferred values (LayerSequence::MaterializeLayer) draws
+//            each layer's values just before, so no rank holds the whole model.
 //
 //   auto zero = ZeroOptimizer::Create({decayed, not_decayed}, &dp, options,
 //       [](const std::vector<std::vector<at::Tensor>>& shards) { ...AdamW over them... });
@@ -65,6 +68,13 @@ struct ZeroOptions {
   // The updated chunks are all-gathered several buckets per message, up to
   // this many bytes of chunks (zero_allgather_bucket_size).
   int64_t allgather_bucket_bytes = 25 << 20;
+  // The collectives of FinishBackward and Step move at most this many
+  // elements per message: Gloo stages a message whole, so a whole-model
+  // message (the default bucket sizes) would cost the model's size again in
+  // temporaries. A stage-2/3 bucket of more than 4 times this is reduced as
+  // soon as it is complete, in such slices, rather than in flight (where its
+  // reduction holds a second copy of its whole gradient).
+  int64_t max_message_elements = int64_t{1} << 22;
   // Optimizers other than Adam, AdamW and SGD (element-wise, per-parameter
   // state) are refused unless this is set (zero_allow_untested_optimizer).
   bool allow_untested_optimizer = false;
@@ -235,6 +245,11 @@ class ZeroOptimizer : private LayerObserver {
   // waits for it and adds it to chunk_grad.
   absl::Status StartReduceScatter(Bucket& bucket, const at::Tensor& full);
   absl::Status FinishReduceScatter(Bucket& bucket);
+  // Reduces `full` into the bucket's chunk gradient now, a slice at a time
+  // (added; a keep_full bucket's chunk gradient is its part of `full`, replaced).
+  absl::Status ReduceScatterInSlices(Bucket& bucket, const at::Tensor& full);
+  // The bucket's chunk gradient, made (zeros) at its first use in a step.
+  at::Tensor& ChunkGrad(Bucket& bucket);
   // Stage 3: reference-counted gathering and releasing of a bucket.
   absl::Status Gather(Bucket& bucket);
   void Release(Bucket& bucket);
@@ -243,6 +258,8 @@ class ZeroOptimizer : private LayerObserver {
   void BeforeLayer(int64_t layer) override;
   void AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) override;
   void BackwardReached(int64_t layer);
+  // Stage 3: releases the layers held for backward whose gradients have all arrived.
+  void ReleaseLayersWithGradients();
 
   const ProcessGroup* group_ = nullptr;
   ZeroOptions options_;

@@ -2,6 +2,8 @@
 // rank holding its share of the optimizer state (and gradients).
 #include "zero/zero.h"
 
+#include <numeric>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -71,6 +73,9 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
     for (int64_t i = 0; i < sharded->NumLayers(); ++i) options.layer_indices.push_back(i);
     options.reduce_bucket_bytes = 16 << 10;  // several buckets
     options.allgather_bucket_bytes = 8 << 10;  // gathered a few at a time
+    // Reduced and gathered in uneven slices; buckets over 12000 elements
+    // (stage 3's blocks) reduced as soon as complete, smaller ones in flight.
+    options.max_message_elements = 3000;
     auto zero = ZeroOptimizer::Create(Groups(*sharded), &dp, options, MakeAdamW);
     ASSERT_TRUE(zero.ok()) << zero.status();
     for (int step = 0; step < 5; ++step) {
@@ -142,7 +147,8 @@ TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
     }
     // Padding adds at most a few elements per bucket.
     EXPECT_NEAR(reports[0].optimizer_bytes, 2 * parameter_bytes / 4.0, 0.01 * parameter_bytes);
-    EXPECT_GE(reports[0].gradient_bytes, parameter_bytes);  // stage 1 keeps whole gradients
+    // Stage 1 keeps whole gradients, its reduced chunk inside them.
+    EXPECT_NEAR(reports[0].gradient_bytes, parameter_bytes, 0.01 * parameter_bytes);
     EXPECT_NEAR(reports[1].optimizer_bytes, reports[0].optimizer_bytes, 0);
     // Stage 2: a quarter of the gradients, plus the one bucket being filled (at
     // most the bucket size, or one parameter larger than it).
@@ -183,6 +189,108 @@ TEST(ZeroMemoryTest, StageThreeKeepsNoGatheredWeightsForBackward) {
     loss.backward();
     EXPECT_TRUE(zero->FinishBackward().ok());
     MemoryCounter::Uninstall();
+  });
+}
+
+// Backward releases a block as soon as its gradients have all arrived: when
+// any parameter's gradient is computed, only the block it belongs to holds
+// its parameters (the one below is at most being prefetched, invisibly).
+TEST(ZeroMemoryTest, StageThreeHoldsOneBlockInBackward) {
+  testing::RunOnRanks(2, [](int) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    ModelConfig config = TinyModel();
+    config.n_layer = 4;
+    auto model = *CreateModel(config, 5);
+    ZeroOptions options;
+    options.stage = 3;
+    options.layers = model.get();
+    for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
+    auto zero = *ZeroOptimizer::Create(Groups(*model), &**(*topology)->Group("dp"), options, MakeAdamW);
+    auto gathered_blocks = [&] {
+      int gathered = 0;
+      for (int64_t i = 1; i <= config.n_layer; ++i) {
+        const NamedTensors params = model->LayerParameters(i);
+        gathered += std::any_of(params.begin(), params.end(),
+                                [](const auto& named) { return named.second.numel() > 0; });
+      }
+      return gathered;
+    };
+    int most_gathered = 0, hooks_run = 0;
+    std::vector<at::Tensor> block_params;
+    for (int64_t i = 1; i <= config.n_layer; ++i) {
+      for (const auto& [name, p] : model->LayerParameters(i)) block_params.push_back(p);
+    }
+    for (at::Tensor& p : block_params) {
+      p.register_hook([&](const at::Tensor&) {
+        most_gathered = std::max(most_gathered, gathered_blocks());
+        ++hooks_run;
+      });
+    }
+    for (int step = 0; step < 2; ++step) {
+      zero->ZeroGrad();
+      zero->PrepareForBackward(true);
+      at::Tensor tokens = torch::randint(64, {2, 8}, torch::kLong);
+      model->Loss(tokens, tokens).backward();
+      ASSERT_TRUE(zero->FinishBackward().ok());
+      EXPECT_EQ(gathered_blocks(), 0);
+    }
+    EXPECT_EQ(hooks_run, 2 * static_cast<int>(block_params.size()));
+    EXPECT_EQ(most_gathered, 1);
+  });
+}
+
+// A model built with deferred values: stage 3 draws each layer's values just
+// before slicing it and frees them before drawing the next, so no more than
+// one layer's values are ever whole on a rank; the chunks equal those of the
+// model built whole.
+class MaterializationWatcher : public LayerSequence {
+ public:
+  explicit MaterializationWatcher(LanguageModel& model) : model_(model) {}
+  int64_t NumLayers() const override { return model_.NumLayers(); }
+  std::string LayerName(int64_t i) const override { return model_.LayerName(i); }
+  Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) override {
+    return model_.ForwardLayer(i, inputs, batch);
+  }
+  NamedTensors LayerParameters(int64_t i) override { return model_.LayerParameters(i); }
+  void MaterializeLayer(int64_t i) override {  // once per bucket
+    if (order.empty() || order.back() != i) order.push_back(i);
+    for (int64_t earlier = 0; earlier < i; ++earlier) {
+      for (const auto& [name, p] : model_.LayerParameters(earlier)) whole_when_drawing += p.numel() > 0;
+    }
+    model_.MaterializeLayer(i);
+  }
+  std::vector<int64_t> order;
+  int whole_when_drawing = 0;
+
+ private:
+  LanguageModel& model_;
+};
+
+TEST(ZeroStageThreeTest, DeferredValuesAreDrawnAndShardedLayerByLayer) {
+  testing::RunOnRanks(2, [](int) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    const ProcessGroup& dp = **(*topology)->Group("dp");
+    ModelConfig config = TinyModel();
+    auto model = *CreateModelLayers(config, 5, LayerRanges{{0, config.n_layer + 2}}, /*defer_values=*/true);
+    auto whole = *CreateModel(config, 5);
+    MaterializationWatcher watcher(*model);
+    ZeroOptions options;
+    options.stage = 3;
+    options.layers = &watcher;
+    for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
+    auto zero = *ZeroOptimizer::Create(Groups(*model), &dp, options, MakeAdamW);
+    std::vector<int64_t> layers(model->NumLayers());
+    std::iota(layers.begin(), layers.end(), 0);
+    EXPECT_EQ(watcher.order, layers);
+    EXPECT_EQ(watcher.whole_when_drawing, 0);
+    ASSERT_TRUE(zero->GatherAllParameters().ok());
+    auto expected = whole->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_TRUE(torch::equal(item.value(), expected[item.key()])) << item.key();
+    }
+    ASSERT_TRUE(zero->ReleaseAllParameters(/*keep_changes=*/false).ok());
   });
 }
 

@@ -407,7 +407,12 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
     ranges.emplace_back(planned.first_layer(), planned.end_layer());
   }
   if (source.kind == ModelSource::Kind::kLayers) {
-    TRIDENT_ASSIGN_OR_RETURN(part.layers, source.build(ranges));
+    // ZeRO-3 draws the values layer by layer as it shards them, where nothing
+    // reads them first (a dtype conversion, a copy to the GPU).
+    TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(plan.precision, plan.precision_table));
+    const bool deferred = plan.zero_stage == 3 && source.build_deferred && device.is_cpu() &&
+                          precision.param == at::kFloat;
+    TRIDENT_ASSIGN_OR_RETURN(part.layers, deferred ? source.build_deferred(ranges) : source.build(ranges));
     if (plan.lora) {
       auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get());
       if (module == nullptr) {
