@@ -341,7 +341,9 @@ TEST_P(EveryModelTest, DeferredValuesAreDrawnLayerByLayer) {
   std::set<const c10::TensorImpl*> drawn;
   for (int64_t i = 0; i < (*deferred)->NumLayers(); ++i) {
     for (const auto& [name, p] : (*deferred)->LayerParameters(i)) {
-      if (!drawn.count(p.unsafeGetTensorImpl())) EXPECT_TRUE((p == -7.0f).all().item<bool>()) << name << " drawn early";
+      if (!drawn.count(p.unsafeGetTensorImpl())) {
+        EXPECT_TRUE((p == -7.0f).all().item<bool>()) << name << " drawn early";
+      }
     }
     (*deferred)->MaterializeLayer(i);
     for (const auto& [name, p] : (*deferred)->LayerParameters(i)) {
