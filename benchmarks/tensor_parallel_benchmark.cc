@@ -1,7 +1,8 @@
 // One gpt-tiny transformer block (n_embd 256, 4 heads) at tp = 1, 2 and 4:
 // forward + backward time of a [16, 128, 256] activation and the bytes each
 // rank communicates per forward + backward, with and without sequence
-// parallelism, and sub-pipelined (tp_overlapping_level 1); one thread per rank.
+// parallelism, and sub-pipelined (tp_overlapping_level 1: inside each layer;
+// 2: the block as two halves of the batch); one thread per rank.
 //
 //   bazel run -c opt //benchmarks:tensor_parallel_benchmark
 #include <benchmark/benchmark.h>
@@ -26,7 +27,7 @@ namespace {
 constexpr int kWarmup = 2, kTimed = 10;
 
 // One rank: times kTimed forward + backward passes of block 0; rank 0 reports
-// "milliseconds bytes" per pass. args: {sequence_parallel 0|1, overlapping_level 0|1}.
+// "milliseconds bytes" per pass. args: {sequence_parallel 0|1, overlapping_level 0|1|2}.
 absl::Status RunWorker(const std::vector<std::string>& args, std::string* result) {
   const bool sequence_parallel = args.at(0) == "1";
   const int overlapping_level = std::stoi(args.at(1));
@@ -81,6 +82,8 @@ BENCHMARK(BM_TransformerBlock)
     ->Args({4, 1, 0})
     ->Args({2, 0, 1})
     ->Args({4, 0, 1})
+    ->Args({2, 0, 2})
+    ->Args({4, 0, 2})
     ->ArgNames({"tp", "sp", "overlap"})->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
 }  // namespace

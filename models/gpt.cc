@@ -32,13 +32,21 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
 
   bool Offers(const std::string& pair) const override { return pair == "fused_attention" && dropout_ == 0; }
 
-  torch::Tensor forward(const torch::Tensor& x) {
-    if (!recompute() || !is_training()) return Attend(x);
-    return RecomputeInBackward([this](const Values& in) { return Values{Attend(in[0])}; }, {x})[0];
+  torch::Tensor forward(const torch::Tensor& x) { return Run(x, /*partial=*/false); }
+  // For RunSubPipelinedBlock: `x` already inside the region; c_proj's partial
+  // product (not summed, without its bias and the dropout).
+  torch::Tensor PartialForward(const torch::Tensor& x) { return Run(x, /*partial=*/true); }
+  bool HasAdapters() const { return c_attn->adapter.defined() || c_proj->adapter.defined(); }
+
+  torch::Tensor Run(const torch::Tensor& x, bool partial) {
+    if (!recompute() || !is_training()) return Attend(x, partial);
+    return RecomputeInBackward([this, partial](const Values& in) { return Values{Attend(in[0], partial)}; },
+                               {x})[0];
   }
 
-  torch::Tensor Attend(const torch::Tensor& x) {
-    torch::Tensor qkv = c_attn(x);  // [B, T, 3 * local width]: T is whole after the column input
+  torch::Tensor Attend(const torch::Tensor& x, bool partial) {
+    // [B, T, 3 * local width]: T is whole after the column input
+    torch::Tensor qkv = partial ? c_attn->ForwardInRegion(x) : c_attn(x);
     const int64_t B = qkv.size(0), T = qkv.size(1);
     // unbind along the q/k/v axis, then heads first ([B, H, T, D] views): backward
     // stacks the three gradients straight into qkv's layout, one copy (three
@@ -49,7 +57,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
                   v = qkv_parts[2].transpose(1, 2);
     if (cache_->active()) std::tie(k, v) = cache_->Append(block_, k, v);
     torch::Tensor y = CausalAttention(q, k, v, dropout_, is_training(), Uses("fused_attention"));
-    return resid_dropout(c_proj(y.transpose(1, 2).reshape({B, T, local_heads_ * head_dim_})));
+    const torch::Tensor heads = y.transpose(1, 2).reshape({B, T, local_heads_ * head_dim_});
+    return partial ? c_proj->PartialForward(heads) : resid_dropout(c_proj(heads));
   }
 
   ColumnParallelLinear c_attn{nullptr};
@@ -72,11 +81,19 @@ class MlpImpl : public torch::nn::Module, public RecomputableModule, public Repl
     dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
   }
   bool Offers(const std::string& pair) const override { return pair == "fused_bias_gelu"; }
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto mlp = [this](const Values& in) {
-      torch::Tensor h = Uses("fused_bias_gelu") ? FusedBiasGelu(c_fc->ForwardSkipBias(in[0]), c_fc->bias)
-                                                : torch::gelu(c_fc(in[0]));  // exact GELU
-      return Values{dropout(c_proj(h))};
+  torch::Tensor forward(const torch::Tensor& x) { return Run(x, /*partial=*/false); }
+  // As CausalSelfAttention's.
+  torch::Tensor PartialForward(const torch::Tensor& x) { return Run(x, /*partial=*/true); }
+  bool HasAdapters() const { return c_fc->adapter.defined() || c_proj->adapter.defined(); }
+
+  torch::Tensor Run(const torch::Tensor& x, bool partial) {
+    auto mlp = [this, partial](const Values& in) {
+      const bool fused = Uses("fused_bias_gelu");
+      const torch::Tensor product = partial ? c_fc->ForwardInRegion(in[0], /*add_bias=*/!fused)
+                                    : fused ? c_fc->ForwardSkipBias(in[0])
+                                            : c_fc(in[0]);
+      const torch::Tensor h = fused ? FusedBiasGelu(product, c_fc->bias) : torch::gelu(product);  // exact GELU
+      return Values{partial ? c_proj->PartialForward(h) : dropout(c_proj(h))};
     };
     return recompute() && is_training() ? RecomputeInBackward(mlp, {x})[0] : mlp({x})[0];
   }
@@ -93,7 +110,7 @@ torch::nn::LayerNorm MakeLayerNorm(int64_t width) {
 // fused_layer_norm: the attention's residual add and ln_2 in one pass.
 class BlockImpl : public torch::nn::Module, public ReplaceableModule {
  public:
-  BlockImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block) {
+  BlockImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block) : tp_(c.tp) {
     ln_1 = register_module("ln_1", MakeLayerNorm(c.n_embd));
     attn = register_module("attn", CausalSelfAttention(c, cache, block));
     ln_2 = register_module("ln_2", MakeLayerNorm(c.n_embd));
@@ -101,6 +118,9 @@ class BlockImpl : public torch::nn::Module, public ReplaceableModule {
   }
   bool Offers(const std::string& pair) const override { return pair == "fused_layer_norm"; }
   torch::Tensor forward(torch::Tensor x) {
+    if (is_training() && SubPipelinesBlock(tp_, x) && !attn->HasAdapters() && !mlp->HasAdapters()) {
+      return RunSubPipelinedBlock(x, Regions(), tp_.group);
+    }
     if (Uses("fused_layer_norm")) {
       const auto& norm = ln_2->options;
       auto [sum, normed] = FusedAddLayerNorm(x, attn(ln_1(x)), 1.0, norm.normalized_shape(), ln_2->weight,
@@ -110,9 +130,25 @@ class BlockImpl : public torch::nn::Module, public ReplaceableModule {
     x = x + attn(ln_1(x));
     return x + mlp(ln_2(x));
   }
+  // tp_overlapping_level 2: attention and MLP, each from its norm to its residual add.
+  std::vector<BlockRegion> Regions() {
+    return {{[this](const torch::Tensor& x) { return ln_1(x); },
+             [this](const torch::Tensor& h) { return attn->PartialForward(h); },
+             [this](const torch::Tensor& x, const torch::Tensor& y) {
+               return x + attn->resid_dropout(y + attn->c_proj->bias);
+             }},
+            {[this](const torch::Tensor& x) { return ln_2(x); },
+             [this](const torch::Tensor& h) { return mlp->PartialForward(h); },
+             [this](const torch::Tensor& x, const torch::Tensor& y) {
+               return x + mlp->dropout(y + mlp->c_proj->bias);
+             }}};
+  }
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
   Mlp mlp{nullptr};
+
+ private:
+  TensorParallelism tp_;
 };
 TORCH_MODULE(Block);
 

@@ -61,22 +61,38 @@ class AttentionImpl : public torch::nn::Module, public RecomputableModule, publi
   bool Offers(const std::string& pair) const override { return pair == "fused_attention" && dropout_ == 0; }
 
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-    if (!recompute() || !is_training()) return Attend(x, cos, sin);
-    return RecomputeInBackward([this](const Values& in) { return Values{Attend(in[0], in[1], in[2])}; },
-                               {x, cos, sin})[0];
+    return Run(x, cos, sin, /*partial=*/false);
+  }
+  // For RunSubPipelinedBlock: `x` already inside the region; o_proj's partial
+  // product (not summed).
+  torch::Tensor PartialForward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    return Run(x, cos, sin, /*partial=*/true);
+  }
+  bool HasAdapters() const {
+    return q_proj->adapter.defined() || k_proj->adapter.defined() || v_proj->adapter.defined() ||
+           o_proj->adapter.defined();
   }
 
-  torch::Tensor Attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-    auto q = q_proj(x);  // T is whole after the column input
+  torch::Tensor Run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool partial) {
+    if (!recompute() || !is_training()) return Attend(x, cos, sin, partial);
+    return RecomputeInBackward(
+        [this, partial](const Values& in) { return Values{Attend(in[0], in[1], in[2], partial)}; },
+        {x, cos, sin})[0];
+  }
+
+  torch::Tensor Attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool partial) {
+    auto column = [&](ColumnParallelLinear& layer) { return partial ? layer->ForwardInRegion(x) : layer(x); };
+    auto q = column(q_proj);  // T is whole after the column input
     const int64_t B = q.size(0), T = q.size(1);
     q = q.view({B, T, n_head_, head_dim_}).transpose(1, 2);
-    auto k = k_proj(x).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
-    auto v = v_proj(x).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
+    auto k = column(k_proj).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
+    auto v = column(v_proj).view({B, T, n_kv_head_, head_dim_}).transpose(1, 2);
     q = ApplyRotary(q, cos, sin);
     k = ApplyRotary(k, cos, sin);
     if (cache_->active()) std::tie(k, v) = cache_->Append(block_, k, v);
     auto y = CausalAttention(q, k, v, dropout_, is_training(), Uses("fused_attention"));
-    return o_proj(y.transpose(1, 2).reshape({B, T, n_head_ * head_dim_}));
+    const torch::Tensor heads = y.transpose(1, 2).reshape({B, T, n_head_ * head_dim_});
+    return partial ? o_proj->PartialForward(heads) : o_proj(heads);
   }
   ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   RowParallelLinear o_proj{nullptr};
@@ -97,8 +113,19 @@ class SwiGluImpl : public torch::nn::Module, public RecomputableModule {
     up_proj = register_module("up_proj", Column(c, c.n_embd, hidden));
     down_proj = register_module("down_proj", Row(c, hidden, c.n_embd));
   }
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto mlp = [this](const Values& in) { return Values{down_proj(torch::silu(gate_proj(in[0])) * up_proj(in[0]))}; };
+  torch::Tensor forward(const torch::Tensor& x) { return Run(x, /*partial=*/false); }
+  // As Attention's.
+  torch::Tensor PartialForward(const torch::Tensor& x) { return Run(x, /*partial=*/true); }
+  bool HasAdapters() const {
+    return gate_proj->adapter.defined() || up_proj->adapter.defined() || down_proj->adapter.defined();
+  }
+
+  torch::Tensor Run(const torch::Tensor& x, bool partial) {
+    auto mlp = [this, partial](const Values& in) {
+      auto column = [&](ColumnParallelLinear& layer) { return partial ? layer->ForwardInRegion(in[0]) : layer(in[0]); };
+      const torch::Tensor h = torch::silu(column(gate_proj)) * column(up_proj);
+      return Values{partial ? down_proj->PartialForward(h) : down_proj(h)};
+    };
     return recompute() && is_training() ? RecomputeInBackward(mlp, {x})[0] : mlp({x})[0];
   }
   ColumnParallelLinear gate_proj{nullptr}, up_proj{nullptr};
@@ -108,19 +135,33 @@ TORCH_MODULE(SwiGlu);
 
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  DecoderLayerImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block) {
+  DecoderLayerImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block) : tp_(c.tp) {
     self_attn = register_module("self_attn", Attention(c, cache, block));
     mlp = register_module("mlp", SwiGlu(c));
     input_layernorm = register_module("input_layernorm", RmsNorm(c.n_embd));
     post_attention_layernorm = register_module("post_attention_layernorm", RmsNorm(c.n_embd));
   }
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    if (is_training() && SubPipelinesBlock(tp_, x) && !self_attn->HasAdapters() && !mlp->HasAdapters()) {
+      return RunSubPipelinedBlock(x, Regions(cos, sin), tp_.group);
+    }
     x = x + self_attn->forward(input_layernorm(x), cos, sin);
     return x + mlp(post_attention_layernorm(x));
+  }
+  // tp_overlapping_level 2: attention and MLP, each from its norm to its residual add.
+  std::vector<BlockRegion> Regions(const torch::Tensor& cos, const torch::Tensor& sin) {
+    auto add = [](const torch::Tensor& x, const torch::Tensor& y) { return x + y; };
+    return {{[this](const torch::Tensor& x) { return input_layernorm(x); },
+             [this, cos, sin](const torch::Tensor& h) { return self_attn->PartialForward(h, cos, sin); }, add},
+            {[this](const torch::Tensor& x) { return post_attention_layernorm(x); },
+             [this](const torch::Tensor& h) { return mlp->PartialForward(h); }, add}};
   }
   Attention self_attn{nullptr};
   SwiGlu mlp{nullptr};
   RmsNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+
+ private:
+  TensorParallelism tp_;
 };
 TORCH_MODULE(DecoderLayer);
 

@@ -18,6 +18,7 @@ struct Case {
   const char* model;
   int tp;
   bool sequence_parallel;
+  int overlapping_level = 0;  // 2: the blocks run sub-pipelined (RunSubPipelinedBlock)
 };
 
 class TensorParallelModelTest : public ::testing::TestWithParam<Case> {};
@@ -40,7 +41,7 @@ TEST_P(TensorParallelModelTest, LossAndGradientsEqualOneProcess) {
     ASSERT_TRUE(topology.ok()) << topology.status();
     ModelConfig config = SmallConfig(c.model);
     auto whole = *CreateModel(config, 9);
-    config.tp = {c.tp, rank, "tp", c.sequence_parallel};
+    config.tp = {c.tp, rank, "tp", c.sequence_parallel, /*parallel_vocab=*/true, c.overlapping_level};
     auto sharded = CreateModel(config, 9);
     ASSERT_TRUE(sharded.ok()) << sharded.status();
     const auto shards = (*sharded)->ParameterShards();
@@ -60,9 +61,13 @@ TEST_P(TensorParallelModelTest, LossAndGradientsEqualOneProcess) {
     expected.backward();
     // The tokens go in whole; with sequence parallelism the embedding's output
     // is this rank's sequence shard.
+    const int64_t overlapped_before = SubPipelinedGradientSumsOverlapped();
     at::Tensor loss = (*sharded)->Loss(tokens, targets);
     EXPECT_NEAR(loss.item<double>(), expected.item<double>(), 1e-5 * expected.item<double>());
     loss.backward();
+    // Sub-pipelined, each block overlaps 3 of its 4 input-gradient sums.
+    EXPECT_EQ(SubPipelinedGradientSumsOverlapped() - overlapped_before,
+              c.overlapping_level == 2 ? 3 * config.n_layer : 0);
     std::vector<at::Tensor> replicated;
     for (const auto& item : (*sharded)->named_parameters()) {
       if (!shards.count(item.key())) replicated.push_back(item.value());
@@ -84,10 +89,12 @@ INSTANTIATE_TEST_SUITE_P(
     ModelsAndRanks, TensorParallelModelTest,
     ::testing::Values(Case{"gpt", 2, false}, Case{"gpt", 4, false}, Case{"gpt", 2, true},
                       Case{"gpt", 4, true}, Case{"llama", 2, false}, Case{"llama", 4, false},
-                      Case{"llama", 2, true}),
+                      Case{"llama", 2, true}, Case{"gpt", 2, false, 2}, Case{"gpt", 4, false, 2},
+                      Case{"llama", 2, false, 2}),
     [](const auto& info) {
       return std::string(info.param.model) + "_tp" + std::to_string(info.param.tp) +
-             (info.param.sequence_parallel ? "_sp" : "");
+             (info.param.sequence_parallel ? "_sp" : "") +
+             (info.param.overlapping_level > 0 ? "_overlap" + std::to_string(info.param.overlapping_level) : "");
     });
 
 TEST(TensorParallelModelConfigTest, DimensionsThatDoNotDivideAreNamed) {

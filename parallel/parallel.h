@@ -129,7 +129,7 @@ struct ParallelPlan {
   int tp = 1;  // tensor-parallel ranks ("tensor"): the source must build shards
   int pp = 1;  // pipeline stages ("pipeline")
   bool sequence_parallel = false;  // norms and dropout on sequence shards (tp > 1)
-  // Merak's tp_overlapping_level (TensorParallelism::overlapping_level): 0 or 1.
+  // Merak's tp_overlapping_level (TensorParallelism::overlapping_level): 0, 1 or 2.
   int tp_overlapping_level = 0;
   // Merak's parallel_vocab: the vocabulary split over tp (the embedding's
   // rows, the head's outputs, the loss); false keeps embedding and head whole.

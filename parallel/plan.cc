@@ -20,10 +20,10 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
   if (p.sequence_parallel && p.tp == 1) {
     return invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
   }
-  if (p.tp_overlapping_level < 0 || p.tp_overlapping_level > 1) {
+  if (p.tp_overlapping_level < 0 || p.tp_overlapping_level > 2) {
     return invalid("tp_overlapping_level=", p.tp_overlapping_level,
-                   ": 0 (none) and 1 (sub-pipelined products inside each parallel layer) are implemented; "
-                   "2 and 3 (overlap across a transformer block, across blocks) are not");
+                   ": 0 (none), 1 (sub-pipelined products inside each parallel layer) and 2 (sub-pipelined "
+                   "transformer blocks) are implemented; 3 (overlap between blocks) is not");
   }
   if (p.tp_overlapping_level > 0 && p.sequence_parallel) {
     return invalid("tp_overlapping_level=", p.tp_overlapping_level,

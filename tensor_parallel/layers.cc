@@ -140,6 +140,13 @@ at::Tensor ColumnParallelLinearImpl::ForwardSkipBias(const at::Tensor& x) {
   return LocalProduct(x, at::Tensor());
 }
 
+at::Tensor ColumnParallelLinearImpl::ForwardInRegion(const at::Tensor& x, bool add_bias) {
+  TORCH_CHECK(!adapter.defined() && !gather_output_ && !tp_.sequence_parallel,
+              "ColumnParallelLinear::ForwardInRegion: for layers without an adapter, gathered output or "
+              "sequence parallelism");
+  return AlignedLinear(x, weight, add_bias ? bias : at::Tensor());
+}
+
 at::Tensor ColumnParallelLinearImpl::LocalProduct(const at::Tensor& x, const at::Tensor& b) {
   return ColumnParallelProduct(x, weight, b, adapter, tp_, is_training());
 }
@@ -157,6 +164,12 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor input =
       input_is_parallel_ || tp_.size == 1 ? x : ScatterToTensorParallelRegion(x, tp_.group);
   return RowParallelProduct(input, weight, bias, adapter, tp_, is_training());
+}
+
+at::Tensor RowParallelLinearImpl::PartialForward(const at::Tensor& x) {
+  TORCH_CHECK(!adapter.defined() && input_is_parallel_,
+              "RowParallelLinear::PartialForward: for layers without an adapter whose input is parallel");
+  return at::linear(x, weight);
 }
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const TensorParallelism& tp,

@@ -7,7 +7,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include "absl/strings/str_cat.h"
@@ -338,6 +340,103 @@ struct SubPipelinedRow : torch::autograd::Function<SubPipelinedRow> {
   }
 };
 
+// ---- sub-pipelined blocks (tp_overlapping_level 2) ----
+
+std::atomic<int64_t> gradient_sums_started{0}, gradient_sums_overlapped{0};
+
+// One sub-micro-batch's column-input gradient sum, shared by the node that
+// starts it and the node that awaits it.
+struct GradientSumInFlight {
+  const ProcessGroup* group = nullptr;
+  PendingWork work;
+  bool started = false;
+  int64_t started_as = 0;  // its place among all sums started (gradient_sums_started)
+};
+
+// Backward of a column input (forward: identity): starts summing the incoming
+// gradient over the group, in place, and passes it on to the awaiting node.
+class StartGradientSum : public torch::autograd::Node {
+ public:
+  StartGradientSum(std::shared_ptr<GradientSumInFlight> sum, torch::autograd::edge_list&& next)
+      : Node(std::move(next)), sum_(std::move(sum)) {}
+  std::string name() const override { return "trident::StartGradientSum"; }
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor grad = grads[0];
+    if (!grad.defined()) return {grad};
+    grad = grad.contiguous();  // the engine's own buffer: summed in place
+    auto started = sum_->group->IAllReduce(grad);
+    Check(started.status());
+    bytes_communicated += 2 * Bytes(grad) * (sum_->group->size() - 1) / sum_->group->size();
+    sum_->work = std::move(*started);
+    sum_->started = true;
+    sum_->started_as = ++gradient_sums_started;
+    return {grad};
+  }
+
+ private:
+  std::shared_ptr<GradientSumInFlight> sum_;
+};
+
+// Waits for the sum StartGradientSum began, then passes the summed gradient
+// on. Built with an explicit sequence number below every operator of its block
+// (`priority`): the engine runs the ready node with the highest number first,
+// so it runs the other sub-micro-batch's backward while the sum travels and
+// waits only when nothing else in the block is ready.
+class AwaitGradientSum : public torch::autograd::Node {
+ public:
+  AwaitGradientSum(uint64_t priority, std::shared_ptr<GradientSumInFlight> sum, torch::autograd::edge_list&& next)
+      : Node(priority, std::move(next)), sum_(std::move(sum)) {}
+  std::string name() const override { return "trident::AwaitGradientSum"; }
+  variable_list apply(variable_list&& grads) override {
+    if (std::exchange(sum_->started, false)) {
+      if (gradient_sums_started.load() > sum_->started_as) ++gradient_sums_overlapped;
+      Check(sum_->work.Wait());
+    }
+    return {grads[0]};
+  }
+
+ private:
+  std::shared_ptr<GradientSumInFlight> sum_;
+};
+
+// `h` as the input of a region's column-parallel layers (forward: `h` itself):
+// its gradient is summed over `group` by the two nodes above, awaited at
+// `priority`.
+at::Tensor ColumnInputSummingGradient(const at::Tensor& h, const ProcessGroup& group, uint64_t priority) {
+  if (!at::GradMode::is_enabled() || !h.requires_grad()) return h;
+  auto sum = std::make_shared<GradientSumInFlight>();
+  sum->group = &group;
+  auto await = std::make_shared<AwaitGradientSum>(priority, sum, torch::autograd::collect_next_edges(h));
+  at::Tensor awaited = h.detach();
+  torch::autograd::set_history(awaited, await);
+  auto start = std::make_shared<StartGradientSum>(sum, torch::autograd::collect_next_edges(awaited));
+  at::Tensor started = h.detach();
+  torch::autograd::set_history(started, start);
+  return started;
+}
+
+// A row-parallel partial output being summed over the group, in place.
+struct SumInFlight {
+  at::Tensor sum;
+  PendingWork work;
+  at::Tensor Wait() {
+    Check(work.Wait());
+    return sum;
+  }
+};
+
+// Starts summing `partial` in place. Its autograd history stays: the sum's
+// backward is the identity (each rank's partial product gets the whole
+// gradient), so the summed tensor keeps the product's gradient function.
+SumInFlight StartSum(const at::Tensor& partial, const ProcessGroup& group) {
+  SumInFlight in_flight{partial.contiguous(), PendingWork()};
+  auto started = group.IAllReduce(in_flight.sum);
+  Check(started.status());
+  bytes_communicated += 2 * Bytes(in_flight.sum) * (group.size() - 1) / group.size();
+  in_flight.work = std::move(*started);
+  return in_flight;
+}
+
 // Under autocast, `t` in the autocast dtype (as linear's operands would be), through a recorded cast.
 at::Tensor AutocastOperand(const at::Tensor& t) {
   const AutocastState autocast = GetAutocastState(t.device().type());
@@ -435,6 +534,33 @@ at::Tensor SubPipelinedColumnProduct(const at::Tensor& x, const at::Tensor& weig
 at::Tensor SubPipelinedRowProduct(const at::Tensor& x, const at::Tensor& weight, const std::string& group) {
   return SubPipelinedRow::apply(AutocastOperand(x), AutocastOperand(weight), group);
 }
+
+bool SubPipelinesBlock(const TensorParallelism& tp, const at::Tensor& x) {
+  return tp.overlapping_level >= 2 && tp.size > 1 && !tp.sequence_parallel && x.dim() > 0 && x.size(0) >= 2;
+}
+
+at::Tensor RunSubPipelinedBlock(const at::Tensor& x, const std::vector<BlockRegion>& regions,
+                                const std::string& group) {
+  const ProcessGroup& process_group = GroupNamed(group);
+  std::vector<at::Tensor> stream = x.chunk(kSubBatches, 0);  // each sub-micro-batch's residual stream
+  // The await nodes' sequence numbers: below this block's operators, rising
+  // in the order they are made, so backward awaits the sums in the order it
+  // starts them.
+  const uint64_t awaits = regions.size() * stream.size(), first = at::sequence_number::peek();
+  uint64_t priority = first > awaits ? first - awaits : 0;
+  std::vector<SumInFlight> in_flight(stream.size());
+  for (size_t r = 0; r <= regions.size(); ++r) {
+    for (size_t i = 0; i < stream.size(); ++i) {
+      if (r > 0) stream[i] = regions[r - 1].leave(stream[i], in_flight[i].Wait());
+      if (r == regions.size()) continue;
+      const at::Tensor input = ColumnInputSummingGradient(regions[r].enter(stream[i]), process_group, priority++);
+      in_flight[i] = StartSum(regions[r].partial(input), process_group);
+    }
+  }
+  return at::cat(stream, 0);
+}
+
+int64_t SubPipelinedGradientSumsOverlapped() { return gradient_sums_overlapped.load(); }
 
 int64_t TensorParallelBytesCommunicated() { return bytes_communicated.load(); }
 

@@ -57,7 +57,9 @@ struct TensorParallelism {
   // Merak's tp_overlapping_level: 0 none; 1 sub-pipelined products inside each
   // column- and row-parallel layer (without sequence parallelism or an
   // adapter): the product runs in row blocks and each block's all-reduce
-  // travels while the next block, or the weight's gradient, is computed.
+  // travels while the next block, or the weight's gradient, is computed;
+  // 2 also sub-pipelines the transformer blocks written for it (the zoo's:
+  // RunSubPipelinedBlock), the other layers as 1.
   int overlapping_level = 0;
 };
 
@@ -95,6 +97,37 @@ at::Tensor RowParallelOutput(const at::Tensor& y, const TensorParallelism& tp);
 at::Tensor SubPipelinedColumnProduct(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                      const std::string& group);
 at::Tensor SubPipelinedRowProduct(const at::Tensor& x, const at::Tensor& weight, const std::string& group);
+
+// Merak's tp_overlapping_level 2, for a transformer block written for it: the
+// block's micro-batch runs as two sub-micro-batches (halves of the batch
+// dimension), and each one's all-reduces travel while the other's products
+// run, forward and backward. A block is a sequence of regions, each a
+// column-parallel input and a row-parallel output (attention, MLP):
+//   enter   the residual stream to the region's input (a norm)
+//   partial that input, already inside the region, to this rank's product of
+//           the row-parallel layer: not summed, without its bias
+//           (ColumnParallelLinear::ForwardInRegion, RowParallelLinear::PartialForward)
+//   leave   the residual stream and the summed output to the next residual
+//           stream (bias, dropout, residual add)
+struct BlockRegion {
+  std::function<at::Tensor(const at::Tensor&)> enter, partial;
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> leave;
+};
+// Whether RunSubPipelinedBlock applies: overlapping_level >= 2, tp > 1,
+// without sequence parallelism, a batch `x` of at least 2.
+bool SubPipelinesBlock(const TensorParallelism& tp, const at::Tensor& x);
+// The block's output for `x` [B, ...]: the regions in order on each half of
+// the batch, the values of running each region as
+// leave(x, RowParallelOutput(partial(ColumnParallelInput(enter(x))))).
+// Forward sums one half's partial output while the other half's products run;
+// backward starts each half's input-gradient sum as soon as it is computed
+// and awaits it only once the rest of the block's ready backward has run.
+// Dropout inside the regions draws per half (other masks than a whole batch's).
+at::Tensor RunSubPipelinedBlock(const at::Tensor& x, const std::vector<BlockRegion>& regions,
+                                const std::string& group);
+// How many of this process's backward gradient sums of RunSubPipelinedBlock
+// were still travelling when the next one started: the overlap it achieved.
+int64_t SubPipelinedGradientSumsOverlapped();
 
 // Bytes this process has sent through the operators above (all-reduce counted
 // as 2 (p-1)/p of the tensor, all-gather and reduce-scatter as (p-1)/p of the
@@ -147,6 +180,10 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   // This rank's output without the bias (Megatron's skip_bias_add), for a
   // caller that adds it fused with what follows (fused_bias_gelu).
   at::Tensor ForwardSkipBias(const at::Tensor& x);
+  // The product of an input already inside the region (RunSubPipelinedBlock:
+  // replicated, its gradient summed by the caller), with the bias or not.
+  // Without an adapter.
+  at::Tensor ForwardInRegion(const at::Tensor& x, bool add_bias = true);
   // How weight (and bias) shard the full parameter.
   ShardSpec weight_shard() const { return {0, tp_.size, tp_.rank, blocks_}; }
   at::Tensor weight, bias;
@@ -171,6 +208,9 @@ class RowParallelLinearImpl : public torch::nn::Module {
   RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features,
                         bool bias = true, bool input_is_parallel = true);
   at::Tensor forward(const at::Tensor& x);
+  // This rank's product, neither summed over the group nor with the bias
+  // (RunSubPipelinedBlock's partial output). Without an adapter.
+  at::Tensor PartialForward(const at::Tensor& x);
   ShardSpec weight_shard() const { return {1, tp_.size, tp_.rank, 1}; }
   at::Tensor weight, bias;
   LowRankAdapter adapter;

@@ -162,7 +162,9 @@ TEST_P(TensorParallelLayersTest, LayersEqualTheirUnshardedForm) {
       // the embedding's.
       EXPECT_EQ(AllReducesIssued() - all_reduces_before, level == 1 ? 2 * 2 + 1 : 1 + 1 + 1);
     }
-    if (sp) ASSERT_TRUE(SequenceParallelGradients({row->bias}, "tp").ok());
+    if (sp) {
+      ASSERT_TRUE(SequenceParallelGradients({row->bias}, "tp").ok());
+    }
     ExpectClose(column->weight.grad(), column->weight_shard().Slice(full[0].grad()), "column weight");
     ExpectClose(column->bias.grad(), column->weight_shard().Slice(full[1].grad()), "column bias");
     ExpectClose(row->weight.grad(), row_spec.Slice(full[2].grad()), "row weight");
@@ -176,6 +178,94 @@ INSTANTIATE_TEST_SUITE_P(RanksSequenceParallelAndSubPipelining, TensorParallelLa
                          ::testing::Values(std::make_tuple(2, false, 0), std::make_tuple(2, true, 0),
                                            std::make_tuple(2, false, 1), std::make_tuple(4, false, 0),
                                            std::make_tuple(4, true, 0), std::make_tuple(4, false, 1)));
+
+// A pre-norm block of two regions (norm, column, GELU, row, residual add) run
+// sub-pipelined (tp_overlapping_level 2) computes the unsharded block's output
+// and gradients; backward overlaps every input-gradient sum but the last with
+// the next half's products.
+class SubPipelinedBlockTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(SubPipelinedBlockTest, EqualsTheUnshardedBlockAndOverlapsBackwardSums) {
+  const int p = GetParam();
+  testing::RunOnRanks(p, [p](int r) {
+    auto topology = testing::JoinTopology({{"tensor", p}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const TensorParallelism tp{p, r, "tp", false, /*parallel_vocab=*/true, /*overlapping_level=*/2};
+    const int64_t C = 8, H = 16, regions = 2;
+    const at::Tensor X = Shared({3, 4, C}, 20);  // an odd batch: halves of 2 and 1
+    std::vector<at::Tensor> full;  // per region: norm scale, W1, b1, W2, b2
+    for (int64_t i = 0; i < regions; ++i) {
+      for (auto shape : std::vector<std::vector<int64_t>>{{C}, {H, C}, {H}, {C, H}, {C}}) {
+        full.push_back(Shared(shape, 21 + full.size()).requires_grad_(true));
+      }
+    }
+    auto norm = [C](const at::Tensor& x, const at::Tensor& scale) { return at::layer_norm(x, {C}, scale); };
+    at::Tensor x_full = X.clone().requires_grad_(true), expected = x_full;
+    for (int64_t i = 0; i < regions; ++i) {
+      const at::Tensor* w = &full[5 * i];
+      expected = expected + at::linear(at::gelu(at::linear(norm(expected, w[0]), w[1], w[2])), w[3], w[4]);
+    }
+    (expected * expected).sum().backward();
+
+    std::vector<at::Tensor> scales;
+    std::vector<ColumnParallelLinear> columns;
+    std::vector<RowParallelLinear> rows;
+    std::vector<BlockRegion> block;
+    for (int64_t i = 0; i < regions; ++i) {
+      const at::Tensor* w = &full[5 * i];
+      scales.push_back(w[0].detach().clone().requires_grad_(true));
+      columns.emplace_back(tp, C, H);
+      rows.emplace_back(tp, H, C);
+      {
+        c10::NoGradGuard no_grad;
+        columns[i]->weight.copy_(columns[i]->weight_shard().Slice(w[1]));
+        columns[i]->bias.copy_(columns[i]->weight_shard().Slice(w[2]));
+        rows[i]->weight.copy_(rows[i]->weight_shard().Slice(w[3]));
+        rows[i]->bias.copy_(w[4]);
+      }
+      block.push_back({[&, i](const at::Tensor& x) { return norm(x, scales[i]); },
+                       [&, i](const at::Tensor& h) {
+                         return rows[i]->PartialForward(at::gelu(columns[i]->ForwardInRegion(h)));
+                       },
+                       [&, i](const at::Tensor& x, const at::Tensor& y) { return x + y + rows[i]->bias; }});
+    }
+    ASSERT_TRUE(SubPipelinesBlock(tp, X));
+    at::Tensor x = X.clone().requires_grad_(true);
+    const int64_t all_reduces_before = AllReducesIssued(), overlapped_before = SubPipelinedGradientSumsOverlapped();
+    at::Tensor y = RunSubPipelinedBlock(x, block, tp.group);
+    ExpectClose(y, expected.detach(), "output");
+    (y * y).sum().backward();
+    // Per half and region, one sum of the output forward and one of the input's gradient backward.
+    EXPECT_EQ(AllReducesIssued() - all_reduces_before, 2 * 2 * regions);
+    // Backward starts the sums in the order: second half, first half of the
+    // last region, then of the first; each but the last is awaited after the next starts.
+    EXPECT_EQ(SubPipelinedGradientSumsOverlapped() - overlapped_before, 2 * regions - 1);
+    ExpectClose(x.grad(), x_full.grad(), "input");
+    for (int64_t i = 0; i < regions; ++i) {
+      const at::Tensor* w = &full[5 * i];
+      const std::string region = "region " + std::to_string(i) + " ";
+      ExpectClose(scales[i].grad(), w[0].grad(), region + "norm scale");
+      ExpectClose(columns[i]->weight.grad(), columns[i]->weight_shard().Slice(w[1].grad()), region + "column weight");
+      ExpectClose(columns[i]->bias.grad(), columns[i]->weight_shard().Slice(w[2].grad()), region + "column bias");
+      ExpectClose(rows[i]->weight.grad(), rows[i]->weight_shard().Slice(w[3].grad()), region + "row weight");
+      ExpectClose(rows[i]->bias.grad(), w[4].grad(), region + "row bias");
+    }
+    // Without gradients (evaluation) the block runs forward only, no gradient sums.
+    c10::NoGradGuard no_grad;
+    ExpectClose(RunSubPipelinedBlock(X, block, tp.group), expected.detach(), "output without gradients");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, SubPipelinedBlockTest, ::testing::Values(2, 4));
+
+TEST(SubPipelinedBlockTest, AppliesFromLevelTwoToBatchesOfTwo) {
+  const at::Tensor batch = at::zeros({2, 4, 8}), one = at::zeros({1, 4, 8});
+  EXPECT_TRUE(SubPipelinesBlock({2, 0, "tp", false, true, 2}, batch));
+  EXPECT_FALSE(SubPipelinesBlock({2, 0, "tp", false, true, 2}, one));
+  EXPECT_FALSE(SubPipelinesBlock({2, 0, "tp", false, true, 1}, batch));
+  EXPECT_FALSE(SubPipelinesBlock({1, 0, "tp", false, true, 2}, batch));
+  EXPECT_FALSE(SubPipelinesBlock({2, 0, "tp", true, true, 2}, batch));
+}
 
 TEST(ShardSpecTest, SliceAndUnsliceRoundTripWithBlocks) {
   const at::Tensor full = at::arange(24).view({12, 2});

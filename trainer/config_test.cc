@@ -125,8 +125,9 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("tp_plan_report prints the automatic tensor-parallel plan of a run with tp > 1"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_sequence_parallel(true); }, 1),
               HasSubstr("sequence_parallel needs tp > 1"));
-  EXPECT_THAT(error([](TrainerConfig& c) { c.set_tp_overlapping_level(2); }, 1),
-              HasSubstr("tp_overlapping_level=2: 0 (none) and 1"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_tp_overlapping_level(3); }, 1),
+              HasSubstr("tp_overlapping_level=3: 0 (none), 1 (sub-pipelined products inside each parallel layer) "
+                        "and 2 (sub-pipelined transformer blocks) are implemented; 3 (overlap between blocks) is not"));
   EXPECT_THAT(error([](TrainerConfig& c) {
                 c.set_dp(1);
                 c.set_tp(2);

@@ -188,7 +188,8 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
     const char* model;
     int dp, tp, pp;
     bool sequence_parallel = false;
-    int overlapping_level = 0;  // tp_overlapping_level: 1 sub-pipelines every parallel layer
+    int overlapping_level = 0;  // tp_overlapping_level: 1 sub-pipelines every parallel layer, 2 also the blocks
+    bool recompute = false;     // attention and MLP recomputed in backward
   };
   std::map<std::string, std::vector<double>> single;
   for (const Layout& layout :
@@ -196,7 +197,8 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
         Layout{"gpt", 1, 4, 1, true}, Layout{"llama", 1, 2, 1}, Layout{"llama", 1, 4, 1},
         Layout{"llama", 1, 2, 1, true}, Layout{"llama", 1, 4, 1, true},
         Layout{"gpt", 2, 2, 2, true}, Layout{"gpt", 1, 2, 1, false, 1}, Layout{"llama", 1, 4, 1, false, 1},
-        Layout{"gpt", 2, 2, 2, false, 1}}) {
+        Layout{"gpt", 2, 2, 2, false, 1}, Layout{"gpt", 1, 2, 1, false, 2}, Layout{"llama", 1, 2, 1, false, 2, true},
+        Layout{"gpt", 2, 2, 2, false, 2, true}}) {
     auto configure = [&](int dp, int tp, int pp) {
       TrainerConfig config = SmallConfig(dp);
       config.set_model(layout.model);
@@ -207,6 +209,7 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
       config.set_micro_batch_size(2);
       config.set_sequence_parallel(tp > 1 && layout.sequence_parallel);
       config.set_tp_overlapping_level(layout.overlapping_level);
+      if (layout.recompute) config.set_checkpoint_modules(std::string(layout.model) == "llama" ? "self_attn,mlp" : "attn,mlp");
       return config;
     };
     if (!single.count(layout.model)) {
@@ -214,7 +217,9 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
     }
     const std::string tag =
         absl::StrCat(layout.model, "_dp", layout.dp, "_tp", layout.tp, "_pp", layout.pp,
-                     layout.sequence_parallel ? "_sp" : "", layout.overlapping_level > 0 ? "_overlap" : "");
+                     layout.sequence_parallel ? "_sp" : "",
+                     layout.overlapping_level > 0 ? absl::StrCat("_overlap", layout.overlapping_level) : "",
+                     layout.recompute ? "_recompute" : "");
     SCOPED_TRACE(tag);
     ExpectSameLosses(single[layout.model], TrainOnRanks(configure(layout.dp, layout.tp, layout.pp), tag),
                      1e-5);
