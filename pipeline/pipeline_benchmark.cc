@@ -5,6 +5,8 @@
 // (`vs_simulated` near 1 means communication overlaps as modelled), and the
 // first stage's peak of CPU tensor bytes over the step (`peak_mb`; the
 // `_dealloc` runs free each sent activation's values: dealloc_pipeoutput).
+// Each figure is the median over the timed steps (the first step is a
+// warm-up), each step's ratio taken against its own stage times.
 //
 //   bazel run -c opt //pipeline:pipeline_benchmark
 #include <benchmark/benchmark.h>
@@ -12,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
 #include <string>
@@ -27,14 +30,14 @@
 namespace trident {
 namespace {
 
-constexpr int kMicroBatches = 8, kSteps = 3;
+constexpr int kMicroBatches = 8, kSteps = 6;
 
 // Model chunks per rank for a schedule.
 int Chunks(const std::string& schedule) { return schedule == "interleaved_1f1b" ? 2 : 1; }
 
-// One rank: runs kSteps steps and reports, for the last, "step_seconds
-// forward_seconds backward_seconds compute_seconds weight_grad_seconds
-// peak_bytes". args: {schedule, "dealloc" or "keep"}.
+// One rank: runs kSteps steps and reports, for each but the first, a line
+// "step_seconds forward_seconds backward_seconds compute_seconds
+// weight_grad_seconds peak_bytes". args: {schedule, "dealloc" or "keep"}.
 absl::Status RunWorker(const std::vector<std::string>& args, std::string* result) {
   const std::string& schedule_name = args.at(0);
   at::set_num_threads(1);
@@ -64,61 +67,77 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
   for (const at::Tensor& micro : tokens.chunk(kMicroBatches)) batches.push_back({micro, micro});
   TRIDENT_RETURN_IF_ERROR(ForwardThroughStages(*part, runner_options.chunks, &pipeline, batches[0]).status());
   PipelineStageRunner runner(*part, &pipeline, *schedule, runner_options);
-  int64_t peak = 0;
   for (int step = 0; step < kSteps; ++step) {
     for (auto& p : part->parameters()) p.mutable_grad() = at::Tensor();
     memory.ResetPeak();
     const int64_t before = memory.live_bytes();
     TRIDENT_RETURN_IF_ERROR(runner.RunStep(batches, {}).status());
-    peak = memory.peak_bytes() - before;
+    if (step == 0) continue;
+    double end = 0, forward = 0, backward = 0, weight = 0;
+    for (const TimelineEvent& e : runner.timeline()) {
+      end = std::max(end, e.end);
+      if (e.op == Op::kForward) forward += e.end - e.start;
+      if (e.op == Op::kBackward || e.op == Op::kBackwardInput) backward += e.end - e.start;
+      if (e.op == Op::kBackwardWeight) weight += e.end - e.start;
+    }
+    absl::StrAppend(result, end, " ", forward / kMicroBatches, " ", (backward + weight) / kMicroBatches, " ",
+                    forward + backward + weight, " ", weight / kMicroBatches, " ",
+                    memory.peak_bytes() - before, "\n");
   }
-  double end = 0, forward = 0, backward = 0, weight = 0;
-  for (const TimelineEvent& e : runner.timeline()) {
-    end = std::max(end, e.end);
-    if (e.op == Op::kForward) forward += e.end - e.start;
-    if (e.op == Op::kBackward || e.op == Op::kBackwardInput) backward += e.end - e.start;
-    if (e.op == Op::kBackwardWeight) weight += e.end - e.start;
-  }
-  *result = absl::StrCat(end, " ", forward / kMicroBatches, " ", (backward + weight) / kMicroBatches, " ",
-                         forward + backward + weight, " ", weight / kMicroBatches, " ", peak);
   return absl::OkStatus();
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
 }
 
 void BM_PipelineStep(benchmark::State& state, const char* schedule, bool dealloc = false) {
   const int stages = static_cast<int>(state.range(0));
-  double step = 0, compute = 0, weight_share = 0, first_stage_peak = 0;
-  SimulationOptions simulated;
-  simulated.num_stages = stages;
-  simulated.num_micro_batches = kMicroBatches;
-  simulated.forward_seconds.clear();
-  simulated.backward_seconds.clear();
+  const auto schedule_object = *MakeSchedule(schedule, Chunks(schedule));
+  std::vector<double> steps, bubbles, ratios, first_stage_peaks;
   for (auto _ : state) {
     auto results = testing::RunRankWorkers(stages, {schedule, dealloc ? "dealloc" : "keep"});
     if (!results.ok()) {
       state.SkipWithError(std::string(results.status().message()).c_str());
       return;
     }
-    for (int s = 0; s < stages; ++s) {
-      std::istringstream in((*results)[s]);
-      double end, forward, backward, busy, weight, peak;
-      in >> end >> forward >> backward >> busy >> weight >> peak;
-      if (s == 0) first_stage_peak = peak;
-      step = std::max(step, end);
-      compute += busy;
-      weight_share += weight / backward / stages;
-      simulated.forward_seconds.push_back(forward);
-      simulated.backward_seconds.push_back(backward);
+    std::vector<std::istringstream> ranks;
+    for (int s = 0; s < stages; ++s) ranks.emplace_back((*results)[s]);
+    for (int timed = 1; timed < kSteps; ++timed) {
+      double step = 0, compute = 0;
+      // The simulator's stage times are per rank: for C chunks, summed over them.
+      SimulationOptions simulated;
+      simulated.num_stages = stages;
+      simulated.num_micro_batches = kMicroBatches;
+      simulated.forward_seconds.clear();
+      simulated.backward_seconds.clear();
+      simulated.weight_grad_fraction = 0;
+      for (int s = 0; s < stages; ++s) {
+        double end, forward, backward, busy, weight, peak;
+        ranks[s] >> end >> forward >> backward >> busy >> weight >> peak;
+        if (s == 0) first_stage_peaks.push_back(peak);
+        step = std::max(step, end);
+        compute += busy;
+        simulated.weight_grad_fraction += weight / backward / stages;
+        simulated.forward_seconds.push_back(forward);
+        simulated.backward_seconds.push_back(backward);
+      }
+      auto prediction = Simulate(*schedule_object, simulated);
+      if (!prediction.ok()) {
+        state.SkipWithError(std::string(prediction.status().message()).c_str());
+        return;
+      }
+      steps.push_back(step);
+      bubbles.push_back(1.0 - compute / (stages * step));
+      ratios.push_back(step / prediction->makespan);
     }
-    state.SetIterationTime(step);
+    state.SetIterationTime(Median(steps));
   }
-  // The simulator's stage times are per rank: for C chunks, sum over them.
-  auto schedule_object = *MakeSchedule(schedule, Chunks(schedule));
-  simulated.weight_grad_fraction = weight_share;
-  auto prediction = Simulate(*schedule_object, simulated);
-  state.counters["step_ms"] = 1000 * step;
-  state.counters["bubble"] = 1.0 - compute / (stages * step);
-  state.counters["peak_mb"] = first_stage_peak / 1e6;
-  if (prediction.ok()) state.counters["vs_simulated"] = step / prediction->makespan;
+  state.counters["step_ms"] = 1000 * Median(steps);
+  state.counters["bubble"] = Median(bubbles);
+  state.counters["peak_mb"] = Median(first_stage_peaks) / 1e6;
+  state.counters["vs_simulated"] = Median(ratios);
 }
 BENCHMARK_CAPTURE(BM_PipelineStep, gpipe, "gpipe")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
     ->Iterations(1)->Unit(benchmark::kMillisecond);
