@@ -647,21 +647,16 @@ absl::Status ZeroOptimizer::SumGradientsOver(const ProcessGroup& group,
 }
 
 double ZeroOptimizer::LocalSquaredGradNorm() const {
-  // In fp64, a slice at a time: a bucket may be the whole model (the default
-  // zero_reduce_bucket_size), and whole fp64 temporaries of it would be the
-  // largest allocations of the step.
-  constexpr int64_t kSlice = 1 << 20;
-  at::Tensor sum;
+  // Each counted range's norm in one pass over it, without temporaries (a
+  // bucket may be the whole model, the default zero_reduce_bucket_size), then
+  // their squares summed in fp64: as plain data parallelism sums its
+  // parameters' norms.
+  std::vector<at::Tensor> ranges;
   for (const Bucket& bucket : buckets_) {
-    for (const auto& [first, end] : bucket.counted) {
-      for (int64_t begin = first; begin < end; begin += kSlice) {
-        const int64_t n = std::min(kSlice, end - begin);
-        at::Tensor part = bucket.chunk_grad.narrow(0, begin, n).to(at::kDouble).square_().sum();
-        sum = sum.defined() ? sum + part : part;
-      }
-    }
+    for (const auto& [begin, end] : bucket.counted) ranges.push_back(bucket.chunk_grad.narrow(0, begin, end - begin));
   }
-  return sum.defined() ? sum.item<double>() : 0.0;
+  if (ranges.empty()) return 0.0;
+  return at::stack(at::_foreach_norm(ranges)).to(at::kDouble).pow(2).sum().item<double>();
 }
 
 void ZeroOptimizer::ScaleGradients(double factor) {
