@@ -124,7 +124,7 @@ CrossEntropyParts CrossEntropyForward(const at::Tensor& logits, const at::Tensor
 
 at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& targets,
                               c10::string_view group) {
-  return CrossEntropyForward(logits, targets, group).loss.to(logits.scalar_type());
+  return CrossEntropyForward(logits, targets, group).loss;
 }
 
 // Autograd: each forward/backward pair as a custom function.
@@ -201,7 +201,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     CrossEntropyParts parts = CrossEntropyForward(logits, targets, group);
     ctx->save_for_backward({parts.softmax, parts.local_targets, parts.outside});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
-    return parts.loss.to(logits.scalar_type());
+    return parts.loss;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();

@@ -73,8 +73,9 @@ at::Tensor GatherFromSequenceParallelRegion(const at::Tensor& x, const std::stri
 at::Tensor ReduceScatterToSequenceParallelRegion(const at::Tensor& x, const std::string& group,
                                                  int64_t dim);
 // Cross-entropy of logits [N, V / size] (this rank's vocabulary slice) against
-// global target ids [N]: the per-token losses [N], equal on every rank. The
-// full logits are never gathered.
+// global target ids [N]: the per-token losses [N] in fp32 (as autocast runs
+// cross-entropy; bf16 logits too), equal on every rank. The full logits are
+// never gathered.
 at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
                                      const std::string& group);
 

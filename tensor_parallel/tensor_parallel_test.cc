@@ -96,6 +96,12 @@ TEST_P(TensorParallelOpsTest, ForwardAndBackwardEqualOneProcess) {
       ExpectClose(loss, expected.detach(), "cross-entropy forward");
       (loss * at::arange(6)).sum().backward();
       ExpectClose(local.grad(), full.grad().chunk(p, 1)[r], "cross-entropy backward");
+      // bf16 logits: the losses come back in fp32, those of the logits' values.
+      const at::Tensor rounded = logits.to(at::kBFloat16);
+      at::Tensor half_loss = VocabParallelCrossEntropy(rounded.chunk(p, 1)[r], targets, g);
+      EXPECT_EQ(half_loss.scalar_type(), at::kFloat);
+      ExpectClose(half_loss, at::cross_entropy_loss(rounded.to(at::kFloat), targets, {}, at::Reduction::None),
+                  "cross-entropy of bf16 logits");
     }
     EXPECT_GT(TensorParallelBytesCommunicated(), 0);
   });

@@ -134,6 +134,11 @@ at::Tensor ProcessGroup::OnDevice(const at::Tensor& tensor) const {
   return tensor.device() == device_ ? tensor : tensor.to(device_);
 }
 
+at::Tensor ProcessGroup::Staged(const at::Tensor& tensor) const {
+  if (device_.is_cpu() && tensor.scalar_type() == at::kBFloat16) return tensor.to(device_, at::kFloat);
+  return OnDevice(tensor);
+}
+
 absl::Status ProcessGroup::Failure(const char* operation, const char* cause) const {
   const std::string context = absl::StrCat(operation, " on process group '", name_, "' (global ranks ",
                                            absl::StrJoin(global_ranks_, ","), ") failed");
@@ -177,7 +182,7 @@ absl::Status ProcessGroup::Run(const char* operation,
 absl::Status ProcessGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   TRIDENT_RETURN_IF_ERROR(CheckAverageable(tensor, op));
   if (local()) return absl::OkStatus();
-  std::vector<at::Tensor> tensors = {OnDevice(tensor.is_contiguous() ? tensor : tensor.contiguous())};
+  std::vector<at::Tensor> tensors = {Staged(tensor.is_contiguous() ? tensor : tensor.contiguous())};
   c10d::AllreduceOptions options;
   options.reduceOp = ToC10d(op);
   options.timeout = timeout_;
@@ -194,7 +199,7 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
         "all_reduce on process group '", name_, "': IAllReduce needs a contiguous tensor"));
   }
   if (local()) return PendingWork::Done();
-  std::vector<at::Tensor> tensors = {OnDevice(tensor)};
+  std::vector<at::Tensor> tensors = {Staged(tensor)};
   c10d::AllreduceOptions options;
   options.timeout = timeout_;
   TRIDENT_ASSIGN_OR_RETURN(PendingWork pending,
@@ -206,7 +211,7 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
 absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
   TRIDENT_RETURN_IF_ERROR(CheckPeer(root, "broadcast"));
   if (local()) return absl::OkStatus();
-  std::vector<at::Tensor> tensors = {OnDevice(tensor.is_contiguous() ? tensor : tensor.contiguous())};
+  std::vector<at::Tensor> tensors = {Staged(tensor.is_contiguous() ? tensor : tensor.contiguous())};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.timeout = timeout_;
@@ -218,14 +223,14 @@ absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
 
 absl::StatusOr<at::Tensor> ProcessGroup::AllGather(const at::Tensor& input, int64_t dim) const {
   if (local()) return input.clone(at::MemoryFormat::Contiguous);
-  std::vector<at::Tensor> inputs = {OnDevice(input.contiguous())};
+  std::vector<at::Tensor> inputs = {Staged(input.contiguous())};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
   TRIDENT_RETURN_IF_ERROR(
       Run("all_gather", [&] { return backend_->allgather(outputs, inputs, options); }));
-  return at::cat(outputs[0], dim).to(input.device());
+  return at::cat(outputs[0], dim).to(input.device(), input.scalar_type());
 }
 
 absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
@@ -240,8 +245,8 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
     output.copy_(input.view(output.sizes()));
     return PendingWork::Done();
   }
-  std::vector<at::Tensor> inputs = {OnDevice(input)};
-  at::Tensor staged = OnDevice(output);
+  std::vector<at::Tensor> inputs = {Staged(input)};
+  at::Tensor staged = Staged(output);
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (const at::Tensor& part : staged.view({size(), -1}).unbind(0)) {
     outputs[0].push_back(part.view(input.sizes()));
@@ -273,7 +278,7 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
   if (local()) return input.clone(at::MemoryFormat::Contiguous);
   // NOTE: Gloo has no reduce-scatter; an all-to-all of the chunks followed by a
   // local reduction moves the same bytes as a ring reduce-scatter.
-  at::Tensor chunks = OnDevice(input.movedim(dim, 0).contiguous());
+  at::Tensor chunks = Staged(input.movedim(dim, 0).contiguous());
   std::vector<int64_t> shape = chunks.sizes().vec();
   shape[0] /= size();
   shape.insert(shape.begin(), size());
@@ -285,7 +290,7 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
   TRIDENT_RETURN_IF_ERROR(Run("reduce_scatter", [&] {
     return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
   }));
-  return ReduceLocally(received, op).movedim(0, dim).contiguous().to(input.device());
+  return ReduceLocally(received, op).movedim(0, dim).contiguous().to(input.device(), input.scalar_type());
 }
 
 absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input, at::Tensor& output) const {
@@ -299,7 +304,7 @@ absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input
     return PendingWork::Done();
   }
   // As ReduceScatter: an all-to-all of the chunks, reduced here once it arrived.
-  at::Tensor chunks = OnDevice(input).view({size(), -1});
+  at::Tensor chunks = Staged(input).view({size(), -1});
   at::Tensor received = at::empty_like(chunks);
   c10d::AllToAllOptions options;
   options.timeout = timeout_;

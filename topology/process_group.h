@@ -164,6 +164,10 @@ class ProcessGroup {
   bool local() const { return !backend_; }
   // `tensor` on the backend's device (itself when it is there).
   at::Tensor OnDevice(const at::Tensor& tensor) const;
+  // `tensor` as the backend's collectives take it: on its device, and bf16 as
+  // fp32 on Gloo (CPU), which has no bf16 reductions (LibTorch 1.13). The
+  // callers copy a staged result back into the caller's tensor.
+  at::Tensor Staged(const at::Tensor& tensor) const;
 
   std::string name_;
   std::vector<int> global_ranks_;

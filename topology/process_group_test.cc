@@ -66,6 +66,17 @@ TEST_P(CollectivesTest, AllReduceMatchesHandComputedAnswers) {
     ASSERT_TRUE(pending->Wait().ok());
     EXPECT_EQ(started[2].item<float>(), world * (world - 1) / 2.0f);
 
+    // bf16, which Gloo cannot reduce itself: staged through fp32, in place and started.
+    at::Tensor half_precision = RankTensor(rank).to(at::kBFloat16);
+    ASSERT_TRUE(group.AllReduce(half_precision).ok());
+    EXPECT_EQ(half_precision.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(half_precision, (at::tensor({1.0f, 2.0f, 3.0f}) * sum_of_factors).to(at::kBFloat16)));
+    at::Tensor half_started = at::full({3}, static_cast<float>(rank)).to(at::kBFloat16);
+    auto half_pending = group.IAllReduce(half_started);
+    ASSERT_TRUE(half_pending.ok()) << half_pending.status();
+    ASSERT_TRUE(half_pending->Wait().ok());
+    EXPECT_EQ(half_started[2].item<float>(), world * (world - 1) / 2.0f);
+
     absl::Status bad = group.AllReduce(counts, ReduceOp::kAvg);
     EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(bad.message()), HasSubstr("kAvg needs a floating-point tensor"));
@@ -118,6 +129,15 @@ TEST_P(CollectivesTest, BroadcastAllGatherReduceScatterAndBarrier) {
                                                float(world + rank + world - 1)})
                                        .view({2, 1})))
         << *column;
+
+    // bf16 gathers and reductions keep their dtype (staged through fp32 on Gloo).
+    auto half_gathered = group.AllGather(RankTensor(rank).to(at::kBFloat16));
+    ASSERT_TRUE(half_gathered.ok()) << half_gathered.status();
+    EXPECT_EQ(half_gathered->scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(half_gathered->slice(0, 3 * (world - 1)), RankTensor(world - 1).to(at::kBFloat16)));
+    auto half_scattered = group.ReduceScatter(input.to(at::kBFloat16));
+    ASSERT_TRUE(half_scattered.ok()) << half_scattered.status();
+    EXPECT_TRUE(at::equal(*half_scattered, scattered->to(at::kBFloat16))) << *half_scattered;
 
     auto uneven = group.ReduceScatter(at::ones({2 * world + 1}));
     EXPECT_EQ(uneven.status().code(), absl::StatusCode::kInvalidArgument);

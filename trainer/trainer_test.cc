@@ -319,7 +319,10 @@ TEST(TrainerStrategyTest, StrategyMethodsTrainWithParity) {
                           methods { name: "checkpoint" activation_checkpoint_ratio: 0.5 }
                           methods { name: "pipeline_parallel" micro_batches: 2 })"},
            {"amp_bf16", 2, R"(methods { name: "amp_native" dtype: "bf16" skip_if_nonfinite: true } methods { name: "zero2" })", false},
-           {"half_bf16", 1, R"(methods { name: "half" dtype: "bf16" })", false}}) {
+           {"half_bf16", 1, R"(methods { name: "half" dtype: "bf16" })", false},
+           {"amp_bf16_tensor", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "tensor" size: 2 } }
+                                    methods { name: "tensor_parallel" } methods { name: "amp_native" dtype: "bf16" })",
+            false}}) {
     SCOPED_TRACE(c.tag);
     const std::string path = absl::StrCat(TestDir(), "/", c.tag, ".strategy");
     if (!testing::IsRankProcess()) std::ofstream(path) << c.methods;
