@@ -6,18 +6,16 @@
 namespace trident {
 
 ModelSource ZooModelSource(const ModelConfig& config, uint64_t seed) {
-  ModelSource source = ModelSource::FromLayerBuilder(
-      config.n_layer + 2,
-      [config, seed](const LayerRanges& ranges) -> absl::StatusOr<std::shared_ptr<LayerSequence>> {
-        TRIDENT_ASSIGN_OR_RETURN(auto part, ranges.empty() ? CreateModel(config, seed)
-                                                           : CreateModelLayers(config, seed, ranges));
-        return std::shared_ptr<LayerSequence>(part);
-      });
-  source.build_deferred = [config, seed](const LayerRanges& ranges) -> absl::StatusOr<std::shared_ptr<LayerSequence>> {
-    const LayerRanges all = ranges.empty() ? LayerRanges{{0, config.n_layer + 2}} : ranges;
-    TRIDENT_ASSIGN_OR_RETURN(auto part, CreateModelLayers(config, seed, all, /*defer_values=*/true));
-    return std::shared_ptr<LayerSequence>(part);
+  // The layers in `ranges` (empty: all of them), values drawn now or deferred.
+  auto builder = [config, seed](bool defer_values) {
+    return [config, seed, defer_values](const LayerRanges& ranges) -> absl::StatusOr<std::shared_ptr<LayerSequence>> {
+      const LayerRanges built = ranges.empty() ? LayerRanges{{0, config.n_layer + 2}} : ranges;
+      TRIDENT_ASSIGN_OR_RETURN(auto part, CreateModelLayers(config, seed, built, defer_values));
+      return std::shared_ptr<LayerSequence>(part);
+    };
   };
+  ModelSource source = ModelSource::FromLayerBuilder(config.n_layer + 2, builder(/*defer_values=*/false));
+  source.build_deferred = builder(/*defer_values=*/true);
   source.shards = [](LayerSequence& part) {
     return dynamic_cast<LanguageModel&>(part).ParameterShards();
   };

@@ -254,16 +254,21 @@ std::vector<std::pair<int64_t, int64_t>> RowBlocks(int64_t rows) {
   return blocks;
 }
 
+// Starts summing the contiguous `t` over `group` in place (throws on failure) and counts its bytes.
+PendingWork StartAllReduce(const ProcessGroup& group, at::Tensor& t) {
+  auto started = group.IAllReduce(t);
+  Check(started.status());
+  bytes_communicated += 2 * Bytes(t) * (group.size() - 1) / group.size();
+  return std::move(*started);
+}
+
 // Starts the all-reduce of the contiguous block `rows` of `y`, computed first by `compute(block)`.
 template <typename Compute>
 PendingWork ComputeAndStartAllReduce(const ProcessGroup& group, at::Tensor& y, std::pair<int64_t, int64_t> rows,
                                      Compute compute) {
   at::Tensor block = y.narrow(0, rows.first, rows.second);
   compute(block, rows);
-  auto started = group.IAllReduce(block);
-  Check(started.status());
-  bytes_communicated += 2 * Bytes(block) * (group.size() - 1) / group.size();
-  return std::move(*started);
+  return StartAllReduce(group, block);
 }
 
 // Waits for every started reduction (all of them, even after a failure), then reports the first failure.
@@ -364,10 +369,7 @@ class StartGradientSum : public torch::autograd::Node {
     at::Tensor grad = grads[0];
     if (!grad.defined()) return {grad};
     grad = grad.contiguous();  // the engine's own buffer: summed in place
-    auto started = sum_->group->IAllReduce(grad);
-    Check(started.status());
-    bytes_communicated += 2 * Bytes(grad) * (sum_->group->size() - 1) / sum_->group->size();
-    sum_->work = std::move(*started);
+    sum_->work = StartAllReduce(*sum_->group, grad);
     sum_->started = true;
     sum_->started_as = ++gradient_sums_started;
     return {grad};
@@ -430,10 +432,7 @@ struct SumInFlight {
 // gradient), so the summed tensor keeps the product's gradient function.
 SumInFlight StartSum(const at::Tensor& partial, const ProcessGroup& group) {
   SumInFlight in_flight{partial.contiguous(), PendingWork()};
-  auto started = group.IAllReduce(in_flight.sum);
-  Check(started.status());
-  bytes_communicated += 2 * Bytes(in_flight.sum) * (group.size() - 1) / group.size();
-  in_flight.work = std::move(*started);
+  in_flight.work = StartAllReduce(group, in_flight.sum);
   return in_flight;
 }
 
