@@ -107,7 +107,17 @@ torch::nn::LayerNorm MakeLayerNorm(int64_t width) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({width}).eps(1e-5));
 }
 
-// fused_layer_norm: the attention's residual add and ln_2 in one pass.
+// (x + residual, norm(x + residual)) as one fused operator (residual may be
+// undefined: then the sum is x). On CUDA its kernels write the output in
+// autocast's dtype and fold the sum's gradient into backward's pass.
+std::pair<at::Tensor, at::Tensor> AddLayerNorm(const torch::nn::LayerNorm& norm, const at::Tensor& x,
+                                               const at::Tensor& residual) {
+  const auto& o = norm->options;
+  return FusedAddLayerNorm(x, residual, 1.0, o.normalized_shape(), norm->weight, norm->bias, o.eps());
+}
+
+// fused_layer_norm: the attention's residual add and ln_2 in one pass (always
+// on CUDA, where ln_1 runs through the fused operator too).
 class BlockImpl : public torch::nn::Module, public ReplaceableModule {
  public:
   BlockImpl(const ModelConfig& c, KeyValueCache* cache, int64_t block) : tp_(c.tp) {
@@ -121,10 +131,13 @@ class BlockImpl : public torch::nn::Module, public ReplaceableModule {
     if (is_training() && SubPipelinesBlock(tp_, x) && !attn->HasAdapters() && !mlp->HasAdapters()) {
       return RunSubPipelinedBlock(x, Regions(), tp_.group);
     }
+    if (x.is_cuda()) {  // both norms fused; ln_1's kernel also adds the residual stream's gradient
+      auto [x1, normed1] = AddLayerNorm(ln_1, x, at::Tensor());
+      auto [sum, normed2] = AddLayerNorm(ln_2, x1, attn(normed1));
+      return sum + mlp(normed2);
+    }
     if (Uses("fused_layer_norm")) {
-      const auto& norm = ln_2->options;
-      auto [sum, normed] = FusedAddLayerNorm(x, attn(ln_1(x)), 1.0, norm.normalized_shape(), ln_2->weight,
-                                             ln_2->bias, norm.eps());
+      auto [sum, normed] = AddLayerNorm(ln_2, x, attn(ln_1(x)));
       return sum + mlp(normed);
     }
     x = x + attn(ln_1(x));
@@ -200,8 +213,8 @@ class Gpt : public LanguageModel {
       return transformer->drop(tokens + transformer->wpe(positions));
     }
     if (i == NumLayers() - 1) {  // this rank's vocabulary slice of the logits (or the whole vocabulary's)
-      if (lm_head) return lm_head(transformer->ln_f(x));
-      at::Tensor normed = transformer->ln_f(x);
+      at::Tensor normed = x.is_cuda() ? AddLayerNorm(transformer->ln_f, x, at::Tensor()).second : transformer->ln_f(x);
+      if (lm_head) return lm_head(normed);
       return AlignedLinear(tp.parallel_vocab ? ColumnParallelInput(normed, tp) : normed, transformer->wte->weight,
                            at::Tensor());  // tied
     }

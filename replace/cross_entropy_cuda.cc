@@ -7,22 +7,16 @@
 #include <torch/library.h>
 
 #include "replace/internal/cross_entropy_cuda.h"
+#include "replace/internal/cuda_dtype_of.h"
 
 namespace trident {
 namespace {
 
-CrossEntropyDtype DtypeOf(const at::Tensor& logits) {
-  switch (logits.scalar_type()) {
-    case at::kFloat:
-      return CrossEntropyDtype::kFloat;
-    case at::kBFloat16:
-      return CrossEntropyDtype::kBFloat16;
-    case at::kHalf:
-      return CrossEntropyDtype::kHalf;
-    default:
-      TORCH_CHECK(false, "trident::cross_entropy on CUDA takes float, bfloat16 or half logits; got ",
-                  logits.scalar_type());
-  }
+CudaDtype DtypeOf(const at::Tensor& logits) {
+  CudaDtype dtype;
+  TORCH_CHECK(CudaDtypeOf(logits.scalar_type(), &dtype),
+              "trident::cross_entropy on CUDA takes float, bfloat16 or half logits; got ", logits.scalar_type());
+  return dtype;
 }
 
 // Rows of contiguous values (any row stride), and int64 targets, one per row.

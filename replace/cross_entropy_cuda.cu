@@ -1,38 +1,18 @@
 // The fused cross-entropy on CUDA: one pass over the logits forward (the
 // log-sum-exp of each row, kept for backward), one pass backward that writes
 // the logits' gradient in their own precision. No [rows, cols] buffer in fp32.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "replace/internal/cross_entropy_cuda.h"
+#include "replace/internal/cuda_elements.cuh"
 
 namespace trident {
 namespace {
 
 constexpr int kMaxThreads = 512;
-
-__device__ __forceinline__ float ToFloat(float x) { return x; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half(x); }
-
-// kWidth consecutive elements, loaded and stored as one aligned access.
-template <typename T, int kWidth>
-struct alignas(sizeof(T) * kWidth) Pack {
-  T value[kWidth];
-};
 
 // A running maximum and the sum of exp(x - maximum) over the values seen.
 struct MaxSum {
@@ -170,31 +150,31 @@ void RowsBackward(const void* logits, int64_t rows, int64_t cols, int64_t stride
 
 }  // namespace
 
-void LaunchCrossEntropyRows(CrossEntropyDtype dtype, const void* logits, int64_t rows, int64_t cols, int64_t stride,
+void LaunchCrossEntropyRows(CudaDtype dtype, const void* logits, int64_t rows, int64_t cols, int64_t stride,
                             const int64_t* targets, int64_t ignore_index, float* lse, float* loss,
                             CUstream_st* stream) {
   if (rows == 0) return;
   switch (dtype) {
-    case CrossEntropyDtype::kFloat:
+    case CudaDtype::kFloat:
       return RowsForward<float>(logits, rows, cols, stride, targets, ignore_index, lse, loss, stream);
-    case CrossEntropyDtype::kBFloat16:
+    case CudaDtype::kBFloat16:
       return RowsForward<__nv_bfloat16>(logits, rows, cols, stride, targets, ignore_index, lse, loss, stream);
-    case CrossEntropyDtype::kHalf:
+    case CudaDtype::kHalf:
       return RowsForward<__half>(logits, rows, cols, stride, targets, ignore_index, lse, loss, stream);
   }
 }
 
-void LaunchCrossEntropyRowsBackward(CrossEntropyDtype dtype, const void* logits, int64_t rows, int64_t cols,
+void LaunchCrossEntropyRowsBackward(CudaDtype dtype, const void* logits, int64_t rows, int64_t cols,
                                     int64_t stride, const int64_t* targets, int64_t ignore_index, const float* lse,
                                     const float* scale, void* grad, CUstream_st* stream) {
   if (rows == 0) return;
   switch (dtype) {
-    case CrossEntropyDtype::kFloat:
+    case CudaDtype::kFloat:
       return RowsBackward<float>(logits, rows, cols, stride, targets, ignore_index, lse, scale, grad, stream);
-    case CrossEntropyDtype::kBFloat16:
+    case CudaDtype::kBFloat16:
       return RowsBackward<__nv_bfloat16>(logits, rows, cols, stride, targets, ignore_index, lse, scale, grad,
                                          stream);
-    case CrossEntropyDtype::kHalf:
+    case CudaDtype::kHalf:
       return RowsBackward<__half>(logits, rows, cols, stride, targets, ignore_index, lse, scale, grad, stream);
   }
 }

@@ -13,6 +13,9 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include "base/autocast_state.h"
+#include "replace/internal/cuda_dtype_of.h"
+#include "replace/internal/layer_norm_cuda.h"
 #include "replace/replace.h"
 
 namespace trident {
@@ -132,20 +135,29 @@ at::Tensor CausalAttentionAutograd(const at::Tensor& q, const at::Tensor& k, con
 
 // ---- residual add + LayerNorm ----
 
+// A custom function's tensor arguments must be defined: an absent residual,
+// weight or bias travels as an empty tensor.
+at::Tensor PresentOrEmpty(const c10::optional<at::Tensor>& t, const at::Tensor& like) {
+  return t && t->defined() ? *t : at::empty({0}, like.options());
+}
+c10::optional<at::Tensor> AbsentIfEmpty(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
 struct NormParts {
   at::Tensor sum, out, mean, rstd;
 };
 
-// The sum and LayerNorm's output, mean and 1/std, through ATen's kernels: a
-// one-pass loop of this file's own, compiled for the baseline instruction
-// set, measured 1.2-1.35x slower on CPU than ATen's add and LayerNorm, which
-// dispatch to AVX2.
+// The sum (x itself without a residual) and LayerNorm's output, mean and
+// 1/std, through ATen's kernels: a one-pass loop of this file's own, compiled
+// for the baseline instruction set, measured 1.2-1.35x slower on CPU than
+// ATen's add and LayerNorm, which dispatch to AVX2.
 NormParts AddLayerNormForward(const at::Tensor& x, const at::Tensor& r, double alpha, at::IntArrayRef shape,
                               const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  TORCH_CHECK(x.sizes() == r.sizes(), "add_layer_norm: x ", x.sizes(), " and residual ", r.sizes(),
-              " must have one shape");
+  TORCH_CHECK(!r.defined() || x.sizes() == r.sizes(), "add_layer_norm: x ", x.sizes(), " and residual ",
+              r.sizes(), " must have one shape");
   NormParts parts;
-  parts.sum = at::add(x, r, alpha);
+  parts.sum = r.defined() ? at::add(x, r, alpha) : x;
   std::tie(parts.out, parts.mean, parts.rstd) = at::native_layer_norm(parts.sum, shape, weight, bias, eps);
   return parts;
 }
@@ -154,11 +166,14 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& r, double alpha,
                                std::vector<int64_t> shape, const at::Tensor& weight, const at::Tensor& bias,
                                double eps) {
-    auto absent_if_empty = [](const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; };
-    NormParts parts = AddLayerNormForward(x, r, alpha, shape, absent_if_empty(weight), absent_if_empty(bias), eps);
-    ctx->save_for_backward({parts.sum, parts.mean, parts.rstd, absent_if_empty(weight), absent_if_empty(bias)});
+    const at::Tensor present_weight = AbsentIfEmpty(weight).value_or(at::Tensor()),
+                     present_bias = AbsentIfEmpty(bias).value_or(at::Tensor());
+    NormParts parts = AddLayerNormForward(x, AbsentIfEmpty(r).value_or(at::Tensor()), alpha, shape,
+                                          present_weight, present_bias, eps);
+    ctx->save_for_backward({parts.sum, parts.mean, parts.rstd, present_weight, present_bias});
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["shape"] = shape;
+    ctx->saved_data["residual"] = r.numel() > 0;
     return {parts.sum, parts.out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -175,32 +190,114 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
       grad_sum = grads[0];
     }
     const double alpha = ctx->saved_data["alpha"].toDouble();
-    at::Tensor grad_residual = grad_sum.defined() && alpha != 1.0 ? grad_sum * alpha : grad_sum;
+    at::Tensor grad_residual;
+    if (ctx->saved_data["residual"].toBool()) {
+      grad_residual = grad_sum.defined() && alpha != 1.0 ? grad_sum * alpha : grad_sum;
+    }
     return {grad_sum, grad_residual, at::Tensor(), at::Tensor(), grad_weight, grad_bias, at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> AddLayerNormAutograd(const at::Tensor& x, const at::Tensor& r,
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> Op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// On CUDA, where layer_norm_cuda.cu's kernels take the types and width
+// (trident::add_layer_norm_rows and its backward): forward reads x and the
+// residual once and writes the output in the type the next product reads
+// (autocast's); backward adds the sum's gradient in the same pass, so a
+// residual stream's gradient needs no addition of its own.
+struct AddLayerNormCudaFunction : torch::autograd::Function<AddLayerNormCudaFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& r, double alpha,
+                               const at::Tensor& weight, const at::Tensor& bias, double eps, int64_t out_dtype) {
+    static const auto rows_op =
+        Op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+            const at::Tensor&, const c10::optional<at::Tensor>&, double, const c10::optional<at::Tensor>&,
+            const c10::optional<at::Tensor>&, double, at::ScalarType)>("trident::add_layer_norm_rows");
+    auto [sum, out, mean, rstd] = rows_op.call(x, AbsentIfEmpty(r), alpha, AbsentIfEmpty(weight),
+                                               AbsentIfEmpty(bias), eps, static_cast<at::ScalarType>(out_dtype));
+    const bool has_residual = r.numel() > 0;
+    if (!has_residual) sum = x;  // the sum's gradient joins x's in backward's pass
+    ctx->save_for_backward({sum, mean, rstd, weight, bias});
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["residual_dtype"] = has_residual ? static_cast<int64_t>(r.scalar_type()) : int64_t{-1};
+    return {sum, out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto backward_op =
+        Op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+            const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
+            const at::Tensor&, const c10::optional<at::Tensor>&, double, c10::optional<at::ScalarType>, bool,
+            bool)>("trident::add_layer_norm_rows_backward");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &sum = saved[0], &weight = saved[3], &bias = saved[4];
+    const double alpha = ctx->saved_data["alpha"].toDouble();
+    const int64_t residual_code = ctx->saved_data["residual_dtype"].toInt();
+    const c10::optional<at::ScalarType> residual_dtype =
+        residual_code < 0 ? c10::nullopt : c10::optional<at::ScalarType>(static_cast<at::ScalarType>(residual_code));
+    if (!grads[1].defined()) {  // only the sum was used
+      const at::Tensor& g = grads[0];
+      at::Tensor grad_residual = residual_dtype && g.defined() ? (g * alpha).to(*residual_dtype) : at::Tensor();
+      return {g, grad_residual, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    auto [grad_x, grad_residual, grad_weight, grad_bias] =
+        backward_op.call(sum, grads[1], grads[0].defined() ? c10::optional<at::Tensor>(grads[0]) : c10::nullopt,
+                         saved[1], saved[2], AbsentIfEmpty(weight), alpha, residual_dtype, weight.numel() > 0,
+                         bias.numel() > 0);
+    const auto as = [](const at::Tensor& grad, const at::Tensor& like) {
+      return like.numel() > 0 ? grad.to(like.scalar_type()) : at::Tensor();
+    };
+    if (!residual_dtype) grad_residual = at::Tensor();
+    return {grad_x, grad_residual, at::Tensor(), as(grad_weight, weight), as(grad_bias, bias), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// The output type of the CUDA kernels' path, when they take x, the residual
+// and the normalized shape: autocast's lower precision for fp32 x under
+// autocast, else x's own.
+c10::optional<at::ScalarType> CudaNormOutput(const at::Tensor& x, const c10::optional<at::Tensor>& r,
+                                              at::IntArrayRef shape) {
+  if (!x.is_cuda() || x.numel() == 0 || shape.size() != 1 || shape[0] != x.size(-1)) return c10::nullopt;
+  const bool has_residual = r && r->defined();
+  if (has_residual && r->sizes() != x.sizes()) return c10::nullopt;
+  const AutocastState autocast = GetAutocastState(x.device().type());
+  const at::ScalarType out = autocast.enabled && x.scalar_type() == at::kFloat ? autocast.dtype : x.scalar_type();
+  AddLayerNormDtypes dtypes;
+  const bool known = CudaDtypeOf(x.scalar_type(), &dtypes.x) &&
+                     CudaDtypeOf(has_residual ? r->scalar_type() : x.scalar_type(), &dtypes.residual) &&
+                     CudaDtypeOf(out, &dtypes.out);
+  return known && AddLayerNormTakes(dtypes, x.size(-1)) ? c10::optional<at::ScalarType>(out) : c10::nullopt;
+}
+
+std::tuple<at::Tensor, at::Tensor> AddLayerNormAutograd(const at::Tensor& x, const c10::optional<at::Tensor>& r,
                                                         const c10::Scalar& alpha, at::IntArrayRef shape,
                                                         const c10::optional<at::Tensor>& weight,
                                                         const c10::optional<at::Tensor>& bias, double eps) {
+  if (const c10::optional<at::ScalarType> out = CudaNormOutput(x, r, shape)) {
+    variable_list parts = AddLayerNormCudaFunction::apply(x, PresentOrEmpty(r, x), alpha.toDouble(),
+                                                          PresentOrEmpty(weight, x), PresentOrEmpty(bias, x), eps,
+                                                          static_cast<int64_t>(*out));
+    return {parts[0], parts[1]};
+  }
   // Mixed precision: the sum in the wider type, as x + r would promote.
-  const at::ScalarType dtype = at::promote_types(x.scalar_type(), r.scalar_type());
-  // A custom function's tensor arguments must be defined: an absent weight
-  // or bias travels as an empty tensor.
-  auto present = [&](const c10::optional<at::Tensor>& t) { return t && t->defined() ? *t : at::empty({0}, x.options()); };
-  variable_list out = AddLayerNormFunction::apply(x.to(dtype), r.to(dtype), alpha.toDouble(), shape.vec(),
-                                                  present(weight), present(bias), eps);
-  return {out[0], out[1]};
+  const bool has_residual = r && r->defined();
+  const at::ScalarType dtype = has_residual ? at::promote_types(x.scalar_type(), r->scalar_type()) : x.scalar_type();
+  variable_list parts = AddLayerNormFunction::apply(x.to(dtype), has_residual ? r->to(dtype) : PresentOrEmpty(r, x),
+                                                    alpha.toDouble(), shape.vec(), PresentOrEmpty(weight, x),
+                                                    PresentOrEmpty(bias, x), eps);
+  return {parts[0], parts[1]};
 }
 
-std::tuple<at::Tensor, at::Tensor> AddLayerNormKernel(const at::Tensor& x, const at::Tensor& r,
+std::tuple<at::Tensor, at::Tensor> AddLayerNormKernel(const at::Tensor& x, const c10::optional<at::Tensor>& r,
                                                       const c10::Scalar& alpha, at::IntArrayRef shape,
                                                       const c10::optional<at::Tensor>& weight,
                                                       const c10::optional<at::Tensor>& bias, double eps) {
-  NormParts parts =
-      AddLayerNormForward(x, r, alpha.toDouble(), shape, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), eps);
-  return {parts.sum, parts.out};
+  NormParts parts = AddLayerNormForward(x, r.value_or(at::Tensor()), alpha.toDouble(), shape,
+                                        weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), eps);
+  // An operator's outputs are its own: without a residual the sum is a copy of x.
+  return {parts.sum.is_same(x) ? x.clone() : parts.sum, parts.out};
 }
 
 // ---- bias add + GELU ----
@@ -261,11 +358,6 @@ std::pair<at::Tensor, at::Tensor> CrossEntropyForward(const at::Tensor& logits, 
   return {loss, grad};
 }
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> Op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 // On the CPU: the loss and its gradient from one fp32 buffer, made in forward
 // (all backward keeps). On CUDA: each row's log-sum-exp in one pass over the
 // logits (trident::cross_entropy_rows, kept with the logits), and backward
@@ -319,7 +411,7 @@ at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& target
 
 TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
-  m.def("add_layer_norm(Tensor x, Tensor residual, Scalar alpha, int[] normalized_shape, Tensor? weight, "
+  m.def("add_layer_norm(Tensor x, Tensor? residual, Scalar alpha, int[] normalized_shape, Tensor? weight, "
         "Tensor? bias, float eps) -> (Tensor, Tensor)");
   m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> Tensor");
   m.def("cross_entropy(Tensor logits, Tensor targets, int ignore_index) -> Tensor");
@@ -327,6 +419,13 @@ TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def("cross_entropy_rows(Tensor logits, Tensor targets, int ignore_index) -> (Tensor, Tensor)");
   m.def("cross_entropy_rows_backward(Tensor logits, Tensor targets, Tensor lse, Tensor scale, int ignore_index) -> "
         "Tensor");
+  // CUDA only (layer_norm_cuda.cc): x (+ alpha residual) over the last dimension; outputs not asked for are
+  // empty: (sum, out, mean, rstd) and (grad_x, grad_residual, grad_weight, grad_bias).
+  m.def("add_layer_norm_rows(Tensor x, Tensor? residual, float alpha, Tensor? weight, Tensor? bias, float eps, "
+        "ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("add_layer_norm_rows_backward(Tensor sum, Tensor grad_out, Tensor? grad_sum, Tensor mean, Tensor rstd, "
+        "Tensor? weight, float alpha, ScalarType? residual_dtype, bool weight_grad, bool bias_grad) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
 }
 
 #define TRIDENT_REPLACE_KERNELS(m)                      \
@@ -355,12 +454,11 @@ std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const a
                                                     at::IntArrayRef normalized_shape, const at::Tensor& weight,
                                                     const at::Tensor& bias, double eps) {
   static const auto op =
-      Op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const c10::Scalar&, at::IntArrayRef,
-                                            const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
-                                            double)>("trident::add_layer_norm");
-  auto [sum, out] = op.call(x, residual, alpha, normalized_shape,
-                            weight.defined() ? c10::optional<at::Tensor>(weight) : c10::nullopt,
-                            bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt, eps);
+      Op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const c10::optional<at::Tensor>&, const c10::Scalar&,
+                                            at::IntArrayRef, const c10::optional<at::Tensor>&,
+                                            const c10::optional<at::Tensor>&, double)>("trident::add_layer_norm");
+  const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+  auto [sum, out] = op.call(x, optional(residual), alpha, normalized_shape, optional(weight), optional(bias), eps);
   return {sum, out};
 }
 

@@ -77,7 +77,11 @@ namespace trident {
 at::Tensor FusedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 // (x + alpha * residual, LayerNorm of that sum over the last dimensions
-// `normalized_shape`) from one pass; weight and bias may be undefined.
+// `normalized_shape`) from one pass; residual, weight and bias may be
+// undefined (without a residual the sum is x, and its gradient joins x's).
+// On CUDA (one normalized dimension of up to 1024, a multiple of 4) the
+// output is in autocast's dtype when autocast is on and x is fp32: the
+// type the next product reads.
 std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const at::Tensor& residual,
                                                     double alpha, at::IntArrayRef normalized_shape,
                                                     const at::Tensor& weight, const at::Tensor& bias,

@@ -92,6 +92,18 @@ TEST(FusedAddLayerNormTest, MatchesAddThenLayerNormAndItsGradients) {
       "add_layer_norm without weights");
 }
 
+TEST(FusedAddLayerNormTest, WithoutAResidualTheSumIsXAndItsGradientJoinsXs) {
+  torch::manual_seed(4);
+  const std::vector<at::Tensor> in = {at::randn({3, 5, 48}), at::randn({48}), at::randn({48})};
+  ExpectSameFunction(
+      [](const auto& t) {
+        auto [sum, out] = FusedAddLayerNorm(t[0], at::Tensor(), 1.0, {48}, t[1], t[2], 1e-5);
+        return std::vector<at::Tensor>{sum, out};
+      },
+      [](const auto& t) { return std::vector<at::Tensor>{t[0], at::layer_norm(t[0], {48}, t[1], t[2], 1e-5)}; }, in,
+      "add_layer_norm without a residual");
+}
+
 TEST(FusedBiasGeluTest, MatchesGeluOfTheSumAndItsGradients) {
   torch::manual_seed(3);
   for (int64_t width : {256, 37}) {
