@@ -143,6 +143,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.progress_bar = t.is_rank0() && t.config.enable_progress_bar() &&
                    (isatty(STDOUT_FILENO) || (terminal != nullptr && std::string(terminal) == "1"));
   TRIDENT_ASSIGN_OR_RETURN(t.peak_flops, internal::JobPeakFlops(t.topology(), plan.device, plan.precision));
+  if (t.is_rank0()) {
+    const std::string warning = internal::SlowBf16Warning(plan.device, plan.precision);
+    if (!warning.empty()) t.Print(warning);
+  }
   if (t.is_rank0() && !t.config.save_strategy().empty()) {
     TRIDENT_RETURN_IF_ERROR(SaveStrategy(StrategyFromPlan(plan), t.config.save_strategy()));
   }

@@ -18,6 +18,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status.h"
 
 namespace trident {
@@ -130,12 +131,29 @@ absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string&
   // with AVX-512 BF16).
   const at::ScalarType dtype = absl::StrContains(precision, "bf16") ? at::kBFloat16 : at::kFloat;
   double per_core = 0;
-  if (env.local_rank == 0) per_core = MeasureCorePeakFlops(dtype);
+  if (env.local_rank == 0) {
+    per_core = MeasureCorePeakFlops(dtype);
+    if (dtype != at::kFloat) MeasureCorePeakFlops(at::kFloat);  // for SlowBf16Warning
+  }
   TRIDENT_RETURN_IF_ERROR(topology.world().Barrier());
   if (env.local_rank != 0) per_core = MeasureCorePeakFlops(dtype);  // read from the cache
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int share = std::max(1, cores / local);  // each rank's BLAS pool
   return per_core * std::min(cores, local * share) * nodes;
+}
+
+std::string SlowBf16Warning(double fp32_per_core, double bf16_per_core) {
+  if (bf16_per_core >= fp32_per_core) return "";
+  return absl::StrFormat(
+      "warning: this CPU multiplies bf16 at %.1f GFLOP/s per core against %.1f in fp32 (it has no AVX-512 BF16 "
+      "or AMX instructions, so bf16 products are emulated): bf16 training will be slower than fp32 here; use "
+      "--precision=fp32",
+      bf16_per_core / 1e9, fp32_per_core / 1e9);
+}
+
+std::string SlowBf16Warning(const std::string& device, const std::string& precision) {
+  if (device == "cuda" || !absl::StrContains(precision, "bf16")) return "";
+  return SlowBf16Warning(MeasureCorePeakFlops(at::kFloat), MeasureCorePeakFlops(at::kBFloat16));
 }
 
 }  // namespace internal

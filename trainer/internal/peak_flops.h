@@ -24,6 +24,16 @@ double MeasureCorePeakFlops(at::ScalarType dtype = at::kFloat);
 absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string& device,
                                     const std::string& precision);
 
+// On CPU under a bf16 precision: a warning naming both per-core rates when
+// this CPU multiplies bf16 more slowly than fp32 (without AVX-512 BF16 or AMX
+// instructions oneDNN emulates bf16 products: 4.9 against 84.9 GFLOP/s per
+// core, and steps 26-34x slower than fp32, on one such AMD EPYC); empty
+// otherwise. The rates are MeasureCorePeakFlops's
+// (cached; JobPeakFlops measures both for a CPU bf16 job).
+std::string SlowBf16Warning(const std::string& device, const std::string& precision);
+// The same from per-core rates in FLOP/s.
+std::string SlowBf16Warning(double fp32_per_core, double bf16_per_core);
+
 }  // namespace internal
 }  // namespace trident
 
