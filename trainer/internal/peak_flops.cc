@@ -76,6 +76,11 @@ std::string GpuName(int index) {
   return std::string(absl::StripAsciiWhitespace(name));
 }
 
+// The dtype a CPU job's products run in under `precision`.
+at::ScalarType CpuComputeDtype(const std::string& precision) {
+  return absl::StrContains(precision, "bf16") ? at::kBFloat16 : at::kFloat;
+}
+
 }  // namespace
 
 double MeasureCorePeakFlops(at::ScalarType dtype) {
@@ -129,7 +134,7 @@ absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string&
   // One rank per node measures (and caches) while the others wait; bf16
   // compute is measured against bf16 products (oneDNN's, about twice as fast
   // with AVX-512 BF16).
-  const at::ScalarType dtype = absl::StrContains(precision, "bf16") ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType dtype = CpuComputeDtype(precision);
   double per_core = 0;
   if (env.local_rank == 0) {
     per_core = MeasureCorePeakFlops(dtype);
@@ -152,7 +157,7 @@ std::string SlowBf16Warning(double fp32_per_core, double bf16_per_core) {
 }
 
 std::string SlowBf16Warning(const std::string& device, const std::string& precision) {
-  if (device == "cuda" || !absl::StrContains(precision, "bf16")) return "";
+  if (device == "cuda" || CpuComputeDtype(precision) != at::kBFloat16) return "";
   return SlowBf16Warning(MeasureCorePeakFlops(at::kFloat), MeasureCorePeakFlops(at::kBFloat16));
 }
 
