@@ -86,6 +86,7 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
   const bool zero = m.plan.zero_stage > 0;
   std::vector<SlicedTensor> pieces;
   c10::NoGradGuard no_grad;
+  TRIDENT_RETURN_IF_ERROR(m.update->WaitForUpdatedParameters());  // no all-gather writes them meanwhile
   std::vector<ParameterPart> parts = m.update->Parts();
   // Values: whole parameters where this rank holds them whole, else its parts.
   std::set<const c10::TensorImpl*> only_chunk;
@@ -139,6 +140,7 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
 absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader, bool optimizer) {
   Impl& m = *impl_;
   internal::PieceIndex index(m.parameters, m.shards, m.tied, m.tied_holders, m.stage, m.tp, m.dp);
+  TRIDENT_RETURN_IF_ERROR(m.update->WaitForUpdatedParameters());  // none overwrites what is read
   std::vector<ParameterPart> parts = m.update->Parts();
   std::set<const c10::TensorImpl*> only_chunk;
   c10::NoGradGuard no_grad;

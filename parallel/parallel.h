@@ -283,7 +283,9 @@ class ParallelModel {
   // Whether this rank's stages read batch fields (else pass empty batches).
   bool ReadsData() const;
   // This rank's stored parameters under their single-process names (shards
-  // and stage parts of them; under ZeRO-3 empty until gathered).
+  // and stage parts of them; under ZeRO-3 empty until gathered). Under ZeRO
+  // 1 and 2 it first waits for the last Step's all-gathers (which the next
+  // forward's layers would finish).
   const NamedTensors& parameters() const;
   // How this rank's tensor-parallel parameters slice the full ones.
   const std::map<std::string, ShardSpec>& shard_specs() const;

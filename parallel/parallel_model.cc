@@ -407,7 +407,11 @@ absl::StatusOr<Values> ParallelModel::Forward(const Batch& batch) {
 void ParallelModel::SetTraining(bool training) { impl_->part.layers->SetTraining(training); }
 
 bool ParallelModel::ReadsData() const { return impl_->reads_data; }
-const NamedTensors& ParallelModel::parameters() const { return impl_->parameters; }
+const NamedTensors& ParallelModel::parameters() const {
+  // ZeRO 1 and 2: the values of the last Step (a failure also fails the next step).
+  (void)impl_->update->WaitForUpdatedParameters();
+  return impl_->parameters;
+}
 const std::map<std::string, ShardSpec>& ParallelModel::shard_specs() const { return impl_->shards; }
 absl::Status ParallelModel::GatherFullParameters() { return impl_->update->GatherFullParameters(); }
 absl::Status ParallelModel::ReleaseFullParameters(bool keep_changes) {

@@ -149,6 +149,7 @@ class Zero : public ParameterUpdate {
   std::vector<ParameterPart> Parts() const override { return zero_->ChunkParts(); }
   torch::optim::Optimizer& optimizer() override { return zero_->optimizer(); }
   absl::Status GatherFullParameters() override { return zero_->GatherAllParameters(); }
+  absl::Status WaitForUpdatedParameters() override { return zero_->WaitForUpdatedParameters(); }
   absl::Status ReleaseFullParameters(bool keep_changes) override {
     return zero_->ReleaseAllParameters(keep_changes);
   }

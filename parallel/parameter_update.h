@@ -52,6 +52,9 @@ class ParameterUpdate {
   // (to save or export) and shard them again, `keep_changes` keeping values
   // written meanwhile (a load). No-ops otherwise.
   virtual absl::Status GatherFullParameters() { return absl::OkStatus(); }
+  // ZeRO 1 and 2's Step leaves its all-gathers to the next forward's layers:
+  // this finishes them, for reading or writing parameters otherwise.
+  virtual absl::Status WaitForUpdatedParameters() { return absl::OkStatus(); }
   virtual absl::Status ReleaseFullParameters(bool /*keep_changes*/) { return absl::OkStatus(); }
 
  protected:

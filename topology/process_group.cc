@@ -1,5 +1,6 @@
 #include "topology/process_group.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -235,27 +236,44 @@ absl::StatusOr<at::Tensor> ProcessGroup::AllGather(const at::Tensor& input, int6
 
 absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
                                                      at::Tensor& output) const {
-  if (!input.is_contiguous() || !output.is_contiguous() ||
-      output.numel() != input.numel() * size()) {
+  if (!output.is_contiguous() || output.numel() != input.numel() * size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "all_gather on process group '", name_, "': IAllGather needs contiguous tensors and an "
-        "output of size() times the input's elements"));
+        "all_gather on process group '", name_, "': IAllGather needs a contiguous output of "
+        "size() times the input's elements"));
+  }
+  std::vector<at::Tensor> rows;
+  for (const at::Tensor& row : output.view({size(), -1}).unbind(0)) rows.push_back(row.view(input.sizes()));
+  return IAllGather(input, std::move(rows));
+}
+
+absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
+                                                     std::vector<at::Tensor> outputs) const {
+  const bool fits = static_cast<int>(outputs.size()) == size() &&
+                    std::all_of(outputs.begin(), outputs.end(), [&](const at::Tensor& output) {
+                      return output.is_contiguous() && output.sizes() == input.sizes() &&
+                             output.scalar_type() == input.scalar_type();
+                    });
+  if (!input.is_contiguous() || !fits) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "all_gather on process group '", name_, "': IAllGather needs a contiguous input and one "
+        "contiguous output of its shape and type per rank (", size(), ")"));
   }
   if (local()) {
-    output.copy_(input.view(output.sizes()));
+    outputs[0].copy_(input);
     return PendingWork::Done();
   }
   std::vector<at::Tensor> inputs = {Staged(input)};
-  at::Tensor staged = Staged(output);
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  for (const at::Tensor& part : staged.view({size(), -1}).unbind(0)) {
-    outputs[0].push_back(part.view(input.sizes()));
-  }
+  std::vector<std::vector<at::Tensor>> staged(1);
+  for (const at::Tensor& output : outputs) staged[0].push_back(Staged(output));
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
   TRIDENT_ASSIGN_OR_RETURN(PendingWork pending,
-                           Start("all_gather", [&] { return backend_->allgather(outputs, inputs, options); }));
-  if (!staged.is_same(output)) pending.after_ = [output, staged]() mutable { output.copy_(staged); };
+                           Start("all_gather", [&] { return backend_->allgather(staged, inputs, options); }));
+  if (!staged[0].front().is_same(outputs.front())) {  // staged elsewhere (another device or type)
+    pending.after_ = [outputs, parts = staged[0]]() mutable {
+      for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(parts[r]);
+    };
+  }
   return pending;
 }
 

@@ -128,6 +128,10 @@ class ProcessGroup {
   // first dimension is size() times input's, in rank order; `output` is
   // complete once the returned work's Wait() succeeds.
   absl::StatusOr<PendingWork> IAllGather(const at::Tensor& input, at::Tensor& output) const;
+  // The same into one tensor per rank, in rank order, each contiguous and of
+  // input's shape and type, wherever they lie (rank r's columns of a bucket:
+  // no gathered copy to scatter afterwards).
+  absl::StatusOr<PendingWork> IAllGather(const at::Tensor& input, std::vector<at::Tensor> outputs) const;
   // Reduces `input` across ranks and returns this rank's chunk: `input` is split
   // into size() equal chunks along `dim` and rank r gets the reduced chunk r.
   absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& input, int64_t dim = 0,

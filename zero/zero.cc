@@ -86,6 +86,18 @@ struct ZeroOptimizer::Bucket {
   at::Tensor reduced;
 };
 
+// One all-gather of Step's updated chunks: columns of one bucket (straight
+// into its buffer) or of several (through `gathered`).
+struct ZeroOptimizer::Gathering {
+  struct Piece {
+    int bucket;
+    ChunkColumns columns;
+  };
+  std::vector<Piece> pieces;
+  at::Tensor gathered;  // [group size, the pieces' columns], where there are several
+  PendingWork work;
+};
+
 // Stage 3 frees a released bucket's memory inside its buffer's storage
 // instead of dropping the buffer: views autograd saved of the gathered
 // parameters (a transposed weight) share that storage, so they hold no memory
@@ -248,7 +260,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
     }
   }
   std::vector<std::pair<int64_t, std::vector<int>>> layer_reads;
-  if (o.stage == 3) {
+  if (o.layers != nullptr) {
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("listing the layers' parameters", [&] {
       for (int64_t layer : o.layer_indices) {
         layer_reads.emplace_back(layer, std::vector<int>());
@@ -354,7 +366,19 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
       zero->Release(zero->buckets_.back());
     }
   }
-  if (o.stage == 3) o.layers->SetObserver(zero.get());
+  // Which (bucket, parameter) each layer reads, for Step's all-gathers.
+  std::vector<std::pair<int, int>> slot_of(flat.size());
+  for (size_t b = 0; b < zero->layout_.buckets.size(); ++b) {
+    const std::vector<int>& in_bucket = zero->layout_.buckets[b].parameters;
+    for (size_t k = 0; k < in_bucket.size(); ++k) slot_of[in_bucket[k]] = {static_cast<int>(b), static_cast<int>(k)};
+  }
+  std::vector<std::pair<int64_t, std::vector<std::pair<int, int>>>> layer_slots;
+  for (const auto& [layer, reads] : layer_reads) {
+    layer_slots.emplace_back(layer, std::vector<std::pair<int, int>>());
+    for (int i : reads) layer_slots.back().second.push_back(slot_of[i]);
+  }
+  zero->PlanGathers(layer_slots);
+  if (o.stage == 3 || !zero->gathers_before_layer_.empty()) o.layers->SetObserver(zero.get());
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the sharded optimizer",
                                           [&] { zero->optimizer_ = make_optimizer(shards); }));
   if (StatePerElement(*zero->optimizer_) < 0 && !o.allow_untested_optimizer) {
@@ -366,8 +390,10 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   return zero;
 }
 
+// All-gathers still under way are not waited for (a peer may be gone): each
+// holds the tensors it writes.
 ZeroOptimizer::~ZeroOptimizer() {
-  if (options_.stage == 3) options_.layers->SetObserver(nullptr);
+  if (options_.stage == 3 || !gathers_before_layer_.empty()) options_.layers->SetObserver(nullptr);
 }
 
 absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
@@ -420,6 +446,12 @@ void ZeroOptimizer::Prefetch(int64_t layer) {
 }
 
 void ZeroOptimizer::BeforeLayer(int64_t layer) {
+  auto needed = gathers_before_layer_.find(layer);  // the updated values it reads, from the last Step
+  while (needed != gathers_before_layer_.end() && gathered_ < std::min(needed->second, gathering_.size())) {
+    absl::Status finished = FinishOldestGather();  // thrown: the layer cannot run without it
+    TORCH_CHECK(finished.ok(), std::string(finished.message()));
+  }
+  if (options_.stage < 3) return;
   GatherLayer(layer);
   // The next layer's chunks travel while this one computes.
   auto next = layout_.layer_buckets.upper_bound(layer);
@@ -427,6 +459,7 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
 }
 
 void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) {
+  if (options_.stage < 3) return;
   bool announced = false;
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
@@ -483,6 +516,7 @@ void ZeroOptimizer::ReleaseLayersWithGradients() {
 }
 
 absl::Status ZeroOptimizer::GatherAllParameters() {
+  TRIDENT_RETURN_IF_ERROR(WaitForUpdatedParameters());
   for (Bucket& bucket : buckets_) TRIDENT_RETURN_IF_ERROR(Gather(bucket));
   return absl::OkStatus();
 }
@@ -581,6 +615,7 @@ absl::Status ZeroOptimizer::ReduceScatterInSlices(Bucket& bucket, const at::Tens
 }
 
 absl::Status ZeroOptimizer::FinishBackward() {
+  (void)WaitForUpdatedParameters();  // a failure is kept in first_error_, returned below
   for (int64_t layer : backward_held_) {
     for (int b : layout_.layer_buckets[layer]) Release(buckets_[b]);
   }
@@ -671,62 +706,144 @@ bool ZeroOptimizer::LocalGradientsNonFinite() const {
 }
 
 absl::Status ZeroOptimizer::Step(double lr) {
+  TRIDENT_RETURN_IF_ERROR(WaitForUpdatedParameters());  // the chunks are about to change
+  TRIDENT_RETURN_IF_ERROR(std::exchange(first_error_, absl::OkStatus()));
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("the sharded optimizer step", [&] {
     for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
     optimizer_->step();
   }));
-  c10::NoGradGuard no_grad;
-  // Stages 1 and 2: the updated chunks go back into every bucket's buffer
-  // (stage 3 gathers its buckets when layers run), in messages of at most
-  // zero_allgather_bucket_size of chunks, several buckets or part of one each.
+  TRIDENT_RETURN_IF_ERROR(StartGathers());
+  // Without the layers nothing would finish them before they are read.
+  if (gathers_before_layer_.empty()) TRIDENT_RETURN_IF_ERROR(WaitForUpdatedParameters());
+  return absl::OkStatus();
+}
+
+// The updated chunks go back into every bucket's buffer (stage 3's sharded
+// buckets are gathered as layers run instead) in messages of at most
+// zero_allgather_bucket_size of chunks: columns of one bucket, straight into
+// its buffer, or of several through a gathered copy. Given the layers, the
+// columns go in the order the layers first read them (those no layer reads
+// first), and each layer waits for the messages up to the last it reads.
+void ZeroOptimizer::PlanGathers(
+    const std::vector<std::pair<int64_t, std::vector<std::pair<int, int>>>>& layer_slots) {
   const int64_t parts = group_->size();
-  struct Piece {
-    Bucket* bucket;
-    ChunkColumns columns;
+  struct Planned {
+    Gathering::Piece piece;
+    std::vector<int64_t> readers;  // the layers reading some of its columns, in order
   };
-  std::vector<std::vector<Piece>> messages;
-  int64_t in_message = 0;
-  for (Bucket& bucket : buckets_) {
+  std::vector<Planned> planned;
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    const Bucket& bucket = buckets_[b];
     if (bucket.sharded) continue;
-    const int64_t element_bytes = static_cast<int64_t>(bucket.chunk.element_size());
-    const int64_t most = std::max<int64_t>(
-        1, std::min(options_.allgather_bucket_bytes / element_bytes, options_.max_message_elements / parts));
-    for (const ChunkColumns& c : SplitChunk(bucket.chunk.numel(), most)) {
-      if (messages.empty() || in_message + c.length > most ||
-          messages.back().front().bucket->chunk.scalar_type() != bucket.chunk.scalar_type()) {
-        messages.emplace_back();
-        in_message = 0;
+    const int64_t chunk = bucket.chunk.numel();
+    for (const ChunkColumns& c : SplitChunk(chunk, MostGatheredColumns(bucket))) {
+      Planned p{{b, c}, {}};
+      auto covers = [&](const std::pair<int, int>& slot) {
+        if (slot.first != b) return false;
+        const int64_t begin = bucket.offsets[slot.second], end = begin + bucket.params[slot.second].numel();
+        for (int64_t r = 0; r < parts; ++r) {
+          if (begin < r * chunk + c.offset + c.length && r * chunk + c.offset < end) return true;
+        }
+        return false;
+      };
+      for (const auto& [layer, slots] : layer_slots) {
+        if (std::any_of(slots.begin(), slots.end(), covers)) p.readers.push_back(layer);
       }
-      messages.back().push_back({&bucket, c});
-      in_message += c.length;
+      planned.push_back(std::move(p));
     }
   }
-  for (const std::vector<Piece>& message : messages) {
-    const Piece& first = message.front();
-    if (message.size() == 1 && first.columns.length == first.bucket->chunk.numel()) {
-      // A whole bucket: straight into its buffer (its chunk is a view of it).
-      TRIDENT_ASSIGN_OR_RETURN(PendingWork work, group_->IAllGather(first.bucket->chunk, first.bucket->buffer));
-      TRIDENT_RETURN_IF_ERROR(work.Wait());
-      continue;
+  if (!layer_slots.empty()) {
+    const int64_t first_layer = layer_slots.front().first;
+    for (Planned& p : planned) {
+      if (p.readers.empty()) p.readers.push_back(first_layer);  // read by a loss, say: before any layer
     }
-    std::vector<at::Tensor> pieces;
-    for (const Piece& piece : message) {
-      pieces.push_back(piece.bucket->chunk.narrow(0, piece.columns.offset, piece.columns.length));
+    std::stable_sort(planned.begin(), planned.end(),
+                     [](const Planned& a, const Planned& b) { return a.readers.front() < b.readers.front(); });
+  }
+  int64_t in_message = 0;
+  for (const Planned& p : planned) {
+    const Bucket& bucket = buckets_[p.piece.bucket];
+    if (gather_plan_.empty() || in_message + p.piece.columns.length > MostGatheredColumns(bucket) ||
+        buckets_[gather_plan_.back().pieces.front().bucket].chunk.scalar_type() != bucket.chunk.scalar_type()) {
+      gather_plan_.emplace_back();
+      in_message = 0;
     }
-    at::Tensor mine = at::cat(pieces);
-    at::Tensor gathered = at::empty({parts * mine.numel()}, mine.options());
-    TRIDENT_ASSIGN_OR_RETURN(PendingWork work, group_->IAllGather(mine, gathered));
-    TRIDENT_RETURN_IF_ERROR(work.Wait());
-    at::Tensor rows = gathered.view({parts, mine.numel()});
-    int64_t offset = 0;
-    for (const Piece& piece : message) {
-      Bucket& bucket = *piece.bucket;
-      bucket.buffer.view({parts, bucket.chunk.numel()})
-          .narrow(1, piece.columns.offset, piece.columns.length)
-          .copy_(rows.narrow(1, offset, piece.columns.length));
-      offset += piece.columns.length;
+    gather_plan_.back().pieces.push_back(p.piece);
+    in_message += p.piece.columns.length;
+    for (int64_t layer : p.readers) {
+      size_t& needed = gathers_before_layer_[layer];
+      needed = std::max(needed, gather_plan_.size());
     }
   }
+}
+
+int64_t ZeroOptimizer::MostGatheredColumns(const Bucket& bucket) const {
+  const int64_t element_bytes = static_cast<int64_t>(bucket.chunk.element_size());
+  return std::max<int64_t>(
+      1, std::min(options_.allgather_bucket_bytes / element_bytes, options_.max_message_elements / group_->size()));
+}
+
+// At most kGatheredInFlight messages with a gathered copy travel at once.
+absl::Status ZeroOptimizer::StartGathers() {
+  c10::NoGradGuard no_grad;
+  constexpr int kGatheredInFlight = 2;
+  const int64_t parts = group_->size();
+  gathering_.clear();
+  gathered_ = 0;
+  for (const Gathering& planned : gather_plan_) {
+    Gathering message;
+    message.pieces = planned.pieces;
+    std::vector<at::Tensor> pieces, outputs;
+    for (const Gathering::Piece& piece : message.pieces) {
+      pieces.push_back(buckets_[piece.bucket].chunk.narrow(0, piece.columns.offset, piece.columns.length));
+    }
+    if (pieces.size() == 1) {
+      const Bucket& bucket = buckets_[message.pieces.front().bucket];
+      const ChunkColumns& c = message.pieces.front().columns;
+      for (int64_t r = 0; r < parts; ++r) {
+        outputs.push_back(bucket.buffer.narrow(0, r * bucket.chunk.numel() + c.offset, c.length));
+      }
+    } else {
+      auto gathered_in_flight = [&] {
+        return std::count_if(gathering_.begin() + gathered_, gathering_.end(),
+                             [](const Gathering& g) { return g.gathered.defined(); });
+      };
+      while (gathered_in_flight() >= kGatheredInFlight) TRIDENT_RETURN_IF_ERROR(FinishOldestGather());
+      pieces = {at::cat(pieces)};
+      message.gathered = at::empty({parts, pieces.front().numel()}, pieces.front().options());
+      outputs = message.gathered.unbind(0);
+    }
+    TRIDENT_ASSIGN_OR_RETURN(message.work, group_->IAllGather(pieces.front(), outputs));
+    gathering_.push_back(std::move(message));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ZeroOptimizer::FinishOldestGather() {
+  Gathering& message = gathering_[gathered_++];
+  absl::Status waited = message.work.Wait();
+  at::Tensor gathered = std::exchange(message.gathered, at::Tensor());
+  if (!waited.ok()) {
+    if (first_error_.ok()) first_error_ = waited;
+    return waited;
+  }
+  if (!gathered.defined()) return absl::OkStatus();
+  c10::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const Gathering::Piece& piece : message.pieces) {
+    const Bucket& bucket = buckets_[piece.bucket];
+    bucket.buffer.view({group_->size(), bucket.chunk.numel()})
+        .narrow(1, piece.columns.offset, piece.columns.length)
+        .copy_(gathered.narrow(1, offset, piece.columns.length));
+    offset += piece.columns.length;
+  }
+  return absl::OkStatus();
+}
+
+size_t ZeroOptimizer::GathersUnderWay() const { return gathering_.size() - gathered_; }
+
+absl::Status ZeroOptimizer::WaitForUpdatedParameters() {
+  while (gathered_ < gathering_.size()) TRIDENT_RETURN_IF_ERROR(FinishOldestGather());
   return absl::OkStatus();
 }
 

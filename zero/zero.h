@@ -7,7 +7,11 @@
 // is one flat buffer the parameters become views of, padded to a multiple of
 // the group size. Rank r owns chunk r of every bucket: its optimizer holds
 // state for those chunks only, its gradients are reduce-scattered into them,
-// and after the update every bucket is all-gathered back.
+// and after the update every bucket is all-gathered back: given the model's
+// layers (ZeroOptions::layers), Step only starts those all-gathers, first
+// the columns the first layers read, and each finishes just before the next
+// forward reaches a layer that reads it (or at WaitForUpdatedParameters), so
+// the updated values travel while the step ends and the next one begins.
 //
 //   stage 1  gradients accumulate whole (as in plain data parallelism) and are
 //            reduce-scattered into the chunks after the last backward
@@ -85,8 +89,10 @@ struct ZeroOptions {
   std::function<bool(const at::Tensor&)> keep_full_gradient;
   // Parameters counted in the gradient norm (false: replicas counted elsewhere).
   std::function<bool(const at::Tensor&)> counted_in_norm;
-  // Stage 3: the model, whose layers then gather their parameters as they
-  // run, and the layers of it this rank holds (in order).
+  // The model and the layers of it this rank holds (in order), whose
+  // parameters are gathered as they run: stage 3's before each layer, and
+  // stages 1 and 2's after Step (as above). Without them (stages 1 and 2)
+  // Step gathers every bucket before it returns.
   LayerSequence* layers = nullptr;
   std::vector<int64_t> layer_indices;
 };
@@ -215,11 +221,19 @@ class ZeroOptimizer : private LayerObserver {
   // Whether any chunk gradient is inf or NaN on this rank.
   bool LocalGradientsNonFinite() const;
   // Updates this rank's chunks with learning rate `lr`, then all-gathers them
-  // (stages 1 and 2).
+  // (stages 1 and 2; given the layers, only starts to: see the top).
   absl::Status Step(double lr);
+  // Stages 1 and 2: finishes the all-gathers Step left under way, so every
+  // parameter holds its updated value: before reading or writing parameters
+  // other than through the layers. Waits only (no rank need call it with
+  // another); a failure is also returned by the next FinishBackward or Step.
+  absl::Status WaitForUpdatedParameters();
+  // How many of those all-gathers are not finished yet.
+  size_t GathersUnderWay() const;
   // Stage 3: gives every parameter its full value (to save, load or export),
   // and back to the chunks; `keep_changes` first copies the (possibly
-  // overwritten) full values into the chunks. No-ops for stages 1 and 2.
+  // overwritten) full values into the chunks. Stages 1 and 2: the first is
+  // WaitForUpdatedParameters, the second a no-op.
   absl::Status GatherAllParameters();
   absl::Status ReleaseAllParameters(bool keep_changes);
 
@@ -238,6 +252,7 @@ class ZeroOptimizer : private LayerObserver {
 
  private:
   struct Bucket;
+  struct Gathering;
   ZeroOptimizer() = default;
   void OnGradientReady(int bucket);
   // Starts reducing `full` (a bucket's whole gradient) into the bucket's
@@ -260,6 +275,12 @@ class ZeroOptimizer : private LayerObserver {
   void BackwardReached(int64_t layer);
   // Stage 3: releases the layers held for backward whose gradients have all arrived.
   void ReleaseLayersWithGradients();
+  // Step's all-gathers: planned once (the layers' (bucket, parameter index)
+  // reads give their order), started by Step, finished oldest first.
+  void PlanGathers(const std::vector<std::pair<int64_t, std::vector<std::pair<int, int>>>>& layer_slots);
+  int64_t MostGatheredColumns(const Bucket& bucket) const;  // of each rank's chunk, in one message
+  absl::Status StartGathers();
+  absl::Status FinishOldestGather();
 
   const ProcessGroup* group_ = nullptr;
   ZeroOptions options_;
@@ -275,6 +296,14 @@ class ZeroOptimizer : private LayerObserver {
   // its bucket's whole gradient (all of them: a whole model's gradients).
   static constexpr size_t kReduceScattersInFlight = 2;
   std::deque<int> reducing_;
+  // Step's all-gathers: the planned messages, how many of them each layer
+  // needs finished before it runs (none without the layers: Step finishes
+  // them), and those the last Step started, of which the first `gathered_`
+  // are finished.
+  std::vector<Gathering> gather_plan_;
+  std::map<int64_t, size_t> gathers_before_layer_;
+  std::vector<Gathering> gathering_;
+  size_t gathered_ = 0;
 };
 
 }  // namespace trident

@@ -113,6 +113,56 @@ INSTANTIATE_TEST_SUITE_P(StagesAndRanks, ZeroParityTest,
                                   std::to_string(info.param.accumulation);
                          });
 
+// Given the layers, Step only starts its all-gathers, and each layer finishes
+// those of the buckets it reads before it runs: the embedding's first, the
+// rest as the forward goes on. The weights are those of a Step that gathers
+// everything before it returns (without the layers), bit for bit.
+TEST(ZeroGatherTest, LayersFinishTheAllGathersStepStarted) {
+  for (int stage : {1, 2}) {
+    testing::RunOnRanks(2, [stage](int rank) {
+      auto topology = testing::JoinTopology({{"data", 2}});
+      ASSERT_TRUE(topology.ok()) << topology.status();
+      const ProcessGroup& dp = **(*topology)->Group("dp");
+      auto deferred = *CreateModel(TinyModel(), 5);
+      auto gathered = *CreateModel(TinyModel(), 5);
+      ZeroOptions options;
+      options.stage = stage;
+      options.reduce_bucket_bytes = 16 << 10;  // several buckets
+      options.max_message_elements = 3000;     // several messages
+      auto at_once = ZeroOptimizer::Create(Groups(*gathered), &dp, options, MakeAdamW);
+      options.layers = deferred.get();
+      for (int64_t i = 0; i < deferred->NumLayers(); ++i) options.layer_indices.push_back(i);
+      auto by_layer = ZeroOptimizer::Create(Groups(*deferred), &dp, options, MakeAdamW);
+      ASSERT_TRUE(at_once.ok() && by_layer.ok()) << at_once.status() << by_layer.status();
+      for (int step = 0; step < 3; ++step) {
+        torch::manual_seed(100 + step);
+        auto tokens = torch::randint(64, {4, 8}, torch::kLong).chunk(2)[rank];
+        for (auto [model, zero] : {std::pair{deferred.get(), by_layer->get()}, {gathered.get(), at_once->get()}}) {
+          zero->ZeroGrad();
+          zero->PrepareForBackward(true);
+          model->Loss(tokens, tokens).backward();
+          EXPECT_EQ(zero->GathersUnderWay(), 0u);  // the forward finished them
+          ASSERT_TRUE(zero->FinishBackward().ok());
+          ASSERT_TRUE(zero->Step(1e-3).ok());
+        }
+        EXPECT_EQ((*at_once)->GathersUnderWay(), 0u);
+        const size_t started = (*by_layer)->GathersUnderWay();
+        EXPECT_GT(started, 2u);
+        c10::NoGradGuard no_grad;
+        deferred->RunLayer(0, {}, {tokens, tokens});  // the embedding's columns only
+        EXPECT_LT((*by_layer)->GathersUnderWay(), started);
+        EXPECT_GT((*by_layer)->GathersUnderWay(), 0u);
+      }
+      ASSERT_TRUE((*by_layer)->WaitForUpdatedParameters().ok());
+      EXPECT_EQ((*by_layer)->GathersUnderWay(), 0u);
+      auto expected = gathered->named_parameters();
+      for (const auto& item : deferred->named_parameters()) {
+        EXPECT_TRUE(at::equal(item.value(), expected[item.key()])) << "stage " << stage << ": " << item.key();
+      }
+    });
+  }
+}
+
 // At dp = 4 each rank holds a quarter of the optimizer state (stage 1) and of
 // the gradients too (stage 2, plus one bucket being filled).
 TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
