@@ -110,6 +110,11 @@ struct SimulationOptions {
   double weight_grad_fraction = 0.5;  // of backward_seconds, for schedules that split it
   double comm_seconds = 0.0;                     // a message's flight time
   std::vector<double> recompute_seconds = {0.0};  // per stage, or one value for all
+  // Measured compute instructions (a run's timeline: stage, op, micro-batch,
+  // chunk, start, end) whose durations replace the per-stage values for the
+  // instructions they match: the schedule replayed with a run's exact times,
+  // so a gap between the run and the replay is the runtime's own.
+  std::vector<TimelineEvent> replay;
 };
 
 struct SimulationResult {

@@ -2,7 +2,11 @@
 // layers) at pp = 2 and 4 (interleaved: pp = 2 with 2 chunks per rank), M = 8
 // micro-batches of 2 x 128 tokens, one thread per rank; and
 // the step time the simulator predicts from the measured stage times
-// (`vs_simulated` near 1 means communication overlaps as modelled), and the
+// (`vs_simulated` near 1 means communication overlaps as modelled) and from
+// the measured time of every forward and backward (`vs_replayed`: the
+// runtime's own cost, messages and the instructions between computations;
+// it differs from `vs_simulated` where micro-batch or chunk times differ
+// from the stage means), and the
 // first stage's peak of CPU tensor bytes over the step (`peak_mb`; the
 // `_dealloc` runs free each sent activation's values: dealloc_pipeoutput).
 // Each figure is the median over the timed steps (the first step is a
@@ -37,7 +41,8 @@ int Chunks(const std::string& schedule) { return schedule == "interleaved_1f1b" 
 
 // One rank: runs kSteps steps and reports, for each but the first, a line
 // "step_seconds forward_seconds backward_seconds compute_seconds
-// weight_grad_seconds peak_bytes". args: {schedule, "dealloc" or "keep"}.
+// weight_grad_seconds peak_bytes n" and n compute instructions "op
+// micro_batch chunk seconds". args: {schedule, "dealloc" or "keep"}.
 absl::Status RunWorker(const std::vector<std::string>& args, std::string* result) {
   const std::string& schedule_name = args.at(0);
   at::set_num_threads(1);
@@ -74,15 +79,23 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
     TRIDENT_RETURN_IF_ERROR(runner.RunStep(batches, {}).status());
     if (step == 0) continue;
     double end = 0, forward = 0, backward = 0, weight = 0;
+    std::string computed;
+    int computes = 0;
     for (const TimelineEvent& e : runner.timeline()) {
       end = std::max(end, e.end);
       if (e.op == Op::kForward) forward += e.end - e.start;
       if (e.op == Op::kBackward || e.op == Op::kBackwardInput) backward += e.end - e.start;
       if (e.op == Op::kBackwardWeight) weight += e.end - e.start;
+      if (e.op == Op::kForward || e.op == Op::kBackward || e.op == Op::kBackwardInput ||
+          e.op == Op::kBackwardWeight) {
+        absl::StrAppend(&computed, " ", static_cast<int>(e.op), " ", e.micro_batch, " ", e.chunk, " ",
+                        e.end - e.start);
+        ++computes;
+      }
     }
     absl::StrAppend(result, end, " ", forward / kMicroBatches, " ", (backward + weight) / kMicroBatches, " ",
                     forward + backward + weight, " ", weight / kMicroBatches, " ",
-                    memory.peak_bytes() - before, "\n");
+                    memory.peak_bytes() - before, " ", computes, computed, "\n");
   }
   return absl::OkStatus();
 }
@@ -95,7 +108,7 @@ double Median(std::vector<double> values) {
 void BM_PipelineStep(benchmark::State& state, const char* schedule, bool dealloc = false) {
   const int stages = static_cast<int>(state.range(0));
   const auto schedule_object = *MakeSchedule(schedule, Chunks(schedule));
-  std::vector<double> steps, bubbles, ratios, first_stage_peaks;
+  std::vector<double> steps, bubbles, ratios, replay_ratios, first_stage_peaks;
   for (auto _ : state) {
     auto results = testing::RunRankWorkers(stages, {schedule, dealloc ? "dealloc" : "keep"});
     if (!results.ok()) {
@@ -107,7 +120,7 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule, bool dealloc
     for (int timed = 1; timed < kSteps; ++timed) {
       double step = 0, compute = 0;
       // The simulator's stage times are per rank: for C chunks, summed over them.
-      SimulationOptions simulated;
+      SimulationOptions simulated, replayed;
       simulated.num_stages = stages;
       simulated.num_micro_batches = kMicroBatches;
       simulated.forward_seconds.clear();
@@ -115,7 +128,16 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule, bool dealloc
       simulated.weight_grad_fraction = 0;
       for (int s = 0; s < stages; ++s) {
         double end, forward, backward, busy, weight, peak;
-        ranks[s] >> end >> forward >> backward >> busy >> weight >> peak;
+        int computes;
+        ranks[s] >> end >> forward >> backward >> busy >> weight >> peak >> computes;
+        for (int i = 0; i < computes; ++i) {
+          int op;
+          TimelineEvent e;
+          ranks[s] >> op >> e.micro_batch >> e.chunk >> e.end;
+          e.stage = s;
+          e.op = static_cast<Op>(op);
+          replayed.replay.push_back(e);
+        }
         if (s == 0) first_stage_peaks.push_back(peak);
         step = std::max(step, end);
         compute += busy;
@@ -123,14 +145,18 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule, bool dealloc
         simulated.forward_seconds.push_back(forward);
         simulated.backward_seconds.push_back(backward);
       }
+      replayed.num_stages = stages;
+      replayed.num_micro_batches = kMicroBatches;
       auto prediction = Simulate(*schedule_object, simulated);
-      if (!prediction.ok()) {
-        state.SkipWithError(std::string(prediction.status().message()).c_str());
+      auto replay = Simulate(*schedule_object, replayed);
+      if (!prediction.ok() || !replay.ok()) {
+        state.SkipWithError(std::string((prediction.ok() ? replay.status() : prediction.status()).message()).c_str());
         return;
       }
       steps.push_back(step);
       bubbles.push_back(1.0 - compute / (stages * step));
       ratios.push_back(step / prediction->makespan);
+      replay_ratios.push_back(step / replay->makespan);
     }
     state.SetIterationTime(Median(steps));
   }
@@ -138,6 +164,7 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule, bool dealloc
   state.counters["bubble"] = Median(bubbles);
   state.counters["peak_mb"] = Median(first_stage_peaks) / 1e6;
   state.counters["vs_simulated"] = Median(ratios);
+  state.counters["vs_replayed"] = Median(replay_ratios);
 }
 BENCHMARK_CAPTURE(BM_PipelineStep, gpipe, "gpipe")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
     ->Iterations(1)->Unit(benchmark::kMillisecond);

@@ -111,6 +111,28 @@ TEST(SimulatorTest, OneFOneBBubbleIsStagesMinusOneOverMicroBatchesPlusStagesMinu
   }
 }
 
+// A replayed timeline sets each instruction's duration: the simulation's own
+// events give its makespan back; one slower forward on the last stage (busy
+// from its first forward to its last backward under 1F1B) delays the end by
+// its extra second; events that match no instruction change nothing.
+TEST(SimulatorTest, ReplayedTimesReplaceThePerStageTimes) {
+  auto schedule = MakeSchedule("1f1b");
+  SimulationOptions options;
+  options.num_stages = 2;
+  options.num_micro_batches = 4;
+  auto base = Simulate(**schedule, options);
+  ASSERT_TRUE(base.ok()) << base.status();
+  ASSERT_NEAR(base->makespan, 15.0, 1e-12);
+  options.replay = base->events;
+  auto replayed = Simulate(**schedule, options);
+  ASSERT_TRUE(replayed.ok()) << replayed.status();
+  EXPECT_NEAR(replayed->makespan, 15.0, 1e-12);
+  options.replay = {{1, Op::kForward, 2, 0, 0.0, 2.0}, {1, Op::kForward, 9, 0, 0.0, 50.0}};
+  auto slower = Simulate(**schedule, options);
+  ASSERT_TRUE(slower.ok()) << slower.status();
+  EXPECT_NEAR(slower->makespan, 16.0, 1e-12);
+}
+
 // 1F1B keeps at most min(M, S - s) micro-batches' activations alive on stage s
 // (0-based); GPipe keeps all M.
 TEST(ScheduleMemoryTest, OneFOneBBoundsLiveActivations) {

@@ -34,6 +34,8 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
   TRIDENT_ASSIGN_OR_RETURN(std::vector<double> recompute,
                            PerStage(options.recompute_seconds, S, "recompute_seconds"));
   const int C = schedule.num_chunks();
+  std::map<std::tuple<int, Op, int, int>, double> replayed;  // (stage, op, micro-batch, chunk) -> seconds
+  for (const TimelineEvent& e : options.replay) replayed[{e.stage, e.op, e.micro_batch, e.chunk}] = e.end - e.start;
   std::vector<Instruction> posted(S, Instruction{Op::kWaitPosted});  // receive awaited by kWaitPosted
   std::vector<std::vector<Instruction>> programs;
   for (int s = 0; s < S; ++s) {
@@ -96,6 +98,8 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
                               : inst.op == Op::kBackwardWeight ? weight
                                                                : recompute[s];
             duration /= C;  // a chunk holds 1/C of the rank's layers
+            auto measured = replayed.find({s, inst.op, inst.micro_batch, inst.chunk});
+            if (measured != replayed.end()) duration = measured->second;
             result.events.push_back(
                 {s, inst.op, inst.micro_batch, inst.chunk, clock[s], clock[s] + duration});
             clock[s] += duration;
