@@ -15,6 +15,7 @@
 #include <gflags/gflags.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/blas_kernels.h"
 #include "base/status.h"
 #include "topology/topology.h"
 #include "trainer/trainer.h"
@@ -68,7 +70,8 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
   return config;
 }
 
-absl::Status RunRank(TrainerConfig config) {
+// `blas_note`: what UseBestBlasKernels changed, printed by rank 0.
+absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   // From the start, so that a SIGTERM while the job starts up also ends in a
   // checkpoint after the first step rather than in a killed rank.
   if (config.preempt_save()) StopOnSigterm();
@@ -78,6 +81,7 @@ absl::Status RunRank(TrainerConfig config) {
   }
   const int64_t configured_dp = config.dp();
   if (config.strategy().empty()) TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
+  if (!blas_note.empty() && env.rank == 0) std::printf("%s\n", blas_note.c_str());
   if (config.dp() != configured_dp && env.rank == 0) {
     std::printf("elastic: %d ranks, so dp=%lld instead of %lld (tp=%lld and pp=%lld kept; global batch %lld in %lld "
                 "accumulation steps)\n",
@@ -118,8 +122,11 @@ absl::Status RunRank(TrainerConfig config) {
 }
 
 absl::Status Run(int argc, char** argv) {
+  // Before any product runs; the ranks the launcher starts inherit the choice
+  // (OPENBLAS_CORETYPE).
+  const std::string blas_note = UseBestBlasKernels();
   TRIDENT_ASSIGN_OR_RETURN(TrainerConfig config, ConfigFromCommandLine(&argc, &argv));
-  if (HasDistributedEnv()) return RunRank(config);
+  if (HasDistributedEnv()) return RunRank(config, blas_note);
   int nproc = FLAGS_nproc > 0 ? FLAGS_nproc : config.dp() * config.tp() * config.pp();
   if (FLAGS_nproc <= 0 && !config.load_strategy().empty()) {
     TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(config.load_strategy()));
@@ -127,6 +134,7 @@ absl::Status Run(int argc, char** argv) {
   }
   // Check the configuration once, here, before any rank starts.
   TRIDENT_RETURN_IF_ERROR(Trainer::Preflight(config, nproc));
+  if (!blas_note.empty()) std::printf("%s\n", blas_note.c_str());
   if (isatty(STDOUT_FILENO)) setenv("TRIDENT_STDOUT_IS_TTY", "1", /*overwrite=*/0);
   LaunchOptions launch;
   launch.max_restarts = config.max_restarts();

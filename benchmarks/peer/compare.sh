@@ -29,17 +29,23 @@ cpp_rate() {  # cpp_rate NAME THREADS FLAGS...; THREADS "" keeps train's own pol
   [ -z "$threads" ] || env=(OMP_NUM_THREADS="$threads" OPENBLAS_NUM_THREADS="$threads")
   env "${env[@]}" "$here/trainer/train" --data="$work/data" --global_batch_size=16 \
     --max_steps="$steps" --eval_every=0 --eval_steps=1 --sample_tokens=0 --log_every=1000 \
-    --enable_progress_bar=false --metrics_file="$work/$name.jsonl" "$@" >/dev/null
+    --enable_progress_bar=false --metrics_file="$work/$name.jsonl" "$@" >"$work/$name.out"
   median_rate "$work/$name.jsonl"
 }
 
 cpp=$(cpp_rate cpp "" --dp=1 --micro_batch_size=16)
+# The peer multiplies with the OpenBLAS kernels train chose: on a CPU that
+# OpenBLAS does not know, train leaves its generic fallback for its AVX-512 or
+# AVX2 kernels, and the peer left on the fallback would be measured too low.
+blas=$(grep -o 'OPENBLAS_CORETYPE=[A-Za-z0-9]*' "$work/cpp.out" | head -n 1 | cut -d= -f2 || true)
+[ -z "$blas" ] || export OPENBLAS_CORETYPE="$blas"
 py1=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --threads=1 --steps="$steps" | cut -d' ' -f2)
 py2=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --threads=2 --steps="$steps" | cut -d' ' -f2)
 best=$("$python" -c "print(max($py1, $py2))")
 echo "peer comparison ($steps steps, gpt n_layer 4 n_embd 256 block 128, batch 16, one rank):"
+[ -z "$blas" ] || echo "  both use OpenBLAS's $blas kernels (train chose them over OpenBLAS's generic fallback for this CPU)"
 echo "  trident train (its default: BLAS pool of 2, 1 intra-op thread): $cpp tokens/s"
-echo "  pytorch eager python:      $py1 tokens/s (1 thread), $py2 tokens/s (2 threads)"
+echo "  pytorch eager python:      $py1 tokens/s (1 intra-op thread), $py2 tokens/s (2; OpenBLAS pool at its default in both)"
 echo "  ratio trident / best python: $("$python" -c "print(f'{$cpp / $best:.2f}x')")"
 
 # bf16 compute: Trident's bf16 (autocast-style, fp32 master weights) against

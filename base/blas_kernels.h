@@ -1,0 +1,32 @@
+// OpenBLAS kernel selection. OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
+// LibTorch's fp32 CPU products run on) picks its kernels from the CPU model at
+// load time, and a model it does not know gets its generic "Prescott" (SSE3)
+// kernels even when the CPU has AVX-512: on an Intel Xeon of family 6 model
+// 207 (Emerald Rapids) one core multiplies fp32 at about 30 GFLOP/s with
+// them against about 180 with its SkylakeX (AVX-512) kernels.
+//
+//   UseBestBlasKernels();   // at the start of a training process
+#ifndef TRIDENT_BASE_BLAS_KERNELS_H_
+#define TRIDENT_BASE_BLAS_KERNELS_H_
+
+#include <string>
+
+namespace trident {
+
+// When this process's OpenBLAS fell back to its generic kernels on a CPU with
+// AVX-512 (F, CD, BW, DQ, VL) or AVX2 and FMA, switches it to its SkylakeX or
+// Haswell kernels, and sets OPENBLAS_CORETYPE so that the processes this one
+// starts load with them. Does nothing when OPENBLAS_CORETYPE is set (the
+// user's choice), when OpenBLAS chose another kernel set, or when the process
+// has no OpenBLAS. Call it while no BLAS call is running (OpenBLAS reads its
+// kernel table on each call). Returns a line that says what it changed, once
+// per process; empty otherwise.
+std::string UseBestBlasKernels();
+
+// The name of the kernel set OpenBLAS uses now ("SkylakeX", "Prescott", ...);
+// empty without OpenBLAS.
+std::string BlasCoreName();
+
+}  // namespace trident
+
+#endif  // TRIDENT_BASE_BLAS_KERNELS_H_
