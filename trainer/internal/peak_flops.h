@@ -13,8 +13,11 @@ namespace trident {
 namespace internal {
 
 // Dense matrix-product FLOP/s of one core: a 1024-cube product of `dtype`
-// (fp32, or bf16) repeated for a second on one thread. Measured once per
-// machine (by CPU model) and dtype, and cached under ~/.cache/trident.
+// (fp32, or bf16) repeated on one thread, the fastest window of 0.2 s. A
+// shared machine only slows a window down (on one VM whole seconds ran at
+// half speed), so the rate is cached under ~/.cache/trident per CPU model,
+// OpenBLAS kernel set and dtype, and each call measures three more windows
+// (ten the first time) and keeps the best rate yet.
 double MeasureCorePeakFlops(at::ScalarType dtype = at::kFloat);
 
 // The whole job's peak FLOP/s. On CPU: the per-core peak for `precision`'s

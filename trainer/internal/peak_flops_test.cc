@@ -1,5 +1,10 @@
 #include "trainer/internal/peak_flops.h"
 
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +20,33 @@ TEST(SlowBf16WarningTest, WarnsOnlyWhereBf16MultipliesMoreSlowlyThanFp32) {
   EXPECT_THAT(slow, HasSubstr("4.9 GFLOP/s per core against 84.9 in fp32"));
   EXPECT_THAT(slow, HasSubstr("--precision=fp32"));
   EXPECT_EQ(SlowBf16Warning(/*fp32_per_core=*/94e9, /*bf16_per_core=*/188e9), "");
+}
+
+// Each call measures again and the cache keeps the best rate yet: a rate
+// cached above what this core does stays, one below is replaced.
+TEST(MeasureCorePeakFlopsTest, KeepsTheBestRateAnyCallMeasured) {
+  namespace fs = std::filesystem;
+  setenv("HOME", std::getenv("TEST_TMPDIR"), /*overwrite=*/1);
+  const double first = MeasureCorePeakFlops(at::kFloat);
+  EXPECT_GT(first, 1e8);
+  std::vector<fs::path> caches;
+  for (const auto& entry : fs::directory_iterator(fs::path(std::getenv("HOME")) / ".cache/trident")) {
+    caches.push_back(entry.path());
+  }
+  ASSERT_EQ(caches.size(), 1u);
+  const auto cache = [&](double flops) { std::ofstream(caches[0]) << flops; };
+  const auto cached = [&] {
+    double flops = 0;
+    std::ifstream(caches[0]) >> flops;
+    return flops;
+  };
+  EXPECT_NEAR(cached(), first, 1e-5 * first);  // written with 6 digits
+  cache(1e18);
+  EXPECT_DOUBLE_EQ(MeasureCorePeakFlops(at::kFloat), 1e18);
+  cache(1);
+  const double again = MeasureCorePeakFlops(at::kFloat);
+  EXPECT_GT(again, 1e8);
+  EXPECT_NEAR(cached(), again, 1e-5 * again);
 }
 
 TEST(SlowBf16WarningTest, OnlyCpuBf16RunsAreChecked) {
