@@ -23,10 +23,14 @@ def trident_cc_benchmark(name, deps = [], tags = [], benchmark_main = True, **kw
     """A Google Benchmark binary: built by `bazel test //...`, run only with `bazel run`.
 
     `benchmark_main = False` for binaries with their own main (benchmark::Initialize).
+    Every benchmark runs on OpenBLAS's best kernels for the CPU (//base:best_blas_kernels_at_load).
     """
     native.cc_test(
         name = name,
-        deps = deps + ["@benchmark//:benchmark_main" if benchmark_main else "@benchmark"],
+        deps = deps + [
+            "@benchmark//:benchmark_main" if benchmark_main else "@benchmark",
+            Label("//base:best_blas_kernels_at_load"),
+        ],
         tags = tags + ["benchmark"],
         testonly = True,
         **kwargs

@@ -1,0 +1,21 @@
+// Linked into every benchmark (trident_cc_benchmark): switches OpenBLAS away
+// from its generic fallback when the process loads, so that a benchmark that
+// never reaches Parallelize measures with the kernels training uses.
+#include <cstdio>
+#include <string>
+
+#include "base/blas_kernels.h"
+
+namespace trident {
+namespace {
+
+// OpenBLAS, a shared library this binary depends on, has chosen its kernels
+// before this initializer runs.
+const bool kBestBlasKernels = [] {
+  const std::string note = UseBestBlasKernels();
+  if (!note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
+  return true;
+}();
+
+}  // namespace
+}  // namespace trident
