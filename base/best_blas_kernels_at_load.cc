@@ -1,6 +1,8 @@
-// Linked into every benchmark (trident_cc_benchmark): switches OpenBLAS away
-// from its generic fallback when the process loads, so that a benchmark that
-// never reaches Parallelize measures with the kernels training uses.
+// Linked into every test and benchmark (trident_cc_test, trident_cc_benchmark):
+// switches OpenBLAS away from its generic fallback when the process loads, so
+// that a benchmark that never reaches Parallelize measures with the kernels
+// training uses, and a test's single-process reference multiplies with the
+// same kernels as its ranks.
 #include <cstdio>
 #include <string>
 

@@ -10,12 +10,17 @@ def trident_cc_library(name, **kwargs):
 def trident_cc_binary(name, **kwargs):
     native.cc_binary(name = name, **kwargs)
 
-def trident_cc_test(name, deps = [], gtest_main = True, **kwargs):
-    """A GoogleTest test. Multi-process tests use //testing:multiprocess."""
+def trident_cc_test(name, deps = [], gtest_main = True, blas_kernels_at_load = True, **kwargs):
+    """A GoogleTest test. Multi-process tests use //testing:multiprocess.
+
+    Tests run on OpenBLAS's best kernels for the CPU from load, as training does
+    (//base:best_blas_kernels_at_load), unless `blas_kernels_at_load = False`.
+    """
     main = ["@gtest//:gtest_main"] if gtest_main else []
+    at_load = [Label("//base:best_blas_kernels_at_load")] if blas_kernels_at_load else []
     native.cc_test(
         name = name,
-        deps = deps + main + ["@gtest"],
+        deps = deps + main + at_load + ["@gtest"],
         **kwargs
     )
 
