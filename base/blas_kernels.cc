@@ -45,7 +45,7 @@ std::string SwitchFromGenericKernels() {
   init();
   const std::string now = BlasCoreName();
   return "OpenBLAS chose its generic " + chosen + " kernels for this CPU, which has " +
-         (now == "SkylakeX" ? "AVX-512" : "AVX2") + ": using its " + now +
+         (std::string(best) == "SkylakeX" ? "AVX-512" : "AVX2") + ": using its " + now +
          " kernels instead (OPENBLAS_CORETYPE=" + best + "; set OPENBLAS_CORETYPE to choose)";
 }
 
