@@ -76,7 +76,7 @@ events = json.load(open(sys.argv[1]))["traceEvents"]
 operators = [e for e in events if e.get("cat") == "operator"]
 for rank in (0, 1):  # operator rows 1000 * (rank + 1) + thread
     names = {e["name"] for e in operators if e["tid"] // 1000 == rank + 1}
-    assert {"aten::mm", "trident::forward_backward"} <= names, (rank, sorted(names)[:20])
+    assert {"aten::mm", "trident::forward_backward", "trident::fused_adamw"} <= names, (rank, sorted(names)[:20])
     assert any(n.startswith("gloo:") for n in names), rank
 step = [e for e in operators if e["name"] == "trident::forward_backward" and e["tid"] == 1000][0]
 pipeline = [e for e in events if e.get("cat") == "forward" and e["tid"] == 0]
