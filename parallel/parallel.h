@@ -247,7 +247,9 @@ class ParallelModel;
 // count as size 1). `example` is one micro-batch (shapes as in training): it
 // traces graphs and finds the stage boundaries' shapes. `make_optimizer`
 // builds the optimizer over this rank's parameters (or ZeRO's chunks). Every
-// rank calls it; an error on one rank reaches all.
+// rank calls it; an error on one rank reaches all. The first call in a process
+// also moves OpenBLAS off its generic kernels where it fell back to them
+// (UseBestBlasKernels in base/blas_kernels.h), logging a warning.
 absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
                                                            Topology* topology, const Batch& example,
                                                            OptimizerFactory make_optimizer);
