@@ -42,8 +42,9 @@
 
 #include "absl/status/statusor.h"
 #include "amp/amp.h"
-#include "base/tensors.h"
+#include "base/host_copy.h"
 #include "base/registry.h"
+#include "base/tensors.h"
 #include "checkpoint/checkpoint.h"
 #include "graph/graph.h"
 #include "lora/lora.h"
@@ -272,6 +273,10 @@ class ParallelModel {
   // The global gradient norm (each stored value counted once), clipping to
   // `max_norm` when it is positive and exceeded.
   absl::StatusOr<double> ClipGradNorm(double max_norm);
+  // The same, with the norm read when the caller asks: on a GPU the norm and
+  // the clipping are queued there, so a loop that reads the norm after
+  // queuing Step does not leave the GPU idle while it queues the update.
+  absl::StatusOr<PendingScalar> ClipGradNormWithoutWaiting(double max_norm);
   absl::Status Step(double lr);
 
   // Forward only: the loss over the global batch (mean), the same on every rank.

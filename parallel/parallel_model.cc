@@ -354,8 +354,10 @@ absl::StatusOr<double> ParallelModel::ForwardBackward(const std::vector<Batch>& 
     return absl::InvalidArgumentError(absl::StrCat("ForwardBackward got ", micro_batches.size(),
                                                    " micro-batches; the plan has ", m.plan.num_micro_batches));
   }
+  // Counted where the batches are given (the host's, usually): counting the
+  // device's copies would wait for the GPU.
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> weights, m.LossWeights(micro_batches));
   const std::vector<Batch> batches = m.OnDevice(micro_batches);
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> weights, m.LossWeights(batches));
   std::vector<double> losses;
   {
     AutocastScope autocast(m.precision, m.device.type());
@@ -384,6 +386,11 @@ absl::StatusOr<bool> ParallelModel::UnscaleGradients() {
 }
 
 absl::StatusOr<double> ParallelModel::ClipGradNorm(double max_norm) {
+  TRIDENT_ASSIGN_OR_RETURN(PendingScalar norm, ClipGradNormWithoutWaiting(max_norm));
+  return norm.Get();
+}
+
+absl::StatusOr<PendingScalar> ParallelModel::ClipGradNormWithoutWaiting(double max_norm) {
   return impl_->update->ClipGradNorm(max_norm);
 }
 

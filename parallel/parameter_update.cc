@@ -5,6 +5,7 @@
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -54,14 +55,31 @@ class PlainDataParallel : public ParameterUpdate {
     }
     if (!grads.empty()) at::_foreach_mul_(grads, factor);
   }
-  double LocalSquaredGradNorm() const override {
+  void ScaleGradients(const at::Tensor& factor) override {
+    std::vector<at::Tensor> grads;
+    bool fp32 = true;
+    for (const at::Tensor& p : list_) {
+      if (!p.grad().defined()) continue;
+      grads.push_back(p.grad());
+      fp32 = fp32 && p.grad().scalar_type() == at::kFloat;
+    }
+    const at::Tensor f = factor.to(at::kFloat).reshape({});
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+    if (fp32 && !grads.empty()) {
+      at::_foreach_mul_(grads, f);  // one multi-tensor kernel (its fast path wants the grads' dtype)
+      return;
+    }
+#endif
+    for (at::Tensor& g : grads) g.mul_(f);  // a 0-dim factor: computed as by a Scalar
+  }
+  at::Tensor LocalSquaredGradNorm() const override {
     std::vector<at::Tensor> grads;
     for (const at::Tensor& p : options_.counted) {
       if (p.grad().defined()) grads.push_back(p.grad());
     }
-    if (grads.empty()) return 0;
+    if (grads.empty()) return at::zeros({1}, at::kDouble);
     c10::NoGradGuard no_grad;
-    return at::stack(at::_foreach_norm(grads)).to(at::kDouble).pow(2).sum().item<double>();
+    return at::stack(at::_foreach_norm(grads)).to(at::kDouble).pow(2).sum().reshape({1});
   }
   const ProcessGroup* NormGroup() const override { return options_.norm_group; }
   absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) override {
@@ -135,11 +153,14 @@ class Zero : public ParameterUpdate {
   absl::Status FinishBackward() override { return zero_->FinishBackward(); }
   bool LocalGradientsNonFinite() const override { return zero_->LocalGradientsNonFinite(); }
   void ScaleGradients(double factor) override { zero_->ScaleGradients(factor); }
+  void ScaleGradients(const at::Tensor& factor) override { zero_->ScaleGradients(factor.item<double>()); }
   absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) override {
     if (options_.tensor_parallel == nullptr) return absl::OkStatus();
     return zero_->SumGradientsOver(*options_.tensor_parallel, parameters);
   }
-  double LocalSquaredGradNorm() const override { return zero_->LocalSquaredGradNorm(); }
+  at::Tensor LocalSquaredGradNorm() const override {
+    return at::full({1}, zero_->LocalSquaredGradNorm(), at::kDouble);
+  }
   // Each rank holds its chunk of every gradient: the sum runs over all ranks.
   const ProcessGroup* NormGroup() const override { return options_.world; }
   absl::Status Step(double lr) override { return zero_->Step(lr); }
@@ -162,13 +183,20 @@ class Zero : public ParameterUpdate {
 
 }  // namespace
 
-absl::StatusOr<double> ParameterUpdate::ClipGradNorm(double max_norm) {
-  at::Tensor squares = at::full({1}, LocalSquaredGradNorm(), at::kDouble);
+absl::StatusOr<PendingScalar> ParameterUpdate::ClipGradNorm(double max_norm) {
+  at::Tensor squares = LocalSquaredGradNorm();
   const ProcessGroup* group = NormGroup();
   if (group != nullptr && group->size() > 1) TRIDENT_RETURN_IF_ERROR(group->AllReduce(squares));
-  const double norm = std::sqrt(squares.item<double>());
-  if (max_norm > 0 && norm > max_norm) ScaleGradients(max_norm / (norm + 1e-6));
-  return norm;
+  if (squares.is_cpu()) {
+    const double norm = std::sqrt(squares.item<double>());
+    if (max_norm > 0 && norm > max_norm) ScaleGradients(max_norm / (norm + 1e-6));
+    return PendingScalar(at::full({1}, norm, at::kDouble));
+  }
+  // On a device the clipping factor is computed there as on the host (in
+  // double; 1 where the norm is within max_norm), so nothing waits for the GPU.
+  const at::Tensor norm = squares.sqrt();
+  if (max_norm > 0) ScaleGradients(at::where(norm > max_norm, at::full_like(norm, max_norm).div(norm + 1e-6), at::ones_like(norm)));
+  return PendingScalar(norm);
 }
 
 absl::StatusOr<std::unique_ptr<ParameterUpdate>> MakeParameterUpdate(ParameterUpdateOptions options) {

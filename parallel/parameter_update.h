@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "base/host_copy.h"
 #include "base/tensors.h"
 #include "graph/graph.h"
 #include "topology/topology.h"
@@ -31,12 +32,18 @@ class ParameterUpdate {
   // Whether this rank holds an inf or NaN gradient (callers agree over ranks).
   virtual bool LocalGradientsNonFinite() const = 0;
   virtual void ScaleGradients(double factor) = 0;
+  // The same by a one-element tensor on the gradients' device, without
+  // reading it on the host: the multiplication is by its value rounded to
+  // fp32, as the double's is.
+  virtual void ScaleGradients(const at::Tensor& factor) = 0;
   // Sums the gradients of `parameters` over the tensor-parallel group
   // (sequence parallelism leaves each rank a part of replicated ones).
   virtual absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) = 0;
   // The global gradient norm, counting every stored value once; when
   // `max_norm` > 0 and the norm exceeds it, gradients are scaled down to it.
-  absl::StatusOr<double> ClipGradNorm(double max_norm);
+  // Where the gradients are on a GPU the norm and the scaling are queued
+  // there, and the norm is read when the caller asks for it.
+  absl::StatusOr<PendingScalar> ClipGradNorm(double max_norm);
   virtual absl::Status Step(double lr) = 0;
   // The optimizer's state (its own serialisation), and its restoration into
   // the same layout.
@@ -58,9 +65,10 @@ class ParameterUpdate {
   virtual absl::Status ReleaseFullParameters(bool /*keep_changes*/) { return absl::OkStatus(); }
 
  protected:
-  // Squared L2 norm of the gradient values this rank counts, and the group
-  // whose ranks together count every value once (nullptr: this rank alone).
-  virtual double LocalSquaredGradNorm() const = 0;
+  // Squared L2 norm of the gradient values this rank counts (one double
+  // value, on the gradients' device or the CPU), and the group whose ranks
+  // together count every value once (nullptr: this rank alone).
+  virtual at::Tensor LocalSquaredGradNorm() const = 0;
   virtual const ProcessGroup* NormGroup() const = 0;
 };
 

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/host_copy.h"
 #include "base/rng.h"
 #include "base/status.h"
 #include "pipeline/weight_gradients.h"
@@ -108,9 +109,10 @@ class PipelineStageRunner::Impl {
   int micro_ = 0;
   std::vector<Slot> slots_;  // chunk * micro_ + m
   std::vector<double> weights_;
-  // Each micro-batch's loss, read once the step's work is queued: reading one
-  // (a GPU sync) between forward and backward would idle the GPU.
-  std::vector<at::Tensor> losses_;
+  // Each micro-batch's loss, copied out as its forward computes it and read
+  // once the step's work is queued: reading it with item() would wait for the
+  // queued backward too (a GPU sync) and leave the GPU idle after it.
+  std::vector<PendingScalar> losses_;
   std::vector<std::pair<PendingWork, at::Tensor>> sends_;  // in flight, with their tensors
   std::vector<PendingWork> posted_;  // receives started by kPostSendActivationRecvGrad
   internal::DeferredWeightGradients::Parameters parameters_;
@@ -154,7 +156,7 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
       at::Tensor loss = options_.loss ? options_.loss(x, batch) : layers_.Loss(x, batch);
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "the loss must be a scalar; it has shape ", loss.sizes());
-      losses_[m] = loss.detach();
+      losses_[m] = PendingScalar(loss);
       const double scale = options_.loss_scale ? options_.loss_scale() : 1.0;
       loss = loss * weights_[m];
       if (scale != 1.0) loss = loss * scale;
@@ -416,7 +418,7 @@ absl::StatusOr<std::vector<double>> PipelineStageRunner::Impl::Run(const std::ve
   }
   weights_ = weights;
   weights_.resize(micro_, 1.0 / std::max(1, micro_));
-  losses_.assign(micro_, at::Tensor());
+  losses_.assign(micro_, PendingScalar());
   slots_.clear();
   slots_.resize(chunks_ * micro_);
   peak_live = 0;
@@ -453,7 +455,7 @@ absl::StatusOr<std::vector<double>> PipelineStageRunner::Impl::Run(const std::ve
   slots_.clear();
   if (!LastVirtual(chunks_ - 1)) return std::vector<double>();
   std::vector<double> losses;
-  for (const at::Tensor& loss : losses_) losses.push_back(loss.defined() ? loss.item<double>() : 0.0);
+  for (const PendingScalar& loss : losses_) losses.push_back(loss.defined() ? loss.Get() : 0.0);
   losses_.clear();
   return losses;
 }

@@ -414,10 +414,11 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
   const std::chrono::milliseconds timeout = ToChrono(impl.options.timeout);
   const std::string group_key = absl::StrCat(impl.generation, "/", name, "/", absl::StrJoin(ranks, ","));
   auto store = c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("trident/pg/", group_key), impl.store);
-  // A CPU group of one rank needs no backend: its collectives are local. (A GPU
-  // one keeps NCCL's, so that one GPU runs the code path of many.)
+  // A group of one rank needs no backend: its collectives are identities, done
+  // here. (Through NCCL each would stage its scalars through the GPU and wait
+  // for the GPU's queued work: a one-GPU step read its loss that way.)
   c10::intrusive_ptr<internal::C10dBackend> backend;
-  const bool local = ranks.size() == 1 && backend_name_ == "gloo";
+  const bool local = ranks.size() == 1;
   absl::Status connected = local ? absl::OkStatus() : CatchExceptions(
       absl::StrCat("connecting process group '", name, "' (global ranks ",
                    absl::StrJoin(ranks, ","), ")"),

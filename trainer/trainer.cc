@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/host_copy.h"
 #include "base/memory_counter.h"
 #include "base/rng.h"
 #include "base/status.h"
@@ -296,10 +297,14 @@ absl::StatusOr<TrainResult> Trainer::Train() {
                               t.step + 1, m.loss_scale, t.model->loss_scale().value_or(1.0)));
     } else {
       t.ForHooks([&](TrainerHooks& h) { h.BeforeGnormClip(t.State()); });
-      TRIDENT_ASSIGN_OR_RETURN(m.grad_norm, t.model->ClipGradNorm(GradientClip(c)));
+      TRIDENT_ASSIGN_OR_RETURN(PendingScalar grad_norm, t.model->ClipGradNormWithoutWaiting(GradientClip(c)));
+      // Read once the update is queued (on a GPU reading it waits for the
+      // backward), unless hooks want it before.
+      if (!t.hooks.empty()) m.grad_norm = grad_norm.Get();
       t.ForHooks([&](TrainerHooks& h) { h.AfterGnormClip(t.State(), m.grad_norm); });
       t.ForHooks([&](TrainerHooks& h) { h.BeforeOptimizerStep(t.State()); });
       TRIDENT_RETURN_IF_ERROR(t.model->Step(m.lr));
+      m.grad_norm = grad_norm.Get();
     }
     const double optimizer_s = Seconds(Clock::now() - optimizer_start);
     if (profiled) {

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "amp/amp.h"
+#include "base/host_copy.h"
 #include "parallel/internal/model_part.h"
 #include "parallel/parallel.h"
 #include "parallel/parameter_update.h"
@@ -60,7 +61,7 @@ class ParallelModel::Impl {
     std::vector<Batch> moved;
     for (const Batch& batch : batches) {
       Batch b;
-      for (const at::Tensor& t : batch) b.push_back(t.defined() ? t.to(device) : t);
+      for (const at::Tensor& t : batch) b.push_back(ToDeviceWithoutWaiting(t, device));
       moved.push_back(std::move(b));
     }
     return moved;
