@@ -33,6 +33,7 @@ std::vector<double> Train(const std::string& device, const std::string& precisio
     TopologyOptions topology_options;
     topology_options.mesh_axes = {{"data", 1}};
     topology_options.backend = device == "cuda" ? CommBackend::kNccl : CommBackend::kGloo;
+    topology_options.connect_one_rank_groups = device == "cuda";  // NCCL on one GPU
     auto topology = testing::JoinTopology(topology_options);
     ASSERT_TRUE(topology.ok()) << topology.status();
     auto net = std::make_shared<NetImpl>();

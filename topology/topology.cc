@@ -347,7 +347,7 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv&
       std::make_unique<HeartbeatMonitor>(env, heartbeat_store, options.heartbeat_interval);
 
 #ifdef TRIDENT_GLOO
-  if (!use_nccl && env.world_size > 1) {
+  if (!use_nccl && (env.world_size > 1 || options.connect_one_rank_groups)) {
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("creating the Gloo transport", [&] {
       if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {
         impl.gloo_device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);
@@ -415,10 +415,9 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
   const std::string group_key = absl::StrCat(impl.generation, "/", name, "/", absl::StrJoin(ranks, ","));
   auto store = c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("trident/pg/", group_key), impl.store);
   // A group of one rank needs no backend: its collectives are identities, done
-  // here. (Through NCCL each would stage its scalars through the GPU and wait
-  // for the GPU's queued work: a one-GPU step read its loss that way.)
+  // here (TopologyOptions::connect_one_rank_groups).
   c10::intrusive_ptr<internal::C10dBackend> backend;
-  const bool local = ranks.size() == 1;
+  const bool local = ranks.size() == 1 && !impl.options.connect_one_rank_groups;
   absl::Status connected = local ? absl::OkStatus() : CatchExceptions(
       absl::StrCat("connecting process group '", name, "' (global ranks ",
                    absl::StrJoin(ranks, ","), ")"),

@@ -57,6 +57,10 @@ struct TopologyOptions {
   // How often a rank tells the store it is alive; a rank silent for three
   // intervals after an operation failed is reported as dead.
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
+  // Groups of one rank do their collectives in place, without the backend
+  // (through NCCL each would stage its scalars through the GPU and wait for
+  // its queued work). Tests of a backend on one device connect them anyway.
+  bool connect_one_rank_groups = false;
 };
 
 // A connection of its own to the job's rendezvous store, for a thread other

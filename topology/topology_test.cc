@@ -58,6 +58,26 @@ TEST(TopologyTest, EightRanksGetTheirMeshGroupsByNameAndAlias) {
   });
 }
 
+// A group of one rank does its collectives in place, without the backend
+// (on a GPU each would wait for the queued work), unless asked to connect it.
+TEST(TopologyTest, OneRankGroupsCollectInPlaceUnlessAskedToConnect) {
+  for (const bool connect : {false, true}) {
+    testing::RunOnRanks(1, [&](int) {
+      TopologyOptions options;
+      options.connect_one_rank_groups = connect;
+      auto created = testing::JoinTopology(options);
+      ASSERT_TRUE(created.ok()) << created.status();
+      const ProcessGroup& world = (*created)->world();
+      const int64_t started = world.collectives_started();
+      at::Tensor value = at::full({2}, 3.0);
+      ASSERT_TRUE(world.AllReduce(value).ok());
+      ASSERT_TRUE(world.Broadcast(value, 0).ok());
+      EXPECT_TRUE(at::equal(value, at::full({2}, 3.0)));
+      EXPECT_EQ(world.collectives_started() - started, connect ? 2 : 0);
+    });
+  }
+}
+
 TEST(TopologyTest, ReshapeReplacesTheGroupsOnTheSameRanks) {
   testing::RunOnRanks(4, [](int rank) {
     auto created = testing::JoinTopology({{"data", 4}});

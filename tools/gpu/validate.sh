@@ -2,7 +2,7 @@
 # GPU validation, on a machine with a GPU and PyTorch (no Bazel): builds
 # Trident with CMake against PyTorch's CUDA LibTorch, runs the gpu tests
 # (amp_gpu_test, parallel_gpu_test: CUDA against CPU, NCCL), then trains
-# gpt2-124m for 50 steps on one GPU (a one-rank NCCL job) in fp32 and in bf16
+# gpt2-124m for 50 steps on one GPU (one rank: its groups call no backend) in fp32 and in bf16
 # and runs the PyTorch eager peer (benchmarks/peer/gpt_eager.py) on the same
 # model, batch and GPU, and prints median tokens/s and Trident's MFU.
 #
