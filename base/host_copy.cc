@@ -29,7 +29,8 @@ double PendingScalar::Get() const {
 }
 
 at::Tensor ToDeviceWithoutWaiting(const at::Tensor& tensor, const c10::Device& device) {
-  if (!tensor.defined() || device.is_cpu() || !tensor.is_cpu()) return tensor.defined() ? tensor.to(device) : tensor;
+  if (!tensor.defined()) return tensor;
+  if (device.is_cpu() || !tensor.is_cpu()) return tensor.to(device);
   const at::Tensor pinned = tensor.is_pinned() ? tensor : tensor.pin_memory();
   return pinned.to(device, /*non_blocking=*/true);
 }

@@ -195,7 +195,9 @@ absl::StatusOr<PendingScalar> ParameterUpdate::ClipGradNorm(double max_norm) {
   // On a device the clipping factor is computed there as on the host (in
   // double; 1 where the norm is within max_norm), so nothing waits for the GPU.
   const at::Tensor norm = squares.sqrt();
-  if (max_norm > 0) ScaleGradients(at::where(norm > max_norm, at::full_like(norm, max_norm).div(norm + 1e-6), at::ones_like(norm)));
+  if (max_norm > 0) {
+    ScaleGradients(at::where(norm > max_norm, at::full_like(norm, max_norm).div(norm + 1e-6), at::ones_like(norm)));
+  }
   return PendingScalar(norm);
 }
 
