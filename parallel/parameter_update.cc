@@ -1,5 +1,6 @@
 #include "parallel/parameter_update.h"
 
+#include <algorithm>
 #include <cmath>
 #include <unordered_set>
 
@@ -17,6 +18,15 @@ namespace trident {
 namespace {
 
 int64_t Bytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// The gradients `parameters` hold (backward may not have reached them all).
+std::vector<at::Tensor> DefinedGrads(const std::vector<at::Tensor>& parameters) {
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : parameters) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  return grads;
+}
 
 // Group 0: the parameters weight decay applies to (matrices); group 1: the others.
 std::vector<std::vector<at::Tensor>> DecayGroups(const NamedTensors& parameters) {
@@ -49,22 +59,15 @@ class PlainDataParallel : public ParameterUpdate {
     return false;
   }
   void ScaleGradients(double factor) override {
-    std::vector<at::Tensor> grads;  // one multi-tensor kernel, not one per parameter (GPU launches)
-    for (const at::Tensor& p : list_) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
+    std::vector<at::Tensor> grads = DefinedGrads(list_);  // one multi-tensor kernel, not one per parameter
     if (!grads.empty()) at::_foreach_mul_(grads, factor);
   }
   void ScaleGradients(const at::Tensor& factor) override {
-    std::vector<at::Tensor> grads;
-    bool fp32 = true;
-    for (const at::Tensor& p : list_) {
-      if (!p.grad().defined()) continue;
-      grads.push_back(p.grad());
-      fp32 = fp32 && p.grad().scalar_type() == at::kFloat;
-    }
+    std::vector<at::Tensor> grads = DefinedGrads(list_);
     const at::Tensor f = factor.to(at::kFloat).reshape({});
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+    const bool fp32 = std::all_of(grads.begin(), grads.end(),
+                                  [](const at::Tensor& g) { return g.scalar_type() == at::kFloat; });
     if (fp32 && !grads.empty()) {
       at::_foreach_mul_(grads, f);  // one multi-tensor kernel (its fast path wants the grads' dtype)
       return;
@@ -73,10 +76,7 @@ class PlainDataParallel : public ParameterUpdate {
     for (at::Tensor& g : grads) g.mul_(f);  // a 0-dim factor: computed as by a Scalar
   }
   at::Tensor LocalSquaredGradNorm() const override {
-    std::vector<at::Tensor> grads;
-    for (const at::Tensor& p : options_.counted) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
+    const std::vector<at::Tensor> grads = DefinedGrads(options_.counted);
     if (grads.empty()) return at::zeros({1}, at::kDouble);
     c10::NoGradGuard no_grad;
     return at::stack(at::_foreach_norm(grads)).to(at::kDouble).pow(2).sum().reshape({1});
@@ -153,7 +153,6 @@ class Zero : public ParameterUpdate {
   absl::Status FinishBackward() override { return zero_->FinishBackward(); }
   bool LocalGradientsNonFinite() const override { return zero_->LocalGradientsNonFinite(); }
   void ScaleGradients(double factor) override { zero_->ScaleGradients(factor); }
-  void ScaleGradients(const at::Tensor& factor) override { zero_->ScaleGradients(factor.item<double>()); }
   absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) override {
     if (options_.tensor_parallel == nullptr) return absl::OkStatus();
     return zero_->SumGradientsOver(*options_.tensor_parallel, parameters);
