@@ -3,22 +3,15 @@
 #include "base/host_copy.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/Event.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include "testing/queued_work.h"
 
 namespace trident {
 namespace {
 
-// An event after about a second of products queued on the current stream.
-std::unique_ptr<c10::Event> QueueLongWork(const at::Tensor& a) {
-  at::Tensor x = a;
-  for (int i = 0; i < 400; ++i) x = at::mm(x, a).div_(a.size(0));
-  auto done = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
-  done->record(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(a.device()));
-  return done;
-}
+using testing::QueueLongWork;
 
 TEST(HostCopyGpuTest, PendingScalarReadsTheValueWithoutWaitingForLaterWork) {
   ASSERT_TRUE(torch::cuda::is_available()) << "run gpu-tagged tests on a machine with a GPU";

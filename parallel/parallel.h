@@ -265,6 +265,10 @@ class ParallelModel {
   // tied between stages) done. Returns the loss over the global batch (per
   // plan.loss_reduction), the same on every rank.
   absl::StatusOr<double> ForwardBackward(const std::vector<Batch>& micro_batches);
+  // The same, with the loss read when the caller asks: on GPUs with data or
+  // pipeline parallelism the loss is reduced there, behind the backward, so
+  // a loop that reads it after queuing Step keeps the GPU busy meanwhile.
+  absl::StatusOr<PendingScalar> ForwardBackwardWithoutWaiting(const std::vector<Batch>& micro_batches);
   void ZeroGrad();
   // With loss scaling: removes the scale from the gradients and updates the
   // scaler. Returns true (the step must be skipped, the scale lowered) when

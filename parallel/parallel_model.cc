@@ -349,6 +349,11 @@ ParallelModel::ParallelModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 ParallelModel::~ParallelModel() = default;
 
 absl::StatusOr<double> ParallelModel::ForwardBackward(const std::vector<Batch>& micro_batches) {
+  TRIDENT_ASSIGN_OR_RETURN(PendingScalar loss, ForwardBackwardWithoutWaiting(micro_batches));
+  return loss.Get();
+}
+
+absl::StatusOr<PendingScalar> ParallelModel::ForwardBackwardWithoutWaiting(const std::vector<Batch>& micro_batches) {
   Impl& m = *impl_;
   if (static_cast<int64_t>(micro_batches.size()) != m.plan.num_micro_batches) {
     return absl::InvalidArgumentError(absl::StrCat("ForwardBackward got ", micro_batches.size(),
@@ -401,7 +406,8 @@ absl::StatusOr<double> ParallelModel::EvaluateLoss(const std::vector<Batch>& mic
   AutocastScope autocast(m.precision, m.device.type());
   TRIDENT_ASSIGN_OR_RETURN(std::vector<double> losses, m.runner->RunForward(m.OnDevice(micro_batches)));
   const double sum = std::accumulate(losses.begin(), losses.end(), 0.0);
-  return m.Share(sum / std::max<size_t>(1, losses.size()), ReduceOp::kAvg);
+  TRIDENT_ASSIGN_OR_RETURN(PendingScalar loss, m.Share(sum / std::max<size_t>(1, losses.size()), ReduceOp::kAvg));
+  return loss.Get();
 }
 
 absl::StatusOr<Values> ParallelModel::Forward(const Batch& batch) {

@@ -97,8 +97,15 @@ absl::Status PendingWork::Wait() {
   if (!work_) return absl::FailedPreconditionError("PendingWork::Wait on an empty or used handle");
   c10::intrusive_ptr<c10d::Work> work = std::move(work_);
   const auto start = std::chrono::steady_clock::now();
+  // On a GPU (NCCL) the wait orders the current stream after the operation
+  // and returns: a timed wait would hold the host until the GPU finished it,
+  // and the GPU would idle while the host queued what follows. NCCL's
+  // watchdog ends the process when an operation passes the group's timeout
+  // (TORCH_NCCL_BLOCKING_WAIT=1 makes the wait block and fail here instead).
+  const std::chrono::milliseconds no_timeout(0);  // c10d's kNoTimeout
+  const auto timeout = group_->device().is_cuda() ? no_timeout : group_->timeout();
   try {
-    if (!work->wait(group_->timeout())) return group_->Failure(operation_, "timed out");
+    if (!work->wait(timeout)) return group_->Failure(operation_, "timed out");
   } catch (...) {
     return group_->Failure(operation_);
   }
@@ -294,21 +301,34 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
         "; pad the tensor or choose a size that divides"));
   }
   if (local()) return input.clone(at::MemoryFormat::Contiguous);
-  // NOTE: Gloo has no reduce-scatter; an all-to-all of the chunks followed by a
-  // local reduction moves the same bytes as a ring reduce-scatter.
   at::Tensor chunks = Staged(input.movedim(dim, 0).contiguous());
   std::vector<int64_t> shape = chunks.sizes().vec();
   shape[0] /= size();
-  shape.insert(shape.begin(), size());
-  chunks = chunks.view(shape);
-  at::Tensor received = at::empty_like(chunks);
-  c10d::AllToAllOptions options;
-  options.timeout = timeout_;
-  std::vector<int64_t> equal_splits;
-  TRIDENT_RETURN_IF_ERROR(Run("reduce_scatter", [&] {
-    return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
-  }));
-  return ReduceLocally(received, op).movedim(0, dim).contiguous().to(input.device(), input.scalar_type());
+  at::Tensor reduced;
+  if (NativeReduceScatter()) {
+    reduced = at::empty(shape, chunks.options());
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = ToC10d(op);
+    options.timeout = timeout_;
+    TRIDENT_RETURN_IF_ERROR(Run("reduce_scatter", [&] {
+      return backend_->_reduce_scatter_base(reduced, chunks, options);
+    }));
+    if (op == ReduceOp::kAvg) reduced.div_(size());
+  } else {
+    // NOTE: Gloo has no reduce-scatter; an all-to-all of the chunks followed
+    // by a local reduction moves the same bytes as a ring reduce-scatter.
+    shape.insert(shape.begin(), size());
+    chunks = chunks.view(shape);
+    at::Tensor received = at::empty_like(chunks);
+    c10d::AllToAllOptions options;
+    options.timeout = timeout_;
+    std::vector<int64_t> equal_splits;
+    TRIDENT_RETURN_IF_ERROR(Run("reduce_scatter", [&] {
+      return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
+    }));
+    reduced = ReduceLocally(received, op);
+  }
+  return reduced.movedim(0, dim).contiguous().to(input.device(), input.scalar_type());
 }
 
 absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input, at::Tensor& output) const {
@@ -321,8 +341,21 @@ absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input
     output.copy_(input.view(output.sizes()));
     return PendingWork::Done();
   }
+  const at::Tensor staged = Staged(input);
+  if (NativeReduceScatter()) {
+    at::Tensor chunks = staged.view({-1});
+    const bool in_place = output.device() == chunks.device() && output.scalar_type() == chunks.scalar_type();
+    at::Tensor reduced = in_place ? output.view({-1}) : at::empty({output.numel()}, chunks.options());
+    c10d::ReduceScatterOptions options;
+    options.timeout = timeout_;
+    TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, Start("reduce_scatter", [&] {
+      return backend_->_reduce_scatter_base(reduced, chunks, options);
+    }));
+    if (!in_place) pending.after_ = [output, reduced]() mutable { output.copy_(reduced.view(output.sizes())); };
+    return pending;
+  }
   // As ReduceScatter: an all-to-all of the chunks, reduced here once it arrived.
-  at::Tensor chunks = Staged(input).view({size(), -1});
+  at::Tensor chunks = staged.view({size(), -1});
   at::Tensor received = at::empty_like(chunks);
   c10d::AllToAllOptions options;
   options.timeout = timeout_;

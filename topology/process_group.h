@@ -166,6 +166,9 @@ class ProcessGroup {
   absl::Status CheckMessagePeer(int peer, const char* operation) const;
   // A one-rank group without a backend: collectives are done here.
   bool local() const { return !backend_; }
+  // Whether the backend reduces and scatters in one operation (NCCL); Gloo's
+  // reduce-scatter is an all-to-all and a local reduction.
+  bool NativeReduceScatter() const { return device_.is_cuda(); }
   // `tensor` on the backend's device (itself when it is there).
   at::Tensor OnDevice(const at::Tensor& tensor) const;
   // `tensor` as the backend's collectives take it: on its device, and bf16 as

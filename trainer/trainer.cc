@@ -275,15 +275,23 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     t.model->ZeroGrad();
     t.ForHooks([&](TrainerHooks& h) { h.AfterZeroGrad(t.State()); });
     StepMetrics m;
+    PendingScalar loss;
     {
       RECORD_USER_SCOPE(internal::kForwardBackwardScope);
-      TRIDENT_ASSIGN_OR_RETURN(m.loss, t.model->ForwardBackward(batches));
+      TRIDENT_ASSIGN_OR_RETURN(loss, t.model->ForwardBackwardWithoutWaiting(batches));
     }
     if (!c.trace_file().empty() && t.step + 1 == c.trace_step() && !profiled) TRIDENT_RETURN_IF_ERROR(t.WriteTrace());
-    if (!std::isfinite(m.loss)) {
+    const auto read_loss = [&]() -> absl::Status {
+      m.loss = loss.Get();
+      if (std::isfinite(m.loss)) return absl::OkStatus();
       return absl::InternalError(absl::StrCat("the loss became ", m.loss, " at step ", t.step + 1,
                                               "; lower lr or raise warmup_steps"));
-    }
+    };
+    // On a GPU the loss is read once the update is queued (reading it waits
+    // for the backward), unless hooks want it before; the CPU's is ready, and
+    // a non-finite loss then stops training before the update.
+    const bool read_loss_late = t.hooks.empty() && t.model->plan().device == "cuda";
+    if (!read_loss_late) TRIDENT_RETURN_IF_ERROR(read_loss());
     t.ForHooks([&](TrainerHooks& h) { h.AfterBackward(t.State()); });
     t.ForHooks([&](TrainerHooks& h) { h.AfterAggregateTrainStepOutputs(t.State(), m.loss); });
     m.lr = LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps, t.step);
@@ -306,6 +314,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       TRIDENT_RETURN_IF_ERROR(t.model->Step(m.lr));
       m.grad_norm = grad_norm.Get();
     }
+    if (read_loss_late) TRIDENT_RETURN_IF_ERROR(read_loss());
     const double optimizer_s = Seconds(Clock::now() - optimizer_start);
     if (profiled) {
       TRIDENT_ASSIGN_OR_RETURN(std::vector<internal::OperatorEvent> operators,

@@ -66,12 +66,20 @@ class ParallelModel::Impl {
     }
     return moved;
   }
-  // The last stage's `local` value on every rank, reduced over data parallelism.
-  absl::StatusOr<double> Share(double local, ReduceOp over_data) const {
+  // The last stage's `local` value on every rank, reduced over data
+  // parallelism. Between GPUs it travels in device memory, behind the queued
+  // backward, and is read when the caller asks.
+  absl::StatusOr<PendingScalar> Share(double local, ReduceOp over_data) const {
     at::Tensor value = at::full({1}, HoldsLastStage() ? local : 0.0, at::kDouble);
+    for (const ProcessGroup* group : {pp, dp}) {
+      if (group != nullptr && group->size() > 1) {
+        value = ToDeviceWithoutWaiting(value, group->device());
+        break;
+      }
+    }
     if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->Broadcast(value, stages() - 1));
     if (dp != nullptr) TRIDENT_RETURN_IF_ERROR(dp->AllReduce(value, over_data));
-    return value.item<double>();
+    return PendingScalar(value);
   }
   absl::StatusOr<std::vector<double>> LossWeights(const std::vector<Batch>& batches) const;
   absl::Status Setup(OptimizerFactory make_optimizer, const Batch& example);
