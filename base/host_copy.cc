@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/version.h>
 
 namespace trident {
 
@@ -33,6 +34,24 @@ at::Tensor ToDeviceWithoutWaiting(const at::Tensor& tensor, const c10::Device& d
   if (device.is_cpu() || !tensor.is_cpu()) return tensor.to(device);
   const at::Tensor pinned = tensor.is_pinned() ? tensor : tensor.pin_memory();
   return pinned.to(device, /*non_blocking=*/true);
+}
+
+void MultiplyWithoutReading(const std::vector<at::Tensor>& tensors, const at::Tensor& factor) {
+  const at::Tensor f = factor.to(at::kFloat).reshape({});
+  std::vector<at::Tensor> others;
+  for (const at::Tensor& t : tensors) {
+    if (!t.is_cpu() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf)) {
+      t.copy_(t.to(at::kFloat).mul_(f));
+    } else {
+      others.push_back(t);
+    }
+  }
+  if (others.empty()) return;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  at::_foreach_mul_(others, f);  // one multi-tensor kernel
+#else
+  for (at::Tensor& t : others) t.mul_(f);  // a 0-dim factor: computed as by a Scalar
+#endif
 }
 
 }  // namespace trident

@@ -8,6 +8,7 @@
 #define TRIDENT_BASE_HOST_COPY_H_
 
 #include <memory>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -36,6 +37,14 @@ class PendingScalar {
 // pinned memory and does not wait for the device's queued work: it is
 // ordered on the device's current stream, before whatever is queued next.
 at::Tensor ToDeviceWithoutWaiting(const at::Tensor& tensor, const c10::Device& device);
+
+// Multiplies `tensors` in place by the one-element `factor` where it lies,
+// never reading it on the host (so a GPU's factor is not waited for), with
+// the same bits as `t.mul_(double)` for fp32, bf16 and fp16 tensors: the
+// factor is rounded to fp32, and on a GPU bf16 and fp16 tensors are
+// multiplied in fp32 as by a double (a device factor would be rounded to
+// their type first; on the CPU a double is).
+void MultiplyWithoutReading(const std::vector<at::Tensor>& tensors, const at::Tensor& factor);
 
 }  // namespace trident
 

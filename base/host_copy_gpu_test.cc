@@ -41,5 +41,18 @@ TEST(HostCopyGpuTest, ToDeviceWithoutWaitingCopiesBehindQueuedWork) {
   EXPECT_TRUE(at::equal(ToDeviceWithoutWaiting(strided, a.device()).cpu(), strided));
 }
 
+// Multiplied by a device tensor, bf16 and fp16 would round the factor to
+// their type; a double is used in fp32.
+TEST(HostCopyGpuTest, MultiplyingByADeviceTensorEqualsMultiplyingByTheDouble) {
+  ASSERT_TRUE(torch::cuda::is_available()) << "run gpu-tagged tests on a machine with a GPU";
+  const double factor = 1.0 / 3.0 + 1e-9;
+  for (const at::ScalarType type : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor a = at::randn({1000}, at::kCUDA).to(type);
+    const std::vector<at::Tensor> scaled = {a.clone()};
+    MultiplyWithoutReading(scaled, at::full({1}, factor, at::TensorOptions().dtype(at::kDouble).device(at::kCUDA)));
+    EXPECT_TRUE(at::equal(scaled[0].cpu(), (a * factor).cpu())) << type;
+  }
+}
+
 }  // namespace
 }  // namespace trident

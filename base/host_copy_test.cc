@@ -20,5 +20,19 @@ TEST(HostCopyTest, OnTheCpuTheValuesAreReadAndCopiedAsTheyAre) {
   EXPECT_FALSE(ToDeviceWithoutWaiting(at::Tensor(), at::kCPU).defined());
 }
 
+// The same bits as multiplying by the double, for each floating type a
+// gradient has (on a GPU too: host_copy_gpu_test).
+TEST(HostCopyTest, MultiplyingByATensorEqualsMultiplyingByTheDouble) {
+  const double factor = 1.0 / 3.0 + 1e-9;  // not an fp32 value
+  for (const at::ScalarType type : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor a = at::randn({1000}).to(type), b = at::randn({7}).to(type);
+    const std::vector<at::Tensor> scaled = {a.clone(), b.clone()};
+    MultiplyWithoutReading(scaled, at::full({1}, factor, at::kDouble));
+    EXPECT_TRUE(at::equal(scaled[0], a * factor)) << type;
+    EXPECT_TRUE(at::equal(scaled[1], b * factor)) << type;
+    EXPECT_FALSE(at::equal(scaled[0], a)) << type;
+  }
+}
+
 }  // namespace
 }  // namespace trident

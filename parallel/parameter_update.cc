@@ -1,14 +1,13 @@
 #include "parallel/parameter_update.h"
 
-#include <algorithm>
 #include <cmath>
 #include <unordered_set>
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
-#include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/host_copy.h"
 #include "base/status.h"
 #include "parallel/gradient_reducer.h"
 #include "parallel/optimizer.h"
@@ -62,19 +61,7 @@ class PlainDataParallel : public ParameterUpdate {
     std::vector<at::Tensor> grads = DefinedGrads(list_);  // one multi-tensor kernel, not one per parameter
     if (!grads.empty()) at::_foreach_mul_(grads, factor);
   }
-  void ScaleGradients(const at::Tensor& factor) override {
-    std::vector<at::Tensor> grads = DefinedGrads(list_);
-    const at::Tensor f = factor.to(at::kFloat).reshape({});
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-    const bool fp32 = std::all_of(grads.begin(), grads.end(),
-                                  [](const at::Tensor& g) { return g.scalar_type() == at::kFloat; });
-    if (fp32 && !grads.empty()) {
-      at::_foreach_mul_(grads, f);  // one multi-tensor kernel (its fast path wants the grads' dtype)
-      return;
-    }
-#endif
-    for (at::Tensor& g : grads) g.mul_(f);  // a 0-dim factor: computed as by a Scalar
-  }
+  void ScaleGradients(const at::Tensor& factor) override { MultiplyWithoutReading(DefinedGrads(list_), factor); }
   at::Tensor LocalSquaredGradNorm() const override {
     const std::vector<at::Tensor> grads = DefinedGrads(options_.counted);
     if (grads.empty()) return at::zeros({1}, at::kDouble);
@@ -153,13 +140,12 @@ class Zero : public ParameterUpdate {
   absl::Status FinishBackward() override { return zero_->FinishBackward(); }
   bool LocalGradientsNonFinite() const override { return zero_->LocalGradientsNonFinite(); }
   void ScaleGradients(double factor) override { zero_->ScaleGradients(factor); }
+  void ScaleGradients(const at::Tensor& factor) override { zero_->ScaleGradients(factor); }
   absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) override {
     if (options_.tensor_parallel == nullptr) return absl::OkStatus();
     return zero_->SumGradientsOver(*options_.tensor_parallel, parameters);
   }
-  at::Tensor LocalSquaredGradNorm() const override {
-    return at::full({1}, zero_->LocalSquaredGradNorm(), at::kDouble);
-  }
+  at::Tensor LocalSquaredGradNorm() const override { return zero_->LocalSquaredGradNorm(); }
   // Each rank holds its chunk of every gradient: the sum runs over all ranks.
   const ProcessGroup* NormGroup() const override { return options_.world; }
   absl::Status Step(double lr) override { return zero_->Step(lr); }

@@ -32,11 +32,10 @@ class ParameterUpdate {
   // Whether this rank holds an inf or NaN gradient (callers agree over ranks).
   virtual bool LocalGradientsNonFinite() const = 0;
   virtual void ScaleGradients(double factor) = 0;
-  // The same by a one-element tensor on the gradients' device: the
-  // multiplication is by its value rounded to fp32, as the double's is. Reads
-  // it on the host unless the update overrides this (plain data parallelism
-  // does; ZeRO's norm is a host value, so ClipGradNorm never calls it there).
-  virtual void ScaleGradients(const at::Tensor& factor) { ScaleGradients(factor.item<double>()); }
+  // The same by a one-element tensor on the gradients' device, not read on
+  // the host: the multiplication is by its value rounded to fp32, as the
+  // double's is (MultiplyWithoutReading).
+  virtual void ScaleGradients(const at::Tensor& factor) = 0;
   // Sums the gradients of `parameters` over the tensor-parallel group
   // (sequence parallelism leaves each rank a part of replicated ones).
   virtual absl::Status SumOverTensorParallel(const std::vector<at::Tensor>& parameters) = 0;

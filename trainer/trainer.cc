@@ -221,12 +221,19 @@ void StopOnSigterm() {
   sigterm_watched = true;
 }
 
-// Whether some rank received SIGTERM (every rank gets the same answer).
 absl::StatusOr<bool> Trainer::Impl::Preempted() {
   if (!sigterm_watched || !config.preempt_save()) return false;
+  const ProcessGroup& world = topology().world();
   at::Tensor flag = at::full({1}, static_cast<int64_t>(sigterm_received), at::kLong);
-  TRIDENT_RETURN_IF_ERROR(topology().world().AllReduce(flag, ReduceOp::kMax));
-  return flag.item<int64_t>() > 0;
+  if (world.size() == 1 || world.device().is_cpu()) {
+    TRIDENT_RETURN_IF_ERROR(world.AllReduce(flag, ReduceOp::kMax));
+    return flag.item<int64_t>() > 0;
+  }
+  const PendingScalar earlier = std::move(preempted_flags);
+  flag = ToDeviceWithoutWaiting(flag, world.device());
+  TRIDENT_RETURN_IF_ERROR(world.AllReduce(flag, ReduceOp::kMax));
+  preempted_flags = PendingScalar(flag);
+  return earlier.defined() && earlier.Get() > 0;
 }
 
 absl::StatusOr<TrainResult> Trainer::Train() {

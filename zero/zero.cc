@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/host_copy.h"
 #include "base/status.h"
 
 namespace trident {
@@ -681,7 +682,7 @@ absl::Status ZeroOptimizer::SumGradientsOver(const ProcessGroup& group,
   return absl::OkStatus();
 }
 
-double ZeroOptimizer::LocalSquaredGradNorm() const {
+at::Tensor ZeroOptimizer::LocalSquaredGradNorm() const {
   // Each counted range's norm in one pass over it, without temporaries (a
   // bucket may be the whole model, the default zero_reduce_bucket_size), then
   // their squares summed in fp64: as plain data parallelism sums its
@@ -690,12 +691,20 @@ double ZeroOptimizer::LocalSquaredGradNorm() const {
   for (const Bucket& bucket : buckets_) {
     for (const auto& [begin, end] : bucket.counted) ranges.push_back(bucket.chunk_grad.narrow(0, begin, end - begin));
   }
-  if (ranges.empty()) return 0.0;
-  return at::stack(at::_foreach_norm(ranges)).to(at::kDouble).pow(2).sum().item<double>();
+  if (ranges.empty()) return at::zeros({1}, at::kDouble);
+  return at::stack(at::_foreach_norm(ranges)).to(at::kDouble).pow(2).sum().reshape({1});
 }
 
 void ZeroOptimizer::ScaleGradients(double factor) {
   for (Bucket& bucket : buckets_) bucket.chunk_grad.mul_(factor);
+}
+
+void ZeroOptimizer::ScaleGradients(const at::Tensor& factor) {
+  std::vector<at::Tensor> grads;
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.chunk_grad.defined()) grads.push_back(bucket.chunk_grad);
+  }
+  MultiplyWithoutReading(grads, factor);
 }
 
 bool ZeroOptimizer::LocalGradientsNonFinite() const {

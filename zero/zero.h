@@ -210,14 +210,17 @@ class ZeroOptimizer : private LayerObserver {
   // After the last backward of a step: every rank's chunk holds the gradient
   // averaged over the group.
   absl::Status FinishBackward();
-  // Squared L2 norm of the counted gradients in this rank's chunks.
-  double LocalSquaredGradNorm() const;
+  // Squared L2 norm of the counted gradients in this rank's chunks: a
+  // one-element fp64 tensor where they lie, not read (a GPU keeps working).
+  at::Tensor LocalSquaredGradNorm() const;
   // Sums the chunks' gradients of `parameters` over `group` (another group with
   // the same bucket layout on every rank, such as the tensor-parallel ranks for
   // sequence-parallel norms, whose gradients each rank holds in part).
   absl::Status SumGradientsOver(const ProcessGroup& group, const std::vector<at::Tensor>& parameters);
   // Multiplies the chunks' gradients (clipping, loss-scale removal).
   void ScaleGradients(double factor);
+  // The same by a one-element tensor, not read on the host (MultiplyWithoutReading).
+  void ScaleGradients(const at::Tensor& factor);
   // Whether any chunk gradient is inf or NaN on this rank.
   bool LocalGradientsNonFinite() const;
   // Updates this rank's chunks with learning rate `lr`, then all-gathers them

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "base/host_copy.h"
 #include "data/data.h"
 #include "parallel/parallel.h"
 #include "trainer/internal/metrics.h"
@@ -98,7 +99,11 @@ class Trainer::Impl {
   int64_t saves_started = 0;
   std::vector<at::Tensor> snapshot_buffers;  // async_save's host copies, reused by every save
   // Whether some rank received SIGTERM since StopOnSigterm (agreed by all).
+  // Called once a step. Between GPUs the flags are reduced behind the step's
+  // queued work and read at the next call, so that no step waits for its
+  // update to finish: a preemption there ends one step later.
   absl::StatusOr<bool> Preempted();
+  PendingScalar preempted_flags;  // the last call's reduction, between GPUs
   absl::Status LoadCheckpoint();
   absl::Status ExportSafetensors(const std::string& path);
   // Every rank's pipeline timeline of this step as Chrome trace JSON and SVG.
