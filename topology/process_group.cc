@@ -364,7 +364,12 @@ absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input
     return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
   }));
   pending.after_ = [output, received, chunks]() mutable {
-    output.copy_(ReduceLocally(received, ReduceOp::kSum).view(output.sizes()));
+    if (output.scalar_type() == received.scalar_type()) {  // summed into place, as ReduceLocally sums
+      at::Tensor flat = output.view({-1});
+      at::sum_out(flat, received, /*dim=*/0);
+    } else {
+      output.copy_(ReduceLocally(received, ReduceOp::kSum).view(output.sizes()));
+    }
   };
   return pending;
 }

@@ -594,7 +594,12 @@ absl::Status ZeroOptimizer::FinishReduceScatter(Bucket& bucket) {
   if (!bucket.reducing) return absl::OkStatus();
   absl::Status waited = bucket.reducing->Wait();
   bucket.reducing.reset();
-  if (waited.ok()) ChunkGrad(bucket).add_(bucket.reduced);
+  if (waited.ok() && !bucket.chunk_grad.defined()) {  // the step's first: taken as it is
+    bucket.chunk_grad = bucket.reduced;
+    bucket.chunk.mutable_grad() = bucket.chunk_grad;
+  } else if (waited.ok()) {
+    bucket.chunk_grad.add_(bucket.reduced);
+  }
   bucket.reduced = at::Tensor();
   return waited;
 }
