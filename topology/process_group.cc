@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <unistd.h>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -15,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "topology/shared_memory.h"
 
 namespace trident {
 namespace {
@@ -94,6 +97,14 @@ PendingWork::~PendingWork() = default;
 
 absl::Status PendingWork::Wait() {
   if (std::exchange(done_, false)) return absl::OkStatus();
+  if (shared_memory_work_.valid()) {
+    const auto start = std::chrono::steady_clock::now();
+    const absl::Status status = shared_memory_work_.get();
+    if (!status.ok()) return group_->Failure(operation_, std::string(status.message()).c_str());
+    CountTime(operation_, start, /*issued=*/false);
+    if (after_) std::exchange(after_, nullptr)();
+    return absl::OkStatus();
+  }
   if (!work_) return absl::FailedPreconditionError("PendingWork::Wait on an empty or used handle");
   c10::intrusive_ptr<c10d::Work> work = std::move(work_);
   const auto start = std::chrono::steady_clock::now();
@@ -114,7 +125,11 @@ absl::Status PendingWork::Wait() {
   return absl::OkStatus();
 }
 
-bool PendingWork::IsCompleted() const { return done_ || (work_ && work_->isCompleted()); }
+bool PendingWork::IsCompleted() const {
+  return done_ || (work_ && work_->isCompleted()) ||
+         (shared_memory_work_.valid() &&
+          shared_memory_work_.wait_for(std::chrono::seconds(0)) == std::future_status::ready);
+}
 
 PendingWork PendingWork::Done() {
   PendingWork done;
@@ -181,6 +196,27 @@ absl::StatusOr<PendingWork> ProcessGroup::Start(
   return pending;
 }
 
+absl::Status ProcessGroup::RunOnSharedMemory(const char* operation,
+                                             const std::function<absl::Status()>& run) const {
+  ++collectives_started_;
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status status = shared_memory_->Run(run);
+  if (!status.ok()) return Failure(operation, std::string(status.message()).c_str());
+  CountTime(operation, start, /*issued=*/true);
+  return absl::OkStatus();
+}
+
+PendingWork ProcessGroup::StartOnSharedMemory(const char* operation, std::function<absl::Status()> run) const {
+  PendingWork pending;
+  pending.group_ = this;
+  pending.operation_ = operation;
+  ++collectives_started_;
+  const auto issued = std::chrono::steady_clock::now();
+  pending.shared_memory_work_ = shared_memory_->Start(std::move(run));
+  CountTime(operation, issued, /*issued=*/true);
+  return pending;
+}
+
 absl::Status ProcessGroup::Run(const char* operation,
                                const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const {
   TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, Start(operation, start));
@@ -191,14 +227,52 @@ absl::Status ProcessGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   TRIDENT_RETURN_IF_ERROR(CheckAverageable(tensor, op));
   if (local()) return absl::OkStatus();
   std::vector<at::Tensor> tensors = {Staged(tensor.is_contiguous() ? tensor : tensor.contiguous())};
-  c10d::AllreduceOptions options;
-  options.reduceOp = ToC10d(op);
-  options.timeout = timeout_;
-  TRIDENT_RETURN_IF_ERROR(
-      Run("all_reduce", [&] { return backend_->allreduce(tensors, options); }));
+  if (internal::SharedMemoryChannel* channel = SharedMemoryFor(tensors[0])) {
+    TRIDENT_RETURN_IF_ERROR(RunOnSharedMemory("all_reduce", [&] { return channel->AllReduce(tensors[0], op, timeout_); }));
+  } else {
+    c10d::AllreduceOptions options;
+    options.reduceOp = ToC10d(op);
+    options.timeout = timeout_;
+    TRIDENT_RETURN_IF_ERROR(
+        Run("all_reduce", [&] { return backend_->allreduce(tensors, options); }));
+  }
   if (op == ReduceOp::kAvg) tensors[0].div_(size());
   if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ProcessGroup::ConnectSharedMemory() {
+  const char* setting = std::getenv("TRIDENT_SHARED_MEMORY");
+  const bool wanted = setting == nullptr || std::string(setting) != "0";
+  if (local() || !device_.is_cpu() || size() > internal::SharedMemoryChannel::kMaxRanks || !wanted) return "";
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::unique_ptr<internal::SharedMemoryChannel> channel;
+  std::string failure;  // this rank's
+  if (rank_ == 0) {
+    auto created = internal::SharedMemoryChannel::Create(size());
+    if (created.ok()) channel = *std::move(created);
+    else failure = std::string(created.status().message());
+  }
+  TRIDENT_ASSIGN_OR_RETURN(
+      auto offers, AllGatherStrings(*this, {host, channel ? channel->name() : "",
+                                            channel ? std::to_string(channel->nonce()) : "", failure}));
+  for (const auto& offer : offers) {
+    if (offer[0] != offers[0][0]) return "";  // ranks on several hosts: sockets it is
+  }
+  if (offers[0][1].empty()) return absl::StrCat("rank ", global_ranks_[0], ": ", offers[0][3]);
+  if (rank_ != 0) {
+    auto opened = internal::SharedMemoryChannel::Open(offers[0][1], std::stoull(offers[0][2]), rank_, size());
+    if (opened.ok()) channel = *std::move(opened);
+    else failure = std::string(opened.status().message());
+  }
+  TRIDENT_ASSIGN_OR_RETURN(auto outcomes, AllGatherStrings(*this, {failure}));
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    if (!outcomes[r][0].empty()) return absl::StrCat("rank ", global_ranks_[r], ": ", outcomes[r][0]);
+  }
+  channel->Connected(global_ranks_);
+  shared_memory_ = std::move(channel);
+  return "";
 }
 
 absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
@@ -208,10 +282,16 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
   }
   if (local()) return PendingWork::Done();
   std::vector<at::Tensor> tensors = {Staged(tensor)};
-  c10d::AllreduceOptions options;
-  options.timeout = timeout_;
-  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending,
-                           Start("all_reduce", [&] { return backend_->allreduce(tensors, options); }));
+  PendingWork pending;
+  if (internal::SharedMemoryChannel* channel = SharedMemoryFor(tensors[0])) {
+    pending = StartOnSharedMemory("all_reduce", [channel, staged = tensors[0], timeout = timeout_]() mutable {
+      return channel->AllReduce(staged, ReduceOp::kSum, timeout);
+    });
+  } else {
+    c10d::AllreduceOptions options;
+    options.timeout = timeout_;
+    TRIDENT_ASSIGN_OR_RETURN(pending, Start("all_reduce", [&] { return backend_->allreduce(tensors, options); }));
+  }
   if (!tensors[0].is_same(tensor)) pending.after_ = [tensor, staged = tensors[0]]() mutable { tensor.copy_(staged); };
   return pending;
 }
@@ -231,6 +311,14 @@ absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
 
 absl::StatusOr<at::Tensor> ProcessGroup::AllGather(const at::Tensor& input, int64_t dim) const {
   if (local()) return input.clone(at::MemoryFormat::Contiguous);
+  if (internal::SharedMemoryChannel* channel = SharedMemoryFor(input)) {  // any dtype: nothing is reduced
+    const at::Tensor contiguous = input.contiguous();
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < size(); ++r) parts.push_back(at::empty_like(contiguous));
+    TRIDENT_RETURN_IF_ERROR(
+        RunOnSharedMemory("all_gather", [&] { return channel->AllGather(contiguous, parts, timeout_); }));
+    return at::cat(parts, dim);
+  }
   std::vector<at::Tensor> inputs = {Staged(input.contiguous())};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
@@ -269,6 +357,12 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
     outputs[0].copy_(input);
     return PendingWork::Done();
   }
+  internal::SharedMemoryChannel* channel = SharedMemoryFor(input);
+  if (channel && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_cpu(); })) {
+    return StartOnSharedMemory("all_gather", [channel, input, outputs, timeout = timeout_] {
+      return channel->AllGather(input, outputs, timeout);
+    });
+  }
   std::vector<at::Tensor> inputs = {Staged(input)};
   std::vector<std::vector<at::Tensor>> staged(1);
   for (const at::Tensor& output : outputs) staged[0].push_back(Staged(output));
@@ -305,7 +399,12 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
   std::vector<int64_t> shape = chunks.sizes().vec();
   shape[0] /= size();
   at::Tensor reduced;
-  if (NativeReduceScatter()) {
+  if (internal::SharedMemoryChannel* channel = SharedMemoryFor(chunks)) {
+    reduced = at::empty(shape, chunks.options());
+    TRIDENT_RETURN_IF_ERROR(RunOnSharedMemory(
+        "reduce_scatter", [&] { return channel->ReduceScatter(chunks, reduced, op, timeout_); }));
+    if (op == ReduceOp::kAvg) reduced.div_(size());
+  } else if (NativeReduceScatter()) {
     reduced = at::empty(shape, chunks.options());
     c10d::ReduceScatterOptions options;
     options.reduceOp = ToC10d(op);
@@ -342,6 +441,15 @@ absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input
     return PendingWork::Done();
   }
   const at::Tensor staged = Staged(input);
+  if (internal::SharedMemoryChannel* channel = SharedMemoryFor(staged)) {
+    const bool in_place = output.is_cpu() && output.scalar_type() == staged.scalar_type();
+    at::Tensor reduced = in_place ? output : at::empty(output.sizes(), staged.options());
+    PendingWork pending = StartOnSharedMemory("reduce_scatter", [channel, staged, reduced, timeout = timeout_]() mutable {
+      return channel->ReduceScatter(staged, reduced, ReduceOp::kSum, timeout);
+    });
+    if (!in_place) pending.after_ = [output, reduced]() mutable { output.copy_(reduced); };
+    return pending;
+  }
   if (NativeReduceScatter()) {
     at::Tensor chunks = staged.view({-1});
     const bool in_place = output.device() == chunks.device() && output.scalar_type() == chunks.scalar_type();

@@ -15,7 +15,9 @@
 #include <chrono>
 #include <atomic>
 #include <functional>
+#include <future>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -37,6 +39,7 @@ namespace trident {
 enum class ReduceOp { kSum, kAvg, kMax, kMin, kProduct };
 
 namespace internal {
+class SharedMemoryChannel;
 // The c10d class that implements collectives: ProcessGroup in LibTorch 1.x,
 // Backend in 2.x. Only topology's .cc files see its definition.
 #if TORCH_VERSION_MAJOR >= 2
@@ -79,6 +82,7 @@ class PendingWork {
   const class ProcessGroup* group_ = nullptr;
   const char* operation_ = "";
   c10::intrusive_ptr<c10d::Work> work_;
+  std::future<absl::Status> shared_memory_work_;  // or this, started on shared memory
   std::function<void()> after_;  // copies a result back from the backend's device
 };
 
@@ -113,6 +117,17 @@ class ProcessGroup {
   int64_t collectives_started() const { return collectives_started_; }
   // Where the backend wants its tensors.
   const at::Device& device() const { return device_; }
+
+  // Moves this group's all-reduces, all-gathers and reduce-scatters from
+  // Gloo's sockets to shared memory when all its ranks run on this host (CPU
+  // groups of 2 to 64 ranks; TRIDENT_SHARED_MEMORY=0 in the environment keeps
+  // the sockets). Collective.
+  // Returns why shared memory could not be set up although the ranks share a
+  // host (empty when it is used, or not tried); errors when the group's
+  // collectives fail.
+  absl::StatusOr<std::string> ConnectSharedMemory();
+  // Whether ConnectSharedMemory set shared memory up.
+  bool shares_memory() const { return shared_memory_ != nullptr; }
 
   // In place: `tensor` becomes the reduction of every rank's `tensor`.
   absl::Status AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) const;
@@ -153,6 +168,13 @@ class ProcessGroup {
 
  private:
   friend class PendingWork;
+  // The shared-memory channel, when the group has one and `tensor` is on the CPU.
+  internal::SharedMemoryChannel* SharedMemoryFor(const at::Tensor& tensor) const {
+    return tensor.is_cpu() ? shared_memory_.get() : nullptr;
+  }
+  // Runs `operation` on the shared-memory channel, after the ones started.
+  absl::Status RunOnSharedMemory(const char* operation, const std::function<absl::Status()>& run) const;
+  PendingWork StartOnSharedMemory(const char* operation, std::function<absl::Status()> run) const;
   // Runs `start` (which issues a c10d operation) and waits for it.
   absl::Status Run(const char* operation,
                    const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
@@ -183,6 +205,7 @@ class ProcessGroup {
   at::Device device_;
   std::chrono::milliseconds timeout_;
   FailureDiagnosis diagnosis_;
+  std::unique_ptr<internal::SharedMemoryChannel> shared_memory_;
   mutable std::atomic<int64_t> collectives_started_{0};
 };
 

@@ -11,7 +11,18 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class CollectivesTest : public ::testing::TestWithParam<int> {};
+// Parameters: the number of ranks, and whether the ranks reduce through
+// shared memory (the default on one host) or through Gloo's sockets.
+class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, bool>> {
+ protected:
+  int World() const { return std::get<0>(GetParam()); }
+  bool Shared() const { return std::get<1>(GetParam()); }
+  testing::MultiProcessOptions Transport() const {
+    testing::MultiProcessOptions options;
+    options.env["TRIDENT_SHARED_MEMORY"] = Shared() ? "1" : "0";
+    return options;
+  }
+};
 
 // Rank r holds [r+1, 2(r+1), 3(r+1)]; every answer below is computed by hand from that.
 at::Tensor RankTensor(int rank) {
@@ -19,11 +30,12 @@ at::Tensor RankTensor(int rank) {
 }
 
 TEST_P(CollectivesTest, AllReduceMatchesHandComputedAnswers) {
-  const int world = GetParam();
-  testing::RunOnRanks(world, [world](int rank) {
+  const int world = World();
+  testing::RunOnRanks(world, [world, shared = Shared()](int rank) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok()) << topology.status();
     const ProcessGroup& group = (*topology)->world();
+    ASSERT_EQ(group.shares_memory(), shared);
     ASSERT_EQ(group.size(), world);
     ASSERT_EQ(group.rank(), rank);
     const float sum_of_factors = world * (world + 1) / 2.0f;  // 1 + 2 + ... + world
@@ -80,11 +92,11 @@ TEST_P(CollectivesTest, AllReduceMatchesHandComputedAnswers) {
     absl::Status bad = group.AllReduce(counts, ReduceOp::kAvg);
     EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(bad.message()), HasSubstr("kAvg needs a floating-point tensor"));
-  });
+  }, Transport());
 }
 
 TEST_P(CollectivesTest, BroadcastAllGatherReduceScatterAndBarrier) {
-  const int world = GetParam();
+  const int world = World();
   testing::RunOnRanks(world, [world](int rank) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok()) << topology.status();
@@ -144,11 +156,11 @@ TEST_P(CollectivesTest, BroadcastAllGatherReduceScatterAndBarrier) {
     EXPECT_THAT(std::string(uneven.status().message()), HasSubstr("is not divisible by the group size"));
 
     EXPECT_TRUE(group.Barrier().ok());
-  });
+  }, Transport());
 }
 
 TEST_P(CollectivesTest, SendRecvCarriesEveryDtypeAndShape) {
-  const int world = GetParam();
+  const int world = World();
   testing::RunOnRanks(world, [world](int rank) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok()) << topology.status();
@@ -191,12 +203,74 @@ TEST_P(CollectivesTest, SendRecvCarriesEveryDtypeAndShape) {
     at::Tensor strided = at::zeros({4, 4}).t();
     EXPECT_THAT(std::string(group.IRecv(strided, previous).status().message()),
                 HasSubstr("needs a contiguous tensor"));
-  });
+  }, Transport());
+}
+
+// Tensors of several rounds of shared memory (1 MiB per rank each) and of odd
+// sizes, operations started together and finished later, and a blocking one
+// issued while they are in flight: all give the sums computed here, in rank
+// order, bit for bit on shared memory (every rank reduces the same way).
+TEST_P(CollectivesTest, LargeAndStartedOperationsMatchTheSumsInRankOrder) {
+  const int world = World();
+  testing::RunOnRanks(world, [world, shared = Shared()](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& group = (*topology)->world();
+    auto data = [](int r, int64_t n, int salt) {
+      return at::sin(at::arange(n, at::kDouble) * (0.37 + r + 0.11 * salt)).to(at::kFloat);  // rank r's values
+    };
+    auto sum = [&](int64_t n, int salt) {
+      at::Tensor total = data(0, n, salt);
+      for (int r = 1; r < world; ++r) total = total + data(r, n, salt);
+      return total;
+    };
+    auto expect_sum = [&](const at::Tensor& got, const at::Tensor& want, const char* what) {
+      if (shared) {
+        EXPECT_TRUE(at::equal(got, want)) << what;
+      } else {
+        EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-5)) << what;
+      }
+    };
+    const std::vector<int64_t> sizes = {1, 262144 * 3 + 17, 1000003};  // 1, 3 rounds and a bit, 4 rounds
+    std::vector<at::Tensor> started_tensors;
+    std::vector<PendingWork> started;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      started_tensors.push_back(data(rank, sizes[i], static_cast<int>(i)));
+      auto pending = group.IAllReduce(started_tensors.back());
+      ASSERT_TRUE(pending.ok()) << pending.status();
+      started.push_back(*std::move(pending));
+    }
+    at::Tensor blocking = data(rank, 524289, 7);
+    ASSERT_TRUE(group.AllReduce(blocking).ok());
+    expect_sum(blocking, sum(524289, 7), "blocking all-reduce behind started ones");
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      ASSERT_TRUE(started[i].Wait().ok());
+      expect_sum(started_tensors[i], sum(sizes[i], static_cast<int>(i)), "started all-reduce");
+    }
+
+    const int64_t chunk = 300007;  // reduce-scatter and all-gather across rounds
+    at::Tensor input = data(rank, chunk * world, 11);
+    at::Tensor mine = at::empty({chunk});
+    auto scattering = group.IReduceScatter(input, mine);
+    ASSERT_TRUE(scattering.ok()) << scattering.status();
+    at::Tensor gathered = at::empty({chunk * world});
+    auto gathering = group.IAllGather(data(rank, chunk, 12), gathered);
+    ASSERT_TRUE(gathering.ok()) << gathering.status();
+    ASSERT_TRUE(scattering->Wait().ok());
+    ASSERT_TRUE(gathering->Wait().ok());
+    expect_sum(mine, sum(chunk * world, 11).narrow(0, rank * chunk, chunk), "started reduce-scatter");
+    for (int r = 0; r < world; ++r) {
+      EXPECT_TRUE(at::equal(gathered.narrow(0, r * chunk, chunk), data(r, chunk, 12))) << "rank " << r << "'s part";
+    }
+    auto scattered = group.ReduceScatter(input.view({world, chunk}).t(), /*dim=*/1);
+    ASSERT_TRUE(scattered.ok()) << scattered.status();
+    expect_sum(scattered->view({-1}), sum(chunk * world, 11).narrow(0, rank * chunk, chunk), "reduce-scatter");
+  }, Transport());
 }
 
 // Strings travel whole: newlines, colons and empty strings included.
 TEST_P(CollectivesTest, AllGatherStringsKeepsEveryByte) {
-  const int world = GetParam();
+  const int world = World();
   testing::RunOnRanks(world, [world](int rank) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok()) << topology.status();
@@ -209,7 +283,7 @@ TEST_P(CollectivesTest, AllGatherStringsKeepsEveryByte) {
     for (int r = 1; r < world; ++r) {
       EXPECT_EQ((*gathered)[r], std::vector<std::string>({absl::StrCat("rank ", r, "\nline: 2\n"), ""}));
     }
-  });
+  }, Transport());
 }
 
 // A group of one rank has no c10d backend: every collective is a local copy or
@@ -259,8 +333,12 @@ TEST(OneRankGroupTest, CollectivesAreLocal) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(TwoAndFourRanks, CollectivesTest, ::testing::Values(2, 4),
-                         [](const auto& info) { return "world" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(TwoAndFourRanks, CollectivesTest,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Bool()),
+                         [](const auto& info) {
+                           return "world" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_shared_memory" : "_sockets");
+                         });
 
 }  // namespace
 }  // namespace trident

@@ -468,6 +468,13 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
         return heartbeat->Diagnose(peers, &failed);
       }));
   ProcessGroup* group = impl.groups.back().get();
+  if (!local) {
+    TRIDENT_ASSIGN_OR_RETURN(std::string unshared, group->ConnectSharedMemory());
+    if (!unshared.empty()) {
+      LOG(WARNING) << "process group '" << name << "' reduces through sockets: its ranks share this host, but "
+                   << "shared memory could not be set up (" << unshared << ")";
+    }
+  }
   heartbeat->Track(group, group_key);
   groups_by_name_[name] = group;
   return group;
