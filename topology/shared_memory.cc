@@ -149,10 +149,11 @@ absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> SharedMemoryChannel::Open(c
   struct stat info;
   const bool sized = fstat(fd, &info) == 0 && static_cast<size_t>(info.st_size) == bytes;
   void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  const int failure = errno;  // before close() can change it
   close(fd);
   if (base == MAP_FAILED) {
     return absl::UnavailableError(absl::StrCat("mapping ", name, " failed: ",
-                                               sized ? std::strerror(errno) : "it has another size"));
+                                               sized ? std::strerror(failure) : "it has another size"));
   }
   auto channel = std::unique_ptr<SharedMemoryChannel>(new SharedMemoryChannel(name, rank, ranks, base, bytes, false));
   const Header* header = static_cast<const Header*>(base);
