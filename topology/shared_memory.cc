@@ -185,6 +185,10 @@ char* SharedMemoryChannel::Slot(int set, int rank) const {
 char* SharedMemoryChannel::Result(int set) const { return Slot(0, 0) + static_cast<size_t>(2 * ranks_ + set) * kSlotBytes; }
 
 absl::Status SharedMemoryChannel::Arrive(std::chrono::milliseconds timeout) {
+  if (broken_) {
+    return absl::FailedPreconditionError(
+        "an earlier operation of this group failed, which leaves its ranks out of step; restart the job");
+  }
   Header* header = static_cast<Header*>(base_);
   const uint64_t phase = ++phase_;
   header->arrived[rank_].phase.store(phase);
@@ -238,7 +242,6 @@ void SharedMemoryChannel::ReduceSlots(at::Tensor& out, int set, int64_t offset, 
 }
 
 absl::Status SharedMemoryChannel::AllReduce(at::Tensor& tensor, ReduceOp op, std::chrono::milliseconds timeout) {
-  if (broken_) return absl::FailedPreconditionError("an earlier operation of this group failed");
   const int64_t element = tensor.element_size();
   const int64_t per_round = kSlotBytes / element;
   char* data = static_cast<char*>(tensor.data_ptr());
@@ -262,7 +265,6 @@ absl::Status SharedMemoryChannel::AllReduce(at::Tensor& tensor, ReduceOp op, std
 
 absl::Status SharedMemoryChannel::AllGather(const at::Tensor& input, const std::vector<at::Tensor>& outputs,
                                             std::chrono::milliseconds timeout) {
-  if (broken_) return absl::FailedPreconditionError("an earlier operation of this group failed");
   const int64_t bytes = input.numel() * input.element_size();
   const char* data = static_cast<const char*>(input.data_ptr());
   for (int64_t begin = 0; begin < bytes; begin += kSlotBytes, ++round_) {
@@ -279,7 +281,6 @@ absl::Status SharedMemoryChannel::AllGather(const at::Tensor& input, const std::
 
 absl::Status SharedMemoryChannel::ReduceScatter(const at::Tensor& input, at::Tensor& output, ReduceOp op,
                                                 std::chrono::milliseconds timeout) {
-  if (broken_) return absl::FailedPreconditionError("an earlier operation of this group failed");
   const int64_t element = input.element_size(), chunk = output.numel();
   const int64_t per_round = kSlotBytes / element / ranks_;  // of each chunk
   const char* data = static_cast<const char*>(input.data_ptr());

@@ -472,7 +472,8 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
     TRIDENT_ASSIGN_OR_RETURN(std::string unshared, group->ConnectSharedMemory());
     if (!unshared.empty()) {
       LOG(WARNING) << "process group '" << name << "' reduces through sockets: its ranks share this host, but "
-                   << "shared memory could not be set up (" << unshared << ")";
+                   << "shared memory could not be set up (" << unshared << "); free or enlarge /dev/shm "
+                   << "(docker: --shm-size) to use it, or set TRIDENT_SHARED_MEMORY=0 to keep the sockets quietly";
     }
   }
   heartbeat->Track(group, group_key);

@@ -549,9 +549,9 @@ void ZeroOptimizer::ZeroGrad() {
   }
 }
 
-at::Tensor& ZeroOptimizer::ChunkGrad(Bucket& bucket) {
+at::Tensor& ZeroOptimizer::ChunkGrad(Bucket& bucket, const at::Tensor& first) {
   if (!bucket.chunk_grad.defined()) {
-    bucket.chunk_grad = at::zeros_like(bucket.chunk);
+    bucket.chunk_grad = first.defined() ? first : at::zeros_like(bucket.chunk);
     bucket.chunk.mutable_grad() = bucket.chunk_grad;
   }
   return bucket.chunk_grad;
@@ -594,11 +594,10 @@ absl::Status ZeroOptimizer::FinishReduceScatter(Bucket& bucket) {
   if (!bucket.reducing) return absl::OkStatus();
   absl::Status waited = bucket.reducing->Wait();
   bucket.reducing.reset();
-  if (waited.ok() && !bucket.chunk_grad.defined()) {  // the step's first: taken as it is
-    bucket.chunk_grad = bucket.reduced;
-    bucket.chunk.mutable_grad() = bucket.chunk_grad;
-  } else if (waited.ok()) {
+  if (waited.ok() && bucket.chunk_grad.defined()) {
     bucket.chunk_grad.add_(bucket.reduced);
+  } else if (waited.ok()) {
+    ChunkGrad(bucket, bucket.reduced);  // the step's first: taken as it is
   }
   bucket.reduced = at::Tensor();
   return waited;

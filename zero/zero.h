@@ -266,8 +266,9 @@ class ZeroOptimizer : private LayerObserver {
   // Reduces `full` into the bucket's chunk gradient now, a slice at a time
   // (added; a keep_full bucket's chunk gradient is its part of `full`, replaced).
   absl::Status ReduceScatterInSlices(Bucket& bucket, const at::Tensor& full);
-  // The bucket's chunk gradient, made (zeros) at its first use in a step.
-  at::Tensor& ChunkGrad(Bucket& bucket);
+  // The bucket's chunk gradient, made at its first use in a step: `first`
+  // itself when given, else zeros.
+  at::Tensor& ChunkGrad(Bucket& bucket, const at::Tensor& first = at::Tensor());
   // Stage 3: reference-counted gathering and releasing of a bucket.
   absl::Status Gather(Bucket& bucket);
   void Release(Bucket& bucket);
