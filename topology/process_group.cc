@@ -97,6 +97,14 @@ PendingWork::~PendingWork() = default;
 
 absl::Status PendingWork::Wait() {
   if (std::exchange(done_, false)) return absl::OkStatus();
+  if (shared_memory_receive_) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto receive = std::move(shared_memory_receive_);
+    const absl::Status status = group_->shared_memory_->WaitReceive(*receive, group_->timeout());
+    if (!status.ok()) return group_->Failure(operation_, std::string(status.message()).c_str());
+    CountTime(operation_, start, /*issued=*/false);
+    return absl::OkStatus();
+  }
   if (shared_memory_work_.valid()) {
     const auto start = std::chrono::steady_clock::now();
     const absl::Status status = shared_memory_work_.get();
@@ -127,6 +135,7 @@ absl::Status PendingWork::Wait() {
 
 bool PendingWork::IsCompleted() const {
   return done_ || (work_ && work_->isCompleted()) ||
+         (shared_memory_receive_ && group_->shared_memory_->Received(*shared_memory_receive_)) ||
          (shared_memory_work_.valid() &&
           shared_memory_work_.wait_for(std::chrono::seconds(0)) == std::future_status::ready);
 }
@@ -506,8 +515,23 @@ absl::Status ProcessGroup::CheckMessagePeer(int peer, const char* operation) con
   return CheckPeer(peer, operation);
 }
 
+internal::SharedMemoryChannel* ProcessGroup::MailboxFor(const at::Tensor& tensor, int peer) const {
+  const bool fits = tensor.numel() * static_cast<int64_t>(tensor.element_size()) <=
+                    internal::SharedMemoryChannel::kMaxMessageBytes;
+  return fits && peer != rank_ ? SharedMemoryFor(tensor) : nullptr;
+}
+
 absl::StatusOr<PendingWork> ProcessGroup::ISend(const at::Tensor& tensor, int dst, int tag) const {
   TRIDENT_RETURN_IF_ERROR(CheckMessagePeer(dst, "send"));
+  if (internal::SharedMemoryChannel* channel = MailboxFor(tensor, dst)) {
+    PendingWork pending;
+    pending.group_ = this;
+    pending.operation_ = "send";
+    const auto issued = std::chrono::steady_clock::now();
+    pending.shared_memory_work_ = channel->Send(tensor.contiguous(), dst, tag, timeout_);
+    CountTime("send", issued, /*issued=*/true);
+    return pending;
+  }
   // The c10d work keeps the (possibly copied) tensor alive until it completes.
   std::vector<at::Tensor> tensors = {OnDevice(tensor.contiguous())};
   return Start("send", [&] { return backend_->send(tensors, dst, tag); });
@@ -519,6 +543,14 @@ absl::StatusOr<PendingWork> ProcessGroup::IRecv(at::Tensor& tensor, int src, int
     return absl::InvalidArgumentError(absl::StrCat(
         "recv on process group '", name_, "' needs a contiguous tensor; pass tensor.contiguous()"
         " and copy the result"));
+  }
+  if (internal::SharedMemoryChannel* channel = MailboxFor(tensor, src)) {
+    PendingWork pending;
+    pending.group_ = this;
+    pending.operation_ = "recv";
+    pending.shared_memory_receive_ = channel->PostReceive(tensor, src, tag);
+    CountTime("recv", std::chrono::steady_clock::now(), /*issued=*/true);
+    return pending;
   }
   std::vector<at::Tensor> tensors = {OnDevice(tensor)};
   TRIDENT_ASSIGN_OR_RETURN(PendingWork pending,

@@ -40,6 +40,7 @@ enum class ReduceOp { kSum, kAvg, kMax, kMin, kProduct };
 
 namespace internal {
 class SharedMemoryChannel;
+struct PostedReceive;  // a receive posted on a SharedMemoryChannel
 // The c10d class that implements collectives: ProcessGroup in LibTorch 1.x,
 // Backend in 2.x. Only topology's .cc files see its definition.
 #if TORCH_VERSION_MAJOR >= 2
@@ -83,6 +84,7 @@ class PendingWork {
   const char* operation_ = "";
   c10::intrusive_ptr<c10d::Work> work_;
   std::future<absl::Status> shared_memory_work_;  // or this, started on shared memory
+  std::shared_ptr<internal::PostedReceive> shared_memory_receive_;  // or this
   std::function<void()> after_;  // copies a result back from the backend's device
 };
 
@@ -118,10 +120,10 @@ class ProcessGroup {
   // Where the backend wants its tensors.
   const at::Device& device() const { return device_; }
 
-  // Moves this group's all-reduces, all-gathers and reduce-scatters from
-  // Gloo's sockets to shared memory when all its ranks run on this host (CPU
-  // groups of 2 to 64 ranks; TRIDENT_SHARED_MEMORY=0 in the environment keeps
-  // the sockets). Collective.
+  // Moves this group's all-reduces, all-gathers, reduce-scatters and
+  // messages of up to 2 MiB from Gloo's sockets to shared memory when all its
+  // ranks run on this host (CPU groups of 2 to 64 ranks;
+  // TRIDENT_SHARED_MEMORY=0 in the environment keeps the sockets). Collective.
   // Returns why shared memory could not be set up although the ranks share a
   // host (empty when it is used, or not tried); errors when the group's
   // collectives fail.
@@ -172,6 +174,9 @@ class ProcessGroup {
   internal::SharedMemoryChannel* SharedMemoryFor(const at::Tensor& tensor) const {
     return tensor.is_cpu() ? shared_memory_.get() : nullptr;
   }
+  // The same for a message of `tensor` to or from `peer`: small enough for
+  // its mailbox (both sides tell from the size), and not to this rank.
+  internal::SharedMemoryChannel* MailboxFor(const at::Tensor& tensor, int peer) const;
   // Runs `operation` on the shared-memory channel, after the ones started.
   absl::Status RunOnSharedMemory(const char* operation, const std::function<absl::Status()>& run) const;
   PendingWork StartOnSharedMemory(const char* operation, std::function<absl::Status()> run) const;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "testing/multiprocess.h"
 #include "topology/topology.h"
 
@@ -11,18 +12,23 @@ namespace {
 
 using ::testing::HasSubstr;
 
+testing::MultiProcessOptions TransportOptions(bool shared_memory) {
+  testing::MultiProcessOptions options;
+  options.env["TRIDENT_SHARED_MEMORY"] = shared_memory ? "1" : "0";
+  return options;
+}
+
 // Parameters: the number of ranks, and whether the ranks reduce through
 // shared memory (the default on one host) or through Gloo's sockets.
 class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, bool>> {
  protected:
   int World() const { return std::get<0>(GetParam()); }
   bool Shared() const { return std::get<1>(GetParam()); }
-  testing::MultiProcessOptions Transport() const {
-    testing::MultiProcessOptions options;
-    options.env["TRIDENT_SHARED_MEMORY"] = Shared() ? "1" : "0";
-    return options;
-  }
+  testing::MultiProcessOptions Transport() const { return TransportOptions(Shared()); }
 };
+
+// Parameter: whether messages go through shared memory or Gloo's sockets.
+class MessagesTest : public ::testing::TestWithParam<bool> {};
 
 // Rank r holds [r+1, 2(r+1), 3(r+1)]; every answer below is computed by hand from that.
 at::Tensor RankTensor(int rank) {
@@ -268,6 +274,104 @@ TEST_P(CollectivesTest, LargeAndStartedOperationsMatchTheSumsInRankOrder) {
   }, Transport());
 }
 
+// Rank 0 sends rank 1 more than a mailbox holds (8 MiB) before rank 1
+// receives anything, in messages of up to 1.5 MiB and one larger than a
+// mailbox message (which takes the sockets); rank 1 receives them in another
+// order than sent, some through receives posted earlier and waited for last,
+// and two messages with one tag in the order sent. At the same time rank 1
+// sends rank 0 as much, so both rings fill at once: nothing may wait for the
+// other side's receives while that side is itself sending.
+TEST_P(MessagesTest, OutOfOrderAndBeyondTheMailboxArriveWhole) {
+  testing::RunOnRanks(2, [shared = GetParam()](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& group = (*topology)->world();
+    const int peer = 1 - rank;
+    // Message i of rank r: its tag and values (3 MiB for the last, over the mailbox's 2 MiB limit).
+    constexpr int kMessages = 12;
+    auto tag = [](int i) { return i == 5 || i == kMessages - 1 ? 5 : 100 + i; };  // messages 5 and 11 share one
+    auto values = [](int r, int i) {
+      const int64_t n = i == kMessages - 1 ? (int64_t{3} << 20) / 4 : (int64_t{3} << 19) / 4 - 16 * i;
+      return at::arange(n, at::kFloat) * (r + 1) + 1000 * i;
+    };
+    std::vector<PendingWork> sends;
+    for (int i = 0; i < kMessages; ++i) {
+      auto send = group.ISend(values(rank, i), peer, tag(i));
+      ASSERT_TRUE(send.ok()) << send.status();
+      sends.push_back(*std::move(send));
+    }
+    // Posted first, waited for last: messages 0 and 1.
+    std::vector<at::Tensor> early = {at::empty_like(values(peer, 0)), at::empty_like(values(peer, 1))};
+    std::vector<PendingWork> posted;
+    for (int i = 0; i < 2; ++i) {
+      auto recv = group.IRecv(early[i], peer, tag(i));
+      ASSERT_TRUE(recv.ok()) << recv.status();
+      posted.push_back(*std::move(recv));
+    }
+    // Then backwards from the last, except message 11, which shares message
+    // 5's tag and so comes after it.
+    for (int i = kMessages - 2; i >= 2; --i) {
+      at::Tensor got = at::empty_like(values(peer, i));
+      ASSERT_TRUE(group.Recv(got, peer, tag(i)).ok()) << "message " << i;
+      EXPECT_TRUE(at::equal(got, values(peer, i))) << "message " << i;
+    }
+    at::Tensor last = at::empty_like(values(peer, kMessages - 1));
+    ASSERT_TRUE(group.Recv(last, peer, 5).ok());
+    EXPECT_TRUE(at::equal(last, values(peer, kMessages - 1))) << "the large message, tag 5's second";
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(posted[i].Wait().ok());
+      EXPECT_TRUE(at::equal(early[i], values(peer, i))) << "posted message " << i;
+    }
+    for (PendingWork& send : sends) ASSERT_TRUE(send.Wait().ok());
+    // A receive of another size than the message is an error that says so.
+    if (shared && rank == 0) {
+      ASSERT_TRUE(group.Send(at::ones({4}), 1, 7).ok());
+    } else if (shared) {
+      at::Tensor wrong = at::empty({5});
+      EXPECT_THAT(std::string(group.Recv(wrong, 0, 7).message()),
+                  HasSubstr("the message with tag 7 has 16 bytes where the receive expected 20"));
+    }
+  }, TransportOptions(GetParam()));
+}
+
+// A receive from a rank that exited fails at once and names it, whether the
+// rank exited before its first message (no mailbox yet) or after one. One run
+// per test: a rank process would return at once from the runs before its own.
+void ExpectReceiveFromExitedRankFails(bool sent_first) {
+  testing::MultiProcessResult result = testing::SpawnRanks(2, [sent_first](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& group = (*topology)->world();
+    ASSERT_TRUE(group.shares_memory());
+    at::Tensor got = at::empty({8});
+    if (rank == 1) {
+      if (sent_first) {
+        ASSERT_TRUE(group.Send(at::ones({8}), 0, 1).ok());
+      }
+      _exit(3);
+    }
+    if (sent_first) {
+      ASSERT_TRUE(group.Recv(got, 1, 1).ok());
+    }
+    const absl::Time start = absl::Now();
+    const absl::Status status = group.Recv(got, 1, 2);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(15));  // far below the 60 s timeout
+    EXPECT_THAT(std::string(status.message()), HasSubstr("recv on process group"));
+    EXPECT_THAT(std::string(status.message()), HasSubstr("rank 1 (pid"));
+    EXPECT_THAT(std::string(status.message()), HasSubstr("exited"));
+  }, TransportOptions(true));
+  EXPECT_EQ(result.ranks[1].exit_code, 3);
+  EXPECT_EQ(result.ranks[0].exit_code, 0) << result.ranks[0].output;
+}
+
+TEST(SharedMemoryMessagesTest, ReceiveFromARankThatExitedBeforeSendingNamesIt) {
+  ExpectReceiveFromExitedRankFails(/*sent_first=*/false);
+}
+
+TEST(SharedMemoryMessagesTest, ReceiveFromARankThatExitedAfterSendingNamesIt) {
+  ExpectReceiveFromExitedRankFails(/*sent_first=*/true);
+}
+
 // Strings travel whole: newlines, colons and empty strings included.
 TEST_P(CollectivesTest, AllGatherStringsKeepsEveryByte) {
   const int world = World();
@@ -339,6 +443,8 @@ INSTANTIATE_TEST_SUITE_P(TwoAndFourRanks, CollectivesTest,
                            return "world" + std::to_string(std::get<0>(info.param)) +
                                   (std::get<1>(info.param) ? "_shared_memory" : "_sockets");
                          });
+INSTANTIATE_TEST_SUITE_P(SharedMemoryAndSockets, MessagesTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "shared_memory" : "sockets"; });
 
 }  // namespace
 }  // namespace trident

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status.h"
 
 namespace trident {
 namespace internal {
@@ -34,13 +35,9 @@ struct Header {
   uint64_t nonce;
   int32_t ranks;
   std::atomic<int32_t> pids[SharedMemoryChannel::kMaxRanks];
-  alignas(64) std::atomic<uint32_t> epoch;             // the futex word: bumped by every arrival
-  std::atomic<uint32_t> sleepers;                      // ranks asleep on it (arrivals wake only then)
+  alignas(64) SharedWord arrivals;                     // notified by every arrival
   ArrivalCounter arrived[SharedMemoryChannel::kMaxRanks];  // the last phase each rank reached
 };
-
-static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
-              "shared-memory counters must be lock-free to work between processes");
 
 constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
 constexpr auto kSpin = std::chrono::microseconds(50);
@@ -50,7 +47,13 @@ size_t SegmentBytes(int ranks) {
   return kHeaderBytes + static_cast<size_t>(2 * (ranks + 1)) * SharedMemoryChannel::kSlotBytes;
 }
 
+}  // namespace
+
 std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+namespace {
+
+bool ProcessExited(int pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
 
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
   timespec relative{static_cast<time_t>(timeout.count() / 1000000000), static_cast<long>(timeout.count() % 1000000000)};
@@ -68,8 +71,6 @@ inline void CpuRelax() {
   asm volatile("yield");
 #endif
 }
-
-bool ProcessExited(int pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
 
 // out = a (op) b; then out (op)= c for each further rank, in rank order.
 void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {
@@ -92,6 +93,31 @@ void Combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp
 
 }  // namespace
 
+void SharedWord::Notify() {
+  epoch.fetch_add(1);
+  if (sleepers.load() > 0) FutexWakeAll(&epoch);
+}
+
+bool WaitOn(SharedWord& word, bool spin, std::chrono::steady_clock::time_point deadline,
+            const std::function<bool()>& ready, const std::function<bool()>& give_up) {
+  auto now = std::chrono::steady_clock::now();
+  for (const auto spin_end = now + kSpin; spin && now < spin_end; now = std::chrono::steady_clock::now()) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      CpuRelax();
+    }
+  }
+  while (true) {
+    const uint32_t seen = word.epoch.load();
+    if (ready()) return true;
+    word.sleepers.fetch_add(1);
+    if (!ready()) FutexWait(&word.epoch, seen, kSleepSlice);
+    word.sleepers.fetch_sub(1);
+    if (ready()) return true;
+    if (give_up() || std::chrono::steady_clock::now() >= deadline) return false;
+  }
+}
+
 SharedMemoryChannel::SharedMemoryChannel(std::string name, int rank, int ranks, void* base, size_t bytes, bool owner)
     : name_(std::move(name)),
       rank_(rank),
@@ -108,17 +134,13 @@ SharedMemoryChannel::~SharedMemoryChannel() {
   }
   changed_.notify_all();
   if (worker_.joinable()) worker_.join();  // after the started operations
+  outboxes_.clear();  // their threads read the peers' pids here
+  inboxes_.clear();
   munmap(base_, bytes_);
   if (owner_) shm_unlink(name_.c_str());
 }
 
-absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> SharedMemoryChannel::Create(int ranks) {
-  if (ranks < 2 || ranks > kMaxRanks) {
-    return absl::InvalidArgumentError(absl::StrCat("shared memory serves 2 to ", kMaxRanks, " ranks, not ", ranks));
-  }
-  static std::atomic<int> created{0};
-  const std::string name = absl::StrCat("/trident-", getpid(), "-", created++);
-  const size_t bytes = SegmentBytes(ranks);
+absl::StatusOr<void*> CreateSegment(const std::string& name, size_t bytes) {
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return absl::UnavailableError(Errno(absl::StrCat("shm_open(", name, ")").c_str()));
   // posix_fallocate reserves the pages: without it a full /dev/shm would
@@ -133,6 +155,35 @@ absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> SharedMemoryChannel::Create
                                                " failed: ", std::strerror(mapped),
                                                " (is /dev/shm full or too small?)"));
   }
+  return base;
+}
+
+absl::StatusOr<void*> MapSegment(const std::string& name, size_t bytes) {
+  const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
+    return absl::UnavailableError(Errno(absl::StrCat("shm_open(", name, ")").c_str()));
+  }
+  struct stat info;
+  const bool sized = fstat(fd, &info) == 0 && static_cast<size_t>(info.st_size) == bytes;
+  void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  const int failure = errno;  // before close() can change it
+  close(fd);
+  if (base == MAP_FAILED) {
+    if (!sized) return absl::FailedPreconditionError(absl::StrCat("mapping ", name, " failed: it has another size"));
+    return absl::UnavailableError(absl::StrCat("mapping ", name, " failed: ", std::strerror(failure)));
+  }
+  return base;
+}
+
+absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> SharedMemoryChannel::Create(int ranks) {
+  if (ranks < 2 || ranks > kMaxRanks) {
+    return absl::InvalidArgumentError(absl::StrCat("shared memory serves 2 to ", kMaxRanks, " ranks, not ", ranks));
+  }
+  static std::atomic<int> created{0};
+  const std::string name = absl::StrCat("/trident-", getpid(), "-", created++);
+  const size_t bytes = SegmentBytes(ranks);
+  TRIDENT_ASSIGN_OR_RETURN(void* base, CreateSegment(name, bytes));
   auto* header = new (base) Header();
   std::random_device random;
   header->nonce = (uint64_t{random()} << 32) ^ random() ^ static_cast<uint64_t>(getpid());
@@ -144,17 +195,7 @@ absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> SharedMemoryChannel::Create
 absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> SharedMemoryChannel::Open(const std::string& name, uint64_t nonce,
                                                                                int rank, int ranks) {
   const size_t bytes = SegmentBytes(ranks);
-  const int fd = shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) return absl::UnavailableError(Errno(absl::StrCat("shm_open(", name, ")").c_str()));
-  struct stat info;
-  const bool sized = fstat(fd, &info) == 0 && static_cast<size_t>(info.st_size) == bytes;
-  void* base = sized ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
-  const int failure = errno;  // before close() can change it
-  close(fd);
-  if (base == MAP_FAILED) {
-    return absl::UnavailableError(absl::StrCat("mapping ", name, " failed: ",
-                                               sized ? std::strerror(failure) : "it has another size"));
-  }
+  TRIDENT_ASSIGN_OR_RETURN(void* base, MapSegment(name, bytes));
   auto channel = std::unique_ptr<SharedMemoryChannel>(new SharedMemoryChannel(name, rank, ranks, base, bytes, false));
   const Header* header = static_cast<const Header*>(base);
   if (header->nonce != nonce || header->ranks != ranks) {
@@ -184,6 +225,14 @@ char* SharedMemoryChannel::Slot(int set, int rank) const {
 
 char* SharedMemoryChannel::Result(int set) const { return Slot(0, 0) + static_cast<size_t>(2 * ranks_ + set) * kSlotBytes; }
 
+bool SharedMemoryChannel::PeerExited(int rank) const {
+  return watch_peers_ && ProcessExited(static_cast<const Header*>(base_)->pids[rank].load());
+}
+
+std::string SharedMemoryChannel::Describe(int rank) const {
+  return absl::StrCat("rank ", global_ranks_[rank], " (pid ", static_cast<const Header*>(base_)->pids[rank].load(), ")");
+}
+
 absl::Status SharedMemoryChannel::Arrive(std::chrono::milliseconds timeout) {
   if (broken_) {
     return absl::FailedPreconditionError(
@@ -192,47 +241,38 @@ absl::Status SharedMemoryChannel::Arrive(std::chrono::milliseconds timeout) {
   Header* header = static_cast<Header*>(base_);
   const uint64_t phase = ++phase_;
   header->arrived[rank_].phase.store(phase);
-  header->epoch.fetch_add(1);
-  if (header->sleepers.load() > 0) FutexWakeAll(&header->epoch);
+  header->arrivals.Notify();
+  auto late = [&] {
+    std::vector<int> ranks;
+    for (int r = 0; r < ranks_; ++r) {
+      if (header->arrived[r].phase.load() < phase) ranks.push_back(r);
+    }
+    return ranks;
+  };
   auto all_arrived = [&] {
     for (int r = 0; r < ranks_; ++r) {
       if (header->arrived[r].phase.load() < phase) return false;
     }
     return true;
   };
-  auto now = std::chrono::steady_clock::now();
-  for (const auto spin_end = now + kSpin; spin_ && now < spin_end; now = std::chrono::steady_clock::now()) {
-    for (int i = 0; i < 64; ++i) {
-      if (all_arrived()) return absl::OkStatus();
-      CpuRelax();
+  auto any_late_exited = [&] {
+    for (int r : late()) {
+      if (PeerExited(r)) return true;
     }
+    return false;
+  };
+  if (WaitOn(header->arrivals, spin_, std::chrono::steady_clock::now() + timeout, all_arrived, any_late_exited)) {
+    return absl::OkStatus();
   }
-  const auto deadline = now + timeout;
-  while (true) {
-    const uint32_t seen = header->epoch.load();
-    if (all_arrived()) return absl::OkStatus();
-    header->sleepers.fetch_add(1);
-    if (!all_arrived()) FutexWait(&header->epoch, seen, kSleepSlice);
-    header->sleepers.fetch_sub(1);
-    if (all_arrived()) return absl::OkStatus();
-    std::vector<int> late, exited;
-    for (int r = 0; r < ranks_; ++r) {
-      if (header->arrived[r].phase.load() >= phase) continue;
-      late.push_back(r);
-      if (watch_peers_ && ProcessExited(header->pids[r].load())) exited.push_back(r);
-    }
-    if (!exited.empty() || std::chrono::steady_clock::now() >= deadline) {
-      broken_ = true;
-      auto describe = [&](const std::vector<int>& ranks) {
-        std::vector<std::string> parts;
-        for (int r : ranks) parts.push_back(absl::StrCat("rank ", global_ranks_[r], " (pid ", header->pids[r].load(), ")"));
-        return absl::StrJoin(parts, ", ");
-      };
-      if (!exited.empty()) return absl::UnavailableError(absl::StrCat(describe(exited), " exited"));
-      return absl::DeadlineExceededError(
-          absl::StrCat("timed out after ", timeout.count(), " ms waiting for ", describe(late), " in shared memory"));
-    }
+  broken_ = true;
+  std::vector<std::string> exited, waited_for;
+  for (int r : late()) {
+    waited_for.push_back(Describe(r));
+    if (PeerExited(r)) exited.push_back(Describe(r));
   }
+  if (!exited.empty()) return absl::UnavailableError(absl::StrCat(absl::StrJoin(exited, ", "), " exited"));
+  return absl::DeadlineExceededError(absl::StrCat("timed out after ", timeout.count(), " ms waiting for ",
+                                                  absl::StrJoin(waited_for, ", "), " in shared memory"));
 }
 
 void SharedMemoryChannel::ReduceSlots(at::Tensor& out, int set, int64_t offset, ReduceOp op) const {
