@@ -1,8 +1,8 @@
 // Linked into every test and benchmark (trident_cc_test, trident_cc_benchmark):
-// switches OpenBLAS away from its generic fallback when the process loads, so
-// that a benchmark that never reaches Parallelize measures with the kernels
-// training uses, and a test's single-process reference multiplies with the
-// same kernels as its ranks.
+// switches OpenBLAS away from its generic fallback and fp32 products to
+// oneDNN when the process loads, so that a benchmark that never reaches
+// Parallelize measures with the kernels training uses, and a test's
+// single-process reference multiplies with the same kernels as its ranks.
 #include <cstdio>
 #include <string>
 
@@ -16,6 +16,7 @@ namespace {
 const bool kBestBlasKernels = [] {
   const std::string note = UseBestBlasKernels();
   if (!note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
+  UseOneDnnProducts();
   return true;
 }();
 

@@ -1,4 +1,5 @@
-// OpenBLAS kernel selection. OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
+// The kernels of fp32 CPU matrix products: OpenBLAS's kernel selection, and
+// oneDNN in its place. OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
 // LibTorch's fp32 CPU products run on) picks its kernels from the CPU model at
 // load time, and a model it does not know gets its generic "Prescott" (SSE3)
 // kernels even when the CPU has AVX-512: on an Intel Xeon of family 6 model
@@ -6,6 +7,7 @@
 // them against about 180 with its SkylakeX (AVX-512) kernels.
 //
 //   UseBestBlasKernels();   // at the start of a training process
+//   UseOneDnnProducts();
 #ifndef TRIDENT_BASE_BLAS_KERNELS_H_
 #define TRIDENT_BASE_BLAS_KERNELS_H_
 
@@ -22,6 +24,21 @@ namespace trident {
 // kernel table on each call). Returns a line that says what it changed, once
 // per process; empty otherwise.
 std::string UseBestBlasKernels();
+
+// Routes this process's fp32 CPU matrix products (aten::mm, addmm with its
+// out and in-place forms, and bmm: linear layers, attention and their
+// backward) through oneDNN's sgemm, from the libdnnl that LibTorch links: its
+// AVX-512 kernels, threaded on ATen's intra-op pool. On two cores of an AMD
+// EPYC (Zen 5) under OPENBLAS_CORETYPE=Haswell, 400-514 GFLOP/s against
+// OpenBLAS's 250-265 on its pool of two. Operands it does not take (other
+// dtypes, strides that are neither rows nor columns, an output that overlaps
+// an input) go to LibTorch's own kernels. Returns whether the products go
+// through oneDNN: false without libdnnl (PyTorch's wheels link it inside
+// LibTorch, hidden) or with TRIDENT_ONEDNN_PRODUCTS=0 in the environment.
+// Once per process; call it while no product runs.
+bool UseOneDnnProducts();
+// Whether UseOneDnnProducts routed the products through oneDNN.
+bool OneDnnProductsInUse();
 
 // The name of the kernel set OpenBLAS uses now ("SkylakeX", "Prescott", ...);
 // empty without OpenBLAS.

@@ -444,6 +444,7 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
                                                 Topology* topology, const AutoAccelerateOptions& options,
                                                 LossFunction loss) {
   if (const std::string blas = UseBestBlasKernels(); !blas.empty()) LOG(WARNING) << blas;
+  UseOneDnnProducts();
   if (dataset == nullptr || dataset->size() == 0) return absl::InvalidArgumentError("AutoAccelerate needs a dataset with samples");
   SourceFactory source_with_loss = make_source;
   if (loss) {

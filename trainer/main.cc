@@ -91,13 +91,16 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
                 static_cast<long long>(config.grad_accumulation_steps()));
   }
   // This rank's share of the cores goes to the pool that runs its matrix
-  // products (see config.proto's intra_op_threads): fp32 products run on the
-  // BLAS pool (OPENBLAS_NUM_THREADS, set by the launcher; set here at run time
-  // under mpirun or srun) with one intra-op thread; bf16 products on CPU run
-  // in oneDNN on ATen's intra-op threads, with a BLAS pool of one.
+  // products (see config.proto's intra_op_threads): on CPU they run in oneDNN
+  // on ATen's intra-op threads (fp32 through UseOneDnnProducts, bf16 in
+  // LibTorch's own oneDNN path), with a BLAS pool of one; where fp32 products
+  // stay in OpenBLAS, they run on its pool (OPENBLAS_NUM_THREADS, set by the
+  // launcher; set here at run time under mpirun or srun) with one intra-op
+  // thread, as the two pools slow each other down.
   const int share = static_cast<int>(
       std::max(1u, std::thread::hardware_concurrency() / std::max(1, env.local_world_size)));
-  const bool onednn_products = config.device() != "cuda" && absl::StrContains(config.precision(), "bf16");
+  const bool onednn_products =
+      config.device() != "cuda" && (UseOneDnnProducts() || absl::StrContains(config.precision(), "bf16"));
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
     using SetThreads = void (*)(int);
     if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {

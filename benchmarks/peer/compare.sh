@@ -44,7 +44,7 @@ py2=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --threa
 best=$("$python" -c "print(max($py1, $py2))")
 echo "peer comparison ($steps steps, gpt n_layer 4 n_embd 256 block 128, batch 16, one rank):"
 [ -z "$blas" ] || echo "  both use OpenBLAS's $blas kernels (train chose them over OpenBLAS's generic fallback for this CPU)"
-echo "  trident train (its default: BLAS pool of 2, 1 intra-op thread): $cpp tokens/s"
+echo "  trident train (its default: fp32 products in oneDNN on the intra-op threads, one per core): $cpp tokens/s"
 echo "  pytorch eager python:      $py1 tokens/s (1 intra-op thread), $py2 tokens/s (2; OpenBLAS pool at its default in both)"
 echo "  ratio trident / best python: $("$python" -c "print(f'{$cpp / $best:.2f}x')")"
 
@@ -56,7 +56,7 @@ py16_1=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --th
 py16_2=$("$python" "$here/benchmarks/peer/gpt_eager.py" --data="$work/data" --threads=2 --steps="$steps" --precision=bf16 | cut -d' ' -f2)
 best16=$("$python" -c "print(max($py16_1, $py16_2))")
 echo "bf16 compute:"
-echo "  trident train --precision=bf16 (its default: intra-op threads on every core, BLAS pool of 1): $cpp16 tokens/s"
+echo "  trident train --precision=bf16 (its default: products in oneDNN on the intra-op threads, one per core): $cpp16 tokens/s"
 echo "  pytorch eager python, autocast bf16: $py16_1 tokens/s (1 thread), $py16_2 tokens/s (2 threads)"
 echo "  ratio trident / best python: $("$python" -c "print(f'{$cpp16 / $best16:.2f}x')")"
 

@@ -40,9 +40,11 @@ std::string CpuModel() {
 
 std::string CachePath(at::ScalarType dtype) {
   const char* home = std::getenv("HOME");
-  // The BLAS kernels decide the fp32 rate as much as the CPU does (OpenBLAS's
-  // generic kernels run at a sixth of its AVX-512 ones).
-  const size_t key = std::hash<std::string>()(CpuModel() + BlasCoreName());
+  // The product kernels decide the fp32 rate as much as the CPU does
+  // (OpenBLAS's generic kernels run at a sixth of its AVX-512 ones, oneDNN's
+  // at twice OpenBLAS's Haswell ones on an AMD EPYC).
+  const size_t key =
+      std::hash<std::string>()(CpuModel() + BlasCoreName() + (OneDnnProductsInUse() ? "+onednn" : ""));
   return absl::StrCat(home != nullptr ? home : "/tmp", "/.cache/trident/peak_flops_cpu_", key,
                       dtype == at::kFloat ? "" : absl::StrCat("_", c10::toString(dtype)));
 }
