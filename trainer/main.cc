@@ -107,7 +107,10 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
       set(onednn_products ? 1 : share);
     }
   }
-  at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : onednn_products ? share : 1);
+  // OMP_NUM_THREADS, the user's or the launcher's share, sizes the oneDNN pool.
+  const char* omp_threads = std::getenv("OMP_NUM_THREADS");
+  const int pool = omp_threads != nullptr && std::atoi(omp_threads) > 0 ? std::atoi(omp_threads) : share;
+  at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : onednn_products ? pool : 1);
   TuneAllocatorForTraining(/*sharded_parameters=*/config.zero_stage() == 3);
   TopologyOptions options;
   options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
