@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
-#include <mutex>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -59,16 +58,28 @@ bool Suits(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
          !out.is_alias_of(a) && !out.is_alias_of(b);
 }
 
-// out (m x n, row-major: contiguous) = alpha a b + beta out, through oneDNN;
-// false (nothing done) when the operands do not suit it.
-bool Product(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, float alpha, float beta) {
-  if (!Suits(a, b, out) || a.dim() != 2 || b.dim() != 2) return false;
+// How sgemm reads the two factors of a 2-D product.
+struct Operands {
   char ta, tb;
   int64_t lda, ldb;
-  if (!Layout(a, &ta, &lda) || !Layout(b, &tb, &ldb)) return false;
-  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  return OneDnnSgemm()(ta, tb, m, n, k, alpha, a.data_ptr<float>(), lda, b.data_ptr<float>(), ldb, beta,
-                       out.data_ptr<float>(), n) == 0;
+};
+
+// Whether oneDNN takes the 2-D product a b into out, and how it reads a and b.
+bool Takes(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, Operands* operands) {
+  return Suits(a, b, out) && a.dim() == 2 && b.dim() == 2 && Layout(a, &operands->ta, &operands->lda) &&
+         Layout(b, &operands->tb, &operands->ldb);
+}
+
+// out (m x n, row-major: contiguous) = alpha a b + beta out, through oneDNN.
+bool Multiply(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const Operands& o, float alpha, float beta) {
+  return OneDnnSgemm()(o.ta, o.tb, a.size(0), b.size(1), a.size(1), alpha, a.data_ptr<float>(), o.lda,
+                       b.data_ptr<float>(), o.ldb, beta, out.data_ptr<float>(), b.size(1)) == 0;
+}
+
+// out = a b through oneDNN; false (nothing done) when it does not take them.
+bool Product(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  Operands operands;
+  return Takes(a, b, out, &operands) && Multiply(a, b, out, operands, 1, 0);
 }
 
 // out[i] = a[i] b[i] for every i of the batch (out contiguous), the batch
@@ -97,14 +108,14 @@ bool BatchProduct(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
 at::Tensor Mm(const at::Tensor& self, const at::Tensor& mat2) {
   if (self.dim() == 2 && mat2.dim() == 2 && self.size(1) == mat2.size(0)) {
     at::Tensor out = at::empty({self.size(0), mat2.size(1)}, self.options());
-    if (Product(self, mat2, out, 1, 0)) return out;
+    if (Product(self, mat2, out)) return out;
   }
   return at::cpu::mm(self, mat2);
 }
 
 at::Tensor& MmOut(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
   if (self.dim() == 2 && mat2.dim() == 2 && self.size(1) == mat2.size(0) && out.dim() == 2 &&
-      out.size(0) == self.size(0) && out.size(1) == mat2.size(1) && Product(self, mat2, out, 1, 0)) {
+      out.size(0) == self.size(0) && out.size(1) == mat2.size(1) && Product(self, mat2, out)) {
     return out;
   }
   return at::cpu::mm_out(out, self, mat2);
@@ -118,16 +129,19 @@ at::Tensor Bmm(const at::Tensor& self, const at::Tensor& mat2) {
   return at::cpu::bmm(self, mat2);
 }
 
-// beta self + alpha mat1 mat2 into out (m x n, contiguous), self broadcast.
+// out (m x n, contiguous) = beta self + alpha mat1 mat2, self broadcast;
+// false (nothing done) when oneDNN does not take it.
 bool AddProduct(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const at::Scalar& beta,
                 const at::Scalar& alpha, at::Tensor& out) {
+  Operands operands;
   if (mat1.dim() != 2 || mat2.dim() != 2 || mat1.size(1) != mat2.size(0) || self.scalar_type() != at::kFloat ||
-      beta.isComplex() || alpha.isComplex()) {
+      beta.isComplex() || alpha.isComplex() || !Takes(mat1, mat2, out, &operands) ||
+      (!out.is_same(self) && out.is_alias_of(self))) {
     return false;
   }
   const float b = beta.toFloat(), a = alpha.toFloat();
   if (b != 0 && !out.is_same(self)) out.copy_(self.expand({mat1.size(0), mat2.size(1)}));
-  return Product(mat1, mat2, out, a, b);
+  return Multiply(mat1, mat2, out, operands, a, b);
 }
 
 at::Tensor Addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2, const at::Scalar& beta,

@@ -51,6 +51,9 @@ TEST_F(OneDnnProductsTest, MatchFp64InEveryLayout) {
   ExpectClose(out, want, "mm.out");
   at::addmm_out(out, bias, a, b);
   ExpectClose(out, want + bias64, "addmm.out");
+  at::Tensor columns = at::empty({29, 37}).t();  // not row-major: LibTorch's kernel
+  at::addmm_out(columns, bias, a, b);
+  ExpectClose(columns, want + bias64, "addmm.out into a column-major output");
   const at::Tensor square = at::randn({16, 16});
   at::Tensor aliased = square.clone();
   aliased.addmm_(aliased, square);  // the output is a factor: LibTorch's kernel
