@@ -16,7 +16,9 @@ class OneDnnProductsTest : public ::testing::Test {
   static void Use() {
     EXPECT_EQ(UseOneDnnProducts(), OneDnnProductsInUse());
     // Debian's LibTorch (OpenBLAS's) links libdnnl where it can be found.
-    if (!BlasCoreName().empty()) EXPECT_TRUE(OneDnnProductsInUse());
+    if (!BlasCoreName().empty()) {
+      EXPECT_TRUE(OneDnnProductsInUse());
+    }
   }
   static void ExpectClose(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
     ASSERT_EQ(got.sizes(), want.sizes()) << what;
