@@ -85,10 +85,11 @@ bool Product(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
 // out[i] = a[i] b[i] for every i of the batch (out contiguous), the batch
 // split among the intra-op threads, each product on one.
 bool BatchProduct(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
-  if (!Suits(a, b, out) || a.dim() != 3 || b.dim() != 3) return false;
-  char ta, tb;
-  int64_t lda, ldb;
-  if (!Layout(a[0], &ta, &lda) || !Layout(b[0], &tb, &ldb)) return false;
+  Operands o;
+  if (!Suits(a, b, out) || a.dim() != 3 || b.dim() != 3 || !Layout(a[0], &o.ta, &o.lda) ||
+      !Layout(b[0], &o.tb, &o.ldb)) {
+    return false;
+  }
   const int64_t m = a.size(1), k = a.size(2), n = b.size(2);
   const float* a_data = a.data_ptr<float>();
   const float* b_data = b.data_ptr<float>();
@@ -96,8 +97,8 @@ bool BatchProduct(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   std::atomic<bool> failed{false};
   at::parallel_for(0, a.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      if (OneDnnSgemm()(ta, tb, m, n, k, 1, a_data + i * a.stride(0), lda, b_data + i * b.stride(0), ldb, 0,
-                        out_data + i * m * n, n) != 0) {
+      if (OneDnnSgemm()(o.ta, o.tb, m, n, k, 1, a_data + i * a.stride(0), o.lda, b_data + i * b.stride(0), o.ldb,
+                        0, out_data + i * m * n, n) != 0) {
         failed = true;
       }
     }

@@ -97,17 +97,12 @@ PendingWork::~PendingWork() = default;
 
 absl::Status PendingWork::Wait() {
   if (std::exchange(done_, false)) return absl::OkStatus();
-  if (shared_memory_receive_) {
+  if (shared_memory_receive_ || shared_memory_work_.valid()) {
     const auto start = std::chrono::steady_clock::now();
-    const auto receive = std::move(shared_memory_receive_);
-    const absl::Status status = group_->shared_memory_->WaitReceive(*receive, group_->timeout());
-    if (!status.ok()) return group_->Failure(operation_, std::string(status.message()).c_str());
-    CountTime(operation_, start, /*issued=*/false);
-    return absl::OkStatus();
-  }
-  if (shared_memory_work_.valid()) {
-    const auto start = std::chrono::steady_clock::now();
-    const absl::Status status = shared_memory_work_.get();
+    const absl::Status status =
+        shared_memory_receive_
+            ? group_->shared_memory_->WaitReceive(*std::exchange(shared_memory_receive_, nullptr), group_->timeout())
+            : shared_memory_work_.get();
     if (!status.ok()) return group_->Failure(operation_, std::string(status.message()).c_str());
     CountTime(operation_, start, /*issued=*/false);
     if (after_) std::exchange(after_, nullptr)();

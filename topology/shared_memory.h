@@ -143,7 +143,7 @@ class SharedMemoryChannel {
   // The sending side of the mailbox to one peer.
   struct Outbox {
     ~Outbox();  // stops the sending thread, failing what it still holds, and unmaps
-    int dst = 0;
+    int peer = 0;          // the receiving rank
     std::string name;      // of the mailbox's segment
     char* base = nullptr;  // the mapped segment; null until the first message
     std::mutex mutex;      // guards the fields below
@@ -162,7 +162,7 @@ class SharedMemoryChannel {
   // The receiving side of the mailbox from one peer.
   struct Inbox {
     ~Inbox();  // unmaps
-    int src = 0;
+    int peer = 0;          // the sending rank
     std::string name;
     char* base = nullptr;  // null until the sender created the segment and this rank mapped it
     std::mutex mutex;      // guards the fields below and the ring's reading end
@@ -185,10 +185,11 @@ class SharedMemoryChannel {
   // "rank G (pid P)" for group rank `rank`.
   std::string Describe(int rank) const;
 
-  // Messages (shared_memory_messages.cc).
+  // Messages (shared_memory_messages.cc). The mailboxes with a peer, made at
+  // their first use.
   Outbox& OutboxTo(int dst);
   Inbox& InboxFrom(int src);
-  // Maps the mailbox from inbox.src once its sender created it; false until then.
+  // Maps the mailbox from inbox.peer once it created it; false until then.
   absl::StatusOr<bool> OpenInbox(Inbox& inbox);
   // Takes the messages in inbox's ring: into the posted receives they match,
   // the rest into inbox.unexpected. Holds inbox.mutex.

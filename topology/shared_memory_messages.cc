@@ -87,26 +87,30 @@ SharedMemoryChannel::Inbox::~Inbox() {
   if (base != nullptr) munmap(base, kMailboxSegmentBytes);
 }
 
+namespace {
+
+// boxes[peer] (sized for `ranks`), made and named `name` at its first use.
+template <typename Box>
+Box& MailboxOf(std::vector<std::unique_ptr<Box>>& boxes, int ranks, int peer, std::string name) {
+  boxes.resize(ranks);
+  if (!boxes[peer]) {
+    boxes[peer] = std::make_unique<Box>();
+    boxes[peer]->peer = peer;
+    boxes[peer]->name = std::move(name);
+  }
+  return *boxes[peer];
+}
+
+}  // namespace
+
 SharedMemoryChannel::Outbox& SharedMemoryChannel::OutboxTo(int dst) {
   std::lock_guard<std::mutex> lock(mailboxes_mutex_);
-  outboxes_.resize(ranks_);
-  if (!outboxes_[dst]) {
-    outboxes_[dst] = std::make_unique<Outbox>();
-    outboxes_[dst]->dst = dst;
-    outboxes_[dst]->name = absl::StrCat(name_, "-", rank_, "-", dst);
-  }
-  return *outboxes_[dst];
+  return MailboxOf(outboxes_, ranks_, dst, absl::StrCat(name_, "-", rank_, "-", dst));
 }
 
 SharedMemoryChannel::Inbox& SharedMemoryChannel::InboxFrom(int src) {
   std::lock_guard<std::mutex> lock(mailboxes_mutex_);
-  inboxes_.resize(ranks_);
-  if (!inboxes_[src]) {
-    inboxes_[src] = std::make_unique<Inbox>();
-    inboxes_[src]->src = src;
-    inboxes_[src]->name = absl::StrCat(name_, "-", src, "-", rank_);
-  }
-  return *inboxes_[src];
+  return MailboxOf(inboxes_, ranks_, src, absl::StrCat(name_, "-", src, "-", rank_));
 }
 
 bool SharedMemoryChannel::TryWrite(Outbox& outbox, const at::Tensor& tensor, int tag) {
@@ -173,14 +177,14 @@ void SharedMemoryChannel::SendQueued(Outbox& outbox) {
     bool written = false;
     WaitOn(header.took, spin_, std::chrono::steady_clock::now() + front.timeout,
            [&] { return written || (written = TryWrite(outbox, front.tensor, front.tag)); },
-           [&] { return outbox.stopping || PeerExited(outbox.dst); });
+           [&] { return outbox.stopping || PeerExited(outbox.peer); });
     absl::Status status;
     if (!written) {
-      status = PeerExited(outbox.dst) ? absl::UnavailableError(absl::StrCat(Describe(outbox.dst), " exited"))
+      status = PeerExited(outbox.peer) ? absl::UnavailableError(absl::StrCat(Describe(outbox.peer), " exited"))
                : outbox.stopping      ? absl::CancelledError("the process group was destroyed before the send")
                                       : absl::DeadlineExceededError(absl::StrCat(
                                        "timed out after ", front.timeout.count(), " ms waiting for ",
-                                       Describe(outbox.dst), " to take messages from shared memory"));
+                                       Describe(outbox.peer), " to take messages from shared memory"));
     }
     lock.lock();
     outbox.queue.front().sent.set_value(status);
@@ -238,8 +242,7 @@ void SharedMemoryChannel::TakeMessages(Inbox& inbox) {
   header.took.Notify();
 }
 
-std::shared_ptr<PostedReceive> SharedMemoryChannel::PostReceive(const at::Tensor& tensor, int src,
-                                                                                     int tag) {
+std::shared_ptr<PostedReceive> SharedMemoryChannel::PostReceive(const at::Tensor& tensor, int src, int tag) {
   auto receive = std::make_shared<PostedReceive>();
   receive->tensor = tensor;
   receive->src = src;
