@@ -11,6 +11,7 @@
 #ifndef TRIDENT_BASE_BLAS_KERNELS_H_
 #define TRIDENT_BASE_BLAS_KERNELS_H_
 
+#include <cstdint>
 #include <string>
 
 namespace trident {
@@ -39,6 +40,15 @@ std::string UseBestBlasKernels();
 bool UseOneDnnProducts();
 // Whether UseOneDnnProducts routed the products through oneDNN.
 bool OneDnnProductsInUse();
+
+// oneDNN's row-major sgemm, C = alpha op(A) op(B) + beta C with op 'N' (as
+// stored, rows `ld` floats apart) or 'T' (transposed), from the libdnnl that
+// LibTorch links; it returns 0 on success. Inside a parallel region (ATen's
+// parallel_for) it runs on the calling thread alone. Null without libdnnl.
+using RowMajorSgemm = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha,
+                              const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                              int64_t ldc);
+RowMajorSgemm OneDnnSgemm();
 
 // The name of the kernel set OpenBLAS uses now ("SkylakeX", "Prescott", ...);
 // empty without OpenBLAS.

@@ -23,16 +23,6 @@
 namespace trident {
 namespace {
 
-// oneDNN's row-major sgemm (C = alpha op(A) op(B) + beta C), from the libdnnl
-// that LibTorch links.
-using Sgemm = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-                      int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
-
-Sgemm OneDnnSgemm() {
-  static const Sgemm sgemm = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
-  return sgemm;
-}
-
 // How sgemm reads a 2-D tensor: row-major ('N', rows `ld` floats apart) or
 // the transpose of a row-major matrix ('T'). False for other strides.
 bool Layout(const at::Tensor& t, char* trans, int64_t* ld) {
@@ -175,6 +165,11 @@ at::Tensor& Addmm_(at::Tensor& self, const at::Tensor& mat1, const at::Tensor& m
 std::atomic<bool> in_use{false};
 
 }  // namespace
+
+RowMajorSgemm OneDnnSgemm() {
+  static const RowMajorSgemm sgemm = reinterpret_cast<RowMajorSgemm>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+  return sgemm;
+}
 
 bool UseOneDnnProducts() {
   static const bool used = [] {

@@ -4,8 +4,14 @@ The LibTorch include paths come with @libtorch itself (third_party/libtorch.BUIL
 so a workspace that uses Trident needs no copts of its own.
 """
 
-def trident_cc_library(name, **kwargs):
-    native.cc_library(name = name, **kwargs)
+def trident_cc_library(name, openmp = False, copts = [], linkopts = [], **kwargs):
+    """A library. `openmp = True` for sources that call at::parallel_for or
+    at::parallel_reduce: LibTorch's OpenMP loop is inline in its headers and
+    runs on the calling thread alone unless the caller is compiled with OpenMP
+    (the same libgomp as Debian's LibTorch).
+    """
+    openmp_flags = ["-fopenmp"] if openmp else []
+    native.cc_library(name = name, copts = copts + openmp_flags, linkopts = linkopts + openmp_flags, **kwargs)
 
 def trident_cc_binary(name, **kwargs):
     native.cc_binary(name = name, **kwargs)

@@ -14,6 +14,7 @@
 #include <torch/version.h>
 
 #include "base/autocast_state.h"
+#include "replace/internal/causal_attention_cpu.h"
 #include "replace/internal/cuda_dtype_of.h"
 #include "replace/internal/layer_norm_cuda.h"
 #include "replace/replace.h"
@@ -91,11 +92,22 @@ at::Tensor AttentionForward(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 at::Tensor AttentionKernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (internal::CpuAttentionTakes(q, k, v)) return internal::CpuAttentionForward(q, k, v).first;
   return AttentionForward(q, k, v, nullptr);
 }
 
+// fp32 on the CPU: the fused kernels of internal/causal_attention_cpu.h, which
+// keep each query's log-sum-exp for backward (saved[3]; saved_data "cpu").
+// Otherwise the blocks above.
 struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    const bool cpu = internal::CpuAttentionTakes(q, k, v);
+    ctx->saved_data["cpu"] = cpu;
+    if (cpu) {
+      auto [out, lse] = internal::CpuAttentionForward(q, k, v);
+      ctx->save_for_backward({q, k, v, lse});
+      return out;
+    }
     at::Tensor kept;
     at::Tensor out = AttentionForward(q, k, v, &kept);
     ctx->save_for_backward({q, k, v, kept});
@@ -106,6 +118,10 @@ struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFuncti
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+    if (ctx->saved_data["cpu"].toBool()) {
+      auto [dq, dk, dv] = internal::CpuAttentionBackward(q, k, v, saved[3], grads[0]);
+      return {dq, dk, dv};
+    }
     const AttentionShape shape(q, k);
     const at::Tensor qf = shape.Flat(q), kf = shape.Flat(k), vf = shape.Flat(v), go = shape.Flat(grads[0]);
     at::Tensor dq = at::empty_like(qf), dk = at::zeros_like(kf), dv = at::zeros_like(vf);
@@ -448,6 +464,10 @@ at::Tensor FusedCausalAttention(const at::Tensor& q, const at::Tensor& k, const 
   static const auto op = Op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
       "trident::causal_attention");
   return op.call(q, k, v);
+}
+
+bool FusedCausalAttentionOnCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return internal::CpuAttentionTakes(q, k, v);
 }
 
 std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const at::Tensor& residual, double alpha,

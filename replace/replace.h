@@ -5,11 +5,14 @@
 // and backward (trident::causal_attention, trident::add_layer_norm,
 // trident::bias_gelu, trident::cross_entropy):
 //
-//   fused_attention   causal softmax attention computed in blocks of 128
-//                     queries: no scores above the diagonal outside a block are
-//                     computed, and past one block only q, k, v and the output
-//                     are kept for backward (which recomputes each block's
-//                     scores); on CUDA (LibTorch 2) the SDPA kernels
+//   fused_attention   causal softmax attention computed in blocks of queries:
+//                     no scores above the diagonal outside a block are
+//                     computed. fp32 on the CPU: one task per batch and head
+//                     whose blocks of 32 queries stay in the caches, keeping
+//                     only each query's log-sum-exp for backward (which
+//                     recomputes the probabilities); other CPU dtypes: ATen
+//                     operators on blocks of 128 queries; on CUDA (LibTorch 2)
+//                     the SDPA kernels
 //   fused_layer_norm  residual add + LayerNorm as one operator with one
 //                     backward (the sum's gradient goes to both summands)
 //   fused_bias_gelu   bias add + GELU written once (GELU in place in the sum's
@@ -75,6 +78,13 @@ namespace trident {
 // query i is position Tk - Tq + i. Equals softmax(q k^T / sqrt(D) + causal
 // mask) v, without attention dropout.
 at::Tensor FusedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Whether FusedCausalAttention runs its fused CPU kernels on these operands:
+// fp32 CPU tensors, with oneDNN's sgemm in the process (base/blas_kernels.h).
+// They never write the [B, H, Tq, Tk] scores and beat the unfused operators
+// (see replace_benchmark), so the zoo's attention takes them whenever they
+// apply and there is no attention dropout, except while tracing.
+bool FusedCausalAttentionOnCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 // (x + alpha * residual, LayerNorm of that sum over the last dimensions
 // `normalized_shape`) from one pass; residual, weight and bias may be

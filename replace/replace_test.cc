@@ -54,12 +54,39 @@ void ExpectSameFunction(const std::function<std::vector<at::Tensor>(const std::v
 TEST(FusedCausalAttentionTest, MatchesSoftmaxAttentionAndItsGradients) {
   torch::manual_seed(1);
   // One block, several blocks with a partial last one, and decoding (queries after cached keys).
-  for (auto [queries, keys] : std::vector<std::pair<int64_t, int64_t>>{{5, 5}, {128, 128}, {300, 300}, {7, 300}}) {
-    const std::vector<at::Tensor> qkv = {at::randn({2, 3, queries, 16}), at::randn({2, 3, keys, 16}),
-                                         at::randn({2, 3, keys, 16})};
-    ExpectSameFunction([](const auto& in) { return std::vector<at::Tensor>{FusedCausalAttention(in[0], in[1], in[2])}; },
-                       [](const auto& in) { return std::vector<at::Tensor>{ReferenceAttention(in[0], in[1], in[2])}; },
-                       qkv, "attention " + std::to_string(queries) + " x " + std::to_string(keys));
+  // fp32 runs the fused CPU kernels; fp64 the ATen operators on blocks of queries.
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    for (auto [queries, keys] : std::vector<std::pair<int64_t, int64_t>>{{5, 5}, {128, 128}, {300, 300}, {7, 300}}) {
+      const at::TensorOptions options = at::TensorOptions().dtype(dtype);
+      const std::vector<at::Tensor> qkv = {at::randn({2, 3, queries, 16}, options),
+                                           at::randn({2, 3, keys, 16}, options), at::randn({2, 3, keys, 16}, options)};
+      EXPECT_EQ(FusedCausalAttentionOnCpu(qkv[0], qkv[1], qkv[2]), dtype == at::kFloat);
+      ExpectSameFunction(
+          [](const auto& in) { return std::vector<at::Tensor>{FusedCausalAttention(in[0], in[1], in[2])}; },
+          [](const auto& in) { return std::vector<at::Tensor>{ReferenceAttention(in[0], in[1], in[2])}; }, qkv,
+          std::string(c10::toString(dtype)) + " attention " + std::to_string(queries) + " x " + std::to_string(keys));
+    }
+  }
+}
+
+// The fp32 CPU kernels on the zoo's layout: q, k, v are views of one [B, T, 3, H, D]
+// projection and the heads merge back through a transpose, so every operand
+// and the output's gradient has rows 3 H D or H D floats apart.
+TEST(FusedCausalAttentionTest, TakesHeadsThatAreViewsOfOneProjection) {
+  torch::manual_seed(3);
+  const int64_t B = 2, H = 3, D = 16;
+  for (int64_t T : {1, 33, 130}) {
+    const at::Tensor qkv = at::randn({B, T, 3 * H * D});
+    auto heads = [&](const auto& fused) {
+      return [&, fused](const std::vector<at::Tensor>& in) {
+        const std::vector<at::Tensor> parts = in[0].view({B, T, 3, H, D}).unbind(2);
+        at::Tensor y = fused(parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2));
+        return std::vector<at::Tensor>{y.transpose(1, 2).reshape({B, T, H * D})};
+      };
+    };
+    ExpectSameFunction(heads([](auto q, auto k, auto v) { return FusedCausalAttention(q, k, v); }),
+                       heads([](auto q, auto k, auto v) { return ReferenceAttention(q, k, v); }), {qkv},
+                       "attention over views, T = " + std::to_string(T));
   }
 }
 

@@ -1,0 +1,255 @@
+#include "replace/internal/causal_attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "base/blas_kernels.h"
+
+// The vector helpers below are inlined into each clone: no vector crosses a call.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace trident {
+namespace internal {
+namespace {
+
+// Query rows per tile: each tile multiplies against the keys up to its last
+// query, so with T = 128 the products cover 62% of the full T x T scores.
+constexpr int64_t kTileRows = 32;
+
+// ---- row loops on 16 floats at a time ----
+// GCC vector types: one AVX-512 register in the functions' avx512f clones, two
+// AVX2 or four SSE registers in the others (target_clones picks one at load).
+
+typedef float Floats __attribute__((vector_size(64)));
+typedef int32_t Ints __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+#define TRIDENT_ROW_LOOP __attribute__((target_clones("avx512f", "avx2", "default")))
+#define TRIDENT_INLINE inline __attribute__((always_inline))
+
+TRIDENT_INLINE Floats Splat(float x) { return Floats{} + x; }
+
+// The rows below are read and written 16 floats at a time, also past their
+// end (up to the next multiple of 16): buffers keep kLanes floats to spare,
+// and a write keeps what is past the end.
+TRIDENT_INLINE Floats Load(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Lanes of the 16 floats at row + j that lie before row + n.
+TRIDENT_INLINE Ints Inside(int64_t j, int64_t n) {
+  const Ints lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return lanes < static_cast<int32_t>(n - j);
+}
+
+TRIDENT_INLINE void Store(float* p, Floats v, Ints inside) {
+  const Floats kept = inside ? v : Load(p);
+  std::memcpy(p, &kept, sizeof kept);
+}
+
+TRIDENT_INLINE float Sum(Floats v) {
+  float sum = 0;
+  for (int64_t i = 0; i < kLanes; ++i) sum += v[i];
+  return sum;
+}
+
+// exp(x) for x <= 0, within about 2 ulp (Cephes' expf: x = k ln2 + r with
+// |r| <= ln2 / 2, a degree-6 polynomial for exp(r), 2^k from the exponent
+// bits); below -87 it returns exp(-87), 1.6e-38, where exp underflows.
+TRIDENT_INLINE Floats ExpNonPositive(Floats x) {
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const Ints k = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, Ints);  // round: x <= 0
+  const Floats kf = __builtin_convertvector(k, Floats);
+  const Floats r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
+  Floats p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Floats y = p * r * r + r + 1.0f;
+  return y * (Floats)((k + 127) << 23);  // a vector cast keeps the bits
+}
+
+TRIDENT_ROW_LOOP float RowMax(const float* row, int64_t n) {
+  Floats best = Splat(-INFINITY);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const Floats x = Inside(j, n) ? Load(row + j) : Splat(-INFINITY);
+    best = x > best ? x : best;
+  }
+  float max = -INFINITY;
+  for (int64_t i = 0; i < kLanes; ++i) max = std::max(max, best[i]);
+  return max;
+}
+
+// row[j] = exp(row[j] - shift) for j < n (every row[j] <= shift); returns their sum.
+TRIDENT_ROW_LOOP float ExpRow(float* row, int64_t n, float shift) {
+  Floats sum{};
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const Ints inside = Inside(j, n);
+    const Floats x = Load(row + j) - shift;
+    const Floats e = ExpNonPositive(inside ? x : Splat(0));
+    Store(row + j, e, inside);
+    sum += inside ? e : Splat(0);
+  }
+  return Sum(sum);
+}
+
+TRIDENT_ROW_LOOP void ScaleRow(float* row, int64_t n, float factor) {
+  for (int64_t j = 0; j < n; j += kLanes) Store(row + j, Load(row + j) * factor, Inside(j, n));
+}
+
+// Softmax backward of one row: grad[j] = scale p[j] (grad[j] - sum_i p[i] grad[i]).
+TRIDENT_ROW_LOOP void SoftmaxGradRow(const float* p, float* grad, int64_t n, float scale) {
+  Floats sums{};
+  for (int64_t j = 0; j < n; j += kLanes) sums += Inside(j, n) ? Load(p + j) * Load(grad + j) : Splat(0);
+  const float dot = Sum(sums);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    Store(grad + j, Load(p + j) * (Load(grad + j) - dot) * scale, Inside(j, n));
+  }
+}
+
+// ---- tiles ----
+
+// A [B, H, T, D] tensor read as B * H row-major [T, D] matrices.
+struct Heads {
+  explicit Heads(const at::Tensor& t)
+      : data(t.data_ptr<float>()),
+        heads(t.size(1)),
+        batch_stride(t.stride(0)),
+        head_stride(t.stride(1)),
+        ld(t.size(2) == 1 ? t.size(3) : t.stride(2)) {}
+  float* Item(int64_t item) const { return data + (item / heads) * batch_stride + (item % heads) * head_stride; }
+  float* data;
+  int64_t heads, batch_stride, head_stride, ld;
+};
+
+// t, or a copy when its rows are not row-major matrices sgemm can read.
+at::Tensor RowMajor(const at::Tensor& t) {
+  const bool rows = (t.stride(3) == 1 || t.size(3) == 1) && (t.size(2) == 1 || t.stride(2) >= t.size(3));
+  return rows && t.stride(0) >= 0 && t.stride(1) >= 0 ? t : t.contiguous();
+}
+
+// An uninitialised [B, T, H, D] buffer seen as [B, H, T, D] (or zeros).
+at::Tensor HeadsLast(const at::Tensor& like, int64_t tokens, bool zero) {
+  const std::vector<int64_t> shape = {like.size(0), tokens, like.size(1), like.size(3)};
+  return (zero ? at::zeros(shape, like.options()) : at::empty(shape, like.options())).permute({0, 2, 1, 3});
+}
+
+void Gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int status = OneDnnSgemm()(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  TORCH_CHECK(status == 0, "causal attention: oneDNN's sgemm failed with status ", status, " (m ", m, ", n ", n,
+              ", k ", k, ")");
+}
+
+// The shape every kernel runs over: tiles of query rows, each seeing the keys
+// up to its last query.
+struct Tiles {
+  Tiles(const at::Tensor& q, const at::Tensor& k)
+      : items(q.size(0) * q.size(1)), queries(q.size(2)), keys(k.size(2)), dim(q.size(3)),
+        offset(keys - queries), scale(1.0f / std::sqrt(static_cast<float>(dim))) {}
+  // Calls body(first query, rows, keys the tile sees) for each tile.
+  template <typename Body>
+  void ForEach(Body body) const {
+    for (int64_t first = 0; first < queries; first += kTileRows) {
+      const int64_t rows = std::min(kTileRows, queries - first);
+      body(first, rows, offset + first + rows);
+    }
+  }
+  // Keys query `row` of the tile starting at `first` sees.
+  int64_t Visible(int64_t first, int64_t row) const { return offset + first + row + 1; }
+  int64_t items, queries, keys, dim, offset;
+  float scale;
+};
+
+}  // namespace
+
+bool CpuAttentionTakes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    if (!t->is_cpu() || t->scalar_type() != at::kFloat || t->dim() != 4 || t->numel() == 0) return false;
+  }
+  return OneDnnSgemm() != nullptr;
+}
+
+std::pair<at::Tensor, at::Tensor> CpuAttentionForward(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                      const at::Tensor& v_in) {
+  const at::Tensor q = RowMajor(q_in), k = RowMajor(k_in), v = RowMajor(v_in);
+  const Tiles tiles(q, k);
+  at::Tensor out = HeadsLast(q, tiles.queries, /*zero=*/false);
+  at::Tensor lse = at::empty({q.size(0), q.size(1), tiles.queries}, q.options());
+  const Heads qh(q), kh(k), vh(v), oh(out);
+  float* lse_data = lse.data_ptr<float>();
+  at::parallel_for(0, tiles.items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(kTileRows * tiles.keys + kLanes);
+    for (int64_t item = begin; item < end; ++item) {
+      const float *Q = qh.Item(item), *K = kh.Item(item), *V = vh.Item(item);
+      float* O = oh.Item(item);
+      float* L = lse_data + item * tiles.queries;
+      tiles.ForEach([&](int64_t first, int64_t rows, int64_t seen) {
+        Gemm('N', 'T', rows, seen, tiles.dim, tiles.scale, Q + first * qh.ld, qh.ld, K, kh.ld, 0, probs.data(), seen);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = probs.data() + r * seen;
+          const int64_t visible = tiles.Visible(first, r);
+          const float max = RowMax(row, visible), sum = ExpRow(row, visible, max);
+          ScaleRow(row, visible, 1 / sum);
+          std::fill(row + visible, row + seen, 0.0f);
+          L[first + r] = max + std::log(sum);
+        }
+        Gemm('N', 'N', rows, tiles.dim, seen, 1, probs.data(), seen, V, vh.ld, 0, O + first * oh.ld, oh.ld);
+      });
+    }
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> CpuAttentionBackward(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                                    const at::Tensor& v_in, const at::Tensor& lse,
+                                                                    const at::Tensor& grad_out) {
+  const at::Tensor q = RowMajor(q_in), k = RowMajor(k_in), v = RowMajor(v_in), go = RowMajor(grad_out);
+  const Tiles tiles(q, k);
+  at::Tensor dq = HeadsLast(q, tiles.queries, /*zero=*/false);
+  at::Tensor dk = HeadsLast(k, tiles.keys, /*zero=*/true), dv = HeadsLast(v, tiles.keys, /*zero=*/true);
+  const Heads qh(q), kh(k), vh(v), goh(go), dqh(dq), dkh(dk), dvh(dv);
+  const at::Tensor lse_rows = lse.contiguous();
+  const float* lse_data = lse_rows.data_ptr<float>();
+  at::parallel_for(0, tiles.items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(kTileRows * tiles.keys + kLanes), grads(kTileRows * tiles.keys + kLanes);
+    for (int64_t item = begin; item < end; ++item) {
+      const float *Q = qh.Item(item), *K = kh.Item(item), *V = vh.Item(item), *dO = goh.Item(item);
+      float *dQ = dqh.Item(item), *dK = dkh.Item(item), *dV = dvh.Item(item);
+      const float* L = lse_data + item * tiles.queries;
+      tiles.ForEach([&](int64_t first, int64_t rows, int64_t seen) {
+        // The tile's probabilities again: exp(scale q k^T - lse).
+        Gemm('N', 'T', rows, seen, tiles.dim, tiles.scale, Q + first * qh.ld, qh.ld, K, kh.ld, 0, probs.data(), seen);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = probs.data() + r * seen;
+          const int64_t visible = tiles.Visible(first, r);
+          ExpRow(row, visible, L[first + r]);
+          std::fill(row + visible, row + seen, 0.0f);
+        }
+        const float* dO_tile = dO + first * goh.ld;
+        Gemm('T', 'N', seen, tiles.dim, rows, 1, probs.data(), seen, dO_tile, goh.ld, 1, dV, dvh.ld);  // dv += P^T dO
+        Gemm('N', 'T', rows, seen, tiles.dim, 1, dO_tile, goh.ld, V, vh.ld, 0, grads.data(), seen);    // dP = dO v^T
+        for (int64_t r = 0; r < rows; ++r) {  // dS = scale P (dP - rowsum(P dP)), zero where masked
+          SoftmaxGradRow(probs.data() + r * seen, grads.data() + r * seen, seen, tiles.scale);
+        }
+        Gemm('N', 'N', rows, tiles.dim, seen, 1, grads.data(), seen, K, kh.ld, 0, dQ + first * dqh.ld, dqh.ld);
+        Gemm('T', 'N', seen, tiles.dim, rows, 1, grads.data(), seen, Q + first * qh.ld, qh.ld, 1, dK, dkh.ld);
+      });
+    }
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace internal
+}  // namespace trident
