@@ -17,6 +17,7 @@ const bool kBestBlasKernels = [] {
   const std::string note = UseBestBlasKernels();
   if (!note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
   UseOneDnnProducts();
+  UseVectorGelu();
   return true;
 }();
 

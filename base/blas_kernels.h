@@ -1,5 +1,5 @@
-// The kernels of fp32 CPU matrix products: OpenBLAS's kernel selection, and
-// oneDNN in its place. OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
+// The kernels of fp32 CPU matrix products (OpenBLAS's kernel selection, and
+// oneDNN in its place) and of GELU. OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
 // LibTorch's fp32 CPU products run on) picks its kernels from the CPU model at
 // load time, and a model it does not know gets its generic "Prescott" (SSE3)
 // kernels even when the CPU has AVX-512: on an Intel Xeon of family 6 model
@@ -8,6 +8,7 @@
 //
 //   UseBestBlasKernels();   // at the start of a training process
 //   UseOneDnnProducts();
+//   UseVectorGelu();
 #ifndef TRIDENT_BASE_BLAS_KERNELS_H_
 #define TRIDENT_BASE_BLAS_KERNELS_H_
 
@@ -49,6 +50,16 @@ using RowMajorSgemm = int (*)(char transa, char transb, int64_t m, int64_t n, in
                               const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                               int64_t ldc);
 RowMajorSgemm OneDnnSgemm();
+
+// Routes this process's exact GELU on fp32 CPU tensors (aten::gelu, gelu_,
+// gelu_backward and its out form; contiguous operands of one shape) through
+// loops of 16 floats with their own erfc and exp (base/vector_math.h), in
+// AVX-512, AVX2 or baseline clones, threaded on ATen's intra-op pool: within
+// 1e-5 relative (plus 2e-7 of the input's size) of fp64, about 4x LibTorch's
+// AVX2 kernels on the perf configuration's activations. Other operands go to
+// LibTorch's own kernels. Returns false with TRIDENT_VECTOR_GELU=0 in the
+// environment. Once per process; call it while no GELU runs.
+bool UseVectorGelu();
 
 // The name of the kernel set OpenBLAS uses now ("SkylakeX", "Prescott", ...);
 // empty without OpenBLAS.

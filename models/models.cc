@@ -5,7 +5,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TracerMode.h>
-#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -283,19 +282,14 @@ at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::T
     keys = k.repeat_interleave(repeat, /*dim=*/1);
     values = v.repeat_interleave(repeat, /*dim=*/1);
   }
-  // The fused CPU kernels outside tracing: a traced graph keeps the operators
-  // below, which graph analyses (automatic tensor parallelism) read.
-  if (fused || (!(training && dropout > 0) && !torch::jit::tracer::isTracing() &&
-                FusedCausalAttentionOnCpu(q, keys, values))) {
-    return FusedCausalAttention(q, keys, values);
-  }
+  if (fused) return FusedCausalAttention(q, keys, values);
   // Additive: -inf above the diagonal; the queries are the last T of Tk positions.
   thread_local at::Tensor mask;
   auto causal_mask = [&] {
     if (!mask.defined() || mask.size(0) < Tk || mask.scalar_type() != q.scalar_type() ||
         mask.device() != q.device()) {
       // Never recorded: a traced graph holds the mask as a constant, made in
-      // this trace or in an earlier run (the fused kernels make none).
+      // this trace or in an earlier run.
       at::tracer::impl::NoTracerDispatchMode untraced;
       mask = at::full({Tk, Tk}, -std::numeric_limits<double>::infinity(), q.options()).triu(1);
     }

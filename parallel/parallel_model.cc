@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, P
                                                            OptimizerFactory make_optimizer) {
   if (const std::string blas = UseBestBlasKernels(); !blas.empty()) LOG(WARNING) << blas;
   UseOneDnnProducts();
+  UseVectorGelu();
   TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
   if (plan.dp * plan.tp * plan.pp != topology->world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("dp*tp*pp = ", plan.dp * plan.tp * plan.pp,

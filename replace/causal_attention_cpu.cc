@@ -11,9 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "base/blas_kernels.h"
-
-// The vector helpers below are inlined into each clone: no vector crosses a call.
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "base/vector_math.h"
 
 namespace trident {
 namespace internal {
@@ -23,67 +21,14 @@ namespace {
 // query, so with T = 128 the products cover 62% of the full T x T scores.
 constexpr int64_t kTileRows = 32;
 
-// ---- row loops on 16 floats at a time ----
-// GCC vector types: one AVX-512 register in the functions' avx512f clones, two
-// AVX2 or four SSE registers in the others (target_clones picks one at load).
+// ---- row loops (base/vector_math.h) ----
 
-typedef float Floats __attribute__((vector_size(64)));
-typedef int32_t Ints __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+using namespace vector_math;  // NOLINT: the vector helpers
 
-#define TRIDENT_ROW_LOOP __attribute__((target_clones("avx512f", "avx2", "default")))
-#define TRIDENT_INLINE inline __attribute__((always_inline))
-
-TRIDENT_INLINE Floats Splat(float x) { return Floats{} + x; }
-
-// The rows below are read and written 16 floats at a time, also past their
-// end (up to the next multiple of 16): buffers keep kLanes floats to spare,
-// and a write keeps what is past the end.
-TRIDENT_INLINE Floats Load(const float* p) {
-  Floats v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// Lanes of the 16 floats at row + j that lie before row + n.
-TRIDENT_INLINE Ints Inside(int64_t j, int64_t n) {
-  const Ints lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return lanes < static_cast<int32_t>(n - j);
-}
-
-TRIDENT_INLINE void Store(float* p, Floats v, Ints inside) {
-  const Floats kept = inside ? v : Load(p);
-  std::memcpy(p, &kept, sizeof kept);
-}
-
-TRIDENT_INLINE float Sum(Floats v) {
-  float sum = 0;
-  for (int64_t i = 0; i < kLanes; ++i) sum += v[i];
-  return sum;
-}
-
-// exp(x) for x <= 0, within about 2 ulp (Cephes' expf: x = k ln2 + r with
-// |r| <= ln2 / 2, a degree-6 polynomial for exp(r), 2^k from the exponent
-// bits); below -87 it returns exp(-87), 1.6e-38, where exp underflows.
-TRIDENT_INLINE Floats ExpNonPositive(Floats x) {
-  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
-  const Ints k = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, Ints);  // round: x <= 0
-  const Floats kf = __builtin_convertvector(k, Floats);
-  const Floats r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
-  Floats p = Splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const Floats y = p * r * r + r + 1.0f;
-  return y * (Floats)((k + 127) << 23);  // a vector cast keeps the bits
-}
-
-TRIDENT_ROW_LOOP float RowMax(const float* row, int64_t n) {
+TRIDENT_VECTOR_CLONES float RowMax(const float* row, int64_t n) {
   Floats best = Splat(-INFINITY);
   for (int64_t j = 0; j < n; j += kLanes) {
-    const Floats x = Inside(j, n) ? Load(row + j) : Splat(-INFINITY);
+    const Floats x = Inside(j, n) ? Load(row + j) : Splat(-INFINITY);  // rows have kLanes floats to spare
     best = x > best ? x : best;
   }
   float max = -INFINITY;
@@ -92,29 +37,29 @@ TRIDENT_ROW_LOOP float RowMax(const float* row, int64_t n) {
 }
 
 // row[j] = exp(row[j] - shift) for j < n (every row[j] <= shift); returns their sum.
-TRIDENT_ROW_LOOP float ExpRow(float* row, int64_t n, float shift) {
+TRIDENT_VECTOR_CLONES float ExpRow(float* row, int64_t n, float shift) {
   Floats sum{};
   for (int64_t j = 0; j < n; j += kLanes) {
     const Ints inside = Inside(j, n);
     const Floats x = Load(row + j) - shift;
-    const Floats e = ExpNonPositive(inside ? x : Splat(0));
-    Store(row + j, e, inside);
+    const Floats e = Exp(inside ? x : Splat(0));
+    StoreInside(row + j, e, inside);
     sum += inside ? e : Splat(0);
   }
   return Sum(sum);
 }
 
-TRIDENT_ROW_LOOP void ScaleRow(float* row, int64_t n, float factor) {
-  for (int64_t j = 0; j < n; j += kLanes) Store(row + j, Load(row + j) * factor, Inside(j, n));
+TRIDENT_VECTOR_CLONES void ScaleRow(float* row, int64_t n, float factor) {
+  for (int64_t j = 0; j < n; j += kLanes) StoreInside(row + j, Load(row + j) * factor, Inside(j, n));
 }
 
 // Softmax backward of one row: grad[j] = scale p[j] (grad[j] - sum_i p[i] grad[i]).
-TRIDENT_ROW_LOOP void SoftmaxGradRow(const float* p, float* grad, int64_t n, float scale) {
+TRIDENT_VECTOR_CLONES void SoftmaxGradRow(const float* p, float* grad, int64_t n, float scale) {
   Floats sums{};
   for (int64_t j = 0; j < n; j += kLanes) sums += Inside(j, n) ? Load(p + j) * Load(grad + j) : Splat(0);
   const float dot = Sum(sums);
   for (int64_t j = 0; j < n; j += kLanes) {
-    Store(grad + j, Load(p + j) * (Load(grad + j) - dot) * scale, Inside(j, n));
+    StoreInside(grad + j, Load(p + j) * (Load(grad + j) - dot) * scale, Inside(j, n));
   }
 }
 

@@ -445,6 +445,7 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
                                                 LossFunction loss) {
   if (const std::string blas = UseBestBlasKernels(); !blas.empty()) LOG(WARNING) << blas;
   UseOneDnnProducts();
+  UseVectorGelu();
   if (dataset == nullptr || dataset->size() == 0) return absl::InvalidArgumentError("AutoAccelerate needs a dataset with samples");
   SourceFactory source_with_loss = make_source;
   if (loss) {
