@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "testing/multiprocess.h"
 #include "topology/topology.h"
@@ -370,6 +371,28 @@ TEST(SharedMemoryMessagesTest, ReceiveFromARankThatExitedBeforeSendingNamesIt) {
 
 TEST(SharedMemoryMessagesTest, ReceiveFromARankThatExitedAfterSendingNamesIt) {
   ExpectReceiveFromExitedRankFails(/*sent_first=*/true);
+}
+
+// A rank that sent and then went (its group torn down, its process ended)
+// leaves its messages behind: a receive posted after that still gets them.
+TEST(SharedMemoryMessagesTest, MessagesOfARankThatWentAwayStillArrive) {
+  testing::MultiProcessResult result = testing::SpawnRanks(2, [](int rank) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& group = (*topology)->world();
+    ASSERT_TRUE(group.shares_memory());
+    if (rank == 1) {
+      ASSERT_TRUE(group.Send(at::full({8}, 7.0f), 0, 1).ok());
+      topology->reset();
+      return;
+    }
+    absl::SleepFor(absl::Seconds(1));  // rank 1 has gone by now
+    at::Tensor got = at::empty({8});
+    ASSERT_TRUE(group.Recv(got, 1, 1).ok());
+    EXPECT_TRUE(at::equal(got, at::full({8}, 7.0f)));
+  }, TransportOptions(true));
+  EXPECT_EQ(result.ranks[1].exit_code, 0) << result.ranks[1].output;
+  EXPECT_EQ(result.ranks[0].exit_code, 0) << result.ranks[0].output;
 }
 
 // Strings travel whole: newlines, colons and empty strings included.

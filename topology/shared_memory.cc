@@ -134,8 +134,15 @@ SharedMemoryChannel::~SharedMemoryChannel() {
   }
   changed_.notify_all();
   if (worker_.joinable()) worker_.join();  // after the started operations
+  for (auto& outbox : outboxes_) {
+    if (outbox) outbox->receiver_exited = PeerExited(outbox->peer);
+  }
   outboxes_.clear();  // their threads read the peers' pids here
   inboxes_.clear();
+  // Mailboxes to this rank that it never opened: nobody else will.
+  for (int src = 0; src < ranks_; ++src) {
+    if (src != rank_) shm_unlink(MailboxName(src, rank_).c_str());
+  }
   munmap(base_, bytes_);
   if (owner_) shm_unlink(name_.c_str());
 }

@@ -158,6 +158,7 @@ class SharedMemoryChannel {
     absl::Status failure;      // once a queued message failed, every later one fails with it
     std::atomic<bool> stopping{false};
     std::thread sender;  // started with the first queued message
+    bool receiver_exited = false;  // set by the channel as it goes, before this
   };
   // The receiving side of the mailbox from one peer.
   struct Inbox {
@@ -187,6 +188,7 @@ class SharedMemoryChannel {
 
   // Messages (shared_memory_messages.cc). The mailboxes with a peer, made at
   // their first use.
+  std::string MailboxName(int src, int dst) const;  // of the mailbox from src to dst
   Outbox& OutboxTo(int dst);
   Inbox& InboxFrom(int src);
   // Maps the mailbox from inbox.peer once it created it; false until then.

@@ -78,9 +78,13 @@ SharedMemoryChannel::Outbox::~Outbox() {
   changed.notify_all();
   if (sender.joinable()) sender.join();
   if (base == nullptr) return;
-  const bool opened = HeaderOf(base).opened.load() != 0;
+  const MailboxHeader& header = HeaderOf(base);
+  const bool opened = header.opened.load() != 0, pending = header.written.load() != header.taken.load();
   munmap(base, kMailboxSegmentBytes);
-  if (!opened) shm_unlink(name.c_str());  // the receiver never came for it
+  // A mailbox the receiver has not opened keeps its name while it holds
+  // messages the receiver may still take (it removes the name when it opens
+  // the mailbox, or as it goes); otherwise nobody will come for it.
+  if (!opened && (!pending || receiver_exited)) shm_unlink(name.c_str());
 }
 
 SharedMemoryChannel::Inbox::~Inbox() {
@@ -103,14 +107,16 @@ Box& MailboxOf(std::vector<std::unique_ptr<Box>>& boxes, int ranks, int peer, st
 
 }  // namespace
 
+std::string SharedMemoryChannel::MailboxName(int src, int dst) const { return absl::StrCat(name_, "-", src, "-", dst); }
+
 SharedMemoryChannel::Outbox& SharedMemoryChannel::OutboxTo(int dst) {
   std::lock_guard<std::mutex> lock(mailboxes_mutex_);
-  return MailboxOf(outboxes_, ranks_, dst, absl::StrCat(name_, "-", rank_, "-", dst));
+  return MailboxOf(outboxes_, ranks_, dst, MailboxName(rank_, dst));
 }
 
 SharedMemoryChannel::Inbox& SharedMemoryChannel::InboxFrom(int src) {
   std::lock_guard<std::mutex> lock(mailboxes_mutex_);
-  return MailboxOf(inboxes_, ranks_, src, absl::StrCat(name_, "-", src, "-", rank_));
+  return MailboxOf(inboxes_, ranks_, src, MailboxName(src, rank_));
 }
 
 bool SharedMemoryChannel::TryWrite(Outbox& outbox, const at::Tensor& tensor, int tag) {
@@ -288,6 +294,8 @@ absl::Status SharedMemoryChannel::WaitReceive(PostedReceive& receive, std::chron
   auto exited = [&] { return absl::UnavailableError(absl::StrCat(Describe(receive.src), " exited")); };
   // Until the sender's first message the mailbox may not exist yet.
   while (true) {
+    // Asked before looking: a sender that sent and went leaves its mailbox.
+    const bool sender_exited = PeerExited(receive.src);
     absl::StatusOr<bool> opened;
     {
       std::lock_guard<std::mutex> lock(inbox.mutex);
@@ -295,7 +303,7 @@ absl::Status SharedMemoryChannel::WaitReceive(PostedReceive& receive, std::chron
     }
     if (!opened.ok()) return failed(opened.status());
     if (*opened) break;
-    if (PeerExited(receive.src)) return failed(exited());
+    if (sender_exited) return failed(exited());
     if (std::chrono::steady_clock::now() >= deadline) return failed(timed_out());
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
