@@ -14,10 +14,8 @@ namespace {
 // OpenBLAS, a shared library this binary depends on, has chosen its kernels
 // before this initializer runs.
 const bool kBestBlasKernels = [] {
-  const std::string note = UseBestBlasKernels();
+  const std::string note = UseBestCpuKernels();
   if (!note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
-  UseOneDnnProducts();
-  UseVectorGelu();
   return true;
 }();
 

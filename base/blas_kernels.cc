@@ -58,6 +58,13 @@ std::string BlasCoreName() {
   return core != nullptr ? core : "";
 }
 
+std::string UseBestCpuKernels() {
+  std::string note = UseBestBlasKernels();
+  UseOneDnnProducts();
+  UseVectorGelu();
+  return note;
+}
+
 std::string UseBestBlasKernels() {
   static std::once_flag once;
   std::string changed;

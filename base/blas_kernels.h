@@ -6,9 +6,7 @@
 // 207 (Emerald Rapids) one core multiplies fp32 at about 30 GFLOP/s with
 // them against about 180 with its SkylakeX (AVX-512) kernels.
 //
-//   UseBestBlasKernels();   // at the start of a training process
-//   UseOneDnnProducts();
-//   UseVectorGelu();
+//   UseBestCpuKernels();   // at the start of a training process: the three below
 #ifndef TRIDENT_BASE_BLAS_KERNELS_H_
 #define TRIDENT_BASE_BLAS_KERNELS_H_
 
@@ -60,6 +58,11 @@ RowMajorSgemm OneDnnSgemm();
 // LibTorch's own kernels. Returns false with TRIDENT_VECTOR_GELU=0 in the
 // environment. Once per process; call it while no GELU runs.
 bool UseVectorGelu();
+
+// UseBestBlasKernels, UseOneDnnProducts and UseVectorGelu, in that order:
+// what Parallelize, AutoAccelerate and every test and benchmark call first.
+// Returns UseBestBlasKernels's line.
+std::string UseBestCpuKernels();
 
 // The name of the kernel set OpenBLAS uses now ("SkylakeX", "Prescott", ...);
 // empty without OpenBLAS.

@@ -66,9 +66,7 @@ absl::StatusOr<at::Device> PlanDevice(const ParallelPlan& plan, const Topology& 
 absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
                                                            Topology* topology, const Batch& example,
                                                            OptimizerFactory make_optimizer) {
-  if (const std::string blas = UseBestBlasKernels(); !blas.empty()) LOG(WARNING) << blas;
-  UseOneDnnProducts();
-  UseVectorGelu();
+  if (const std::string blas = UseBestCpuKernels(); !blas.empty()) LOG(WARNING) << blas;
   TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
   if (plan.dp * plan.tp * plan.pp != topology->world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("dp*tp*pp = ", plan.dp * plan.tp * plan.pp,

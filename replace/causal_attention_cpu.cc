@@ -119,6 +119,13 @@ struct Tiles {
 
 }  // namespace
 
+void CheckAttentionShapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(0) == q.size(0) && k.size(1) == q.size(1) &&
+                  k.size(3) == q.size(3) && k.size(2) >= q.size(2) && v.sizes() == k.sizes(),
+              "causal_attention: q [B, H, Tq, D] and k, v [B, H, Tk, D] with Tk >= Tq; got q ", q.sizes(), ", k ",
+              k.sizes(), " and v ", v.sizes());
+}
+
 bool CpuAttentionTakes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const at::Tensor* t : {&q, &k, &v}) {
     if (!t->is_cpu() || t->scalar_type() != at::kFloat || t->dim() != 4 || t->numel() == 0) return false;

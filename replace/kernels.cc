@@ -47,11 +47,7 @@ at::Tensor CausalMask(int64_t first, int64_t rows, int64_t keys, const at::Tenso
 struct AttentionShape {
   AttentionShape(const at::Tensor& q, const at::Tensor& k)
       : batch_heads(q.size(0) * q.size(1)), queries(q.size(2)), keys(k.size(2)), dim(q.size(3)),
-        offset(keys - queries), scale(1.0 / std::sqrt(static_cast<double>(dim))) {
-    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(1) == q.size(1) && k.size(3) == dim && keys >= queries,
-                "causal_attention: q [B, H, Tq, D] and k, v [B, H, Tk, D] with Tk >= Tq; got q ", q.sizes(),
-                " and k ", k.sizes());
-  }
+        offset(keys - queries), scale(1.0 / std::sqrt(static_cast<double>(dim))) {}
   at::Tensor Flat(const at::Tensor& x) const { return x.reshape({batch_heads, x.size(2), dim}); }
   // Calls body(first query, rows, keys it sees) for each block.
   template <typename Body>
@@ -92,18 +88,18 @@ at::Tensor AttentionForward(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 at::Tensor AttentionKernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  internal::CheckAttentionShapes(q, k, v);
   if (internal::CpuAttentionTakes(q, k, v)) return internal::CpuAttentionForward(q, k, v).first;
   return AttentionForward(q, k, v, nullptr);
 }
 
 // fp32 on the CPU: the fused kernels of internal/causal_attention_cpu.h, which
-// keep each query's log-sum-exp for backward (saved[3]; saved_data "cpu").
-// Otherwise the blocks above.
+// keep each query's log-sum-exp for backward (saved[3]). Otherwise the blocks
+// above.
 struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    const bool cpu = internal::CpuAttentionTakes(q, k, v);
-    ctx->saved_data["cpu"] = cpu;
-    if (cpu) {
+    internal::CheckAttentionShapes(q, k, v);
+    if (internal::CpuAttentionTakes(q, k, v)) {
       auto [out, lse] = internal::CpuAttentionForward(q, k, v);
       ctx->save_for_backward({q, k, v, lse});
       return out;
@@ -118,7 +114,7 @@ struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFuncti
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
-    if (ctx->saved_data["cpu"].toBool()) {
+    if (internal::CpuAttentionTakes(q, k, v)) {
       auto [dq, dk, dv] = internal::CpuAttentionBackward(q, k, v, saved[3], grads[0]);
       return {dq, dk, dv};
     }

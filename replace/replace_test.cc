@@ -90,6 +90,22 @@ TEST(FusedCausalAttentionTest, TakesHeadsThatAreViewsOfOneProjection) {
   }
 }
 
+TEST(FusedCausalAttentionTest, ShapesThatDoNotFitAreNamed) {
+  const at::Tensor q = at::randn({2, 3, 8, 16});
+  for (const auto& [k, v] : std::vector<std::pair<at::Tensor, at::Tensor>>{
+           {at::randn({1, 3, 8, 16}), at::randn({1, 3, 8, 16})},   // batch
+           {at::randn({2, 3, 4, 16}), at::randn({2, 3, 4, 16})},   // fewer keys than queries
+           {at::randn({2, 3, 8, 16}), at::randn({2, 3, 8, 8})}}) {  // v's width
+    try {
+      FusedCausalAttention(q, k, v);
+      ADD_FAILURE() << "no error for k " << k.sizes() << ", v " << v.sizes();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("k, v [B, H, Tk, D] with Tk >= Tq; got q [2, 3, 8, 16]"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(FusedAddLayerNormTest, MatchesAddThenLayerNormAndItsGradients) {
   torch::manual_seed(2);
   for (int64_t width : {64, 37}) {  // 37: the vector loops' scalar tails

@@ -443,9 +443,7 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
                                                 int64_t global_batch_size, const OptimizerFactory& make_optimizer,
                                                 Topology* topology, const AutoAccelerateOptions& options,
                                                 LossFunction loss) {
-  if (const std::string blas = UseBestBlasKernels(); !blas.empty()) LOG(WARNING) << blas;
-  UseOneDnnProducts();
-  UseVectorGelu();
+  if (const std::string blas = UseBestCpuKernels(); !blas.empty()) LOG(WARNING) << blas;
   if (dataset == nullptr || dataset->size() == 0) return absl::InvalidArgumentError("AutoAccelerate needs a dataset with samples");
   SourceFactory source_with_loss = make_source;
   if (loss) {

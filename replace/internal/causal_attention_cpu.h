@@ -16,6 +16,10 @@
 namespace trident {
 namespace internal {
 
+// Fails with an error that names the shapes unless q is [B, H, Tq, D] and k
+// and v are [B, H, Tk, D] with Tk >= Tq (every path of causal_attention).
+void CheckAttentionShapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
 // Whether the kernels below take q [B, H, Tq, D] and k, v [B, H, Tk, D]: fp32
 // CPU tensors, and oneDNN's sgemm in this process (base/blas_kernels.h).
 bool CpuAttentionTakes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
