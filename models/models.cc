@@ -5,6 +5,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TracerMode.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -282,7 +283,12 @@ at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::T
     keys = k.repeat_interleave(repeat, /*dim=*/1);
     values = v.repeat_interleave(repeat, /*dim=*/1);
   }
-  if (fused) return FusedCausalAttention(q, keys, values);
+  // The fused CPU kernels outside tracing: a traced graph keeps the operators
+  // below, which graph analyses (automatic tensor parallelism) read.
+  if (fused || (!(training && dropout > 0) && !torch::jit::tracer::isTracing() &&
+                FusedCausalAttentionOnCpu(q, keys, values))) {
+    return FusedCausalAttention(q, keys, values);
+  }
   // Additive: -inf above the diagonal; the queries are the last T of Tk positions.
   thread_local at::Tensor mask;
   auto causal_mask = [&] {

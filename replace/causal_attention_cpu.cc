@@ -181,12 +181,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CpuAttentionBackward(const at::Te
       float *dQ = dqh.Item(item), *dK = dkh.Item(item), *dV = dvh.Item(item);
       const float* L = lse_data + item * tiles.queries;
       tiles.ForEach([&](int64_t first, int64_t rows, int64_t seen) {
-        // The tile's probabilities again: exp(scale q k^T - lse).
+        // The tile's probabilities again: exp(scale q k^T - lse), divided by
+        // their sum. Rounding in lse scales a whole row by one factor; without
+        // the division, rowsum(dS) = rowsum(P dP) (1 - rowsum(P)) would carry
+        // it into every gradient that should be zero (a key bias's), which
+        // AdamW would then turn into full-sized steps.
         Gemm('N', 'T', rows, seen, tiles.dim, tiles.scale, Q + first * qh.ld, qh.ld, K, kh.ld, 0, probs.data(), seen);
         for (int64_t r = 0; r < rows; ++r) {
           float* row = probs.data() + r * seen;
           const int64_t visible = tiles.Visible(first, r);
-          ExpRow(row, visible, L[first + r]);
+          ScaleRow(row, visible, 1 / ExpRow(row, visible, L[first + r]));
           std::fill(row + visible, row + seen, 0.0f);
         }
         const float* dO_tile = dO + first * goh.ld;
