@@ -61,7 +61,6 @@ std::string BlasCoreName() {
 std::string UseBestCpuKernels() {
   std::string note = UseBestBlasKernels();
   UseOneDnnProducts();
-  UseVectorGelu();
   return note;
 }
 

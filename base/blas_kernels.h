@@ -1,12 +1,12 @@
 // The kernels of fp32 CPU matrix products (OpenBLAS's kernel selection, and
-// oneDNN in its place) and of GELU. OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
+// oneDNN in its place). OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
 // LibTorch's fp32 CPU products run on) picks its kernels from the CPU model at
 // load time, and a model it does not know gets its generic "Prescott" (SSE3)
 // kernels even when the CPU has AVX-512: on an Intel Xeon of family 6 model
 // 207 (Emerald Rapids) one core multiplies fp32 at about 30 GFLOP/s with
 // them against about 180 with its SkylakeX (AVX-512) kernels.
 //
-//   UseBestCpuKernels();   // at the start of a training process: the three below
+//   UseBestCpuKernels();   // at the start of a training process: the two below
 #ifndef TRIDENT_BASE_BLAS_KERNELS_H_
 #define TRIDENT_BASE_BLAS_KERNELS_H_
 
@@ -49,17 +49,7 @@ using RowMajorSgemm = int (*)(char transa, char transb, int64_t m, int64_t n, in
                               int64_t ldc);
 RowMajorSgemm OneDnnSgemm();
 
-// Routes this process's exact GELU on fp32 CPU tensors (aten::gelu, gelu_,
-// gelu_backward and its out form; contiguous operands of one shape) through
-// loops of 16 floats with their own erfc and exp (base/vector_math.h), in
-// AVX-512, AVX2 or baseline clones, threaded on ATen's intra-op pool: within
-// 1e-5 relative (plus 2e-7 of the input's size) of fp64, about 4x LibTorch's
-// AVX2 kernels on the perf configuration's activations. Other operands go to
-// LibTorch's own kernels. Returns false with TRIDENT_VECTOR_GELU=0 in the
-// environment. Once per process; call it while no GELU runs.
-bool UseVectorGelu();
-
-// UseBestBlasKernels, UseOneDnnProducts and UseVectorGelu, in that order:
+// UseBestBlasKernels, then UseOneDnnProducts:
 // what Parallelize, AutoAccelerate and every test and benchmark call first.
 // Returns UseBestBlasKernels's line.
 std::string UseBestCpuKernels();

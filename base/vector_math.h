@@ -1,7 +1,8 @@
 // Loops over floats 16 at a time with GCC vector types, for kernels built in
-// clones (TRIDENT_VECTOR_CLONES: AVX-512, AVX2 and the baseline; the loader
-// picks the one the CPU runs). A Floats is one AVX-512 register in the
-// avx512f clone, two AVX2 or four SSE registers in the others. The helpers
+// clones (TRIDENT_VECTOR_CLONES: x86-64-v4, AVX-512 with FMA; x86-64-v3,
+// AVX2 with FMA; and the baseline; the loader picks the one the CPU runs). A
+// Floats is one AVX-512 register in the v4 clone, two AVX2 or four SSE
+// registers in the others. The helpers
 // are always inlined into each clone, so no vector crosses a call (hence the
 // -Wpsabi warning about vector arguments is silenced for the includer).
 #ifndef TRIDENT_BASE_VECTOR_MATH_H_
@@ -12,7 +13,8 @@
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#define TRIDENT_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define TRIDENT_VECTOR_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define TRIDENT_VECTOR_INLINE inline __attribute__((always_inline))
 
 namespace trident {

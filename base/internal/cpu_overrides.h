@@ -1,5 +1,5 @@
 // Replacing LibTorch's own CPU kernels of aten operators at run time, for
-// base's kernels (onednn_products.cc, vector_gelu.cc).
+// base's kernels (onednn_products.cc).
 #ifndef TRIDENT_BASE_INTERNAL_CPU_OVERRIDES_H_
 #define TRIDENT_BASE_INTERNAL_CPU_OVERRIDES_H_
 
