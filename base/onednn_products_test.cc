@@ -77,6 +77,27 @@ TEST_F(OneDnnProductsTest, BatchedProductsMatchFp64) {
   ExpectClose(at::bmm(q, shared), at::bmm(q.to(at::kDouble), shared.to(at::kDouble)), "a factor broadcast over the batch");
 }
 
+// A linear layer's forward with enough rows runs one block of rows per
+// intra-op thread: every thread count and a row count that does not divide
+// give the product, and the blocks are the rows one call would give.
+TEST_F(OneDnnProductsTest, RowBlocksPerThreadMatchFp64) {
+  Use();
+  torch::manual_seed(3);
+  const at::Tensor x = at::randn({389, 96}), weight = at::randn({40, 96}), bias = at::randn({40});
+  const at::Tensor want = at::addmm(bias.to(at::kDouble), x.to(at::kDouble), weight.to(at::kDouble).t());
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const at::Tensor one_thread = at::addmm(bias, x, weight.t());
+  for (int n : {1, 2, 3}) {
+    at::set_num_threads(n);
+    const at::Tensor got = at::addmm(bias, x, weight.t());
+    ExpectClose(got, want, "addmm on " + std::to_string(n) + " threads");
+    if (OneDnnProductsInUse()) EXPECT_TRUE(at::equal(got, one_thread)) << n << " threads";
+    ExpectClose(at::mm(x, weight.t()), want - bias.to(at::kDouble), "mm on " + std::to_string(n) + " threads");
+  }
+  at::set_num_threads(threads);
+}
+
 // Linear layers train the same: a small MLP's weight gradients against fp64.
 TEST_F(OneDnnProductsTest, LinearGradientsMatchFp64) {
   Use();
