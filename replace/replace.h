@@ -8,7 +8,7 @@
 //   fused_attention   causal softmax attention computed in blocks of queries:
 //                     no scores above the diagonal outside a block are
 //                     computed. fp32 on the CPU: one task per batch and head
-//                     whose blocks of 32 queries stay in the caches, keeping
+//                     whose blocks of 64 queries stay in the caches, keeping
 //                     only each query's log-sum-exp for backward (which
 //                     recomputes the probabilities); other CPU dtypes: ATen
 //                     operators on blocks of 128 queries; on CUDA (LibTorch 2)
