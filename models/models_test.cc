@@ -1,5 +1,6 @@
 #include "models/models.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -221,6 +222,48 @@ INSTANTIATE_TEST_SUITE_P(Zoo, EveryModelTest,
                            std::string name = info.param;
                            return name.substr(0, name.find('-'));
                          });
+
+// The names of the autograd nodes behind a tensor.
+std::set<std::string> BackwardNodeNames(const at::Tensor& t) {
+  std::set<std::string> names;
+  std::vector<torch::autograd::Node*> todo = {t.grad_fn().get()}, seen;
+  while (!todo.empty()) {
+    torch::autograd::Node* node = todo.back();
+    todo.pop_back();
+    if (node == nullptr || std::find(seen.begin(), seen.end(), node) != seen.end()) continue;
+    seen.push_back(node);
+    names.insert(node->name());
+    for (const torch::autograd::Edge& edge : node->next_edges()) todo.push_back(edge.function.get());
+  }
+  return names;
+}
+
+// In fp32 on the CPU, the zoo's attention is the fused operator (no [B, H, T,
+// T] scores) unless attention dropout is on in training.
+TEST(AttentionTest, TheZooTakesTheFusedCpuKernelsWithoutDropout) {
+  for (const std::string preset : {"gpt-tiny", "llama-tiny"}) {
+    ModelConfig c = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+    c.n_layer = 1;
+    torch::manual_seed(0);
+    auto tokens = torch::randint(c.vocab_size, {2, 16}, torch::kLong);
+    auto targets = torch::randint(c.vocab_size, {2, 16}, torch::kLong);
+    auto fused = Make(c);
+    const at::Tensor loss = fused->Loss(tokens, targets);
+    auto has = [](const std::set<std::string>& names, const std::string& part) {
+      return std::any_of(names.begin(), names.end(), [&](const std::string& n) { return n.find(part) != n.npos; });
+    };
+    const std::set<std::string> fused_nodes = BackwardNodeNames(loss);
+    EXPECT_TRUE(has(fused_nodes, "CausalAttentionFunction")) << preset;
+    EXPECT_EQ(fused_nodes.count("SoftmaxBackward0"), 0u) << preset;  // the loss's is LogSoftmaxBackward0
+
+    c.dropout = 0.1;
+    auto with_dropout = Make(c);
+    with_dropout->train();
+    const std::set<std::string> unfused_nodes = BackwardNodeNames(with_dropout->Loss(tokens, targets));
+    EXPECT_FALSE(has(unfused_nodes, "CausalAttentionFunction")) << preset;
+    EXPECT_EQ(unfused_nodes.count("SoftmaxBackward0"), 1u) << preset;
+  }
+}
 
 TEST(ModelConfigTest, UnknownNamesAndBadSizesAreClearErrors) {
   EXPECT_THAT(std::string(PresetModelConfig("bert", "x").status().message()),
