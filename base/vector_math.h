@@ -2,9 +2,9 @@
 // clones (TRIDENT_VECTOR_CLONES: x86-64-v4, AVX-512 with FMA; x86-64-v3,
 // AVX2 with FMA; and the baseline; the loader picks the one the CPU runs). A
 // Floats is one AVX-512 register in the v4 clone, two AVX2 or four SSE
-// registers in the others. The helpers
-// are always inlined into each clone, so no vector crosses a call (hence the
-// -Wpsabi warning about vector arguments is silenced for the includer).
+// registers in the others. The helpers are always inlined into each clone,
+// so no vector crosses a call (hence the -Wpsabi warning about vector
+// arguments is silenced for the includer).
 #ifndef TRIDENT_BASE_VECTOR_MATH_H_
 #define TRIDENT_BASE_VECTOR_MATH_H_
 

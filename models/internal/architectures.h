@@ -83,8 +83,10 @@ class KeyValueCache {
 // Causal attention of q [B, heads, Tq, head_dim] over k and v [B, heads, Tk,
 // head_dim] with Tk >= Tq: query i is position Tk - Tq + i (the keys before
 // the queries' are cached ones). Keys and values may have fewer heads than
-// queries (grouped-query attention). `fused`: through FusedCausalAttention
-// (replace/replace.h; no dropout).
+// queries (grouped-query attention). Through FusedCausalAttention
+// (replace/replace.h) when `fused`, and on fp32 CPU tensors without
+// attention dropout in training except while tracing (a traced graph keeps
+// the unfused operators, which graph analyses read).
 at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            double dropout, bool training, bool fused = false);
 
