@@ -60,16 +60,18 @@ bool Takes(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, Oper
 }
 
 // out (m x n, row-major: contiguous) = alpha a b + beta out, through oneDNN.
-// A linear layer's forward (a row-major, b transposed) runs as one block of
-// rows per intra-op thread, each on one thread: oneDNN's own threading
-// splits it worse where b has few columns (m 2048, n 256, k 1024 on two
-// Zen 5 cores: 352 GFLOP/s against 452; equal where n is 768 or 1024).
+// A linear layer's forward (a row-major, b transposed) with a small b (at
+// most 2 MiB, which every thread then reads whole) runs as one block of rows
+// per intra-op thread, each on one thread: oneDNN's own threading splits it
+// worse where b has few columns (m 2048, n 256, k 1024 on two Zen 5 cores:
+// 352 GFLOP/s against 452; equal where n is 768 or 1024).
 bool Multiply(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, const Operands& o, float alpha, float beta) {
   const int64_t m = a.size(0), n = b.size(1), k = a.size(1);
   const float *a_data = a.data_ptr<float>(), *b_data = b.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
-  if (o.ta == 'N' && o.tb == 'T' && threads > 1 && m >= 128 * threads && !at::in_parallel_region()) {
+  if (o.ta == 'N' && o.tb == 'T' && k * n <= (int64_t{1} << 19) && threads > 1 && m >= 128 * threads &&
+      !at::in_parallel_region()) {
     std::atomic<bool> failed{false};
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t block = begin; block < end; ++block) {
