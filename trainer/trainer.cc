@@ -135,7 +135,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   if (!t.config.init_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadInitialWeights(t.config.init_from()));
   if (!t.config.resume_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadCheckpoint());
   if (t.is_rank0() && !t.config.metrics_file().empty()) {
-    TRIDENT_ASSIGN_OR_RETURN(t.metrics, internal::JsonLinesWriter::Open(t.config.metrics_file()));
+    TRIDENT_ASSIGN_OR_RETURN(t.metrics, internal::JsonLinesWriter::Open(t.config.metrics_file(), t.step));
   }
   if (t.is_rank0() && !t.config.tensorboard_dir().empty()) {
     TRIDENT_ASSIGN_OR_RETURN(t.tensorboard, internal::TensorBoardWriter::Open(t.config.tensorboard_dir()));

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <filesystem>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "trainer/internal/tensorboard.pb.h"
@@ -21,12 +23,27 @@ double WallTime() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<JsonLinesWriter>> JsonLinesWriter::Open(const std::string& path) {
+absl::StatusOr<std::unique_ptr<JsonLinesWriter>> JsonLinesWriter::Open(const std::string& path,
+                                                                         int64_t first_step) {
   auto writer = std::unique_ptr<JsonLinesWriter>(new JsonLinesWriter());
   const auto parent = std::filesystem::path(path).parent_path();
   std::error_code error;
   if (!parent.empty()) std::filesystem::create_directories(parent, error);
-  writer->out_.open(path, std::ios::app);
+  std::string kept;  // the lines this file keeps: {"step": N, ...} with N <= first_step
+  if (first_step > 0) {
+    std::ifstream in(path);
+    constexpr absl::string_view kPrefix = "{\"step\": ";
+    int64_t step = 0;
+    for (std::string line; std::getline(in, line);) {
+      if (absl::StartsWith(line, kPrefix) &&
+          absl::SimpleAtoi(line.substr(kPrefix.size(), line.find_first_of(",}") - kPrefix.size()), &step) &&
+          step <= first_step) {
+        absl::StrAppend(&kept, line, "\n");
+      }
+    }
+  }
+  writer->out_.open(path, std::ios::trunc);
+  writer->out_ << kept;
   if (!writer->out_) return absl::InternalError(absl::StrCat("cannot open metrics_file ", path));
   return writer;
 }

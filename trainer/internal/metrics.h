@@ -15,10 +15,13 @@
 namespace trident {
 namespace internal {
 
-// Appends one JSON object per call: {"step": 10, "loss": 2.5, ...}.
+// Appends one JSON object per call: {"step": 10, "loss": 2.5, ...}. Open
+// keeps the file's lines of steps up to `first_step` (a resumed run's
+// history) and drops the rest, so a run started again, or resumed from an
+// earlier checkpoint, does not leave two lines for one step.
 class JsonLinesWriter {
  public:
-  static absl::StatusOr<std::unique_ptr<JsonLinesWriter>> Open(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<JsonLinesWriter>> Open(const std::string& path, int64_t first_step = 0);
   void Write(int64_t step, const std::vector<std::pair<std::string, double>>& values);
 
  private:

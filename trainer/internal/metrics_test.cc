@@ -71,6 +71,32 @@ TEST(JsonLinesWriterTest, OneObjectPerLine) {
   EXPECT_EQ(second, "{\"step\": 2, \"loss\": null}");
 }
 
+// A run started again rewrites the file; one resumed after step 2 keeps
+// steps 1 and 2 and drops the later lines it will write again.
+TEST(JsonLinesWriterTest, KeepsTheStepsBeforeTheRunStarts) {
+  const std::string path = TempDir() + "/metrics/again.jsonl";
+  auto write_steps = [&](int64_t first_step, int64_t last_step, double loss) {
+    auto writer = JsonLinesWriter::Open(path, first_step);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    for (int64_t step = first_step + 1; step <= last_step; ++step) (*writer)->Write(step, {{"loss", loss}});
+  };
+  auto lines = [&] {
+    std::ifstream in(path);
+    std::vector<std::string> out;
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  };
+  write_steps(0, 3, 1.0);
+  write_steps(0, 2, 2.0);  // started again: nothing of the first run stays
+  EXPECT_EQ(lines(), (std::vector<std::string>{"{\"step\": 1, \"loss\": 2}", "{\"step\": 2, \"loss\": 2}"}));
+  write_steps(0, 12, 3.0);
+  write_steps(10, 11, 4.0);  // resumed after step 10: steps 1-10 stay, 11 is new, 12 is gone
+  const std::vector<std::string> resumed = lines();
+  ASSERT_EQ(resumed.size(), 11u);
+  EXPECT_EQ(resumed[9], "{\"step\": 10, \"loss\": 3}");
+  EXPECT_EQ(resumed[10], "{\"step\": 11, \"loss\": 4}");
+}
+
 TEST(FormatDurationTest, Units) {
   EXPECT_EQ(FormatDuration(12.4), "12s");
   EXPECT_EQ(FormatDuration(200), "3m20s");
