@@ -1,5 +1,5 @@
-// The kernels of fp32 CPU matrix products (OpenBLAS's kernel selection, and
-// oneDNN in its place). OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
+// The kernels of fp32 CPU matrix products: OpenBLAS's kernel selection, and
+// oneDNN in its place. OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
 // LibTorch's fp32 CPU products run on) picks its kernels from the CPU model at
 // load time, and a model it does not know gets its generic "Prescott" (SSE3)
 // kernels even when the CPU has AVX-512: on an Intel Xeon of family 6 model
@@ -49,9 +49,9 @@ using RowMajorSgemm = int (*)(char transa, char transb, int64_t m, int64_t n, in
                               int64_t ldc);
 RowMajorSgemm OneDnnSgemm();
 
-// UseBestBlasKernels, then UseOneDnnProducts:
-// what Parallelize, AutoAccelerate and every test and benchmark call first.
-// Returns UseBestBlasKernels's line.
+// UseBestBlasKernels, then UseOneDnnProducts: what Parallelize,
+// AutoAccelerate and every test and benchmark call first. Returns
+// UseBestBlasKernels's line.
 std::string UseBestCpuKernels();
 
 // The name of the kernel set OpenBLAS uses now ("SkylakeX", "Prescott", ...);

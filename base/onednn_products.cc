@@ -14,10 +14,11 @@
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include "base/blas_kernels.h"
-#include "base/internal/cpu_overrides.h"
 
 namespace trident {
 namespace {
@@ -196,14 +197,25 @@ bool UseOneDnnProducts() {
   static const bool used = [] {
     const char* setting = std::getenv("TRIDENT_ONEDNN_PRODUCTS");
     if (OneDnnSgemm() == nullptr || (setting != nullptr && std::string(setting) == "0")) return false;
-    internal::OverrideAtenCpuKernels([](torch::Library& library) {
-      library.impl("mm", TORCH_FN(Mm));
-      library.impl("mm.out", TORCH_FN(MmOut));
-      library.impl("addmm", TORCH_FN(Addmm));
-      library.impl("addmm.out", TORCH_FN(AddmmOut));
-      library.impl("addmm_", TORCH_FN(Addmm_));
-      library.impl("bmm", TORCH_FN(Bmm));
-    });
+    // Replacing LibTorch's own CPU kernels warns once per operator; this is the point.
+#if TORCH_VERSION_MAJOR >= 2
+    struct Quiet : c10::WarningHandler {
+      void process(const c10::Warning&) override {}
+    } quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+#else
+    struct Quiet : c10::WarningHandler {
+      void process(const c10::SourceLocation&, const std::string&, const bool) override {}
+    } quiet;
+    c10::Warning::WarningHandlerGuard guard(&quiet);
+#endif
+    static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    library->impl("mm", TORCH_FN(Mm));
+    library->impl("mm.out", TORCH_FN(MmOut));
+    library->impl("addmm", TORCH_FN(Addmm));
+    library->impl("addmm.out", TORCH_FN(AddmmOut));
+    library->impl("addmm_", TORCH_FN(Addmm_));
+    library->impl("bmm", TORCH_FN(Bmm));
     in_use = true;
     return true;
   }();

@@ -11,7 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "base/blas_kernels.h"
-#include "base/vector_math.h"
+#include "replace/internal/vector_math.h"
 
 namespace trident {
 namespace internal {
@@ -24,7 +24,7 @@ namespace {
 // 15 with 16.
 constexpr int64_t kTileRows = 64;
 
-// ---- row loops (base/vector_math.h) ----
+// ---- row loops (internal/vector_math.h) ----
 
 using namespace vector_math;  // NOLINT: the vector helpers
 

@@ -1,12 +1,12 @@
-// Loops over floats 16 at a time with GCC vector types, for kernels built in
-// clones (TRIDENT_VECTOR_CLONES: x86-64-v4, AVX-512 with FMA; x86-64-v3,
-// AVX2 with FMA; and the baseline; the loader picks the one the CPU runs). A
-// Floats is one AVX-512 register in the v4 clone, two AVX2 or four SSE
-// registers in the others. The helpers are always inlined into each clone,
-// so no vector crosses a call (hence the -Wpsabi warning about vector
-// arguments is silenced for the includer).
-#ifndef TRIDENT_BASE_VECTOR_MATH_H_
-#define TRIDENT_BASE_VECTOR_MATH_H_
+// Loops over floats 16 at a time with GCC vector types (the fused CPU
+// attention's row loops), for kernels built in clones (TRIDENT_VECTOR_CLONES:
+// x86-64-v4, AVX-512 with FMA; x86-64-v3, AVX2 with FMA; and the baseline;
+// the loader picks the one the CPU runs). A Floats is one AVX-512 register in
+// the v4 clone, two AVX2 or four SSE registers in the others. The helpers are
+// always inlined into each clone, so no vector crosses a call (hence the
+// -Wpsabi warning about vector arguments is silenced for the includer).
+#ifndef TRIDENT_REPLACE_INTERNAL_VECTOR_MATH_H_
+#define TRIDENT_REPLACE_INTERNAL_VECTOR_MATH_H_
 
 #include <cstdint>
 #include <cstring>
@@ -33,15 +33,6 @@ TRIDENT_VECTOR_INLINE Floats Load(const float* p) {
 }
 
 TRIDENT_VECTOR_INLINE void Store(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
-
-// The first `count` (< 16) floats at p; the other lanes `fill`.
-TRIDENT_VECTOR_INLINE Floats LoadPart(const float* p, int64_t count, float fill) {
-  Floats v = Splat(fill);
-  std::memcpy(&v, p, count * sizeof(float));
-  return v;
-}
-
-TRIDENT_VECTOR_INLINE void StorePart(float* p, Floats v, int64_t count) { std::memcpy(p, &v, count * sizeof(float)); }
 
 // Lanes of the 16 floats from index j on that come before index n.
 TRIDENT_VECTOR_INLINE Ints Inside(int64_t j, int64_t n) {
@@ -82,4 +73,4 @@ TRIDENT_VECTOR_INLINE Floats Exp(Floats x) {
 }  // namespace vector_math
 }  // namespace trident
 
-#endif  // TRIDENT_BASE_VECTOR_MATH_H_
+#endif  // TRIDENT_REPLACE_INTERNAL_VECTOR_MATH_H_
