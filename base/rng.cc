@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 
 namespace trident {
 
@@ -16,6 +17,33 @@ void SetCpuRngState(const at::Tensor& state) {
   at::Generator generator = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(generator.mutex());
   generator.set_state(state);
+}
+
+namespace {
+
+at::Generator CudaGenerator(int device) {
+  return at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
+}  // namespace
+
+RngStates GetRngStates(int cuda_device) {
+  RngStates states{CpuRngState(), at::Tensor(), cuda_device};
+  if (cuda_device >= 0) {
+    at::Generator generator = CudaGenerator(cuda_device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    states.cuda = generator.get_state();
+  }
+  return states;
+}
+
+void SetRngStates(const RngStates& states) {
+  SetCpuRngState(states.cpu);
+  if (states.cuda_device >= 0) {
+    at::Generator generator = CudaGenerator(states.cuda_device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(states.cuda);
+  }
 }
 
 void SeedCpuRng(uint64_t seed, int64_t step, int rank) {

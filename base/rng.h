@@ -13,6 +13,16 @@ namespace trident {
 
 at::Tensor CpuRngState();
 void SetCpuRngState(const at::Tensor& state);
+
+// The CPU generator's state and, where `cuda_device` >= 0, that GPU's
+// default generator's too (its dropout masks): what a recomputed forward
+// restores to draw its first run's numbers.
+struct RngStates {
+  at::Tensor cpu, cuda;
+  int cuda_device = -1;
+};
+RngStates GetRngStates(int cuda_device);
+void SetRngStates(const RngStates& states);
 // Seeds the default CPU generator from `seed`, `step` and `rank` (a stream
 // that differs per rank and per step): what a resumed run uses where the
 // saved per-rank streams do not fit its layout.

@@ -41,7 +41,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
   torch::Tensor Run(const torch::Tensor& x, bool partial) {
     if (!recompute() || !is_training()) return Attend(x, partial);
     return RecomputeInBackward([this, partial](const Values& in) { return Values{Attend(in[0], partial)}; },
-                               {x})[0];
+                               {x}, parameters())[0];
   }
 
   torch::Tensor Attend(const torch::Tensor& x, bool partial) {
@@ -95,7 +95,7 @@ class MlpImpl : public torch::nn::Module, public RecomputableModule, public Repl
       const torch::Tensor h = fused ? FusedBiasGelu(product, c_fc->bias) : torch::gelu(product);  // exact GELU
       return Values{partial ? c_proj->PartialForward(h) : dropout(c_proj(h))};
     };
-    return recompute() && is_training() ? RecomputeInBackward(mlp, {x})[0] : mlp({x})[0];
+    return recompute() && is_training() ? RecomputeInBackward(mlp, {x}, parameters())[0] : mlp({x})[0];
   }
   ColumnParallelLinear c_fc{nullptr};
   RowParallelLinear c_proj{nullptr};

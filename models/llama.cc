@@ -77,7 +77,7 @@ class AttentionImpl : public torch::nn::Module, public RecomputableModule, publi
     if (!recompute() || !is_training()) return Attend(x, cos, sin, partial);
     return RecomputeInBackward(
         [this, partial](const Values& in) { return Values{Attend(in[0], in[1], in[2], partial)}; },
-        {x, cos, sin})[0];
+        {x, cos, sin}, parameters())[0];
   }
 
   torch::Tensor Attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool partial) {
@@ -126,7 +126,7 @@ class SwiGluImpl : public torch::nn::Module, public RecomputableModule {
       const torch::Tensor h = torch::silu(column(gate_proj)) * column(up_proj);
       return Values{partial ? down_proj->PartialForward(h) : down_proj(h)};
     };
-    return recompute() && is_training() ? RecomputeInBackward(mlp, {x})[0] : mlp({x})[0];
+    return recompute() && is_training() ? RecomputeInBackward(mlp, {x}, parameters())[0] : mlp({x})[0];
   }
   ColumnParallelLinear gate_proj{nullptr}, up_proj{nullptr};
   RowParallelLinear down_proj{nullptr};

@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/host_copy.h"
-#include "base/rng.h"
+#include "base/recompute.h"
 #include "base/status.h"
 #include "pipeline/weight_gradients.h"
 
@@ -50,21 +50,13 @@ class PipelineStageRunner::Impl {
   int peak_live = 0;
 
  private:
-  // A checkpointed segment of one micro-batch: layers [first, end) ran on
-  // `inputs` without gradients; `after` are the leaves later layers saw.
-  struct Checkpointed {
-    int64_t first, end;
-    Values inputs, after;
-    at::Tensor rng;
-    Values recomputed;  // the segment's outputs rerun with gradients, once recomputed
-  };
   // Everything one micro-batch of one chunk holds between its ops.
   struct Slot {
     Values inputs;    // the chunk's inputs (leaves where a gradient goes back)
     Values outputs;   // its outputs, or {the weighted, scaled loss} on the last virtual stage
     Values grads;     // the received gradients of the outputs that need them
     Values received;  // received activations, before their forward
-    std::vector<Checkpointed> checkpoints;
+    std::function<void()> recompute_last;  // reruns the last checkpointed segment ahead of backward
     internal::DeferredWeightGradients weights;  // split backward: weight gradients to run
   };
 
@@ -84,13 +76,11 @@ class PipelineStageRunner::Impl {
 
   absl::Status Execute(const Instruction& inst, const std::vector<Batch>& batches);
   absl::StatusOr<Values> Forward(int chunk, int m, const Values& inputs, const Batch& batch);
-  // Reruns checkpointed segment `c` with gradients (once).
-  void RecomputeSegment(Checkpointed& c, const Batch& batch);
   // Reruns a slot's last checkpointed segment ahead of its backward (which
-  // reruns the others one at a time).
-  absl::Status Recompute(int chunk, int m, const Batch& batch);
+  // reruns the others, one at a time, as it reaches them).
+  absl::Status Recompute(int chunk, int m);
   // The input gradients, and the weight gradients too unless `split`.
-  absl::Status Backward(int chunk, int m, bool split, const Batch& batch);
+  absl::Status Backward(int chunk, int m, bool split);
   // Backward from `roots` with `grads` (empty for a scalar loss).
   void BackwardFrom(Slot& slot, const Values& roots, const Values& grads, bool split);
   absl::Status SendActivation(const Instruction& inst);
@@ -123,8 +113,8 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
                                                           const Batch& batch) {
   const StageChunk& c = options_.chunks[chunk];
   Values x = inputs;
-  std::vector<Checkpointed>& saved = slots_[chunk * micro_ + m].checkpoints;
-  saved.clear();
+  Slot& slot = slots_[chunk * micro_ + m];
+  slot.recompute_last = nullptr;
   TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("forward of micro-batch ", m), [&] {
     for (int64_t first = c.first_layer; first < c.end_layer;) {
       if (!c.Recomputes(first)) {
@@ -132,25 +122,22 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
         continue;
       }
       // A segment of up to checkpoint_num_layers recomputed layers keeps only
-      // its inputs and the RNG state; it reruns in backward.
+      // its inputs; it reruns within backward (RecomputeInBackward), so the
+      // step's backward stays one pass.
       int64_t end = first + 1;
       while (end < c.end_layer && end - first < options_.checkpoint_num_layers && c.Recomputes(end)) ++end;
-      Checkpointed segment{first, end, x, {}, CpuRngState(), {}};
-      Values out = x;
-      {
-        c10::NoGradGuard no_grad;
-        for (int64_t i = segment.first; i < segment.end; ++i) out = layers_.RunLayer(i, out, batch);
+      Values parameters;
+      for (int64_t i = first; i < end; ++i) {
+        for (auto& [name, p] : layers_.LayerParameters(i)) parameters.push_back(p);
       }
-      // NOTE: new leaves (detached aliases), also for tensors passed through
-      // unchanged, so their gradients stay apart from the inputs'.
-      for (const at::Tensor& t : out) {
-        at::Tensor leaf = t.detach();
-        if (c10::GradMode::is_enabled() && at::isFloatingType(leaf.scalar_type())) leaf.requires_grad_(true);
-        segment.after.push_back(leaf);
-      }
-      x = segment.after;
-      first = segment.end;
-      saved.push_back(std::move(segment));
+      LayerSequence* layers = &layers_;
+      auto run = [layers, first, end, batch](const Values& in) {
+        Values out = in;
+        for (int64_t i = first; i < end; ++i) out = layers->RunLayer(i, out, batch);
+        return out;
+      };
+      x = RecomputeInBackward(run, x, parameters, &slot.recompute_last);
+      first = end;
     }
     if (LastVirtual(chunk)) {
       at::Tensor loss = options_.loss ? options_.loss(x, batch) : layers_.Loss(x, batch);
@@ -166,21 +153,10 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
   return x;
 }
 
-void PipelineStageRunner::Impl::RecomputeSegment(Checkpointed& c, const Batch& batch) {
-  if (!c.recomputed.empty()) return;
-  // The segment reruns with the RNG state of its forward, so dropout masks match.
-  const at::Tensor state = CpuRngState();
-  SetCpuRngState(c.rng);
-  Values out = c.inputs;
-  for (int64_t i = c.first; i < c.end; ++i) out = layers_.RunLayer(i, out, batch);
-  c.recomputed = out;
-  SetCpuRngState(state);
-}
-
-absl::Status PipelineStageRunner::Impl::Recompute(int chunk, int m, const Batch& batch) {
+absl::Status PipelineStageRunner::Impl::Recompute(int chunk, int m) {
   return CatchExceptions(absl::StrCat("recomputation of micro-batch ", m), [&] {
-    std::vector<Checkpointed>& saved = slots_[chunk * micro_ + m].checkpoints;
-    if (!saved.empty()) RecomputeSegment(saved.back(), batch);
+    Slot& slot = slots_[chunk * micro_ + m];
+    if (slot.recompute_last) slot.recompute_last();
   });
 }
 
@@ -207,7 +183,7 @@ void PipelineStageRunner::Impl::BackwardFrom(Slot& slot, const Values& roots, co
                                                         /*create_graph=*/false, /*accumulate_grad=*/true);
 }
 
-absl::Status PipelineStageRunner::Impl::Backward(int chunk, int m, bool split, const Batch& batch) {
+absl::Status PipelineStageRunner::Impl::Backward(int chunk, int m, bool split) {
   if (options_.before_backward) options_.before_backward(--backwards_left_ == 0);
   return CatchExceptions(absl::StrCat("backward of micro-batch ", m), [&] {
     Slot& slot = slots_[chunk * micro_ + m];
@@ -222,17 +198,7 @@ absl::Status PipelineStageRunner::Impl::Backward(int chunk, int m, bool split, c
       }
       BackwardFrom(slot, slot.outputs, grads, split);
     }
-    // Carry the gradients through the checkpointed segments, latest first, each
-    // recomputed just before its backward and freed after it, so that one
-    // segment's activations are alive at a time.
-    for (auto it = slot.checkpoints.rbegin(); it != slot.checkpoints.rend(); ++it) {
-      RecomputeSegment(*it, batch);
-      Values grads;
-      for (const at::Tensor& leaf : it->after) grads.push_back(leaf.requires_grad() ? leaf.grad() : at::Tensor());
-      BackwardFrom(slot, it->recomputed, grads, split);
-      *it = Checkpointed{};
-    }
-    slot.checkpoints.clear();
+    slot.recompute_last = nullptr;
     slot.outputs.clear();  // free the activations as soon as they are used
     slot.grads.clear();
   });
@@ -353,7 +319,7 @@ absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
       return RecvGrad(inst, m, /*post=*/false);
     case Op::kBackward:
     case Op::kBackwardInput:
-      return Backward(inst.chunk, m, inst.op == Op::kBackwardInput, batch);
+      return Backward(inst.chunk, m, inst.op == Op::kBackwardInput);
     case Op::kBackwardWeight:
       if (options_.before_backward) options_.before_backward(--backwards_left_ == 0);
       return CatchExceptions(absl::StrCat("weight gradients of micro-batch ", m),
@@ -374,7 +340,7 @@ absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
       posted_.clear();
       return absl::OkStatus();
     case Op::kRecompute:
-      return Recompute(inst.chunk, m, batch);
+      return Recompute(inst.chunk, m);
     case Op::kReduceTiedGrads:
       TRIDENT_RETURN_IF_ERROR(CompleteSends(/*all=*/true));
       return options_.reduce_tied_grads ? options_.reduce_tied_grads() : absl::OkStatus();

@@ -93,20 +93,24 @@ bool DeferredWeightGradients::Defer(const std::vector<at::Tensor>& roots,
 }
 
 void DeferredWeightGradients::Run() {
+  // NOTE: one backward pass for all of them, so a parameter several operators
+  // read (a tied weight, a weight used in two products) gets their gradients
+  // summed and accumulated once, as an unsplit backward does.
+  torch::autograd::edge_list roots;
+  std::vector<at::Tensor> grads;
   for (Operator& op : deferred_) {
     if (op.incoming->empty()) continue;  // backward never reached it (no gradient flowed)
     // Keep only the weight edges, so the replay computes weight gradients alone.
     torch::autograd::edge_list& edges = op.node->next_edges();
     for (Edge& edge : edges) edge = Edge();
     for (auto& [i, edge] : op.weight_edges) edges[i] = std::move(edge);
-    torch::autograd::edge_list roots;
-    std::vector<at::Tensor> grads;
     for (uint32_t k = 0; k < op.incoming->size(); ++k) {
       if (!(*op.incoming)[k].defined()) continue;
       roots.emplace_back(op.node, k);
       grads.push_back((*op.incoming)[k]);
     }
-    if (roots.empty()) continue;
+  }
+  if (!roots.empty()) {
     torch::autograd::Engine::get_default_engine().execute(roots, grads, /*keep_graph=*/false,
                                                           /*create_graph=*/false,
                                                           /*accumulate_grad=*/true);

@@ -6,8 +6,11 @@
 // matrix product's weight operand, a bias, a norm's scale) is cut and the
 // operator's incoming gradient is captured when backward reaches it; backward
 // then computes input gradients only. Run() later reconnects those edges alone
-// and replays each captured operator, which computes just the weight gradients
-// and accumulates them into the parameters' .grad.
+// and replays the captured operators in one backward pass, which computes just
+// the weight gradients and accumulates each parameter's once into its .grad.
+// A recomputed segment (RecomputeInBackward) is one such operator: it reruns
+// when the input part first reaches it and hands over its parameters'
+// gradients in the replay.
 #ifndef TRIDENT_PIPELINE_WEIGHT_GRADIENTS_H_
 #define TRIDENT_PIPELINE_WEIGHT_GRADIENTS_H_
 
