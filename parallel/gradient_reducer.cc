@@ -2,31 +2,35 @@
 
 #include <ATen/ATen.h>
 
+#include "absl/strings/str_cat.h"
 #include "base/logging.h"
 
 namespace trident {
 
-GradientReducer::GradientReducer(const std::vector<at::Tensor>& parameters,
-                                 const ProcessGroup* group, int64_t bucket_bytes,
-                                 double predivide_factor)
+GradientReducer::GradientReducer(const NamedTensors& parameters, const ProcessGroup* group,
+                                 int64_t bucket_bytes, double predivide_factor)
     : group_(group != nullptr && group->size() > 1 ? group : nullptr),
       predivide_factor_(predivide_factor),
       parameters_(parameters) {
   if (group_ == nullptr) return;  // gradients as autograd makes them: nothing to sum
-  const std::vector<std::vector<at::Tensor>> members = BucketsInBackwardOrder(parameters, bucket_bytes);
+  std::vector<int64_t> bytes;
+  for (const auto& [name, p] : parameters) bytes.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+  const std::vector<std::vector<int>> members = BucketIndicesInBackwardOrder(bytes, bucket_bytes);
   buckets_.resize(members.size());
+  bucket_of_.resize(parameters.size());
+  arrived_.resize(parameters.size());
   for (size_t b = 0; b < members.size(); ++b) {
     int64_t total = 0;
-    for (const at::Tensor& p : members[b]) total += p.numel();
-    buckets_[b].buffer = at::zeros({total}, members[b].front().options());
-    bucket_sizes_.push_back(static_cast<int>(members[b].size()));
+    for (int i : members[b]) total += parameters[i].second.numel();
+    buckets_[b].buffer = at::zeros({total}, parameters[members[b].front()].second.options());
+    buckets_[b].size = static_cast<int>(members[b].size());
     int64_t offset = 0;
-    for (const at::Tensor& p : members[b]) {
-      at::Tensor param = p;
-      param.mutable_grad() = buckets_[b].buffer.narrow(0, offset, p.numel()).view(p.sizes());
-      offset += p.numel();
-      const int index = static_cast<int>(b);
-      hooks_.Add(param, [this, index] { OnGradientReady(index); });
+    for (int i : members[b]) {
+      at::Tensor param = parameters[i].second;
+      param.mutable_grad() = buckets_[b].buffer.narrow(0, offset, param.numel()).view(param.sizes());
+      offset += param.numel();
+      bucket_of_[i] = static_cast<int>(b);
+      hooks_.Add(param, [this, i] { OnGradientReady(i); });
     }
   }
 }
@@ -39,7 +43,7 @@ void GradientReducer::ZeroGrad() {
     return;
   }
   // Undefined, so that backward's first gradient becomes .grad itself (no fill, no add).
-  for (const at::Tensor& p : parameters_) {
+  for (const auto& [name, p] : parameters_) {
     at::Tensor param = p;
     param.mutable_grad() = at::Tensor();
   }
@@ -47,16 +51,29 @@ void GradientReducer::ZeroGrad() {
 
 void GradientReducer::PrepareForBackward(bool last_micro_batch) {
   sync_ = last_micro_batch && group_ != nullptr;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].pending = bucket_sizes_[b];
-    buckets_[b].launched = false;
+  for (Bucket& bucket : buckets_) {
+    bucket.pending = bucket.size;
+    bucket.launched = false;
   }
+  arrived_.assign(arrived_.size(), false);
 }
 
-void GradientReducer::OnGradientReady(int bucket) {
+void GradientReducer::OnGradientReady(int parameter) {
   if (!sync_) return;
-  Bucket& b = buckets_[bucket];
-  if (--b.pending == 0) Launch(b);
+  Bucket& bucket = buckets_[bucket_of_[parameter]];
+  if (bucket.launched) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (first_error_.ok()) {
+      first_error_ = absl::InternalError(absl::StrCat(
+          "the gradient of ", parameters_[parameter].first, " was accumulated again after its bucket's "
+          "all-reduce had started, so the sum may have missed part of it: a backward pass that accumulates a "
+          "parameter more than once (a hand-written backward inside a recomputed module?)"));
+    }
+    return;
+  }
+  if (arrived_[parameter]) return;  // a further contribution before the all-reduce: already in the buffer
+  arrived_[parameter] = true;
+  if (--bucket.pending == 0) Launch(bucket);
 }
 
 void GradientReducer::Launch(Bucket& bucket) {
@@ -75,7 +92,7 @@ absl::Status GradientReducer::FinishBackward() {
   if (group_ == nullptr) {
     // A parameter backward did not reach gets zeros, as a bucket would give it:
     // the optimizer then treats it as with data parallelism.
-    for (const at::Tensor& p : parameters_) {
+    for (const auto& [name, p] : parameters_) {
       if (!p.grad().defined()) {
         at::Tensor param = p;
         param.mutable_grad() = at::zeros_like(p);

@@ -41,7 +41,7 @@ class PlainDataParallel : public ParameterUpdate {
     plain->options_ = std::move(o);
     for (const auto& [name, p] : plain->options_.parameters) plain->list_.push_back(p);
     plain->reducer_ = std::make_unique<GradientReducer>(
-        plain->list_, plain->options_.data_parallel, plain->options_.bucket_bytes,
+        plain->options_.parameters, plain->options_.data_parallel, plain->options_.bucket_bytes,
         plain->options_.gradient_predivide_factor);
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the optimizer", [&] {
       plain->optimizer_ = plain->options_.make_optimizer(DecayGroups(plain->options_.parameters));

@@ -1,9 +1,11 @@
 #include "parallel/parameter_update.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "parallel/optimizer.h"
+#include "testing/multiprocess.h"
 
 namespace trident {
 namespace {
@@ -92,6 +94,43 @@ TEST(ParameterUpdateTest, OneRankTakesBackwardsGradientsAndZeroesTheUnreached) {
     ASSERT_TRUE(unused.grad().defined());
     EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({2})));
   }
+}
+
+// Two data-parallel ranks, a bucket per parameter. A parameter read twice in
+// one backward pass (tied) gets both contributions, summed over the ranks. One
+// accumulated again by a second backward pass, after its bucket's all-reduce
+// started, would race with it: FinishBackward fails, naming it.
+TEST(ParameterUpdateTest, AGradientAccumulatedAfterItsAllReduceStartedIsAnError) {
+  testing::RunOnRanks(2, [](int rank) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    auto tied = torch::ones({4}, torch::requires_grad());
+    auto other = torch::ones({4}, torch::requires_grad());
+    ParameterUpdateOptions options;
+    options.parameters = {{"tied", tied}, {"other", other}};
+    options.data_parallel = *(*topology)->Group("data");
+    options.bucket_bytes = 16;  // one parameter each
+    options.make_optimizer = *MakeOptimizerFactory("sgd", ComponentArgs());
+    auto update = MakeParameterUpdate(options);
+    ASSERT_TRUE(update.ok()) << update.status();
+    const float r = static_cast<float>(rank + 1);
+
+    (*update)->ZeroGrad();
+    (*update)->PrepareForBackward(true);
+    ((tied * r) * (tied + other)).sum().backward();  // d/dtied = r (2 tied + other) = 3r, d/dother = r
+    ASSERT_TRUE((*update)->FinishBackward().ok());
+    EXPECT_TRUE(torch::allclose(tied.grad(), torch::full({4}, 4.5f)));  // (3 + 6) / 2
+    EXPECT_TRUE(torch::allclose(other.grad(), torch::full({4}, 1.5f)));
+
+    (*update)->ZeroGrad();
+    (*update)->PrepareForBackward(true);
+    (tied * r).sum().backward();
+    (tied + other).sum().backward();  // tied again, after its bucket went
+    const absl::Status finished = (*update)->FinishBackward();
+    EXPECT_FALSE(finished.ok());
+    EXPECT_THAT(std::string(finished.message()),
+                ::testing::HasSubstr("the gradient of tied was accumulated again after its bucket's all-reduce"));
+  });
 }
 
 }  // namespace

@@ -68,7 +68,15 @@ struct ZeroOptimizer::Bucket {
   // The chunk's elements [begin, end) that belong to parameters counted in the
   // gradient norm (ranges, not a mask: a mask would be as large as the chunk).
   std::vector<std::pair<int64_t, int64_t>> counted;
-  int pending = 0;         // stage 2: gradients still to arrive in this round
+  // Stage 2 and 3: a round is complete when every parameter's gradient has
+  // arrived (backward accumulates each once; a further arrival before the
+  // round completes is summed into it too).
+  int pending = 0;             // parameters whose gradient has not arrived in this round
+  std::vector<bool> arrived;   // per parameter, in this round
+  void StartRound() {
+    pending = static_cast<int>(params.size());
+    arrived.assign(params.size(), false);
+  }
   bool gradients_arrived = false;  // every gradient of this backward has arrived
   // Stage 3: the parameters are released at rest (empty tensors, `buffer`'s
   // storage freed, `chunk` a tensor of its own), gathered while `holders` > 0.
@@ -287,7 +295,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   // which records its shape: before a stage-3 parameter is released.
   auto add_gradient_hooks = [&zero](int index) {
     Bucket& bucket = zero->buckets_[index];
-    bucket.pending = static_cast<int>(bucket.params.size());
+    bucket.StartRound();
     if (bucket.keep_full) return;
     ZeroOptimizer* self = zero.get();
     for (size_t i = 0; i < bucket.params.size(); ++i) {
@@ -298,7 +306,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
         if (!bucket.full_grad.defined()) bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
         bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(param.grad().reshape({-1}));
         param.mutable_grad() = at::Tensor();  // the whole gradient is not kept
-        self->OnGradientReady(index);
+        self->OnGradientReady(index, slot);
       });
     }
   };
@@ -544,7 +552,7 @@ void ZeroOptimizer::ZeroGrad() {
       bucket.chunk_grad = at::Tensor();
       bucket.chunk.mutable_grad() = at::Tensor();
       bucket.full_grad = at::Tensor();
-      bucket.pending = static_cast<int>(bucket.params.size());
+      bucket.StartRound();
     }
   }
 }
@@ -562,8 +570,10 @@ void ZeroOptimizer::PrepareForBackward(bool last_micro_batch) {
   for (Bucket& bucket : buckets_) bucket.gradients_arrived = false;
 }
 
-void ZeroOptimizer::OnGradientReady(int index) {
+void ZeroOptimizer::OnGradientReady(int index, int slot) {
   Bucket& bucket = buckets_[index];
+  if (bucket.arrived[slot]) return;
+  bucket.arrived[slot] = true;
   if (--bucket.pending > 0) return;
   // A large bucket is reduced now, a slice at a time (in flight, it would
   // hold a second whole copy of its gradient).
@@ -571,7 +581,7 @@ void ZeroOptimizer::OnGradientReady(int index) {
   absl::Status status = in_slices ? ReduceScatterInSlices(bucket, bucket.full_grad)
                                   : StartReduceScatter(bucket, bucket.full_grad);
   bucket.full_grad = at::Tensor();
-  bucket.pending = static_cast<int>(bucket.params.size());
+  bucket.StartRound();
   bucket.gradients_arrived = true;
   ReleaseLayersWithGradients();
   if (!in_slices) reducing_.push_back(index);
@@ -647,7 +657,7 @@ absl::Status ZeroOptimizer::FinishBackward() {
     if (bucket.keep_full || partial) TRIDENT_RETURN_IF_ERROR(ReduceScatterInSlices(bucket, bucket.full_grad));
     if (partial) {
       bucket.full_grad = at::Tensor();
-      bucket.pending = static_cast<int>(bucket.params.size());
+      bucket.StartRound();
     }
     const double f = options_.gradient_predivide_factor;
     if (f == 1.0) {

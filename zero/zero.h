@@ -257,7 +257,7 @@ class ZeroOptimizer : private LayerObserver {
   struct Bucket;
   struct Gathering;
   ZeroOptimizer() = default;
-  void OnGradientReady(int bucket);
+  void OnGradientReady(int bucket, int slot);  // slot: the parameter's place in the bucket
   // Starts reducing `full` (a bucket's whole gradient) into the bucket's
   // chunk, after finishing the reduction still under way; FinishReduceScatter
   // waits for it and adds it to chunk_grad.
