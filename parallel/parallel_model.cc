@@ -10,6 +10,7 @@
 #include <torch/nn/module.h>
 #include <torch/utils.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -233,24 +234,41 @@ absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
 // module on any pipeline stage is a mistake.
 absl::Status ParallelModel::Impl::CheckModulePatterns() {
   auto check = [&](const std::vector<std::string>& patterns, const std::vector<int>& local_hits,
-                   const char* what) -> absl::Status {
+                   const std::string& what, const std::string& matches_none) -> absl::Status {
     if (patterns.empty()) return absl::OkStatus();
     at::Tensor hits = at::zeros({static_cast<int64_t>(patterns.size())}, at::kLong);
     for (size_t i = 0; i < local_hits.size(); ++i) hits[i] = local_hits[i];
     if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->AllReduce(hits));
     for (size_t i = 0; i < patterns.size(); ++i) {
       if (hits[i].item<int64_t>() == 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, " entry '", patterns[i], "' matches no module of the model"));
+        return absl::InvalidArgumentError(absl::StrCat(what, " entry '", patterns[i], "' ", matches_none));
       }
     }
     return absl::OkStatus();
   };
+  const std::string no_module = "matches no module of the model";
   if (plan.lora) {
-    TRIDENT_RETURN_IF_ERROR(check(plan.lora->target_modules, part.lora_target_hits, "lora_config: target_modules"));
+    TRIDENT_RETURN_IF_ERROR(
+        check(plan.lora->target_modules, part.lora_target_hits, "lora_config: target_modules", no_module));
   }
-  TRIDENT_RETURN_IF_ERROR(check(part.replace_report.pairs, part.replace_report.hits, "module_replace:"));
-  return check(plan.checkpoint_modules, part.recompute_hits, "checkpoint_modules:");
+  TRIDENT_RETURN_IF_ERROR(check(part.replace_report.pairs, part.replace_report.hits, "module_replace:", no_module));
+  TRIDENT_RETURN_IF_ERROR(check(plan.checkpoint_modules, part.recompute_hits, "checkpoint_modules:", no_module));
+  if (plan.activation_checkpointing != "selected") return absl::OkStatus();
+  // Selected layers by name or prefix, on whichever stage holds them.
+  std::vector<int> layer_hits(plan.checkpoint_layers.size());
+  for (const StageChunk& chunk : part.chunks) {
+    for (int64_t layer = chunk.first_layer; layer < chunk.end_layer; ++layer) {
+      const std::string name = part.layers->LayerName(layer);
+      for (size_t i = 0; i < plan.checkpoint_layers.size(); ++i) {
+        layer_hits[i] += absl::StartsWith(name, plan.checkpoint_layers[i]) ? 1 : 0;
+      }
+    }
+  }
+  return check(plan.checkpoint_layers, layer_hits, "checkpoint_layers:",
+               absl::StrCat("matches no layer of the model (layer names are like '",
+                            part.layers->LayerName(std::min(part.chunks.front().first_layer + 1,
+                                                            part.chunks.front().end_layer - 1)),
+                            "')"));
 }
 
 absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {

@@ -85,7 +85,8 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
 // layout dp x tp x pp = 2 x 2 x 2 on 8 ranks, train the losses of one process.
 // checkpoint_modules: recomputed attention and MLP blocks train the losses of
 // the same layout without recomputation, dropout masks included (pipeline
-// stages draw their own masks, so each layout against itself).
+// stages draw their own masks, so each layout against itself). Modules and
+// selected layers that match nothing are refused.
 TEST(TrainerParityTest, RecomputedModulesTrainTheSameLosses) {
   for (int pp : {1, 2}) {
     TrainerConfig config = SmallConfig(1);
@@ -109,6 +110,14 @@ TEST(TrainerParityTest, RecomputedModulesTrainTheSameLosses) {
       ASSERT_FALSE(refused.ok()) << modules;
       EXPECT_THAT(std::string(refused.status().message()), HasSubstr(message));
     }
+    TrainerConfig config = SmallConfig(1);
+    config.set_activation_checkpointing("selected");
+    config.set_checkpoint_layers("transformer.h.9");
+    auto refused = Trainer::Create(config, topology->get());
+    ASSERT_FALSE(refused.ok());
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr("checkpoint_layers: entry 'transformer.h.9' matches no layer of the model (layer names "
+                          "are like 'transformer.h.0')"));
   });
 }
 
