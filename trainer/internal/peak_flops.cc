@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include <c10/core/GradMode.h>
@@ -140,6 +142,22 @@ double MeasureCorePeakFlops(at::ScalarType dtype) {
   return flops;
 }
 
+namespace {
+
+// MeasureCorePeakFlops once per process and dtype, its rate after: a
+// program that creates several trainers (tests, a search's trial runs) pays
+// for the windows once.
+double MeasureCorePeakFlopsOnce(at::ScalarType dtype) {
+  static std::mutex mutex;
+  static std::map<at::ScalarType, double> measured;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto [found, fresh] = measured.try_emplace(dtype, 0.0);
+  if (fresh) found->second = MeasureCorePeakFlops(dtype);
+  return found->second;
+}
+
+}  // namespace
+
 absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string& device,
                                     const std::string& precision) {
   const DistributedEnv& env = topology.env();
@@ -159,8 +177,8 @@ absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string&
   const at::ScalarType dtype = CpuComputeDtype(precision);
   double per_core = 0;
   if (env.local_rank == 0) {
-    per_core = MeasureCorePeakFlops(dtype);
-    if (dtype != at::kFloat) MeasureCorePeakFlops(at::kFloat);  // for SlowBf16Warning
+    per_core = MeasureCorePeakFlopsOnce(dtype);
+    if (dtype != at::kFloat) MeasureCorePeakFlopsOnce(at::kFloat);  // for SlowBf16Warning
   }
   TRIDENT_RETURN_IF_ERROR(topology.world().Barrier());
   if (env.local_rank != 0) per_core = CorePeakFlops(dtype);  // read from the cache
