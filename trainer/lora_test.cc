@@ -1,7 +1,7 @@
 // LoRA fine-tuning through the Trainer: from a base model (init_from), every
-// layout trains the losses of one process; the base weights stay as they
-// were; exports are PEFT's adapter or the merged model; checkpoints hold the
-// adapter alone and resume exactly.
+// layout, with and without recomputation, trains the losses of one process;
+// the base weights stay as they were; exports are PEFT's adapter or the
+// merged model; checkpoints hold the adapter alone and resume exactly.
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -67,17 +67,25 @@ TEST(LoraTrainingTest, EveryLayoutTrainsTheLossesOfOneProcess) {
     int dp, tp, pp;
     bool sequence_parallel;
     int zero_stage;
+    const char* recompute = "none";  // activation_checkpointing, or "modules": attention and MLP
   };
   for (const Layout& l : {Layout{2, 1, 1, false, 0}, Layout{1, 2, 1, false, 0}, Layout{1, 2, 1, true, 0},
-                          Layout{1, 1, 2, false, 0}, Layout{2, 1, 1, false, 1}, Layout{2, 1, 1, false, 3}}) {
+                          Layout{1, 1, 2, false, 0}, Layout{2, 1, 1, false, 1}, Layout{2, 1, 1, false, 3},
+                          Layout{2, 1, 1, false, 0, "full"}, Layout{2, 1, 1, false, 3, "modules"},
+                          Layout{1, 2, 1, true, 0, "full"}, Layout{1, 1, 2, false, 0, "stage_aware"}}) {
     TrainerConfig config = LoraConfig(l.dp, base);
     config.set_tp(l.tp);
     config.set_pp(l.pp);
     config.set_sequence_parallel(l.sequence_parallel);
     config.set_zero_stage(l.zero_stage);
     config.set_micro_batch_size(l.pp > 1 ? 2 : 8 / l.dp);
+    if (std::string(l.recompute) == "modules") {
+      config.set_checkpoint_modules("attn,mlp");
+    } else {
+      config.set_activation_checkpointing(l.recompute);
+    }
     const std::string tag = absl::StrCat("lora_dp", l.dp, "_tp", l.tp, l.sequence_parallel ? "sp" : "", "_pp",
-                                         l.pp, "_zero", l.zero_stage);
+                                         l.pp, "_zero", l.zero_stage, "_recompute_", l.recompute);
     SCOPED_TRACE(tag);
     ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }
