@@ -92,7 +92,9 @@ TEST_F(OneDnnProductsTest, RowBlocksPerThreadMatchFp64) {
     at::set_num_threads(n);
     const at::Tensor got = at::addmm(bias, x, weight.t());
     ExpectClose(got, want, "addmm on " + std::to_string(n) + " threads");
-    if (OneDnnProductsInUse()) EXPECT_TRUE(at::equal(got, one_thread)) << n << " threads";
+    if (OneDnnProductsInUse()) {
+      EXPECT_TRUE(at::equal(got, one_thread)) << n << " threads";
+    }
     ExpectClose(at::mm(x, weight.t()), want - bias.to(at::kDouble), "mm on " + std::to_string(n) + " threads");
   }
   at::set_num_threads(threads);

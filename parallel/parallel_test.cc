@@ -253,7 +253,9 @@ TEST(ParallelModelTest, LoraAdaptsAUserModuleTracedOrEager) {
       }
       EXPECT_TRUE(at::equal(net->b->weight, frozen_before)) << method;
       for (const auto& [name, p] : (*model)->parameters()) {  // traced: adapters in the graph, not the module
-        if (name == "b.lora_B.default.weight") EXPECT_GT(p.abs().max().item<double>(), 0) << method << ": B trained";
+        if (name == "b.lora_B.default.weight") {
+          EXPECT_GT(p.abs().max().item<double>(), 0) << method << ": B trained";
+        }
       }
       EXPECT_NE(losses[method][2], losses[method][0]) << method;
     }

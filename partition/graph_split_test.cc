@@ -245,7 +245,9 @@ TEST(GraphSplitShardsTest, EmbeddingsGetShardsOfTheirOwn) {
       if (nodes[i].kind == "aten::embedding") ++embeddings;
       else if (!nodes[i].parameters.empty()) ++other_parameter_nodes;
     }
-    if (embeddings > 0) EXPECT_EQ(other_parameter_nodes, 0) << "shard " << s;
+    if (embeddings > 0) {
+      EXPECT_EQ(other_parameter_nodes, 0) << "shard " << s;
+    }
   }
   EXPECT_GE(shards->size(), 8u);
 }

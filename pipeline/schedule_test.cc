@@ -47,9 +47,15 @@ TEST_P(EveryScheduleTest, RunsEveryMicroBatchOnceWithoutDeadlock) {
     const auto program = (*schedule)->Instructions(s, shape.stages, shape.micro_batches);
     for (size_t i = 0; i < program.size(); ++i) {
       const std::pair<int, int> key{program[i].chunk, program[i].micro_batch};
-      if (program[i].op == Op::kForward) EXPECT_TRUE(forward_at.emplace(key, i).second);
-      if (IsBackward(program[i].op)) EXPECT_TRUE(backward_at.emplace(key, i).second);
-      if (program[i].op == Op::kBackwardWeight) EXPECT_TRUE(weight_at.emplace(key, i).second);
+      if (program[i].op == Op::kForward) {
+        EXPECT_TRUE(forward_at.emplace(key, i).second);
+      }
+      if (IsBackward(program[i].op)) {
+        EXPECT_TRUE(backward_at.emplace(key, i).second);
+      }
+      if (program[i].op == Op::kBackwardWeight) {
+        EXPECT_TRUE(weight_at.emplace(key, i).second);
+      }
     }
     const int expected = shape.micro_batches * shape.chunks;
     ASSERT_EQ(static_cast<int>(forward_at.size()), expected) << "stage " << s;

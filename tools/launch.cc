@@ -1,8 +1,7 @@
 // Starts the local ranks of a distributed job:
 //
 //   launch --nproc_per_node=4 -- bazel-bin/trainer/train --model=gpt
-//   launch --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=node0 \
-//          --master_port=29500 -- PROGRAM ARGS...
+//   launch --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=node0 --master_port=29500 -- PROGRAM ARGS...
 //
 // Exits 0 when every rank exits 0; otherwise stops the other ranks within
 // seconds and exits 1 with a line naming the rank that failed.

@@ -2,8 +2,7 @@
 // time and bubble fraction side by side; optionally draws each as an SVG and a
 // Chrome trace.
 //
-//   pipeline_sim --stages=4 --micro_batches=8 --forward_ms=10 --backward_ms=20 \
-//                --comm_ms=1 --out_dir=/tmp/schedules
+//   pipeline_sim --stages=4 --micro_batches=8 --forward_ms=10 --backward_ms=20 --comm_ms=1 --out_dir=/tmp/s
 //   pipeline_sim --stages=2 --forward_ms=10,14 --backward_ms=20,30 --recompute_ms=10
 #include <gflags/gflags.h>
 

@@ -204,7 +204,9 @@ TEST(TopologyTest, StoreClientsExchangeMessagesBesideTheProcessGroups) {
     auto client = (*topology)->ConnectStoreClient();
     ASSERT_TRUE(client.ok()) << client.status();
     StoreClient& store = **client;
-    if (rank == 1) ASSERT_TRUE(store.Set("test/message", "from rank 1").ok());
+    if (rank == 1) {
+      ASSERT_TRUE(store.Set("test/message", "from rank 1").ok());
+    }
     ASSERT_TRUE(store.Add("test/arrived", 1).ok());
     for (int i = 0; i < 2000 && *store.Add("test/arrived", 0) < 2; ++i) absl::SleepFor(absl::Milliseconds(5));
     EXPECT_EQ(*store.Add("test/arrived", 0), 2);
