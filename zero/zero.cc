@@ -1,20 +1,13 @@
 #include "zero/zero.h"
 
 #include <algorithm>
-#include <cstring>
 #include <optional>
-#include <sstream>
 #include <unordered_set>
 
 #include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
-#include <torch/serialize/archive.h>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "base/host_copy.h"
 #include "base/status.h"
 
@@ -38,18 +31,6 @@ std::vector<ChunkColumns> SplitChunk(int64_t chunk, int64_t most) {
     columns.push_back({offset, std::min(most, chunk - offset)});
   }
   return columns;
-}
-
-// State tensors per element of the known element-wise optimizers (-1: unknown).
-int StatePerElement(const torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return 2;
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) return 2;
-  if (auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
-    const auto& options =
-        static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().front().options());
-    return options.momentum() != 0 ? 1 : 0;
-  }
-  return -1;
 }
 
 }  // namespace
@@ -133,103 +114,6 @@ void AllocateStorage(const at::Tensor& buffer) {
   const size_t bytes = buffer.numel() * buffer.element_size();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
   storage->set_nbytes(bytes);
-}
-
-int64_t OptimizerStateBytes(const torch::optim::Optimizer& optimizer, int64_t parameter_bytes) {
-  int64_t held = 0;
-  for (const auto& item : optimizer.state()) {
-    const torch::optim::OptimizerParamState* state = item.second.get();
-    if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
-      held += Bytes(adam->exp_avg()) + Bytes(adam->exp_avg_sq()) + Bytes(adam->max_exp_avg_sq());
-    } else if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
-      held += Bytes(adamw->exp_avg()) + Bytes(adamw->exp_avg_sq()) + Bytes(adamw->max_exp_avg_sq());
-    } else if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
-      held += Bytes(sgd->momentum_buffer());
-    }
-  }
-  return held > 0 ? held : std::max(0, StatePerElement(optimizer)) * parameter_bytes;
-}
-
-absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& parameters, int stage,
-                                           int64_t reduce_bucket_bytes, int group_size,
-                                           const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads) {
-  ZeroLayout layout;
-  auto open = [&](int group, bool keep) {
-    ZeroBucket bucket;
-    bucket.group = group;
-    bucket.keep_full = keep;
-    bucket.sharded = stage == 3 && !keep;
-    layout.buckets.push_back(bucket);
-    return static_cast<int>(layout.buckets.size()) - 1;
-  };
-  if (stage < 3) {
-    int groups = 0;
-    for (const ZeroParameter& p : parameters) groups = std::max(groups, p.group + 1);
-    for (int g = 0; g < groups; ++g) {
-      std::vector<int> members;
-      std::vector<int64_t> bytes;
-      std::vector<int> kinds;
-      for (int i = 0; i < static_cast<int>(parameters.size()); ++i) {
-        if (parameters[i].group != g) continue;
-        members.push_back(i);
-        bytes.push_back(parameters[i].numel * parameters[i].element_size);
-        kinds.push_back(parameters[i].keep_full ? 1 : 0);
-      }
-      for (const std::vector<int>& bucket : BucketIndicesInBackwardOrder(bytes, reduce_bucket_bytes, kinds)) {
-        const int b = open(g, parameters[members[bucket.front()]].keep_full);
-        for (int k : bucket) layout.buckets[b].parameters.push_back(members[k]);
-      }
-    }
-  } else {
-    std::vector<int> bucket_of(parameters.size(), -1);
-    for (const auto& [layer, reads] : layer_reads) {
-      std::map<std::pair<int, bool>, int> opened;  // (group, keep) -> bucket
-      for (int i : reads) {
-        if (bucket_of[i] >= 0) continue;
-        const auto key = std::make_pair(parameters[i].group, parameters[i].keep_full);
-        if (!opened.count(key)) opened[key] = open(key.first, key.second);
-        bucket_of[i] = opened[key];
-        layout.buckets[bucket_of[i]].parameters.push_back(i);
-      }
-    }
-    if (std::count(bucket_of.begin(), bucket_of.end(), -1) > 0) {
-      return absl::InvalidArgumentError(
-          "ZeRO stage 3: a parameter is read by none of the given layers; list every layer "
-          "this rank holds in ZeroOptions::layer_indices");
-    }
-    for (const auto& [layer, reads] : layer_reads) {
-      std::vector<int>& needed = layout.layer_buckets[layer];
-      for (int i : reads) {
-        if (std::find(needed.begin(), needed.end(), bucket_of[i]) == needed.end()) needed.push_back(bucket_of[i]);
-      }
-    }
-  }
-  for (ZeroBucket& bucket : layout.buckets) {
-    for (int i : bucket.parameters) bucket.numel += parameters[i].numel;
-    bucket.numel = (bucket.numel + group_size - 1) / group_size * group_size;
-    bucket.element_size = parameters[bucket.parameters.front()].element_size;
-  }
-  return layout;
-}
-
-MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int state_per_element) {
-  MemoryReport report;
-  int64_t largest_scratch = 0, chunk_bytes = 0;
-  for (const ZeroBucket& bucket : layout.buckets) {
-    const int64_t full = bucket.numel * bucket.element_size, chunk = full / group_size;
-    report.parameter_bytes += bucket.sharded ? chunk : full;
-    report.gradient_bytes += bucket.keep_full ? full : chunk;  // a kept gradient holds its chunk
-    if (!bucket.keep_full) largest_scratch = std::max(largest_scratch, full);
-    chunk_bytes += chunk;
-  }
-  report.gradient_bytes += largest_scratch;  // one stage-2 bucket fills at a time
-  report.optimizer_bytes = state_per_element * chunk_bytes;
-  return report;
-}
-
-std::string MemoryReport::ToString() const {
-  return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
-                         parameter_bytes / 1e6, gradient_bytes / 1e6, optimizer_bytes / 1e6);
 }
 
 absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
@@ -390,7 +274,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   if (o.stage == 3 || !zero->gathers_before_layer_.empty()) o.layers->SetObserver(zero.get());
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the sharded optimizer",
                                           [&] { zero->optimizer_ = make_optimizer(shards); }));
-  if (StatePerElement(*zero->optimizer_) < 0 && !o.allow_untested_optimizer) {
+  if (!ElementwiseStateNames(*zero->optimizer_).ok() && !o.allow_untested_optimizer) {
     return absl::InvalidArgumentError(
         "ZeRO shards optimizer state element by element, which is known to be exact for Adam, "
         "AdamW and SGD only; this optimizer is untested: set zero_allow_untested_optimizer to "
@@ -876,113 +760,6 @@ MemoryReport ZeroOptimizer::Memory() const {
   for (const Bucket& bucket : buckets_) chunk_bytes += Bytes(bucket.chunk);
   report.optimizer_bytes = OptimizerStateBytes(*optimizer_, chunk_bytes);
   return report;
-}
-
-NamedTensors SerializeOptimizer(const torch::optim::Optimizer& optimizer, const std::string& name) {
-  torch::serialize::OutputArchive archive;
-  optimizer.save(archive);
-  std::ostringstream bytes;
-  archive.save_to(bytes);
-  const std::string data = bytes.str();
-  at::Tensor blob = at::empty({static_cast<int64_t>(data.size())}, at::kByte);
-  std::memcpy(blob.data_ptr(), data.data(), data.size());
-  return {{name, blob}};
-}
-
-absl::Status DeserializeOptimizer(const NamedTensors& state, const std::string& name,
-                                  torch::optim::Optimizer& optimizer) {
-  auto found = std::find_if(state.begin(), state.end(),
-                            [&](const auto& item) { return item.first == name; });
-  if (found == state.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "the optimizer state ('", name, "') is missing: the checkpoint was saved with another "
-        "zero_stage; resume with the zero_stage it was saved with"));
-  }
-  const at::Tensor& blob = found->second;
-  return CatchExceptions("restoring the optimizer state", [&] {
-    std::istringstream bytes(std::string(static_cast<const char*>(blob.data_ptr()), blob.numel()));
-    torch::serialize::InputArchive archive;
-    archive.load_from(bytes);
-    optimizer.load(archive);
-  });
-}
-
-absl::StatusOr<std::vector<std::string>> ElementwiseStateNames(const torch::optim::Optimizer& optimizer) {
-  auto adam_like = [](bool amsgrad) {
-    std::vector<std::string> names = {"exp_avg", "exp_avg_sq", "step"};
-    if (amsgrad) names.push_back("max_exp_avg_sq");
-    return names;
-  };
-  const auto& options = optimizer.param_groups().front().options();
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
-    return adam_like(static_cast<const torch::optim::AdamWOptions&>(options).amsgrad());
-  }
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) {
-    return adam_like(static_cast<const torch::optim::AdamOptions&>(options).amsgrad());
-  }
-  if (StatePerElement(optimizer) == 1) return std::vector<std::string>{"momentum_buffer"};
-  if (StatePerElement(optimizer) == 0) return std::vector<std::string>{};
-  return absl::UnimplementedError("the optimizer's state is not known element by element (Adam, AdamW and SGD are)");
-}
-
-namespace {
-
-template <typename State>
-void AdamLikeState(const State& s, std::map<std::string, at::Tensor>& out) {
-  out["step"] = at::scalar_tensor(static_cast<int64_t>(s.step()), at::kLong);
-  out["exp_avg"] = s.exp_avg();
-  out["exp_avg_sq"] = s.exp_avg_sq();
-  if (s.max_exp_avg_sq().defined()) out["max_exp_avg_sq"] = s.max_exp_avg_sq();
-}
-
-template <typename State>
-std::unique_ptr<State> MakeAdamLikeState(const std::map<std::string, at::Tensor>& in) {
-  auto s = std::make_unique<State>();
-  s->step(in.at("step").item<int64_t>());
-  s->exp_avg(in.at("exp_avg"));
-  s->exp_avg_sq(in.at("exp_avg_sq"));
-  if (in.count("max_exp_avg_sq")) s->max_exp_avg_sq(in.at("max_exp_avg_sq"));
-  return s;
-}
-
-}  // namespace
-
-std::map<std::string, at::Tensor> ElementwiseState(const torch::optim::Optimizer& optimizer, const at::Tensor& param) {
-  using Key = typename std::decay_t<decltype(optimizer.state())>::key_type;
-  std::map<std::string, at::Tensor> out;
-  auto found = optimizer.state().find(OptimizerStateKey<Key>(param.unsafeGetTensorImpl()));
-  if (found == optimizer.state().end()) return out;
-  const torch::optim::OptimizerParamState* state = found->second.get();
-  if (auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
-    AdamLikeState(*adamw, out);
-  } else if (auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
-    AdamLikeState(*adam, out);
-  } else if (auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
-    if (sgd->momentum_buffer().defined()) out["momentum_buffer"] = sgd->momentum_buffer();
-  }
-  return out;
-}
-
-absl::Status SetElementwiseState(torch::optim::Optimizer& optimizer, const at::Tensor& param,
-                                 const std::map<std::string, at::Tensor>& state) {
-  using Key = typename std::decay_t<decltype(optimizer.state())>::key_type;
-  const Key key = OptimizerStateKey<Key>(param.unsafeGetTensorImpl());
-  if (state.empty()) {
-    optimizer.state().erase(key);
-    return absl::OkStatus();
-  }
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
-    optimizer.state()[key] = MakeAdamLikeState<torch::optim::AdamWParamState>(state);
-  } else if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) {
-    optimizer.state()[key] = MakeAdamLikeState<torch::optim::AdamParamState>(state);
-  } else if (StatePerElement(optimizer) >= 0) {
-    auto sgd = std::make_unique<torch::optim::SGDParamState>();
-    if (state.count("momentum_buffer")) sgd->momentum_buffer(state.at("momentum_buffer"));
-    optimizer.state()[key] = std::move(sgd);
-  } else {
-    return absl::UnimplementedError("the optimizer's state is not known element by element");
-  }
-  return absl::OkStatus();
 }
 
 std::vector<ParameterPart> ZeroOptimizer::ChunkParts() const {

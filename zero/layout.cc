@@ -1,0 +1,93 @@
+// ZeRO's bucket layout from parameter sizes, and the bytes it leaves a rank.
+#include <algorithm>
+#include <map>
+
+#include "absl/strings/str_format.h"
+#include "base/gradient_hooks.h"
+#include "zero/zero.h"
+
+namespace trident {
+
+absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& parameters, int stage,
+                                           int64_t reduce_bucket_bytes, int group_size,
+                                           const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads) {
+  ZeroLayout layout;
+  auto open = [&](int group, bool keep) {
+    ZeroBucket bucket;
+    bucket.group = group;
+    bucket.keep_full = keep;
+    bucket.sharded = stage == 3 && !keep;
+    layout.buckets.push_back(bucket);
+    return static_cast<int>(layout.buckets.size()) - 1;
+  };
+  if (stage < 3) {
+    int groups = 0;
+    for (const ZeroParameter& p : parameters) groups = std::max(groups, p.group + 1);
+    for (int g = 0; g < groups; ++g) {
+      std::vector<int> members;
+      std::vector<int64_t> bytes;
+      std::vector<int> kinds;
+      for (int i = 0; i < static_cast<int>(parameters.size()); ++i) {
+        if (parameters[i].group != g) continue;
+        members.push_back(i);
+        bytes.push_back(parameters[i].numel * parameters[i].element_size);
+        kinds.push_back(parameters[i].keep_full ? 1 : 0);
+      }
+      for (const std::vector<int>& bucket : BucketIndicesInBackwardOrder(bytes, reduce_bucket_bytes, kinds)) {
+        const int b = open(g, parameters[members[bucket.front()]].keep_full);
+        for (int k : bucket) layout.buckets[b].parameters.push_back(members[k]);
+      }
+    }
+  } else {
+    std::vector<int> bucket_of(parameters.size(), -1);
+    for (const auto& [layer, reads] : layer_reads) {
+      std::map<std::pair<int, bool>, int> opened;  // (group, keep) -> bucket
+      for (int i : reads) {
+        if (bucket_of[i] >= 0) continue;
+        const auto key = std::make_pair(parameters[i].group, parameters[i].keep_full);
+        if (!opened.count(key)) opened[key] = open(key.first, key.second);
+        bucket_of[i] = opened[key];
+        layout.buckets[bucket_of[i]].parameters.push_back(i);
+      }
+    }
+    if (std::count(bucket_of.begin(), bucket_of.end(), -1) > 0) {
+      return absl::InvalidArgumentError(
+          "ZeRO stage 3: a parameter is read by none of the given layers; list every layer "
+          "this rank holds in ZeroOptions::layer_indices");
+    }
+    for (const auto& [layer, reads] : layer_reads) {
+      std::vector<int>& needed = layout.layer_buckets[layer];
+      for (int i : reads) {
+        if (std::find(needed.begin(), needed.end(), bucket_of[i]) == needed.end()) needed.push_back(bucket_of[i]);
+      }
+    }
+  }
+  for (ZeroBucket& bucket : layout.buckets) {
+    for (int i : bucket.parameters) bucket.numel += parameters[i].numel;
+    bucket.numel = (bucket.numel + group_size - 1) / group_size * group_size;
+    bucket.element_size = parameters[bucket.parameters.front()].element_size;
+  }
+  return layout;
+}
+
+MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int state_per_element) {
+  MemoryReport report;
+  int64_t largest_scratch = 0, chunk_bytes = 0;
+  for (const ZeroBucket& bucket : layout.buckets) {
+    const int64_t full = bucket.numel * bucket.element_size, chunk = full / group_size;
+    report.parameter_bytes += bucket.sharded ? chunk : full;
+    report.gradient_bytes += bucket.keep_full ? full : chunk;  // a kept gradient holds its chunk
+    if (!bucket.keep_full) largest_scratch = std::max(largest_scratch, full);
+    chunk_bytes += chunk;
+  }
+  report.gradient_bytes += largest_scratch;  // one stage-2 bucket fills at a time
+  report.optimizer_bytes = state_per_element * chunk_bytes;
+  return report;
+}
+
+std::string MemoryReport::ToString() const {
+  return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
+                         parameter_bytes / 1e6, gradient_bytes / 1e6, optimizer_bytes / 1e6);
+}
+
+}  // namespace trident
