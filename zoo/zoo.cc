@@ -1,4 +1,4 @@
-#include "models/zoo.h"
+#include "zoo/zoo.h"
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"

@@ -8,8 +8,8 @@
 //
 // Each pipeline rank builds only its own layers; under tensor parallelism each
 // rank builds its shards (ModelContext::tp).
-#ifndef TRIDENT_MODELS_ZOO_H_
-#define TRIDENT_MODELS_ZOO_H_
+#ifndef TRIDENT_ZOO_ZOO_H_
+#define TRIDENT_ZOO_ZOO_H_
 
 #include <cstdint>
 #include <string>
@@ -33,4 +33,4 @@ absl::StatusOr<ModelConfig> ZooModelConfig(const std::string& model, const Compo
 
 }  // namespace trident
 
-#endif  // TRIDENT_MODELS_ZOO_H_
+#endif  // TRIDENT_ZOO_ZOO_H_
