@@ -115,7 +115,7 @@ TEST(BalanceTest, ParametersKeepTwelveGptLayersWithinFifteenPercentOnFourStages)
 }
 
 // The cost method evens out the stages' estimated forward FLOPs (the measured
-// times are reported by //partition:partition_benchmark, BM_CostBalance).
+// times are reported by //benchmarks:partition_benchmark, BM_CostBalance).
 TEST(BalanceTest, CostKeepsTheSlowestOfFourStagesWithinTwentyPercentOfTheMean) {
   ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
   config.n_layer = 12;

@@ -12,7 +12,7 @@
 // Each figure is the median over the timed steps (the first step is a
 // warm-up), each step's ratio taken against its own stage times.
 //
-//   bazel run -c opt //pipeline:pipeline_benchmark
+//   bazel run -c opt //benchmarks:pipeline_benchmark
 #include <benchmark/benchmark.h>
 
 #include <ATen/Parallel.h>

@@ -1,7 +1,7 @@
 // Time to trace a gpt2-350m-sized model (24 layers, width 1024) on a short
 // sequence and to plan its stages, with both split methods.
 //
-//   bazel run -c opt //partition:partition_benchmark
+//   bazel run -c opt //benchmarks:partition_benchmark
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
