@@ -80,9 +80,9 @@ def trident_proto_library(name, srcs, deps = [], **kwargs):
     )
 
 def trident_package_sources(name = "package_sources"):
-    """Exports this package's C++ sources so //tools/gpu can check CMakeLists.txt lists them."""
+    """Exports this package's C++ sources to //:sources, which the checks of the whole tree read."""
     native.filegroup(
         name = name,
-        srcs = native.glob(["**/*.cc", "**/*.h", "**/*.proto"], exclude = ["**/testdata/**"]),
-        visibility = ["//tools/gpu:__pkg__"],
+        srcs = native.glob(["**/*.cc", "**/*.h", "**/*.cu", "**/*.cuh", "**/*.proto"], exclude = ["**/testdata/**"]),
+        visibility = ["//:__pkg__"],
     )
