@@ -49,8 +49,9 @@ using RowMajorSgemm = int (*)(char transa, char transb, int64_t m, int64_t n, in
                               int64_t ldc);
 RowMajorSgemm OneDnnSgemm();
 
-// UseBestBlasKernels, then UseOneDnnProducts: what Parallelize,
-// AutoAccelerate and every test and benchmark call first. Returns
+// UseBestBlasKernels, then UseOneDnnProducts: what `train`, every test and
+// benchmark, and a program of the user's that wants the fastest fp32 CPU
+// products call first (no library call does it for them). Returns
 // UseBestBlasKernels's line.
 std::string UseBestCpuKernels();
 

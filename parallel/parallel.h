@@ -248,9 +248,9 @@ class ParallelModel;
 // count as size 1). `example` is one micro-batch (shapes as in training): it
 // traces graphs and finds the stage boundaries' shapes. `make_optimizer`
 // builds the optimizer over this rank's parameters (or ZeRO's chunks). Every
-// rank calls it; an error on one rank reaches all. The first call in a process
-// also moves OpenBLAS off its generic kernels where it fell back to them
-// (UseBestBlasKernels in base/blas_kernels.h), logging a warning.
+// rank calls it; an error on one rank reaches all. It changes nothing
+// process-wide: a program that wants the fastest fp32 CPU products calls
+// UseBestCpuKernels (base/blas_kernels.h) once first, as `train` does.
 absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
                                                            Topology* topology, const Batch& example,
                                                            OptimizerFactory make_optimizer);

@@ -14,7 +14,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "base/blas_kernels.h"
 #include "base/logging.h"
 #include "base/rng.h"
 #include "base/status.h"
@@ -67,7 +66,6 @@ absl::StatusOr<at::Device> PlanDevice(const ParallelPlan& plan, const Topology& 
 absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
                                                            Topology* topology, const Batch& example,
                                                            OptimizerFactory make_optimizer) {
-  if (const std::string blas = UseBestCpuKernels(); !blas.empty()) LOG(WARNING) << blas;
   TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
   if (plan.dp * plan.tp * plan.pp != topology->world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("dp*tp*pp = ", plan.dp * plan.tp * plan.pp,

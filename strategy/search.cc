@@ -15,7 +15,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "base/blas_kernels.h"
 #include "base/logging.h"
 #include "base/rng.h"
 #include "base/memory_counter.h"
@@ -443,7 +442,6 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
                                                 int64_t global_batch_size, const OptimizerFactory& make_optimizer,
                                                 Topology* topology, const AutoAccelerateOptions& options,
                                                 LossFunction loss) {
-  if (const std::string blas = UseBestCpuKernels(); !blas.empty()) LOG(WARNING) << blas;
   if (dataset == nullptr || dataset->size() == 0) return absl::InvalidArgumentError("AutoAccelerate needs a dataset with samples");
   SourceFactory source_with_loss = make_source;
   if (loss) {
