@@ -129,6 +129,13 @@ struct ParallelPlan {
   int dp = 1;  // data-parallel ranks (the topology's "data" axis)
   int tp = 1;  // tensor-parallel ranks ("tensor"): the source must build shards
   int pp = 1;  // pipeline stages ("pipeline")
+  // How the ranks lie on the mesh (ATorch's parallel_mode): the axes
+  // "tensor", "pipeline" and "data" in order, first fastest (empty: that
+  // order), and the rank at each mesh position (its rank_order; empty: rank i
+  // at position i). PlanMeshAxes gives the topology's axes; when either is
+  // set, Parallelize checks the topology lays the ranks out so.
+  std::vector<std::string> axis_order;
+  std::vector<int> rank_order;
   bool sequence_parallel = false;  // norms and dropout on sequence shards (tp > 1)
   // Merak's tp_overlapping_level (TensorParallelism::overlapping_level): 0, 1 or 2.
   int tp_overlapping_level = 0;
@@ -217,6 +224,11 @@ struct ParallelPlan {
   // under sequence parallelism), seeded from this.
   uint64_t seed = 1;
 };
+
+// The topology mesh of `plan`: its three axes with their sizes in
+// plan.axis_order (TopologyOptions::mesh_axes or Topology::Reshape, with
+// plan.rank_order).
+std::vector<MeshAxis> PlanMeshAxes(const ParallelPlan& plan);
 
 // Checks `plan` alone (before any rank starts): sizes, names, pairs that do not
 // go together. Parallelize checks it again with the model.

@@ -61,6 +61,25 @@ absl::StatusOr<at::Device> PlanDevice(const ParallelPlan& plan, const Topology& 
   return device;
 }
 
+// A plan that sets its axis or rank order must find the ranks laid out so:
+// every rank at the same data, tensor and pipeline place as on its mesh.
+absl::Status CheckMeshOrder(const ParallelPlan& plan, const Topology& topology) {
+  if (plan.axis_order.empty() && plan.rank_order.empty()) return absl::OkStatus();
+  TRIDENT_ASSIGN_OR_RETURN(DeviceMesh planned,
+                           DeviceMesh::Create(PlanMeshAxes(plan), topology.world_size(), plan.rank_order));
+  for (int rank = 0; rank < topology.world_size(); ++rank) {
+    for (const char* axis : {"tensor", "pipeline", "data"}) {
+      if (planned.AxisIndex(axis, rank) != topology.mesh().AxisIndex(axis, rank)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the plan lays the ranks out as ", planned.ToString(), " but the topology as ",
+            topology.mesh().ToString(), " (rank ", rank, " differs on axis '", axis,
+            "'); create the topology with PlanMeshAxes(plan) and plan.rank_order"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
@@ -72,6 +91,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, P
                                                    " but the job has ", topology->world_size(), " ranks"));
   }
   TRIDENT_RETURN_IF_ERROR(CheckSource(source, plan));
+  TRIDENT_RETURN_IF_ERROR(CheckMeshOrder(plan, *topology));
   auto impl = std::make_unique<ParallelModel::Impl>();
   ParallelModel::Impl& m = *impl;
   m.plan = std::move(plan);

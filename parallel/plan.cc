@@ -1,6 +1,7 @@
 // Checks of a ParallelPlan and a ModelSource, made before any rank builds anything.
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -12,10 +13,32 @@
 
 namespace trident {
 
+std::vector<MeshAxis> PlanMeshAxes(const ParallelPlan& plan) {
+  const std::map<std::string, int> sizes = {{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}};
+  std::vector<MeshAxis> axes;
+  for (const std::string& name : plan.axis_order.empty() ? std::vector<std::string>{"tensor", "pipeline", "data"}
+                                                         : plan.axis_order) {
+    auto size = sizes.find(name);
+    if (size != sizes.end()) axes.push_back({name, size->second});
+  }
+  return axes;
+}
+
 absl::Status ValidatePlan(const ParallelPlan& p) {
   auto invalid = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   if (p.dp < 1 || p.tp < 1 || p.pp < 1) {
     return invalid("dp=", p.dp, ", tp=", p.tp, ", pp=", p.pp, ": each must be at least 1");
+  }
+  if (!p.axis_order.empty()) {
+    std::vector<std::string> sorted = p.axis_order;
+    std::sort(sorted.begin(), sorted.end());
+    if (sorted != std::vector<std::string>{"data", "pipeline", "tensor"}) {
+      return invalid("axis_order=", absl::StrJoin(p.axis_order, ","),
+                     ": name each of tensor, pipeline and data once, the fastest-varying first");
+    }
+  }
+  if (!p.rank_order.empty()) {
+    TRIDENT_RETURN_IF_ERROR(DeviceMesh::Create(PlanMeshAxes(p), p.dp * p.tp * p.pp, p.rank_order).status());
   }
   if (p.sequence_parallel && p.tp == 1) {
     return invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");

@@ -86,6 +86,15 @@ absl::StatusOr<NamedTensors> ParallelModel::FullWeights() {
       }
     }
   }
+  // The rank at the mesh's origin holds them now; under a rank order that is
+  // not global rank 0, which gets them from it.
+  const DeviceMesh& mesh = m.topology->mesh();
+  const int origin = mesh.RankAt(std::vector<int>(mesh.axes().size(), 0));
+  if (origin != 0 && m.topology->rank() == origin) {
+    TRIDENT_RETURN_IF_ERROR(internal::SendNamedTensors(m.topology->world(), 0, tensors));
+  } else if (origin != 0 && m.topology->rank() == 0) {
+    TRIDENT_ASSIGN_OR_RETURN(tensors, internal::RecvNamedTensors(m.topology->world(), origin));
+  }
   TRIDENT_RETURN_IF_ERROR(m.topology->world().Barrier());
   if (m.topology->rank() != 0) return NamedTensors();
   std::map<std::string, std::string> aliases = m.source.aliases;

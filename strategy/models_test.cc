@@ -105,7 +105,7 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
     if (layout.tp >= 1 << degrees) continue;  // llama-tiny's 2 key-value heads: tp <= 2
     ++checked;
     const ParallelPlan plan = PlanOf(layout);
-    ASSERT_TRUE(topology.Reshape({{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}).ok());
+    ASSERT_TRUE(topology.Reshape(PlanMeshAxes(plan), plan.rank_order).ok());
     ModelContext context;
     if (plan.tp > 1) context.tp = {plan.tp, (*topology.Group("tensor"))->rank(), "tp", plan.sequence_parallel};
     auto source = request.make_source(context);

@@ -62,10 +62,6 @@ std::string DefaultCacheDir() {
   return "/tmp/trident-profiles";
 }
 
-std::vector<MeshAxis> MeshOf(const ParallelPlan& plan) {
-  return {{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}};
-}
-
 bool Uses(const AutoAccelerateOptions& options, const std::string& method) {
   return std::find(options.excluded.begin(), options.excluded.end(), method) == options.excluded.end();
 }
@@ -130,6 +126,8 @@ std::vector<ParallelPlan> Candidates(const ModelProfile& profile, int world, int
                 plan.dp = dp;
                 plan.tp = tp;
                 plan.pp = static_cast<int>(pp);
+                plan.axis_order.clear();  // the search's layouts use the default mesh
+                plan.rank_order.clear();
                 plan.sequence_parallel = sp;
                 plan.micro_batch_size = b;
                 plan.num_micro_batches = global_batch / dp / b;
@@ -191,7 +189,7 @@ struct Measurement {
 absl::StatusOr<Measurement> DryRun(const SourceFactory& make_source, const Batch& global, const OptimizerFactory& make_optimizer,
                                    Topology* topology, const ParallelPlan& plan, int steps) {
   const bool peak_known = StartResidentSection();
-  TRIDENT_RETURN_IF_ERROR(topology->Reshape(MeshOf(plan)));
+  TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
   absl::StatusOr<ModelSource> source = SourceFor(make_source, plan, topology);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ParallelModel> model,
@@ -306,7 +304,7 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
         report.measured_resident_bytes = measured.peak_resident_bytes;
       }
       result.ranked.push_back(report);
-      TRIDENT_RETURN_IF_ERROR(topology->Reshape(MeshOf(plan)));
+      TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
       SetCpuRngState(rng);
       result.search_s = Since(start);
       return result;
@@ -426,7 +424,7 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   result.plan = result.ranked[best].plan;
   result.strategy = StrategyFromPlan(result.plan);
   result.strategy.set_fingerprint(StrategyFingerprint(options, world, global_batch));
-  TRIDENT_RETURN_IF_ERROR(topology->Reshape(MeshOf(result.plan)));
+  TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(result.plan), result.plan.rank_order));
   SetCpuRngState(rng);
   result.search_s = Since(start);
   if (topology->rank() == 0) {

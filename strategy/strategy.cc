@@ -28,8 +28,9 @@ const std::map<std::string, std::set<std::string>>& MethodFields() {
       {"zero1", {}},
       {"zero2", {}},
       {"fsdp", {"wrap", "min_num_params", "ignored"}},
-      {"checkpoint", {"layers", "activation_checkpoint_ratio", "checkpoint_num_layers"}},
-      {"tensor_parallel", {"sequence_parallel"}},
+      {"checkpoint", {"layers", "activation_checkpoint_ratio", "checkpoint_num_layers", "modules", "all_layers"}},
+      {"module_replace", {"pairs"}},
+      {"tensor_parallel", {"sequence_parallel", "overlapping_level"}},
       {"pipeline_parallel",
        {"schedule", "micro_batches", "virtual_stages", "split_method", "partition_method"}},
       {"mixed_parallel", {}},
@@ -62,10 +63,18 @@ absl::Status CheckMethods(const Strategy& strategy) {
   return absl::OkStatus();
 }
 
-// The layout of parallel_mode: sizes by axis name, data adjusted to the world size.
+const std::vector<std::string>& DefaultAxisOrder() {
+  static const auto* order = new std::vector<std::string>{"tensor", "pipeline", "data"};
+  return *order;
+}
+
+// The layout of parallel_mode: sizes by axis name, data adjusted to the world
+// size, the axes' order (empty where it lays the ranks out as the default
+// order does) and the rank order (empty for the identity).
 absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size, ParallelPlan* plan,
                                bool* zero_axis) {
   std::map<std::string, int> sizes;
+  std::vector<std::string> order;
   for (const ParallelAxis& axis : method.parallel_mode()) {
     if (axis.name() != "data" && axis.name() != "zero" && axis.name() != "tensor" && axis.name() != "pipeline") {
       return Invalid(absl::StrCat("strategy: parallel_mode axis '", axis.name(),
@@ -75,13 +84,8 @@ absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size,
     if (!sizes.emplace(axis.name(), axis.size()).second) {
       return Invalid(absl::StrCat("strategy: parallel_mode names axis '", axis.name(), "' twice"));
     }
-  }
-  for (int i = 0; i < method.rank_order_size(); ++i) {
-    if (method.rank_order(i) != i) {
-      return absl::UnimplementedError(
-          "strategy: parallel_mode's explicit rank_order is not available; the axes' order gives it "
-          "(the first axis varies fastest)");
-    }
+    const std::string name = axis.name() == "zero" ? "data" : axis.name();
+    if (std::find(order.begin(), order.end(), name) == order.end()) order.push_back(name);
   }
   const int tp = sizes.count("tensor") ? sizes["tensor"] : 1;
   const int pp = sizes.count("pipeline") ? sizes["pipeline"] : 1;
@@ -99,6 +103,23 @@ absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size,
   plan->pp = pp;
   plan->dp = world_size / (tp * pp);  // data (or zero) takes the rest, as the reference adjusts it
   *zero_axis = sizes.count("zero") > 0;
+  for (const std::string& name : DefaultAxisOrder()) {
+    if (std::find(order.begin(), order.end(), name) == order.end()) order.push_back(name);
+  }
+  // Axes of one rank do not change where ranks lie.
+  const std::map<std::string, int> final_sizes = {{"tensor", plan->tp}, {"pipeline", plan->pp}, {"data", plan->dp}};
+  auto split = [&final_sizes](const std::vector<std::string>& names) {
+    std::vector<std::string> kept;
+    for (const std::string& name : names) {
+      if (final_sizes.at(name) > 1) kept.push_back(name);
+    }
+    return kept;
+  };
+  plan->axis_order = split(order) == split(DefaultAxisOrder()) ? std::vector<std::string>() : order;
+  plan->rank_order.assign(method.rank_order().begin(), method.rank_order().end());
+  bool identity = true;
+  for (int i = 0; i < static_cast<int>(plan->rank_order.size()); ++i) identity &= plan->rank_order[i] == i;
+  if (identity && static_cast<int>(plan->rank_order.size()) == world_size) plan->rank_order.clear();
   return absl::OkStatus();
 }
 
@@ -135,6 +156,8 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
   bool zero_axis = false;
   plan->dp = world_size;
   plan->tp = plan->pp = 1;
+  plan->axis_order.clear();
+  plan->rank_order.clear();
   if (has("parallel_mode")) {
     TRIDENT_RETURN_IF_ERROR(ApplyParallelMode(*by_name["parallel_mode"], world_size, plan, &zero_axis));
   }
@@ -162,23 +185,38 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
     if (dtype != "bf16" && dtype != "fp16") return Invalid(absl::StrCat("strategy: half dtype '", dtype, "'; choose bf16 or fp16"));
     plan->precision = "pure_" + dtype;
   }
+  if (strategy.has_precision_table()) plan->precision_table = strategy.precision_table();
   if (has("checkpoint")) {
     const OptimizationMethod& checkpoint = *by_name["checkpoint"];
     plan->checkpoint_layers.assign(checkpoint.layers().begin(), checkpoint.layers().end());
+    plan->checkpoint_modules.assign(checkpoint.modules().begin(), checkpoint.modules().end());
     if (checkpoint.has_activation_checkpoint_ratio() && !plan->checkpoint_layers.empty()) {
       return Invalid("strategy: checkpoint takes layers or activation_checkpoint_ratio, not both");
     }
-    plan->activation_checkpointing = !plan->checkpoint_layers.empty()           ? "selected"
+    if (checkpoint.all_layers() && (checkpoint.has_activation_checkpoint_ratio() || !plan->checkpoint_layers.empty())) {
+      return Invalid("strategy: checkpoint's all_layers recomputes every layer; leave out layers and activation_checkpoint_ratio");
+    }
+    const bool modules_only = !plan->checkpoint_modules.empty() && !checkpoint.all_layers();
+    plan->activation_checkpointing = !plan->checkpoint_layers.empty()                 ? "selected"
                                      : checkpoint.has_activation_checkpoint_ratio() ? "stage_aware"
-                                                                                    : "full";
+                                     : modules_only                                  ? "none"
+                                                                                     : "full";
     if (checkpoint.has_activation_checkpoint_ratio()) {
       plan->activation_checkpoint_ratio = checkpoint.activation_checkpoint_ratio();
     }
     if (checkpoint.has_checkpoint_num_layers()) plan->checkpoint_num_layers = checkpoint.checkpoint_num_layers();
   }
+  if (has("module_replace")) {
+    const OptimizationMethod& replace = *by_name["module_replace"];
+    if (replace.pairs().empty()) {
+      return Invalid("strategy: module_replace names no pairs; list them (pairs: \"fused_attention\" ...)");
+    }
+    plan->module_replace.assign(replace.pairs().begin(), replace.pairs().end());
+  }
   if (has("tensor_parallel")) {
     if (plan->tp == 1) return Invalid("strategy: tensor_parallel needs tensor ranks: add (\"tensor\", N) to parallel_mode");
     plan->sequence_parallel = by_name["tensor_parallel"]->sequence_parallel();
+    plan->tp_overlapping_level = by_name["tensor_parallel"]->overlapping_level();
   }
   if (has("pipeline_parallel")) {
     if (plan->pp == 1) return Invalid("strategy: pipeline_parallel needs pipeline ranks: add (\"pipeline\", N) to parallel_mode");
@@ -208,13 +246,16 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
   Strategy strategy;
   OptimizationMethod* mode = strategy.add_methods();
   mode->set_name("parallel_mode");
-  for (const auto& [name, size] : std::vector<std::pair<const char*, int>>{
-           {"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}) {
-    if (size == 1 && std::string(name) != "data") continue;
+  const std::map<std::string, int> sizes = {{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}};
+  // In the default order axes of one rank are left out (data stays); an
+  // explicit order names all three.
+  for (const std::string& name : plan.axis_order.empty() ? DefaultAxisOrder() : plan.axis_order) {
+    if (plan.axis_order.empty() && sizes.at(name) == 1 && name != "data") continue;
     ParallelAxis* axis = mode->add_parallel_mode();
     axis->set_name(name);
-    axis->set_size(size);
+    axis->set_size(sizes.at(name));
   }
+  for (int rank : plan.rank_order) mode->add_rank_order(rank);
   if (plan.zero_stage > 0) strategy.add_methods()->set_name(plan.zero_stage == 1 ? "zero1" : plan.zero_stage == 2 ? "zero2" : "fsdp");
   if (plan.precision == "bf16" || plan.precision == "fp16") {
     OptimizationMethod* amp = strategy.add_methods();
@@ -226,7 +267,8 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
     half->set_name("half");
     half->set_dtype(plan.precision.substr(5));
   }
-  if (plan.activation_checkpointing != "none") {
+  if (!plan.precision_table.empty()) strategy.set_precision_table(plan.precision_table);
+  if (plan.activation_checkpointing != "none" || !plan.checkpoint_modules.empty()) {
     OptimizationMethod* checkpoint = strategy.add_methods();
     checkpoint->set_name("checkpoint");
     for (const std::string& layer : plan.checkpoint_layers) checkpoint->add_layers(layer);
@@ -234,11 +276,19 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
       checkpoint->set_activation_checkpoint_ratio(plan.activation_checkpoint_ratio);
     }
     if (plan.checkpoint_num_layers != 1) checkpoint->set_checkpoint_num_layers(plan.checkpoint_num_layers);
+    for (const std::string& module : plan.checkpoint_modules) checkpoint->add_modules(module);
+    if (plan.activation_checkpointing == "full" && !plan.checkpoint_modules.empty()) checkpoint->set_all_layers(true);
+  }
+  if (!plan.module_replace.empty()) {
+    OptimizationMethod* replace = strategy.add_methods();
+    replace->set_name("module_replace");
+    for (const std::string& pair : plan.module_replace) replace->add_pairs(pair);
   }
   if (plan.tp > 1) {
     OptimizationMethod* tensor = strategy.add_methods();
     tensor->set_name("tensor_parallel");
     if (plan.sequence_parallel) tensor->set_sequence_parallel(true);
+    if (plan.tp_overlapping_level > 0) tensor->set_overlapping_level(plan.tp_overlapping_level);
   }
   if (plan.pp > 1) {
     OptimizationMethod* pipeline = strategy.add_methods();
@@ -275,6 +325,8 @@ std::string DescribePlan(const ParallelPlan& plan) {
     absl::StrAppend(&text, " ", plan.schedule, plan.virtual_stages > 1 ? absl::StrCat("x", plan.virtual_stages) : "");
   }
   absl::StrAppend(&text, " mb", plan.micro_batch_size, "x", plan.num_micro_batches);
+  if (!plan.axis_order.empty()) absl::StrAppend(&text, " axes=", absl::StrJoin(plan.axis_order, ","));
+  if (!plan.rank_order.empty()) absl::StrAppend(&text, " ranks=", absl::StrJoin(plan.rank_order, ","));
   if (plan.sequence_parallel) absl::StrAppend(&text, " sp");
   if (plan.zero_stage > 0) absl::StrAppend(&text, " zero", plan.zero_stage);
   if (plan.precision != "fp32") absl::StrAppend(&text, " ", plan.precision);

@@ -51,7 +51,15 @@ std::string StrategyToText(const Strategy& strategy);
 // with zb_h1, a pipeline_parallel without pipeline ranks, ...
 absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPlan* plan);
 
-// The strategy `plan` amounts to (what --save_strategy writes).
+// The strategy `plan` amounts to (what --save_strategy writes). Its inverse:
+// ApplyStrategy of it to a default plan gives back every field of `plan` that
+// a strategy decides (the layout with its axis and rank order, ZeRO,
+// precision and precision table, recomputation of layers and of modules,
+// module replacement, sequence parallelism and tp_overlapping_level, the
+// pipeline's schedule, micro-batches, chunks, split and partition), with an
+// axis order that lays the ranks out as the default one written as empty.
+// Fields a strategy does not decide (device, seed, reductions, buckets,
+// trace method, LoRA) stay as the plan it is applied to has them.
 Strategy StrategyFromPlan(const ParallelPlan& plan);
 
 // The ranks `strategy` lays out: the product of its parallel_mode sizes
@@ -128,7 +136,8 @@ struct SearchResult {
 // Chooses the strategy for `make_source` on `topology`'s ranks (every rank
 // calls it; all get the same result) for global batches like
 // `global_batch` (its first dimension is the global batch size). Leaves
-// `topology` laid out for the winner: axes tensor, pipeline, data.
+// `topology` laid out for the winner (PlanMeshAxes and its rank order; the
+// search's own candidates use the default axis order).
 absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, const Batch& global_batch,
                                             const OptimizerFactory& make_optimizer, Topology* topology,
                                             const AutoAccelerateOptions& options);

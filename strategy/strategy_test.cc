@@ -4,6 +4,8 @@
 #include <google/protobuf/text_format.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status.h"
 
 namespace trident {
@@ -86,6 +88,127 @@ TEST(StrategyTest, APlanRoundTripsThroughItsStrategy) {
   EXPECT_EQ(DescribePlan(plan), "dp2 x tp2 x pp2 interleaved_1f1bx2 mb1x4 sp zero1 bf16 recompute=full");
 }
 
+// Every field a strategy decides, for comparing plans.
+std::string DecidedFields(const ParallelPlan& p) {
+  return absl::StrCat(
+      "dp=", p.dp, " tp=", p.tp, " pp=", p.pp, " axes=", absl::StrJoin(p.axis_order, ","), " ranks=",
+      absl::StrJoin(p.rank_order, ","), " zero=", p.zero_stage, " precision=", p.precision, " table=",
+      p.precision_table, " scaling=", p.loss_scaling, "/", p.loss_scaler.loss_scale, " recompute=",
+      p.activation_checkpointing, " layers=", absl::StrJoin(p.checkpoint_layers, ","), " ratio=",
+      p.activation_checkpoint_ratio, " segment=", p.checkpoint_num_layers, " modules=",
+      absl::StrJoin(p.checkpoint_modules, ","), " replace=", absl::StrJoin(p.module_replace, ","), " sp=",
+      p.sequence_parallel, " overlap=", p.tp_overlapping_level, " schedule=", p.schedule, " chunks=",
+      p.virtual_stages, " micro=", p.num_micro_batches, " split=", p.split_method, " partition=", p.partition_method);
+}
+
+std::vector<ParallelPlan> PlansUsingEveryMethod() {
+  std::vector<ParallelPlan> plans(6);
+  {
+    ParallelPlan& p = plans[0];  // 3D, sequence parallel, interleaved, full recomputation
+    p.dp = p.tp = p.pp = 2;
+    p.sequence_parallel = true;
+    p.zero_stage = 1;
+    p.precision = "bf16";
+    p.schedule = "interleaved_1f1b";
+    p.virtual_stages = 2;
+    p.num_micro_batches = 4;
+    p.activation_checkpointing = "full";
+  }
+  {
+    ParallelPlan& p = plans[1];  // data fastest, a rank order, overlap, replacement, modules
+    p.dp = 2;
+    p.tp = 2;
+    p.axis_order = {"data", "tensor", "pipeline"};
+    p.rank_order = {3, 1, 2, 0};
+    p.tp_overlapping_level = 2;
+    p.module_replace = {"fused_attention", "fused_layer_norm"};
+    p.checkpoint_modules = {"attn"};
+    p.precision = "pure_bf16";
+    p.precision_table = "buffer=fp32";
+  }
+  {
+    ParallelPlan& p = plans[2];  // zero bubble, selected layers, skip on overflow
+    p.dp = 1;
+    p.pp = 4;
+    p.schedule = "zb_h1";
+    p.num_micro_batches = 8;
+    p.activation_checkpointing = "selected";
+    p.checkpoint_layers = {"transformer.h.1", "transformer.h.5"};
+    p.checkpoint_num_layers = 2;
+    p.split_method = "layer_split";
+    p.partition_method = "parameters";
+    p.precision = "bf16";
+    p.loss_scaling = true;  // a static scale of 1: skip_if_nonfinite
+    p.loss_scaler.loss_scale = 1;
+  }
+  {
+    ParallelPlan& p = plans[3];  // stage-aware with modules, pipeline before tensor
+    p.dp = 1;
+    p.tp = 2;
+    p.pp = 2;
+    p.axis_order = {"pipeline", "tensor", "data"};
+    p.activation_checkpointing = "stage_aware";
+    p.activation_checkpoint_ratio = 0.3;
+    p.checkpoint_modules = {"mlp"};
+    p.num_micro_batches = 2;
+  }
+  {
+    ParallelPlan& p = plans[4];  // ZeRO-3, every layer and modules, accumulation
+    p.dp = 4;
+    p.zero_stage = 3;
+    p.activation_checkpointing = "full";
+    p.checkpoint_modules = {"attn", "mlp"};
+    p.num_micro_batches = 3;
+    p.precision_table = "param=bf16";
+  }
+  plans[5].dp = 4;  // the default plan
+  return plans;
+}
+
+TEST(StrategyTest, ApplyStrategyInvertsStrategyFromPlan) {
+  for (const ParallelPlan& plan : PlansUsingEveryMethod()) {
+    ASSERT_TRUE(ValidatePlan(plan).ok()) << ValidatePlan(plan) << DecidedFields(plan);
+    ParallelPlan again;
+    absl::Status applied = ApplyStrategy(StrategyFromPlan(plan), plan.dp * plan.tp * plan.pp, &again);
+    ASSERT_TRUE(applied.ok()) << applied << "\n" << StrategyToText(StrategyFromPlan(plan));
+    EXPECT_EQ(DecidedFields(again), DecidedFields(plan)) << StrategyToText(StrategyFromPlan(plan));
+  }
+}
+
+TEST(StrategyTest, ASavedStrategyLoadsAndSavesByteForByte) {
+  const std::string path = ::testing::TempDir() + "/strategy.pbtxt";
+  for (const ParallelPlan& plan : PlansUsingEveryMethod()) {
+    const std::string text = StrategyToText(StrategyFromPlan(plan));
+    ASSERT_TRUE(SaveStrategy(StrategyFromPlan(plan), path).ok());
+    auto loaded = LoadStrategy(path);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    ParallelPlan applied;
+    ASSERT_TRUE(ApplyStrategy(*loaded, plan.dp * plan.tp * plan.pp, &applied).ok());
+    EXPECT_EQ(StrategyToText(StrategyFromPlan(applied)), text);
+  }
+}
+
+TEST(StrategyTest, ParallelModeOrderAndRankOrderLayTheRanksOut) {
+  auto data_first = Apply(R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 2 }
+                              parallel_mode { name: "tensor" size: 2 } rank_order: [0, 2, 1, 3] })", 4);
+  ASSERT_TRUE(data_first.ok()) << data_first.status();
+  EXPECT_EQ(data_first->axis_order, (std::vector<std::string>{"data", "tensor", "pipeline"}));
+  EXPECT_EQ(data_first->rank_order, (std::vector<int>{0, 2, 1, 3}));
+  EXPECT_EQ(DescribePlan(*data_first), "dp2 x tp2 mb1x4 axes=data,tensor,pipeline ranks=0,2,1,3");
+  std::vector<MeshAxis> axes = PlanMeshAxes(*data_first);
+  ASSERT_EQ(axes.size(), 3u);
+  EXPECT_EQ(axes[0].name, "data");
+  EXPECT_EQ(axes[1].name, "tensor");
+  // The default order, and an identity rank order, are written as empty.
+  auto usual = Apply(R"(methods { name: "parallel_mode" parallel_mode { name: "pipeline" size: 2 }
+                         parallel_mode { name: "data" size: 2 } rank_order: [0, 1, 2, 3] })", 4);
+  ASSERT_TRUE(usual.ok()) << usual.status();
+  EXPECT_TRUE(usual->axis_order.empty());
+  EXPECT_TRUE(usual->rank_order.empty());
+  EXPECT_THAT(Error(R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 2 } rank_order: [0, 0] })", 2),
+              HasSubstr("rank order 0,0 is not a permutation of the ranks 0 to 1"));
+}
+
 TEST(StrategyTest, BadStrategiesNameTheMethodOrThePair) {
   EXPECT_THAT(Error(R"(methods { name: "turbo" })", 2), HasSubstr("unknown method 'turbo'; choose amp_native"));
   EXPECT_THAT(Error(R"(methods { name: "zero2" schedule: "1f1b" })", 2),
@@ -103,6 +226,9 @@ TEST(StrategyTest, BadStrategiesNameTheMethodOrThePair) {
   EXPECT_THAT(Error(R"(methods { name: "tensor_parallel" })", 2), HasSubstr("tensor_parallel needs tensor ranks"));
   EXPECT_THAT(Error(R"(methods { name: "fsdp" wrap: "h" })", 2), HasSubstr("fsdp's wrap"));
   EXPECT_THAT(Error(R"(methods { name: "amp_native" dtype: "fp8" })", 2), HasSubstr("choose bf16 or fp16"));
+  EXPECT_THAT(Error(R"(methods { name: "module_replace" })", 2), HasSubstr("module_replace names no pairs"));
+  EXPECT_THAT(Error(R"(methods { name: "checkpoint" all_layers: true layers: "h.1" })", 2),
+              HasSubstr("all_layers recomputes every layer"));
   // The plan's own checks follow: fp16 needs a GPU.
   EXPECT_THAT(Error(R"(methods { name: "amp_native" })", 2), HasSubstr("float16, which needs a GPU"));
 }

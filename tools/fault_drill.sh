@@ -60,10 +60,10 @@ done
 # Preemption: SIGTERM to the job saves a checkpoint and exits 0; resuming finishes the run.
 rm -rf "$work/saves"
 start 300 "${flags[@]}" --save_dir="$work/saves"
-# Once rank 0 prints its config every rank has joined, and ranks catch SIGTERM
+# Once rank 0 prints its layout every rank has joined, and ranks catch SIGTERM
 # from their start: the job stops after the step in progress. (Waiting for a
 # step instead races with the end of this short run.)
-await "config:" 120
+await "layout:" 120
 launcher=$(pgrep -P "$job") || fail "SIGTERM: the job ended before it could be signalled"
 kill -TERM "$launcher"  # to train itself (as a scheduler would), not to the timeout wrapper
 wait "$job" || fail "SIGTERM: the job exited $?"

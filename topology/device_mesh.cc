@@ -10,7 +10,8 @@
 
 namespace trident {
 
-absl::StatusOr<DeviceMesh> DeviceMesh::Create(std::vector<MeshAxis> axes, int world_size) {
+absl::StatusOr<DeviceMesh> DeviceMesh::Create(std::vector<MeshAxis> axes, int world_size,
+                                              std::vector<int> rank_order) {
   if (world_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("world size must be positive, got ", world_size));
@@ -61,15 +62,33 @@ absl::StatusOr<DeviceMesh> DeviceMesh::Create(std::vector<MeshAxis> axes, int wo
         "mesh ", describe(), " has ", known_product, " ranks but the world size is ", world_size,
         "; make the axis sizes multiply to the number of ranks or leave one to be inferred"));
   }
-  return DeviceMesh(std::move(axes), world_size);
+  if (!rank_order.empty()) {
+    std::vector<int> sorted = rank_order;
+    std::sort(sorted.begin(), sorted.end());
+    for (int i = 0; i < static_cast<int>(sorted.size()); ++i) {
+      if (sorted[i] != i || static_cast<int>(sorted.size()) != world_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rank order ", absl::StrJoin(rank_order, ","), " is not a permutation of the ranks 0 to ",
+            world_size - 1, "; list every rank once, in the order of the mesh positions"));
+      }
+    }
+    bool identity = true;
+    for (int i = 0; i < world_size; ++i) identity &= rank_order[i] == i;
+    if (identity) rank_order.clear();
+  }
+  return DeviceMesh(std::move(axes), world_size, std::move(rank_order));
 }
 
-DeviceMesh::DeviceMesh(std::vector<MeshAxis> axes, int world_size)
-    : axes_(std::move(axes)), world_size_(world_size) {
+DeviceMesh::DeviceMesh(std::vector<MeshAxis> axes, int world_size, std::vector<int> rank_order)
+    : axes_(std::move(axes)), rank_order_(std::move(rank_order)), world_size_(world_size) {
   int stride = 1;
   for (const MeshAxis& axis : axes_) {
     strides_.push_back(stride);
     stride *= axis.size;
+  }
+  if (!rank_order_.empty()) {
+    position_of_.assign(world_size_, 0);
+    for (int i = 0; i < world_size_; ++i) position_of_[rank_order_[i]] = i;
   }
 }
 
@@ -89,21 +108,22 @@ int DeviceMesh::AxisSize(absl::string_view axis) const {
 
 std::vector<int> DeviceMesh::Coordinates(int rank) const {
   CHECK(rank >= 0 && rank < world_size_) << "rank " << rank << " outside mesh " << ToString();
+  const int position = position_of_.empty() ? rank : position_of_[rank];
   std::vector<int> coordinates;
   for (int i = 0; i < static_cast<int>(axes_.size()); ++i) {
-    coordinates.push_back((rank / strides_[i]) % axes_[i].size);
+    coordinates.push_back((position / strides_[i]) % axes_[i].size);
   }
   return coordinates;
 }
 
 int DeviceMesh::RankAt(const std::vector<int>& coordinates) const {
   CHECK_EQ(coordinates.size(), axes_.size());
-  int rank = 0;
+  int position = 0;
   for (int i = 0; i < static_cast<int>(axes_.size()); ++i) {
     CHECK(coordinates[i] >= 0 && coordinates[i] < axes_[i].size);
-    rank += coordinates[i] * strides_[i];
+    position += coordinates[i] * strides_[i];
   }
-  return rank;
+  return rank_order_.empty() ? position : rank_order_[position];
 }
 
 int DeviceMesh::AxisIndex(absl::string_view axis, int rank) const {
@@ -122,16 +142,21 @@ std::vector<int> DeviceMesh::GroupRanks(const std::vector<std::string>& group_ax
       positions.push_back(position);
     }
   }
-  std::vector<int> ranks = {RankAt(base)};
+  int origin = 0;
+  for (int i = 0; i < static_cast<int>(axes_.size()); ++i) origin += base[i] * strides_[i];
+  std::vector<int> members = {origin};  // mesh positions
   for (int position : positions) {
     std::vector<int> expanded;
-    for (int r : ranks) {
-      for (int k = 0; k < axes_[position].size; ++k) expanded.push_back(r + k * strides_[position]);
+    for (int p : members) {
+      for (int k = 0; k < axes_[position].size; ++k) expanded.push_back(p + k * strides_[position]);
     }
-    ranks = std::move(expanded);
+    members = std::move(expanded);
   }
-  std::sort(ranks.begin(), ranks.end());
-  return ranks;
+  std::sort(members.begin(), members.end());
+  if (!rank_order_.empty()) {
+    for (int& member : members) member = rank_order_[member];
+  }
+  return members;
 }
 
 std::vector<int> DeviceMesh::GroupRanks(absl::string_view axis, int rank) const {
@@ -142,7 +167,8 @@ std::vector<std::vector<int>> DeviceMesh::AllGroups(
     const std::vector<std::string>& group_axes) const {
   std::vector<std::vector<int>> groups;
   std::vector<bool> covered(world_size_, false);
-  for (int rank = 0; rank < world_size_; ++rank) {
+  for (int position = 0; position < world_size_; ++position) {
+    const int rank = rank_order_.empty() ? position : rank_order_[position];
     if (covered[rank]) continue;
     groups.push_back(GroupRanks(group_axes, rank));
     for (int member : groups.back()) covered[member] = true;
@@ -153,8 +179,9 @@ std::vector<std::vector<int>> DeviceMesh::AllGroups(
 std::string DeviceMesh::ToString() const {
   std::vector<std::string> parts;
   for (const MeshAxis& axis : axes_) parts.push_back(absl::StrCat(axis.name, "=", axis.size));
-  return absl::StrCat(parts.empty() ? "(no axes)" : absl::StrJoin(parts, " x "), " (",
-                      world_size_, " ranks)");
+  return absl::StrCat(parts.empty() ? "(no axes)" : absl::StrJoin(parts, " x "), " (", world_size_, " ranks",
+                      rank_order_.empty() ? "" : absl::StrCat(", rank order ", absl::StrJoin(rank_order_, ",")),
+                      ")");
 }
 
 }  // namespace trident

@@ -6,6 +6,9 @@
 //   absl::StatusOr<DeviceMesh> mesh = DeviceMesh::Create(
 //       {{"tensor", 4}, {"pipeline", 2}, {"data", DeviceMesh::kInferSize}}, 16);
 //   std::vector<int> dp = mesh->GroupRanks("data", /*rank=*/3);  // {3, 11}
+//
+// A rank order (the reference's second item of parallel_mode) places rank
+// rank_order[i] at mesh position i; empty is the identity.
 #ifndef TRIDENT_TOPOLOGY_DEVICE_MESH_H_
 #define TRIDENT_TOPOLOGY_DEVICE_MESH_H_
 
@@ -30,11 +33,15 @@ class DeviceMesh {
 
   // Lays `world_size` ranks out on `axes` (first axis fastest). Errors when the
   // sizes do not multiply to `world_size`, a name repeats or is empty, or more
-  // than one axis asks to be inferred.
-  static absl::StatusOr<DeviceMesh> Create(std::vector<MeshAxis> axes, int world_size);
+  // than one axis asks to be inferred, or `rank_order` (when not empty) is not
+  // a permutation of 0 .. world_size - 1.
+  static absl::StatusOr<DeviceMesh> Create(std::vector<MeshAxis> axes, int world_size,
+                                           std::vector<int> rank_order = {});
 
   int world_size() const { return world_size_; }
   const std::vector<MeshAxis>& axes() const { return axes_; }
+  // The rank at each mesh position (empty: the identity).
+  const std::vector<int>& rank_order() const { return rank_order_; }
 
   // Whether the mesh has an axis called `axis`.
   bool HasAxis(absl::string_view axis) const;
@@ -49,22 +56,27 @@ class DeviceMesh {
   int AxisIndex(absl::string_view axis, int rank) const;
 
   // Ranks that share every coordinate with `rank` except those along `group_axes`,
-  // in increasing order: the process group of `rank` spanning `group_axes`.
+  // in mesh order (first axis fastest; increasing for the identity rank
+  // order): the process group of `rank` spanning `group_axes`, whose group
+  // rank i is the i-th of them.
   // Unknown axis names are ignored (they have size 1).
   std::vector<int> GroupRanks(const std::vector<std::string>& group_axes, int rank) const;
   std::vector<int> GroupRanks(absl::string_view axis, int rank) const;
 
-  // Every group spanning `group_axes`, ordered by their lowest rank.
+  // Every group spanning `group_axes`, ordered by their first member's mesh position.
   std::vector<std::vector<int>> AllGroups(const std::vector<std::string>& group_axes) const;
 
-  // "tensor=4 x pipeline=2 x data=2 (16 ranks)".
+  // "tensor=4 x pipeline=2 x data=2 (16 ranks)", then the rank order when it
+  // is not the identity.
   std::string ToString() const;
 
  private:
-  DeviceMesh(std::vector<MeshAxis> axes, int world_size);
+  DeviceMesh(std::vector<MeshAxis> axes, int world_size, std::vector<int> rank_order);
   int AxisPosition(absl::string_view axis) const;  // -1 when absent
 
   std::vector<MeshAxis> axes_;
+  std::vector<int> rank_order_;     // position -> rank (empty: identity)
+  std::vector<int> position_of_;    // rank -> position (empty: identity)
   std::vector<int> strides_;
   int world_size_;
 };

@@ -36,6 +36,31 @@ TEST(DeviceMeshTest, GroupsSpanningSeveralAxes) {
   EXPECT_EQ(mesh->AllGroups({"pipeline", "data"}), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
 }
 
+TEST(DeviceMeshTest, ARankOrderPlacesRanksAtMeshPositions) {
+  // Positions 0..3 hold ranks 3, 2, 1, 0: pipeline groups of positions {0, 2} and {1, 3}.
+  auto mesh = DeviceMesh::Create({{"data", 2}, {"pipeline", 2}}, 4, {3, 2, 1, 0});
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  EXPECT_THAT(mesh->GroupRanks("pipeline", 3), ElementsAre(3, 1));  // stage 0 first
+  EXPECT_THAT(mesh->GroupRanks("data", 0), ElementsAre(1, 0));
+  EXPECT_THAT(mesh->Coordinates(3), ElementsAre(0, 0));
+  EXPECT_THAT(mesh->Coordinates(0), ElementsAre(1, 1));
+  EXPECT_EQ(mesh->RankAt({1, 0}), 2);
+  EXPECT_EQ(mesh->AxisIndex("pipeline", 1), 1);
+  EXPECT_EQ(mesh->AllGroups({"data"}), (Groups{{3, 2}, {1, 0}}));
+  EXPECT_EQ(mesh->ToString(), "data=2 x pipeline=2 (4 ranks, rank order 3,2,1,0)");
+  auto identity = DeviceMesh::Create({{"data", 4}}, 4, {0, 1, 2, 3});
+  ASSERT_TRUE(identity.ok());
+  EXPECT_TRUE(identity->rank_order().empty());
+}
+
+TEST(DeviceMeshTest, ARankOrderThatIsNotAPermutationIsAClearError) {
+  for (const std::vector<int>& order : std::vector<std::vector<int>>{{0, 1, 1, 2}, {0, 1, 2}, {1, 2, 3, 4}}) {
+    auto mesh = DeviceMesh::Create({{"data", 4}}, 4, order);
+    ASSERT_FALSE(mesh.ok());
+    EXPECT_THAT(std::string(mesh.status().message()), HasSubstr("is not a permutation of the ranks 0 to 3"));
+  }
+}
+
 TEST(DeviceMeshTest, InfersTheOneAxisLeftOpen) {
   auto mesh = DeviceMesh::Create({{"tensor", 2}, {"pipeline", 2}, {"data", DeviceMesh::kInferSize}},
                                  12);

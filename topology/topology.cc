@@ -312,7 +312,7 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv&
                                                            TopologyOptions options) {
   std::vector<MeshAxis> axes = options.mesh_axes;
   if (axes.empty()) axes = {{"data", env.world_size}};
-  TRIDENT_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(axes, env.world_size));
+  TRIDENT_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(axes, env.world_size, options.rank_order));
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     if (live_topology != nullptr) {
@@ -374,7 +374,8 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv&
 absl::Status Topology::ConnectGroups() {
   std::vector<std::string> all_axes;
   for (const MeshAxis& axis : mesh_.axes()) all_axes.push_back(axis.name);
-  TRIDENT_ASSIGN_OR_RETURN(world_, AddGroup(all_axes));
+  // The world's group ranks are the global ranks, whatever the rank order.
+  TRIDENT_ASSIGN_OR_RETURN(world_, AddGroup(all_axes, /*by_global_rank=*/true));
   groups_by_name_["world"] = world_;
   for (const std::string& axis : all_axes) {
     TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * group, GroupSpanning({axis}));
@@ -386,9 +387,9 @@ absl::Status Topology::ConnectGroups() {
   return world_->Barrier();
 }
 
-absl::Status Topology::Reshape(std::vector<MeshAxis> mesh_axes) {
+absl::Status Topology::Reshape(std::vector<MeshAxis> mesh_axes, std::vector<int> rank_order) {
   if (mesh_axes.empty()) mesh_axes = {{"data", env_.world_size}};
-  TRIDENT_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(mesh_axes, env_.world_size));
+  TRIDENT_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(mesh_axes, env_.world_size, std::move(rank_order)));
   // Every rank is done with the old groups before any is torn down.
   TRIDENT_RETURN_IF_ERROR(world_->Barrier());
   groups_by_name_.clear();
@@ -405,9 +406,10 @@ absl::StatusOr<std::unique_ptr<StoreClient>> Topology::ConnectStoreClient() cons
   return std::unique_ptr<StoreClient>(new TcpStoreClient(std::move(store)));
 }
 
-absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>& axes) {
+absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>& axes, bool by_global_rank) {
   const std::string name = absl::StrJoin(axes, "+");
   std::vector<int> ranks = mesh_.GroupRanks(axes, env_.rank);
+  if (by_global_rank) std::sort(ranks.begin(), ranks.end());
   const int group_rank =
       static_cast<int>(std::find(ranks.begin(), ranks.end(), env_.rank) - ranks.begin());
   Impl& impl = *impl_;

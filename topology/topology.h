@@ -49,6 +49,9 @@ enum class CommBackend {
 struct TopologyOptions {
   // Mesh axes, first fastest; empty means one axis "data" over all ranks.
   std::vector<MeshAxis> mesh_axes;
+  // The rank at each mesh position (the reference's rank_order; empty: rank i
+  // at position i).
+  std::vector<int> rank_order;
   // Limit for every collective and point-to-point operation.
   absl::Duration timeout = absl::Minutes(5);
   // Limit for all ranks to arrive at the rendezvous.
@@ -110,19 +113,22 @@ class Topology {
   // rank must call this with the same axes in the same order. Later calls return
   // the same group.
   absl::StatusOr<ProcessGroup*> GroupSpanning(const std::vector<std::string>& axes);
-  // Lays the same ranks out on a new mesh (empty: one "data" axis), keeping
+  // Lays the same ranks out on a new mesh (empty: one "data" axis; rank_order
+  // as in TopologyOptions), keeping
   // the rendezvous store and the heartbeats: every group is replaced, so
   // pointers to the old ones (and whatever holds them, a ParallelModel) must
   // be gone first. Collective: every rank calls it with the same axes. The
   // strategy search runs each candidate layout in one job this way.
-  absl::Status Reshape(std::vector<MeshAxis> mesh_axes);
+  absl::Status Reshape(std::vector<MeshAxis> mesh_axes, std::vector<int> rank_order = {});
   // A new connection to the rendezvous store (see StoreClient).
   absl::StatusOr<std::unique_ptr<StoreClient>> ConnectStoreClient() const;
 
  private:
   class Impl;
   Topology(DistributedEnv env, DeviceMesh mesh);
-  absl::StatusOr<ProcessGroup*> AddGroup(const std::vector<std::string>& axes);
+  // The group of this rank spanning `axes`, its members in mesh order or, with
+  // `by_global_rank`, in the order of their global ranks.
+  absl::StatusOr<ProcessGroup*> AddGroup(const std::vector<std::string>& axes, bool by_global_rank = false);
   // The world group and one per mesh axis, then a barrier.
   absl::Status ConnectGroups();
 

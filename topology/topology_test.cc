@@ -107,6 +107,29 @@ TEST(TopologyTest, ReshapeReplacesTheGroupsOnTheSameRanks) {
   });
 }
 
+// A rank order (ATorch's parallel_mode's second item) places ranks on the
+// mesh: axis groups list their members in mesh order (group rank = mesh
+// coordinate), the world keeps the global ranks.
+TEST(TopologyTest, ARankOrderLaysTheGroupsOutAndKeepsTheWorldInRankOrder) {
+  testing::RunOnRanks(4, [](int rank) {
+    TopologyOptions options;
+    options.mesh_axes = {{"data", 2}, {"pipeline", 2}};
+    options.rank_order = {3, 1, 2, 0};
+    auto created = testing::JoinTopology(options);
+    ASSERT_TRUE(created.ok()) << created.status();
+    Topology& topology = **created;
+    ProcessGroup* pp = *topology.Group("pipeline");
+    const std::vector<std::vector<int>> pipelines = {{3, 2}, {1, 0}};
+    EXPECT_EQ(pp->global_ranks(), pipelines[rank == 3 || rank == 2 ? 0 : 1]);
+    EXPECT_EQ(pp->rank(), rank == 3 || rank == 1 ? 0 : 1);
+    EXPECT_EQ(topology.world().rank(), rank);
+    EXPECT_THAT(topology.world().global_ranks(), ElementsAre(0, 1, 2, 3));
+    at::Tensor value = at::full({1}, static_cast<double>(rank), at::kDouble);
+    ASSERT_TRUE(pp->Broadcast(value, 0).ok());  // from stage 0
+    EXPECT_EQ(value.item<double>(), rank == 3 || rank == 2 ? 3 : 1);
+  });
+}
+
 TEST(TopologyTest, MeshThatDoesNotFitTheWorldFailsBeforeConnecting) {
   testing::RunOnRanks(2, [](int) {
     auto created = testing::JoinTopology({{"tensor", 4}});

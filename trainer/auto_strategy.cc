@@ -71,7 +71,7 @@ absl::StatusOr<TrainerConfig> Trainer::ChooseStrategy(TrainerConfig config, Topo
   if (chosen) {
     ParallelPlan plan;
     TRIDENT_RETURN_IF_ERROR(ApplyStrategy(*chosen, world, &plan));
-    TRIDENT_RETURN_IF_ERROR(topology->Reshape({{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}));
+    TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
   } else {
     auto make_source = [&config](const ModelContext& context) -> absl::StatusOr<ModelSource> {
       TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts built, internal::BuildParts(config, context, false));

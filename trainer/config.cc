@@ -22,6 +22,48 @@ using google::protobuf::FieldDescriptor;
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
+// Where a flag's value goes: `field` of `message`.
+struct FlagTarget {
+  google::protobuf::Message* message = nullptr;
+  const FieldDescriptor* field = nullptr;
+};
+
+// The field a dotted flag names ("model_config.args.n_layer",
+// "optimizer_config.type"): messages on the path are created, a map's key
+// becomes its entry (the rest of the name, dots included) and the target is
+// the entry's value. Unknown names are an error naming the part at fault.
+absl::StatusOr<FlagTarget> DottedField(google::protobuf::Message* root, const std::string& name) {
+  std::vector<std::string> parts = absl::StrSplit(name, '.');
+  google::protobuf::Message* message = root;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const FieldDescriptor* field = message->GetDescriptor()->FindFieldByName(parts[i]);
+    if (field == nullptr) {
+      return Invalid(absl::StrCat("unknown flag --", name, ": ", message->GetDescriptor()->name(),
+                                  " has no field '", parts[i], "' (see trainer/config.proto)"));
+    }
+    const auto* reflection = message->GetReflection();
+    if (i + 1 == parts.size()) return FlagTarget{message, field};
+    if (field->is_map()) {
+      const std::string key = absl::StrJoin(parts.begin() + i + 1, parts.end(), ".");
+      const FieldDescriptor* key_field = field->message_type()->FindFieldByName("key");
+      for (int e = 0; e < reflection->FieldSize(*message, field); ++e) {
+        google::protobuf::Message* entry = reflection->MutableRepeatedMessage(message, field, e);
+        if (entry->GetReflection()->GetString(*entry, key_field) == key) {
+          return FlagTarget{entry, field->message_type()->FindFieldByName("value")};
+        }
+      }
+      google::protobuf::Message* entry = reflection->AddMessage(message, field);
+      entry->GetReflection()->SetString(entry, key_field, key);
+      return FlagTarget{entry, field->message_type()->FindFieldByName("value")};
+    }
+    if (field->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE || field->is_repeated()) {
+      return Invalid(absl::StrCat("flag --", name, ": '", parts[i], "' is not a message, so it has no fields"));
+    }
+    message = reflection->MutableMessage(message, field);
+  }
+  return Invalid(absl::StrCat("flag --", name, " names no field"));
+}
+
 }  // namespace
 
 absl::StatusOr<TrainerConfig> LoadTrainerConfig(const std::string& path) {
@@ -43,7 +85,13 @@ absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* con
     std::string name(arg.substr(0, arg.find('=')));
     const bool has_value = arg.find('=') != absl::string_view::npos;
     std::string value = has_value ? std::string(arg.substr(arg.find('=') + 1)) : "";
+    google::protobuf::Message* target = config;
     const FieldDescriptor* field = descriptor->FindFieldByName(name);
+    if (absl::StrContains(name, '.')) {
+      TRIDENT_ASSIGN_OR_RETURN(FlagTarget dotted, DottedField(config, name));
+      target = dotted.message;
+      field = dotted.field;
+    }
     if (field == nullptr && absl::StartsWith(name, "no") && !has_value) {
       const FieldDescriptor* negated = descriptor->FindFieldByName(name.substr(2));
       if (negated != nullptr && negated->type() == FieldDescriptor::TYPE_BOOL) {
@@ -64,9 +112,11 @@ absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* con
         return Invalid(absl::StrCat("flag --", name, " needs a value"));
       }
     }
-    if (field->type() == FieldDescriptor::TYPE_STRING) {
-      reflection->SetString(config, field, value);
-    } else if (!ParseTextFieldValue(value, field, config)) {
+    if (field->type() == FieldDescriptor::TYPE_STRING && !field->is_repeated()) {
+      target->GetReflection()->SetString(target, field, value);
+    } else if (field->type() == FieldDescriptor::TYPE_STRING) {  // one more item of a list
+      target->GetReflection()->AddString(target, field, value);
+    } else if (!ParseTextFieldValue(value, field, target)) {
       return Invalid(absl::StrCat("flag --", name, "='", value, "' is not a valid ",
                                   field->type_name(), " value"));
     }
@@ -89,12 +139,18 @@ absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, Tra
   c->set_dp(plan.dp);
   c->set_tp(plan.tp);
   c->set_pp(plan.pp);
+  c->set_axis_order(absl::StrJoin(plan.axis_order, ","));
+  c->set_rank_order(absl::StrJoin(plan.rank_order, ","));
   c->set_sequence_parallel(plan.sequence_parallel);
+  c->set_tp_overlapping_level(plan.tp_overlapping_level);
   c->set_zero_stage(plan.zero_stage);
   c->set_precision(plan.precision);
+  c->set_precision_table(plan.precision_table);
   if (plan.loss_scaling) c->set_loss_scale(plan.loss_scaler.loss_scale);
   c->set_activation_checkpointing(plan.activation_checkpointing);
   c->set_checkpoint_layers(absl::StrJoin(plan.checkpoint_layers, ","));
+  c->set_checkpoint_modules(absl::StrJoin(plan.checkpoint_modules, ","));
+  c->set_module_replace(absl::StrJoin(plan.module_replace, ","));
   c->set_activation_checkpoint_ratio(plan.activation_checkpoint_ratio);
   c->set_checkpoint_num_layers(plan.checkpoint_num_layers);
   c->set_schedule(plan.schedule);
@@ -228,10 +284,10 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
                                 "ranks, start train without a launcher to spawn dp*tp*pp, or set "
                                 "elastic to let dp follow the rank count"));
   }
-  if (c->loss_scale() < 0 || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
+  if ((c->loss_scale() < 0 && c->loss_scale() != -1) || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
       !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 ||
       c->initial_scale_power() > 100) {
-    return Invalid("loss_scale must not be negative, loss_scale_window and hysteresis must be at "
+    return Invalid("loss_scale must be -1 (off), 0 (dynamic) or positive (static), loss_scale_window and hysteresis must be at "
                    "least 1, min_loss_scale positive and initial_scale_power in [0, 100]");
   }
   if (c->micro_batch_size() < 1) {
@@ -314,6 +370,13 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   if (!(c->temperature() > 0) || c->top_k() < 0 || c->sample_tokens() < 0 || c->out_seq_length() < 0) {
     return Invalid("temperature must be positive; top_k, sample_tokens and out_seq_length must not be negative");
   }
+  for (const std::string& rank : CommaList(c->rank_order())) {
+    int value = 0;
+    if (!absl::SimpleAtoi(rank, &value)) {
+      return Invalid(absl::StrCat("rank_order '", c->rank_order(), "': '", rank,
+                                  "' is not a rank; list the rank at each mesh position, comma-separated"));
+    }
+  }
   if (!(c->bucket_size_mb() > 0)) return Invalid("bucket_size_mb must be positive");
   if (c->intra_op_threads() < 0) return Invalid("intra_op_threads must not be negative");
   if (!c->loss().empty() && !LossRegistry().Contains(c->loss())) {
@@ -331,6 +394,11 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.dp = c.dp();
   plan.tp = c.tp();
   plan.pp = c.pp();
+  plan.axis_order = CommaList(c.axis_order());
+  for (const std::string& rank : CommaList(c.rank_order())) {
+    int value = -1;  // ResolveConfig refuses what does not parse
+    plan.rank_order.push_back(absl::SimpleAtoi(rank, &value) ? value : -1);
+  }
   plan.sequence_parallel = c.sequence_parallel();
   plan.tp_overlapping_level = c.tp_overlapping_level();
   plan.tp_split_all = c.tp_split_all();
@@ -361,8 +429,8 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   if (c.prescale_gradients()) plan.gradient_predivide_factor = c.gradient_predivide_factor();
   plan.precision = c.precision();
   plan.precision_table = c.precision_table();
-  plan.loss_scaling = c.has_loss_scale() || c.skip_if_nonfinite();
-  plan.loss_scaler.loss_scale = c.has_loss_scale() ? c.loss_scale() : 1.0;  // skip_if_nonfinite: a static 1
+  plan.loss_scaling = c.loss_scale() >= 0 || c.skip_if_nonfinite();
+  plan.loss_scaler.loss_scale = c.loss_scale() >= 0 ? c.loss_scale() : 1.0;  // skip_if_nonfinite: a static 1
   plan.loss_scaler.initial_scale_power = c.initial_scale_power();
   plan.loss_scaler.loss_scale_window = c.loss_scale_window();
   plan.loss_scaler.hysteresis = c.hysteresis();
@@ -392,8 +460,8 @@ std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& c) {
   if (absl::StartsWith(type, "torchscript:")) {
     args["path"] = type.substr(std::string("torchscript:").size());
     type = "torchscript";
-  } else if (c.has_preset() || type == "gpt" || type == "llama" || type == "mlp") {
-    args["preset"] = c.has_preset() ? c.preset() : absl::StrCat(type, "-tiny");
+  } else if (!c.preset().empty() || type == "gpt" || type == "llama" || type == "mlp") {
+    args["preset"] = !c.preset().empty() ? c.preset() : absl::StrCat(type, "-tiny");
   }
   const auto* reflection = c.GetReflection();
   for (const char* field : {"n_layer", "n_head", "n_embd", "n_kv_head", "intermediate_size"}) {
@@ -404,7 +472,7 @@ std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& c) {
   if (c.has_vocab_size()) args["vocab_size"] = absl::StrCat(c.vocab_size());
   if (c.has_dropout()) args["dropout"] = absl::StrCat(c.dropout());
   if (c.has_rope_theta()) args["rope_theta"] = absl::StrCat(c.rope_theta());
-  if (c.has_init_method_std() || args.count("preset")) args["init_method_std"] = absl::StrCat(c.init_method_std());
+  if (c.init_method_std() > 0) args["init_method_std"] = absl::StrCat(c.init_method_std());
   if (c.no_tie_modules() && args.count("preset")) args["tie_word_embeddings"] = "false";  // the zoo unties itself
   return {type, ComponentArgs(absl::StrCat("model '", type, "'"), std::move(args))};
 }
@@ -460,6 +528,28 @@ std::string ConfigToText(const TrainerConfig& config) {
   std::string text;
   google::protobuf::TextFormat::PrintToString(complete, &text);
   return text;
+}
+
+std::string ConfigChangesToText(const TrainerConfig& config) {
+  TrainerConfig changes = config;
+  const auto* reflection = changes.GetReflection();
+  const auto* descriptor = changes.GetDescriptor();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const FieldDescriptor* field = descriptor->field(i);
+    if (field->is_repeated() || field->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE ||
+        !reflection->HasField(changes, field)) {
+      continue;
+    }
+    std::string value, default_value;
+    google::protobuf::TextFormat::PrintFieldValueToString(changes, field, -1, &value);
+    google::protobuf::TextFormat::PrintFieldValueToString(TrainerConfig::default_instance(), field, -1, &default_value);
+    if (value == default_value) reflection->ClearField(&changes, field);
+  }
+  google::protobuf::TextFormat::Printer printer;
+  printer.SetSingleLineMode(true);
+  std::string text;
+  printer.PrintToString(changes, &text);
+  return std::string(absl::StripAsciiWhitespace(text));
 }
 
 }  // namespace trident

@@ -17,8 +17,12 @@ namespace trident {
 absl::StatusOr<TrainerConfig> LoadTrainerConfig(const std::string& path);
 
 // Applies every "--field=value" / "--field value" / "--[no]bool_field" in `args`
-// that names a TrainerConfig field, and removes it from `args`. Other arguments
-// stay. Errors name the flag and the value that does not parse.
+// that names a TrainerConfig field, and removes it from `args`. Nested fields
+// take dotted names, nnScaler's form: --model_config.args.n_layer=4 (a map's
+// key is the rest of the name), --optimizer_config.clip_gnorm=0.5,
+// --tp_layer_lists.col_para_list=c_fc (a list grows by one item per flag).
+// Other arguments stay. Errors name the flag and the value that does not
+// parse, or the part of a dotted name that is no field.
 absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* config);
 
 // Fills in global_batch_size / grad_accumulation_steps and checks every field
@@ -49,8 +53,11 @@ double GradientClip(const TrainerConfig& config);
 // The items of a comma-separated field, trimmed.
 std::vector<std::string> CommaList(const std::string& text);
 
-// The config as text format, for printing and saving.
+// The config as text format, every field with a default included: what a
+// run saves beside its checkpoints and metrics, and --config reads back.
 std::string ConfigToText(const TrainerConfig& config);
+// The fields that differ from their defaults, on one line (what a run prints).
+std::string ConfigChangesToText(const TrainerConfig& config);
 
 }  // namespace trident
 

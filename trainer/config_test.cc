@@ -1,6 +1,7 @@
 #include "trainer/config.h"
 
 #include <cstdlib>
+#include <fstream>
 
 #include <gmock/gmock.h>
 #include <google/protobuf/text_format.h>
@@ -38,6 +39,66 @@ TEST(ConfigFlagsTest, ValuesThatDoNotParseNameTheFlag) {
               HasSubstr("--max_steps='many' is not a valid int64 value"));
   args = {"--lr"};
   EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("--lr needs a value"));
+}
+
+TEST(ConfigFlagsTest, DottedFlagsSetNestedFieldsMapsAndLists) {
+  TrainerConfig config;
+  std::vector<std::string> args = {"--model_config.type=llama", "--model_config.args.n_layer=4",
+                                   "--model_config.args.n_layer=6", "--optimizer_config.args.beta2=0.95",
+                                   "--optimizer_config.clip_gnorm", "0.5", "--tp_layer_lists.col_para_list=c_fc",
+                                   "--tp_layer_lists.col_para_list=c_attn", "--dataset_config.train_args.path.to=x"};
+  ASSERT_TRUE(ApplyConfigFlags(&args, &config).ok());
+  EXPECT_TRUE(args.empty());
+  EXPECT_EQ(config.model_config().type(), "llama");
+  EXPECT_EQ(config.model_config().args().size(), 1u);
+  EXPECT_EQ(config.model_config().args().at("n_layer"), "6");  // the last flag wins
+  EXPECT_EQ(config.optimizer_config().args().at("beta2"), "0.95");
+  EXPECT_EQ(config.optimizer_config().clip_gnorm(), 0.5);
+  EXPECT_THAT(config.tp_layer_lists().col_para_list(), ElementsAre("c_fc", "c_attn"));
+  EXPECT_EQ(config.dataset_config().train_args().at("path.to"), "x");
+  args = {"--model_config.kind=x"};
+  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("ModelConfig has no field 'kind'"));
+  args = {"--lr.value=1"};
+  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("'lr' is not a message"));
+  args = {"--optimizer_config.clip_gnorm=high"};
+  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("is not a valid double value"));
+}
+
+// One run's layout given as flags, as a text config, and as the strategy
+// file that run would save, makes the same plan.
+TEST(ConfigFlagsTest, FlagsTextConfigAndSavedStrategyGiveTheSamePlan) {
+  std::vector<std::string> args = {
+      "--dp=2", "--pp=2", "--zero_stage=1", "--precision=bf16", "--schedule=zb_h1", "--micro_batch_size=2",
+      "--global_batch_size=16", "--activation_checkpointing=selected", "--checkpoint_layers=transformer.h.1",
+      "--checkpoint_modules=attn", "--module_replace=fused_attention", "--axis_order=data,pipeline,tensor",
+      "--rank_order=3,2,1,0", "--precision_table=buffer=fp32", "--partition_method=parameters"};
+  TrainerConfig from_flags;
+  ASSERT_TRUE(ApplyConfigFlags(&args, &from_flags).ok());
+  ASSERT_TRUE(ResolveConfig(&from_flags, 4).ok()) << ResolveConfig(&from_flags, 4);
+  const ParallelPlan plan = PlanFromConfig(from_flags);
+
+  const std::string dir = ::testing::TempDir();
+  {
+    std::ofstream(dir + "/run.pbtxt") << ConfigToText(from_flags);
+  }
+  auto from_text = LoadTrainerConfig(dir + "/run.pbtxt");
+  ASSERT_TRUE(from_text.ok()) << from_text.status();
+  ASSERT_TRUE(ResolveConfig(&*from_text, 4).ok());
+
+  ASSERT_TRUE(SaveStrategy(StrategyFromPlan(plan), dir + "/run_strategy.pbtxt").ok());
+  TrainerConfig from_strategy;
+  from_strategy.set_load_strategy(dir + "/run_strategy.pbtxt");
+  from_strategy.set_global_batch_size(16);
+  ASSERT_TRUE(ResolveConfig(&from_strategy, 4).ok()) << ResolveConfig(&from_strategy, 4);
+
+  const std::string expected = StrategyToText(StrategyFromPlan(plan));
+  EXPECT_THAT(expected, HasSubstr("rank_order: 3"));
+  for (const TrainerConfig* config : {&*from_text, &from_strategy}) {
+    const ParallelPlan other = PlanFromConfig(*config);
+    EXPECT_EQ(StrategyToText(StrategyFromPlan(other)), expected);
+    EXPECT_EQ(other.micro_batch_size, plan.micro_batch_size);
+    EXPECT_EQ(other.num_micro_batches, 4);
+  }
 }
 
 TEST(ConfigFileTest, ShippedConfigsParse) {
@@ -251,6 +312,35 @@ TEST(ConfigToTextTest, PrintsDefaultsToo) {
   EXPECT_THAT(text, HasSubstr("lr: 0.5"));
   EXPECT_THAT(text, HasSubstr("lr_scheduler: \"cosine\""));
   EXPECT_THAT(text, ::testing::Not(HasSubstr("n_layer")));
+}
+
+// The whole text (what runs save beside their checkpoints) reads back as the
+// same run: no field whose presence matters is filled in with its default.
+TEST(ConfigToTextTest, TheWholeTextReadsBackAsTheSameRun) {
+  TrainerConfig llama;
+  llama.set_model("llama");
+  llama.set_n_layer(3);
+  TrainerConfig script;
+  script.set_model("torchscript:/tmp/model.pt");
+  for (const TrainerConfig& config : {llama, script, TrainerConfig()}) {
+    TrainerConfig again;
+    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(ConfigToText(config), &again));
+    EXPECT_EQ(ModelComponent(again).first, ModelComponent(config).first);
+    EXPECT_EQ(ModelComponent(again).second.values(), ModelComponent(config).second.values());
+    const ParallelPlan plan = PlanFromConfig(again);
+    EXPECT_FALSE(plan.loss_scaling);
+  }
+  EXPECT_EQ(ModelComponent(llama).second.GetString("preset", ""), "llama-tiny");
+}
+
+TEST(ConfigToTextTest, ChangesListOnlyWhatDiffersFromTheDefaults) {
+  TrainerConfig c;
+  c.set_lr(0.5);
+  c.set_dp(2);  // set, but the default
+  c.set_model("llama");
+  c.mutable_model_config()->set_type("gpt");
+  EXPECT_EQ(ConfigChangesToText(c), "model: \"llama\" lr: 0.5 model_config { type: \"gpt\" }");
+  EXPECT_EQ(ConfigChangesToText(TrainerConfig()), "");
 }
 
 }  // namespace

@@ -113,8 +113,11 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : onednn_products ? pool : 1);
   TuneAllocatorForTraining(/*sharded_parameters=*/config.zero_stage() == 3);
   TopologyOptions options;
-  options.mesh_axes = {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}};
-  if (!config.strategy().empty()) options.mesh_axes = {};  // the search lays the ranks out
+  if (config.strategy().empty()) {  // else the search lays the ranks out
+    const ParallelPlan plan = PlanFromConfig(config);
+    options.mesh_axes = PlanMeshAxes(plan);
+    options.rank_order = plan.rank_order;
+  }
   options.backend = config.device() == "cuda" ? CommBackend::kNccl : CommBackend::kGloo;
   options.timeout = absl::Seconds(config.collective_timeout_s());
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));

@@ -145,5 +145,25 @@ TEST(TrainerCheckpointTest, WriteFailuresKeepThePreviousCheckpoint) {
   }
 }
 
+// The whole resolved configuration is written beside the checkpoints and
+// the metrics, and --config reads it back as the same configuration.
+TEST(TrainerCheckpointTest, TheResolvedConfigurationIsWrittenWhereConfigReadsIt) {
+  TrainerConfig config = SmallConfig(2);
+  config.set_max_steps(2);
+  config.set_save_dir(TestDir() + "/resolved/checkpoints");
+  config.set_metrics_file(TestDir() + "/resolved/metrics.jsonl");
+  TrainOnRanks(config, "resolved");
+  TrainerConfig resolved = config;
+  ASSERT_TRUE(ResolveConfig(&resolved, 2).ok());
+  for (const std::string& path : {TestDir() + "/resolved/checkpoints/config.pbtxt",
+                                 TestDir() + "/resolved/metrics.config.pbtxt"}) {
+    auto written = LoadTrainerConfig(path);
+    ASSERT_TRUE(written.ok()) << written.status();
+    EXPECT_EQ(ConfigToText(*written), ConfigToText(resolved)) << path;
+    EXPECT_EQ(written->grad_accumulation_steps(), 1);
+    EXPECT_EQ(written->global_batch_size(), 8);
+  }
+}
+
 }  // namespace
 }  // namespace trident

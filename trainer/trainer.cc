@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "base/host_copy.h"
 #include "base/memory_counter.h"
 #include "base/rng.h"
@@ -29,6 +31,30 @@ namespace trident {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Where a run writes its whole resolved configuration: beside its checkpoints
+// (save_dir/config.pbtxt) and its metrics (metrics.jsonl: metrics.config.pbtxt).
+std::vector<std::string> ResolvedConfigPaths(const TrainerConfig& config) {
+  std::vector<std::string> paths;
+  if (!config.save_dir().empty()) paths.push_back(config.save_dir() + "/config.pbtxt");
+  if (!config.metrics_file().empty()) {
+    paths.push_back(fs::path(config.metrics_file()).replace_extension(".config.pbtxt").string());
+  }
+  return paths;
+}
+
+absl::Status WriteResolvedConfig(const TrainerConfig& config) {
+  for (const std::string& path : ResolvedConfigPaths(config)) {
+    std::error_code error;
+    if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path(), error);
+    std::ofstream out(path);
+    out << ConfigToText(config);
+    out.close();
+    if (!out) return absl::InternalError(absl::StrCat("cannot write the run's configuration to ", path));
+  }
+  return absl::OkStatus();
+}
+
 using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -137,6 +163,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   if (t.is_rank0() && !t.config.metrics_file().empty()) {
     TRIDENT_ASSIGN_OR_RETURN(t.metrics, internal::JsonLinesWriter::Open(t.config.metrics_file(), t.step));
   }
+  if (t.is_rank0()) TRIDENT_RETURN_IF_ERROR(WriteResolvedConfig(t.config));
   if (t.is_rank0() && !t.config.tensorboard_dir().empty()) {
     TRIDENT_ASSIGN_OR_RETURN(t.tensorboard, internal::TensorBoardWriter::Open(t.config.tensorboard_dir()));
   }
@@ -248,7 +275,11 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     result.unigram_entropy = UnigramEntropy(tokens->file());
   }
   const int64_t tokens_per_sample = t.train_data->tokens_per_sample();
-  t.Print(absl::StrCat("config:\n", ConfigToText(c)));
+  t.Print(absl::StrCat("config (what differs from the defaults; the whole of it in ", ResolvedConfigPaths(c).empty()
+                           ? "the checkpoints and metrics when save_dir or metrics_file is set"
+                           : absl::StrJoin(ResolvedConfigPaths(c), " and "),
+                       "): ", ConfigChangesToText(c)));
+  t.Print(absl::StrCat("layout: ", DescribePlan(t.model->plan())));
   t.Print(absl::StrCat("per rank: ", t.model->Memory().ToString()));
   t.Print(absl::StrCat("stages:\n", t.model->Describe()));
   if (c.tp_plan_report()) return result;

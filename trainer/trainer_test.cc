@@ -299,6 +299,48 @@ TEST(TrainerParityTest, UntiedHeadLossesEqualOneProcess) {
   EXPECT_FALSE(at::equal(*head, *wte));
 }
 
+// ATorch's parallel_mode order and rank order: the ranks placed otherwise on
+// the mesh train the losses of one process and export the weights of the
+// usual order, bit for bit (the export gathers at the mesh's origin, here not
+// rank 0).
+TEST(TrainerParityTest, AxisAndRankOrderKeepParity) {
+  const std::vector<double> single = TrainOnRanks(SmallConfig(1), "order_single");
+  struct Layout {
+    int dp, tp, pp;
+    const char* axis_order;
+    const char* rank_order;
+  };
+  for (const Layout& layout : {Layout{2, 1, 2, "data,pipeline,tensor", "3,1,2,0"},
+                               Layout{2, 2, 1, "data,tensor,pipeline", "1,0,3,2"}}) {
+    SCOPED_TRACE(layout.axis_order);
+    auto config = [&](const char* axis_order, const char* rank_order, const std::string& path) {
+      TrainerConfig c = SmallConfig(layout.dp);
+      c.set_tp(layout.tp);
+      c.set_pp(layout.pp);
+      c.set_micro_batch_size(2);
+      c.set_axis_order(axis_order);
+      c.set_rank_order(rank_order);
+      c.set_export_safetensors(path);
+      return c;
+    };
+    const std::string usual = TestDir() + "/order/usual.safetensors";
+    const std::string reordered = TestDir() + "/order/reordered.safetensors";
+    ExpectSameLosses(single, TrainOnRanks(config("", "", usual), "order_usual"), 1e-5);
+    ExpectSameLosses(single, TrainOnRanks(config(layout.axis_order, layout.rank_order, reordered), "order_reordered"),
+                     1e-5);
+    if (testing::IsRankProcess()) continue;  // the files are the parent's to compare
+    auto expected = ReadSafetensors(usual);
+    auto actual = ReadSafetensors(reordered);
+    ASSERT_TRUE(expected.ok() && actual.ok());
+    ASSERT_EQ(actual->tensors.size(), expected->tensors.size());
+    for (const auto& [name, tensor] : expected->tensors) {
+      auto same = actual->Get(name);
+      ASSERT_TRUE(same.ok()) << same.status();
+      EXPECT_TRUE(at::equal(*same, tensor)) << name;
+    }
+  }
+}
+
 // The semi-automatic mode: each optimization method of a strategy file, alone
 // and combined as in the reference's examples, trains the losses of one
 // process where it is a layout; precision methods train.

@@ -80,8 +80,11 @@ TrainerConfig SmallConfig(int dp) {
 void TrainEverywhere(const TrainerConfig& config,
                      const std::function<void(const TrainResult&)>& on_rank0) {
   RunOnRanks(config.dp() * config.tp() * config.pp(), [&](int rank) {
-    auto topology = JoinTopology(
-        {{"tensor", config.tp()}, {"pipeline", config.pp()}, {"data", config.dp()}});
+    const ParallelPlan plan = PlanFromConfig(config);
+    TopologyOptions options;
+    options.mesh_axes = PlanMeshAxes(plan);
+    options.rank_order = plan.rank_order;
+    auto topology = JoinTopology(options);
     ASSERT_TRUE(topology.ok()) << topology.status();
     auto trainer = Trainer::Create(config, topology->get());
     ASSERT_TRUE(trainer.ok()) << trainer.status();
