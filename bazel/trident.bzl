@@ -79,6 +79,27 @@ def trident_proto_library(name, srcs, deps = [], **kwargs):
         **kwargs
     )
 
+def trident_proto_descriptor(name, src, symbol, **kwargs):
+    """A cc_library defining `trident::internal::<symbol>` and `<symbol>Size`: the
+    serialized FileDescriptorSet of `src` (a .proto of this package) with its
+    comments (protoc --include_source_info), for help texts read from the proto.
+    """
+    pkg = native.package_name()
+    repository = native.repository_name()
+    root = "." if repository == "@" else "external/" + repository[1:]
+    proto = ("" if root == "." else root + "/") + (pkg + "/" if pkg else "") + src
+    native.genrule(
+        name = name + "_gen",
+        srcs = [src],
+        outs = [name + ".cc"],
+        tools = [Label("//bazel:embed_bytes.sh")],
+        cmd = ("protoc --proto_path=" + root + " --include_source_info --descriptor_set_out=$(@D)/" + name +
+               ".pb " + proto + " && $(location " + str(Label("//bazel:embed_bytes.sh")) + ") $(@D)/" + name +
+               ".pb " + symbol + " > $@"),
+        **kwargs
+    )
+    native.cc_library(name = name, srcs = [name + ".cc"], **kwargs)
+
 def trident_package_sources(name = "package_sources"):
     """Exports this package's C++ sources to //:sources, which the checks of the whole tree read."""
     native.filegroup(

@@ -161,6 +161,10 @@ absl::Status Compare(const std::string& a, const std::string& b, double toleranc
 
 absl::Status Run(int argc, char** argv) {
   const std::string command = argc > 1 ? argv[1] : "";
+  if (argc == 2 && (command == "--help" || command == "-h" || command == "--helpshort")) {
+    std::printf("%s\n", kUsage);
+    return absl::OkStatus();
+  }
   if (argc == 3 && command == "inspect") return Inspect(argv[2]);
   if (argc == 3 && command == "verify") {
     TRIDENT_ASSIGN_OR_RETURN(CheckpointManifest manifest, CheckpointDirectory::Validate(argv[2]));

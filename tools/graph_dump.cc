@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/flags_help.h"
 #include "base/status.h"
 #include "graph/graph.h"
 #include "models/models.h"
@@ -71,6 +72,7 @@ absl::Status Run(const std::string& model_name) {
 
 int main(int argc, char** argv) {
   gflags::SetUsageMessage("graph_dump MODEL|torchscript:PATH [--preset=NAME] [--batch=N] [--seq=T] [--vocab=V] [--ir]");
+  if (trident::HelpRequested(argc, argv)) return trident::PrintHelp(__FILE__);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   if (argc != 2) {
     return trident::ExitCodeFor("graph_dump",

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/flags_help.h"
 #include "base/status.h"
 #include "topology/topology.h"
 
@@ -56,6 +57,8 @@ absl::Status Run() {
 }  // namespace trident
 
 int main(int argc, char** argv) {
+  gflags::SetUsageMessage("hello_world [--nproc=N] [--tp=T]: ranks all-reduce over a tensor x data mesh");
+  if (trident::HelpRequested(argc, argv)) return trident::PrintHelp(__FILE__);
   gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/false);
   if (auto job = trident::RunAsLocalJobUnlessLaunched(FLAGS_nproc, argc, argv)) {
     return trident::ExitCodeFor("hello_world", *job);

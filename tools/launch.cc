@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/flags_help.h"
 #include "base/status.h"
 #include "topology/topology.h"
 
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "launch [flags] -- PROGRAM ARGS...\nStarts --nproc_per_node ranks of PROGRAM with RANK, "
       "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set.");
+  if (trident::HelpRequested(argc, argv)) return trident::PrintHelp(__FILE__);
   gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
   trident::LaunchOptions options;
   options.nproc_per_node = FLAGS_nproc_per_node;

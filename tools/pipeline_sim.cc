@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/flags_help.h"
 #include "base/status.h"
 #include "pipeline/pipeline.h"
 
@@ -81,6 +82,10 @@ absl::Status Run() {
 }  // namespace trident
 
 int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "pipeline_sim --stages=S --micro_batches=M --forward_ms=F --backward_ms=B [--out_dir=DIR]: every schedule's "
+      "timeline and bubble");
+  if (trident::HelpRequested(argc, argv)) return trident::PrintHelp(__FILE__);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   return trident::ExitCodeFor("pipeline_sim", trident::Run());
 }

@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_split.h"
+#include "base/flags_help.h"
 #include "base/status.h"
 #include "data/data.h"
 
@@ -40,6 +41,8 @@ absl::Status Run() {
 }  // namespace trident
 
 int main(int argc, char** argv) {
+  gflags::SetUsageMessage("prepare_data --output_dir=DIR [--input=a.txt,b.txt] [--tokenizer=byte|bpe --vocab_size=N]");
+  if (trident::HelpRequested(argc, argv)) return trident::PrintHelp(__FILE__);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   return trident::ExitCodeFor("prepare_data", trident::Run());
 }

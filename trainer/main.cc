@@ -26,6 +26,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/blas_kernels.h"
+#include "base/flags_help.h"
 #include "base/status.h"
 #include "topology/topology.h"
 #include "trainer/trainer.h"
@@ -34,6 +35,10 @@ DEFINE_string(config, "", "a TrainerConfig text file; flags override its fields"
 DEFINE_int32(nproc, 0, "local ranks to spawn when not started by a launcher (0: dp*tp*pp)");
 
 namespace trident {
+namespace internal {
+extern const unsigned char kTrainerConfigDescriptor[];
+extern const size_t kTrainerConfigDescriptorSize;
+}  // namespace internal
 namespace {
 
 absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
@@ -155,6 +160,14 @@ absl::Status Run(int argc, char** argv) {
 }  // namespace trident
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("train [--config=FILE] [--FIELD=VALUE ...]; fields: trainer/config.proto");
+  gflags::SetUsageMessage(
+      "train [--config=FILE] [--FIELD=VALUE ...]: every field of TrainerConfig (trainer/config.proto) is a flag, "
+      "nested ones by dotted name");
+  if (trident::HelpRequested(argc, argv)) {
+    auto fields = trident::MessageFlagsHelp(trident::internal::kTrainerConfigDescriptor,
+                                            trident::internal::kTrainerConfigDescriptorSize, "trident.TrainerConfig");
+    if (!fields.ok()) return trident::ExitCodeFor("train", fields.status());
+    return trident::PrintHelp(__FILE__, *fields);
+  }
   return trident::ExitCodeFor("train", trident::Run(argc, argv));
 }

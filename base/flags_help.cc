@@ -1,0 +1,155 @@
+#include "base/flags_help.h"
+
+#include <gflags/gflags.h>
+#include <google/protobuf/descriptor.pb.h>
+
+#include <cstdio>
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace trident {
+namespace {
+
+using google::protobuf::DescriptorProto;
+using google::protobuf::FieldDescriptorProto;
+
+// `text` as lines indented by `indent`, blank lines dropped.
+std::string Indented(absl::string_view text, absl::string_view indent) {
+  std::string out;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    line = absl::StripAsciiWhitespace(line);
+    if (!line.empty()) absl::StrAppend(&out, indent, line, "\n");
+  }
+  return out;
+}
+
+std::string TypeName(const FieldDescriptorProto& field) {
+  static const auto* names = new std::map<FieldDescriptorProto::Type, const char*>{
+      {FieldDescriptorProto::TYPE_DOUBLE, "double"}, {FieldDescriptorProto::TYPE_FLOAT, "float"},
+      {FieldDescriptorProto::TYPE_INT64, "int64"},   {FieldDescriptorProto::TYPE_UINT64, "uint64"},
+      {FieldDescriptorProto::TYPE_INT32, "int32"},   {FieldDescriptorProto::TYPE_UINT32, "uint32"},
+      {FieldDescriptorProto::TYPE_BOOL, "bool"},     {FieldDescriptorProto::TYPE_STRING, "string"},
+      {FieldDescriptorProto::TYPE_ENUM, "enum"},     {FieldDescriptorProto::TYPE_MESSAGE, "message"}};
+  auto name = names->find(field.type());
+  const std::string type = name != names->end() ? name->second : "bytes";
+  return field.label() == FieldDescriptorProto::LABEL_REPEATED ? absl::StrCat("list of ", type, ", one per flag")
+                                                               : type;
+}
+
+// Every message of a file by full name, with its source path (for comments).
+struct MessageAt {
+  const DescriptorProto* message;
+  std::vector<int> path;
+};
+void IndexMessages(const DescriptorProto& message, const std::string& scope, std::vector<int> path,
+                   std::map<std::string, MessageAt>* index) {
+  const std::string name = absl::StrCat(scope, ".", message.name());
+  (*index)[name] = {&message, path};
+  for (int i = 0; i < message.nested_type_size(); ++i) {
+    std::vector<int> nested = path;
+    nested.insert(nested.end(), {DescriptorProto::kNestedTypeFieldNumber, i});
+    IndexMessages(message.nested_type(i), name, nested, index);
+  }
+}
+
+struct HelpWriter {
+  std::map<std::string, MessageAt> messages;
+  std::map<std::vector<int>, std::string> comments;
+  std::string text;
+
+  void Message(const MessageAt& at, const std::string& prefix, const std::string& heading) {
+    absl::StrAppend(&text, heading, ":\n");
+    std::vector<std::pair<const MessageAt*, std::string>> nested;  // listed after this message's fields
+    for (int i = 0; i < at.message->field_size(); ++i) {
+      const FieldDescriptorProto& field = at.message->field(i);
+      std::vector<int> path = at.path;
+      path.insert(path.end(), {DescriptorProto::kFieldFieldNumber, i});
+      const std::string flag = absl::StrCat(prefix, field.name());
+      auto type = messages.find(field.type_name());
+      if (field.type() == FieldDescriptorProto::TYPE_MESSAGE && type != messages.end()) {
+        if (type->second.message->options().map_entry()) {
+          absl::StrAppend(&text, "  --", flag, ".KEY (string, one entry per flag)\n");
+        } else {
+          nested.emplace_back(&type->second, flag);
+          absl::StrAppend(&text, "  --", flag, ".FIELD (", type->second.message->name(), ", below)\n");
+        }
+      } else {
+        std::string value = field.has_default_value() ? field.default_value() : "unset";
+        if (field.has_default_value() && field.type() == FieldDescriptorProto::TYPE_STRING) {
+          value = absl::StrCat("\"", value, "\"");
+        }
+        absl::StrAppend(&text, "  --", flag, " (", TypeName(field),
+                        field.label() == FieldDescriptorProto::LABEL_REPEATED ? "" : absl::StrCat(", default: ", value),
+                        ")\n");
+      }
+      auto comment = comments.find(path);
+      if (comment != comments.end()) absl::StrAppend(&text, Indented(comment->second, "      "));
+    }
+    for (const auto& [message, flag] : nested) {
+      absl::StrAppend(&text, "\n");
+      Message(*message, flag + ".", absl::StrCat("--", flag, ".FIELD (", message->message->name(), ")"));
+    }
+  }
+};
+
+}  // namespace
+
+bool HelpRequested(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") break;
+    if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "--helpshort") return true;
+  }
+  return false;
+}
+
+std::string OwnFlagsHelp(absl::string_view defining_file) {
+  std::vector<gflags::CommandLineFlagInfo> flags;
+  gflags::GetAllFlags(&flags);
+  std::string text;
+  for (const gflags::CommandLineFlagInfo& flag : flags) {
+    if (flag.filename != defining_file) continue;
+    const std::string value = flag.type == "string" ? absl::StrCat("\"", flag.default_value, "\"") : flag.default_value;
+    absl::StrAppend(&text, "  --", flag.name, " (", flag.type, ", default: ", value, ")\n",
+                    Indented(flag.description, "      "));
+  }
+  return text;
+}
+
+int PrintHelp(absl::string_view defining_file, const std::string& more) {
+  std::printf("%s\n\nFlags (--helpfull also lists the libraries' own):\n%s%s", gflags::ProgramUsage(),
+              OwnFlagsHelp(defining_file).c_str(), more.empty() ? "" : absl::StrCat("\n", more).c_str());
+  return 0;
+}
+
+absl::StatusOr<std::string> MessageFlagsHelp(const unsigned char* descriptor_set, size_t size,
+                                             const std::string& message_name) {
+  google::protobuf::FileDescriptorSet set;
+  if (!set.ParseFromArray(descriptor_set, static_cast<int>(size))) {
+    return absl::InternalError("the embedded descriptor set does not parse (a broken build)");
+  }
+  for (const google::protobuf::FileDescriptorProto& file : set.file()) {
+    HelpWriter writer;
+    const std::string scope = file.package().empty() ? "" : "." + file.package();
+    for (int i = 0; i < file.message_type_size(); ++i) {
+      IndexMessages(file.message_type(i), scope, {google::protobuf::FileDescriptorProto::kMessageTypeFieldNumber, i},
+                    &writer.messages);
+    }
+    auto message = writer.messages.find("." + message_name);
+    if (message == writer.messages.end()) continue;
+    for (const auto& location : file.source_code_info().location()) {
+      std::string comment = location.leading_comments();
+      if (!location.trailing_comments().empty()) absl::StrAppend(&comment, "\n", location.trailing_comments());
+      if (!comment.empty()) writer.comments[{location.path().begin(), location.path().end()}] = comment;
+    }
+    writer.Message(message->second, "", absl::StrCat(message->second.message->name(), " (", file.name(), ")"));
+    return writer.text;
+  }
+  return absl::NotFoundError(absl::StrCat("message ", message_name, " is not in the descriptor set"));
+}
+
+}  // namespace trident
