@@ -23,26 +23,30 @@ absl::StatusOr<at::ScalarType> ParseDtype(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("precision '", name, "' is unknown; choose fp32, bf16 or fp16"));
 }
 
+TRIDENT_REGISTER(PrecisionModeRegistry, "fp32", [](PrecisionPolicy&) {});
+TRIDENT_REGISTER(PrecisionModeRegistry, "bf16", [](PrecisionPolicy& p) { p.compute = at::kBFloat16; });
+TRIDENT_REGISTER(PrecisionModeRegistry, "fp16", [](PrecisionPolicy& p) {
+  p.compute = at::kHalf;
+  p.loss_scaling = true;
+});
+TRIDENT_REGISTER(PrecisionModeRegistry, "pure_bf16", [](PrecisionPolicy& p) { p.param = p.buffer = at::kBFloat16; });
+TRIDENT_REGISTER(PrecisionModeRegistry, "pure_fp16", [](PrecisionPolicy& p) {
+  p.param = p.buffer = at::kHalf;
+  p.loss_scaling = true;
+});
 
 }  // namespace
 
+Registry<PrecisionMode>& PrecisionModeRegistry() {
+  static auto* registry = new Registry<PrecisionMode>("precision");
+  return *registry;
+}
+
 absl::StatusOr<PrecisionPolicy> MakePrecisionPolicy(const std::string& mode, const std::string& table) {
+  TRIDENT_ASSIGN_OR_RETURN(PrecisionMode set_mode, PrecisionModeRegistry().Find(mode));
   PrecisionPolicy policy;
   policy.mode = mode;
-  if (mode == "bf16") {
-    policy.compute = at::kBFloat16;
-  } else if (mode == "fp16") {
-    policy.compute = at::kHalf;
-    policy.loss_scaling = true;
-  } else if (mode == "pure_bf16") {
-    policy.param = policy.buffer = at::kBFloat16;
-  } else if (mode == "pure_fp16") {
-    policy.param = policy.buffer = at::kHalf;
-    policy.loss_scaling = true;
-  } else if (mode != "fp32") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "precision='", mode, "' is unknown; choose fp32, bf16, fp16, pure_bf16 or pure_fp16"));
-  }
+  set_mode(policy);
   if (table.empty()) return policy;
   for (absl::string_view entry : absl::StrSplit(table, ',')) {
     std::vector<absl::string_view> kv = absl::StrSplit(entry, '=');

@@ -16,6 +16,7 @@
 #ifndef TRIDENT_AMP_AMP_H_
 #define TRIDENT_AMP_AMP_H_
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,7 @@
 #include <torch/nn/module.h>
 
 #include "absl/status/statusor.h"
+#include "base/registry.h"
 #include "base/tensors.h"
 
 namespace trident {
@@ -38,8 +40,13 @@ struct PrecisionPolicy {
   bool loss_scaling = false;  // fp16 modes
 };
 
-// `mode` as above; `table` (may be empty) overrides tensor kinds. Errors name
-// the unknown mode, kind or dtype.
+// Precision modes by name (plan's precision): each sets a policy's dtypes and
+// loss scaling from the fp32 policy. The five above are built in.
+using PrecisionMode = std::function<void(PrecisionPolicy& policy)>;
+Registry<PrecisionMode>& PrecisionModeRegistry();
+
+// `mode` from PrecisionModeRegistry; `table` (may be empty) overrides tensor
+// kinds. Errors name the unknown mode, kind or dtype.
 absl::StatusOr<PrecisionPolicy> MakePrecisionPolicy(const std::string& mode, const std::string& table);
 
 // Stores `module`'s parameters and buffers in the policy's dtypes.

@@ -21,7 +21,7 @@ TEST(PrecisionPolicyTest, ModesAndTables) {
   EXPECT_EQ(pure.buffer, at::kFloat);
   EXPECT_EQ(pure.input, at::kBFloat16);
   EXPECT_THAT(std::string(MakePrecisionPolicy("fp8", "").status().message()),
-              HasSubstr("precision='fp8' is unknown"));
+              HasSubstr("unknown precision 'fp8'; choose bf16, fp16, fp32, pure_bf16, pure_fp16"));
   EXPECT_THAT(std::string(MakePrecisionPolicy("fp32", "weights=bf16").status().message()),
               HasSubstr("kind 'weights' is unknown"));
   EXPECT_THAT(std::string(MakePrecisionPolicy("fp32", "param=int8").status().message()),

@@ -4,7 +4,11 @@
 //
 //   using ModelFactory = std::function<absl::StatusOr<ModelSource>(const ComponentArgs&)>;
 //   Registry<ModelFactory>& ModelRegistry();   // one function per registry
-//   static const bool kRegistered = ModelRegistry().Register("my_net", MakeMyNet);
+//   TRIDENT_REGISTER(ModelRegistry, "my_net", MakeMyNet);  // at namespace scope
+//
+// TRIDENT_REGISTER is the one spelling of a registration, for every registry
+// (models, losses, optimizers, datasets, schedules, partition and split
+// methods, LR schedules, precision modes, tokenizers, replacement pairs).
 //
 // A library holding registrations must be linked whole (`alwayslink = True` in
 // Bazel), or the linker drops the unreferenced object file and its registration.
@@ -149,7 +153,14 @@ class ComponentArgs {
 
 }  // namespace trident
 
-// For registration macros: a unique variable name per line.
+// Registers `...` (the factory) as `name` in `registry` (the function that
+// returns the Registry, namespace-qualified where needed) at static
+// initialisation. Use it at namespace scope, any number of times per file.
+#define TRIDENT_REGISTER(registry, name, ...)                                    \
+  [[maybe_unused]] static const bool TRIDENT_REGISTRY_CONCAT_(trident_registered_, \
+                                                              __COUNTER__) =       \
+      registry().Register(name, __VA_ARGS__)
+
 #define TRIDENT_REGISTRY_CONCAT_INNER_(a, b) a##b
 #define TRIDENT_REGISTRY_CONCAT_(a, b) TRIDENT_REGISTRY_CONCAT_INNER_(a, b)
 

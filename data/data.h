@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <istream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -149,14 +150,26 @@ std::unique_ptr<Tokenizer> MakeByteTokenizer();
 // Learns vocab_size - 256 merges from `text` (vocab_size in [256, 65536]).
 absl::StatusOr<std::unique_ptr<Tokenizer>> TrainBpeTokenizer(absl::string_view text,
                                                             int vocab_size);
+// A tokenizer file starts with its kind's name (the word Save writes first);
+// LoadTokenizer reads that word and the kind's `load` reads the rest.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& path);
+
+// Tokenizer kinds by name (PrepareOptions::tokenizer and the first word of a
+// tokenizer file): how one is made for a corpus (`vocab_size`: the target,
+// for kinds that learn one) and read back. Built in: byte, bpe.
+struct TokenizerKind {
+  std::function<absl::StatusOr<std::unique_ptr<Tokenizer>>(absl::string_view text, int vocab_size)> make;
+  // Reads the rest of the file at `path` from `in` (its first word consumed).
+  std::function<absl::StatusOr<std::unique_ptr<Tokenizer>>(std::istream& in, const std::string& path)> load;
+};
+Registry<TokenizerKind>& TokenizerRegistry();
 
 // Turns text files into `output_dir`/{train.bin, val.bin, tokenizer.txt}: the
 // concatenated text is tokenized and its last `val_fraction` becomes val.bin.
 struct PrepareOptions {
   std::vector<std::string> inputs;  // text files; empty: DefaultCorpusFiles()
   std::string output_dir;
-  std::string tokenizer = "byte";   // "byte" or "bpe"
+  std::string tokenizer = "byte";   // a TokenizerRegistry name: "byte" or "bpe"
   int vocab_size = 512;             // bpe only
   double val_fraction = 0.1;
 };

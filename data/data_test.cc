@@ -141,6 +141,55 @@ TEST(PrepareTest, WritesTrainValAndTokenizer) {
   EXPECT_THAT(Message(PrepareTextCorpus(options).status()), HasSubstr("unknown tokenizer"));
 }
 
+// A user's tokenizer kind, registered as the built-ins are: bytes shifted up by one.
+class ShiftTokenizer : public Tokenizer {
+ public:
+  std::vector<uint16_t> Encode(absl::string_view text) const override {
+    std::vector<uint16_t> ids;
+    for (unsigned char c : text) ids.push_back(c + 1);
+    return ids;
+  }
+  std::string Decode(const std::vector<int64_t>& tokens) const override {
+    std::string text;
+    for (int64_t t : tokens) text.push_back(static_cast<char>(t - 1));
+    return text;
+  }
+  int vocab_size() const override { return 257; }
+  absl::Status Save(const std::string& path) const override {
+    std::ofstream(path) << "test_shift\n";
+    return absl::OkStatus();
+  }
+};
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> MakeShift() { return std::unique_ptr<Tokenizer>(new ShiftTokenizer()); }
+
+TRIDENT_REGISTER(TokenizerRegistry, "test_shift",
+                 TokenizerKind{[](absl::string_view, int) { return MakeShift(); },
+                               [](std::istream&, const std::string&) { return MakeShift(); }});
+
+TEST(PrepareTest, AUserTokenizerKindPreparesAndReloadsByName) {
+  const std::string input = TempPath("shift_corpus.txt");
+  std::ofstream(input) << kText;
+  PrepareOptions options;
+  options.inputs = {input};
+  options.output_dir = TempPath("shift_prepared");
+  options.tokenizer = "test_shift";
+  auto prepared = PrepareTextCorpus(options);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ(prepared->vocab_size, 257);
+  auto train = TokenFile::Open(prepared->train_path, 257, 4);
+  ASSERT_TRUE(train.ok()) << train.status();
+  EXPECT_EQ((*train)->tokens()[0], 'T' + 1);
+  auto loaded = LoadTokenizer(prepared->tokenizer_path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_THAT((*loaded)->Encode("ab"), ElementsAre('a' + 1, 'b' + 1));
+  const std::string unknown = TempPath("unknown_tokenizer.txt");
+  std::ofstream(unknown) << "wordpiece 30000\n";
+  EXPECT_THAT(Message(LoadTokenizer(unknown).status()),
+              HasSubstr("starts with 'wordpiece', which is not a tokenizer kind; it should start with one of bpe, "
+                        "byte, test_shift"));
+}
+
 TEST(PrepareTest, DefaultCorpusIsDebiansFortunes) {
   auto files = DefaultCorpusFiles();
   ASSERT_TRUE(files.ok()) << files.status();

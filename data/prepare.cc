@@ -45,15 +45,8 @@ absl::StatusOr<PreparedData> PrepareTextCorpus(const PrepareOptions& options) {
     content << in.rdbuf();
     text += content.str();
   }
-  std::unique_ptr<Tokenizer> tokenizer;
-  if (options.tokenizer == "byte") {
-    tokenizer = MakeByteTokenizer();
-  } else if (options.tokenizer == "bpe") {
-    TRIDENT_ASSIGN_OR_RETURN(tokenizer, TrainBpeTokenizer(text, options.vocab_size));
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown tokenizer '", options.tokenizer, "'; choose byte or bpe"));
-  }
+  TRIDENT_ASSIGN_OR_RETURN(TokenizerKind kind, TokenizerRegistry().Find(options.tokenizer));
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, kind.make(text, options.vocab_size));
   std::vector<uint16_t> tokens = tokenizer->Encode(text);
   const size_t val_count = static_cast<size_t>(tokens.size() * options.val_fraction);
   std::error_code error;

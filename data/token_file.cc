@@ -108,8 +108,8 @@ absl::StatusOr<std::unique_ptr<Dataset>> MakeDataset(const std::string& type, co
 
 namespace {
 
-const bool kTokens = DatasetRegistry().Register(
-    "tokens", [](const ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<Dataset>> {
+TRIDENT_REGISTER(
+    DatasetRegistry, "tokens", [](const ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<Dataset>> {
       TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"path", "block_size", "vocab_size"}));
       const std::string path = args.GetString("path", "");
       if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(args.owner(), " needs a path"));

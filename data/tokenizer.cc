@@ -6,6 +6,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
 #include "data/data.h"
 
 namespace trident {
@@ -169,16 +171,32 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TrainBpeTokenizer(absl::string_view t
   return std::unique_ptr<Tokenizer>(new BpeTokenizer(std::move(merges)));
 }
 
+Registry<TokenizerKind>& TokenizerRegistry() {
+  static auto* registry = new Registry<TokenizerKind>("tokenizer");
+  return *registry;
+}
+
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open tokenizer file ", path));
-  std::string kind;
-  in >> kind;
-  if (kind == "byte") return MakeByteTokenizer();
+  std::string name;
+  in >> name;
+  if (!TokenizerRegistry().Contains(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer file ", path, " starts with '", name,
+                                                   "', which is not a tokenizer kind; it should start with one of ",
+                                                   absl::StrJoin(TokenizerRegistry().Names(), ", ")));
+  }
+  TRIDENT_ASSIGN_OR_RETURN(TokenizerKind kind, TokenizerRegistry().Find(name));
+  return kind.load(in, path);
+}
+
+namespace {
+
+// The rest of a "bpe" file: VOCAB_SIZE, then VOCAB_SIZE - 256 merges.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadBpe(std::istream& in, const std::string& path) {
   int vocab = 0;
-  if (kind != "bpe" || !(in >> vocab) || vocab < 256) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tokenizer file ", path, " does not start with 'byte' or 'bpe VOCAB_SIZE'"));
+  if (!(in >> vocab) || vocab < 256) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer file ", path, " does not start with 'bpe VOCAB_SIZE'"));
   }
   std::vector<Pair> merges;
   Pair merge;
@@ -196,5 +214,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& path
   }
   return std::unique_ptr<Tokenizer>(new BpeTokenizer(std::move(merges)));
 }
+
+TRIDENT_REGISTER(TokenizerRegistry, "byte",
+                 TokenizerKind{[](absl::string_view, int) -> absl::StatusOr<std::unique_ptr<Tokenizer>> {
+                                 return MakeByteTokenizer();
+                               },
+                               [](std::istream&, const std::string&) -> absl::StatusOr<std::unique_ptr<Tokenizer>> {
+                                 return MakeByteTokenizer();
+                               }});
+TRIDENT_REGISTER(TokenizerRegistry, "bpe", TokenizerKind{TrainBpeTokenizer, LoadBpe});
+
+}  // namespace
 
 }  // namespace trident

@@ -247,9 +247,15 @@ class Gpt : public LanguageModel {
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, const LayerRanges& ranges) {
-  return std::make_shared<Gpt>(config, ranges);
-}
+TRIDENT_REGISTER(ArchitectureRegistry, "gpt",
+                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges) -> std::shared_ptr<LanguageModel> {
+                                return std::make_shared<Gpt>(config, ranges);
+                              },
+                              CheckHeadsDivideWidth,
+                              [](const ModelConfig& c) {
+                                return Architecture::Sizes{{"the MLP width 4*n_embd", 4 * c.n_embd}};
+                              },
+                              "c_proj.weight"});
 
 }  // namespace internal
 }  // namespace trident

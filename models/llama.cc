@@ -2,7 +2,9 @@
 // head, grouped-query attention when n_kv_head < n_head. Hugging Face names.
 #include <torch/torch.h>
 
+#include "absl/strings/str_cat.h"
 #include "base/recompute.h"
+#include "base/status.h"
 #include "models/internal/architectures.h"
 #include "replace/replace.h"
 
@@ -249,9 +251,33 @@ int64_t LlamaIntermediateSize(const ModelConfig& c) {
   return (size + 31) / 32 * 32;
 }
 
-std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, const LayerRanges& ranges) {
-  return std::make_shared<Llama>(config, ranges);
+namespace {
+
+absl::Status CheckLlama(const ModelConfig& c) {
+  TRIDENT_RETURN_IF_ERROR(CheckHeadsDivideWidth(c));
+  const int64_t kv = c.n_kv_head > 0 ? c.n_kv_head : c.n_head;
+  if (c.n_head % kv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("n_head=", c.n_head, " is not divisible by n_kv_head=", kv));
+  }
+  if ((c.n_embd / c.n_head) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head size n_embd/n_head=", c.n_embd / c.n_head, " must be even for rotary embeddings"));
+  }
+  return absl::OkStatus();
 }
+
+TRIDENT_REGISTER(ArchitectureRegistry, "llama",
+                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges) -> std::shared_ptr<LanguageModel> {
+                                return std::make_shared<Llama>(config, ranges);
+                              },
+                              CheckLlama,
+                              [](const ModelConfig& c) {
+                                return Architecture::Sizes{{"n_kv_head", c.n_kv_head > 0 ? c.n_kv_head : c.n_head},
+                                                           {"intermediate_size", LlamaIntermediateSize(c)}};
+                              },
+                              ""});
+
+}  // namespace
 
 }  // namespace internal
 }  // namespace trident

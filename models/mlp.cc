@@ -68,9 +68,17 @@ class Mlp : public LanguageModel {
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, const LayerRanges& ranges) {
-  return std::make_shared<Mlp>(config, ranges);
-}
+TRIDENT_REGISTER(ArchitectureRegistry, "mlp",
+                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges) -> std::shared_ptr<LanguageModel> {
+                                return std::make_shared<Mlp>(config, ranges);
+                              },
+                              [](const ModelConfig& c) {
+                                if (c.tp.size == 1) return absl::OkStatus();
+                                return absl::InvalidArgumentError(
+                                    "model 'mlp' has no tensor-parallel form; use gpt or llama, or tp=1");
+                              },
+                              [](const ModelConfig&) { return Architecture::Sizes{}; },
+                              ""});
 
 }  // namespace internal
 }  // namespace trident

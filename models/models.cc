@@ -57,17 +57,24 @@ const std::vector<Preset>& Presets() {
   return *presets;
 }
 
-bool IsKnownModel(absl::string_view model) {
-  return model == "gpt" || model == "llama" || model == "mlp";
-}
-
 }  // namespace
 
+namespace internal {
+
+Registry<Architecture>& ArchitectureRegistry() {
+  static auto* registry = new Registry<Architecture>("model");
+  return *registry;
+}
+
+absl::Status CheckHeadsDivideWidth(const ModelConfig& c) {
+  if (c.n_embd % c.n_head == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("n_embd=", c.n_embd, " is not divisible by n_head=", c.n_head));
+}
+
+}  // namespace internal
+
 absl::StatusOr<ModelConfig> PresetModelConfig(absl::string_view model, absl::string_view preset) {
-  if (!IsKnownModel(model)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown model '", model, "'; choose gpt, llama or mlp"));
-  }
+  TRIDENT_RETURN_IF_ERROR(internal::ArchitectureRegistry().Find(model).status());
   for (const Preset& p : Presets()) {
     if (p.model == model && p.name == preset) return p.config;
   }
@@ -85,10 +92,7 @@ std::vector<std::string> PresetNames(absl::string_view model) {
 }
 
 absl::Status ValidateModelConfig(const ModelConfig& c) {
-  if (!IsKnownModel(c.model)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown model '", c.model, "'; choose gpt, llama or mlp"));
-  }
+  TRIDENT_ASSIGN_OR_RETURN(internal::Architecture architecture, internal::ArchitectureRegistry().Find(c.model));
   for (const auto& [name, value] :
        std::vector<std::pair<const char*, int64_t>>{{"n_layer", c.n_layer},
                                                     {"n_head", c.n_head},
@@ -114,36 +118,12 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("tensor-parallel rank ", c.tp.rank,
                                                    " of size ", c.tp.size, " is not a valid place"));
   }
-  if (c.model == "mlp") {
-    if (c.tp.size > 1) {
-      return absl::InvalidArgumentError("model 'mlp' has no tensor-parallel form; use gpt or llama, or tp=1");
-    }
-    return absl::OkStatus();
-  }
-  if (c.n_embd % c.n_head != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("n_embd=", c.n_embd,
-                                                   " is not divisible by n_head=", c.n_head));
-  }
-  if (c.model == "llama") {
-    const int64_t kv = c.n_kv_head > 0 ? c.n_kv_head : c.n_head;
-    if (c.n_head % kv != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("n_head=", c.n_head,
-                                                     " is not divisible by n_kv_head=", kv));
-    }
-    if ((c.n_embd / c.n_head) % 2 != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "head size n_embd/n_head=", c.n_embd / c.n_head, " must be even for rotary embeddings"));
-    }
-  }
-  // Tensor parallelism splits heads, the MLP width and the vocabulary.
+  TRIDENT_RETURN_IF_ERROR(architecture.validate(c));
+  // Tensor parallelism splits heads, the vocabulary and the architecture's widths.
   const int64_t tp = c.tp.size;
-  std::vector<std::pair<std::string, int64_t>> split = {{"n_head", c.n_head}};
+  internal::Architecture::Sizes split = {{"n_head", c.n_head}};
   if (c.tp.parallel_vocab) split.emplace_back("vocab_size", c.vocab_size);
-  if (c.model == "gpt") split.emplace_back("the MLP width 4*n_embd", 4 * c.n_embd);
-  if (c.model == "llama") {
-    split.emplace_back("n_kv_head", c.n_kv_head > 0 ? c.n_kv_head : c.n_head);
-    split.emplace_back("intermediate_size", internal::LlamaIntermediateSize(c));
-  }
+  for (auto& size : architecture.tensor_parallel_sizes(c)) split.push_back(std::move(size));
   if (c.tp.sequence_parallel) split.emplace_back("block_size (sequence parallelism)", c.block_size);
   for (const auto& [name, value] : split) {
     if (value % tp != 0) {
@@ -381,17 +361,18 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
   }
   std::shared_ptr<LanguageModel> model;
   absl::Status built = CatchExceptions(absl::StrCat("building model '", config.model, "'"), [&] {
-    if (config.model == "gpt") model = internal::BuildGpt(config, ranges);
-    if (config.model == "llama") model = internal::BuildLlama(config, ranges);
-    if (config.model == "mlp") model = internal::BuildMlp(config, ranges);
+    const internal::Architecture architecture = *internal::ArchitectureRegistry().Find(config.model);  // validated
+    model = architecture.build(config, ranges);
+    const std::string residual_suffix = architecture.residual_projection_suffix;
     const double std = config.init_method_std;
     const double residual_std = std / std::sqrt(2.0 * config.n_layer);
-    auto draw = [config, seed, std, residual_std, shards = model->ParameterShards()](const std::string& name,
-                                                                                     at::Tensor& p) {
+    auto draw = [seed, std, residual_std, residual_suffix, shards = model->ParameterShards()](
+                    const std::string& name, at::Tensor& p) {
       torch::NoGradGuard no_grad;
       if (p.dim() >= 2) {
         // GPT-2: residual projections get a smaller std.
-        const double drawn_std = config.model == "gpt" && absl::EndsWith(name, "c_proj.weight") ? residual_std : std;
+        const double drawn_std =
+            !residual_suffix.empty() && absl::EndsWith(name, residual_suffix) ? residual_std : std;
         auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, name));
         auto shard = shards.find(name);
         if (shard == shards.end()) {

@@ -285,7 +285,7 @@ TEST(AttentionTest, TheZooTakesTheFusedCpuKernelsWithoutDropout) {
 
 TEST(ModelConfigTest, UnknownNamesAndBadSizesAreClearErrors) {
   EXPECT_THAT(std::string(PresetModelConfig("bert", "x").status().message()),
-              HasSubstr("unknown model 'bert'; choose gpt, llama or mlp"));
+              HasSubstr("unknown model 'bert'; choose gpt, llama, mlp"));
   EXPECT_THAT(std::string(PresetModelConfig("gpt", "gpt-huge").status().message()),
               HasSubstr("choose one of gpt-tiny, gpt2-124m"));
   ModelConfig c = *PresetModelConfig("gpt", "gpt-tiny");

@@ -58,7 +58,7 @@ namespace {
 
 // A TorchScript file saved from Python: args path, and block_size and
 // vocab_size describing the token data it trains on.
-TRIDENT_REGISTER_MODEL("torchscript", [](const ComponentArgs& args, const ModelContext& context)
+TRIDENT_REGISTER(ModelRegistry, "torchscript", [](const ComponentArgs& args, const ModelContext& context)
                                           -> absl::StatusOr<ModelSource> {
   TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"path", "block_size", "vocab_size"}));
   ModelSource source = ModelSource::FromTorchScript(args.GetString("path", ""));
@@ -76,7 +76,7 @@ const at::Tensor& FirstOutput(const Values& outputs, const char* loss) {
   return outputs[0];
 }
 
-TRIDENT_REGISTER_LOSS("cross_entropy", [](const Batch& batch, const Values& outputs) {
+TRIDENT_REGISTER(LossRegistry, "cross_entropy", [](const Batch& batch, const Values& outputs) {
   const at::Tensor& logits = FirstOutput(outputs, "cross_entropy");
   const at::Tensor& targets = batch.back();
   TORCH_CHECK(!at::isFloatingType(targets.scalar_type()),
@@ -87,7 +87,7 @@ TRIDENT_REGISTER_LOSS("cross_entropy", [](const Batch& batch, const Values& outp
                           F::CrossEntropyFuncOptions().ignore_index(-100));
 });
 
-TRIDENT_REGISTER_LOSS("mse", [](const Batch& batch, const Values& outputs) {
+TRIDENT_REGISTER(LossRegistry, "mse", [](const Batch& batch, const Values& outputs) {
   const at::Tensor& prediction = FirstOutput(outputs, "mse");
   return at::mse_loss(prediction, batch.back().to(prediction.scalar_type()).view_as(prediction));
 });

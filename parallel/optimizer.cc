@@ -187,14 +187,12 @@ OptimizerFactory AdamFactory(AdamArgs a, bool decoupled) {
   };
 }
 
-const bool kAdamW = OptimizerRegistry().Register("adamw", [](const ComponentArgs& args)
-                                                     -> absl::StatusOr<OptimizerFactory> {
+TRIDENT_REGISTER(OptimizerRegistry, "adamw", [](const ComponentArgs& args) -> absl::StatusOr<OptimizerFactory> {
   TRIDENT_ASSIGN_OR_RETURN(AdamArgs a, ReadAdamArgs(args, 0.01));
   return AdamFactory<FusedAdamW, torch::optim::AdamWOptions>(a, /*decoupled=*/true);
 });
 
-const bool kAdam = OptimizerRegistry().Register("adam", [](const ComponentArgs& args)
-                                                    -> absl::StatusOr<OptimizerFactory> {
+TRIDENT_REGISTER(OptimizerRegistry, "adam", [](const ComponentArgs& args) -> absl::StatusOr<OptimizerFactory> {
   TRIDENT_ASSIGN_OR_RETURN(AdamArgs a, ReadAdamArgs(args, 0.0));
   if (a.weight_decay != 0) {
     return absl::InvalidArgumentError(
@@ -203,8 +201,7 @@ const bool kAdam = OptimizerRegistry().Register("adam", [](const ComponentArgs& 
   return AdamFactory<torch::optim::Adam, torch::optim::AdamOptions>(a, /*decoupled=*/false);
 });
 
-const bool kSgd = OptimizerRegistry().Register("sgd", [](const ComponentArgs& args)
-                                                   -> absl::StatusOr<OptimizerFactory> {
+TRIDENT_REGISTER(OptimizerRegistry, "sgd", [](const ComponentArgs& args) -> absl::StatusOr<OptimizerFactory> {
   TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"momentum", "weight_decay"}));
   TRIDENT_ASSIGN_OR_RETURN(const double momentum, args.GetDouble("momentum", 0.0));
   TRIDENT_ASSIGN_OR_RETURN(const double decay, args.GetDouble("weight_decay", 0.0));
@@ -225,14 +222,28 @@ const bool kSgd = OptimizerRegistry().Register("sgd", [](const ComponentArgs& ar
 
 }  // namespace
 
-double LearningRate(const std::string& schedule, double lr, double min_lr, int64_t warmup_steps,
-                    int64_t max_steps, int64_t step) {
+Registry<LrSchedule>& LrScheduleRegistry() {
+  static auto* registry = new Registry<LrSchedule>("lr_scheduler");
+  return *registry;
+}
+
+namespace {
+
+TRIDENT_REGISTER(LrScheduleRegistry, "constant", [](double lr, double, double) { return lr; });
+TRIDENT_REGISTER(LrScheduleRegistry, "linear",
+                 [](double lr, double min_lr, double progress) { return lr + (min_lr - lr) * progress; });
+TRIDENT_REGISTER(LrScheduleRegistry, "cosine", [](double lr, double min_lr, double progress) {
+  return min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (lr - min_lr);
+});
+
+}  // namespace
+
+absl::StatusOr<double> LearningRate(const std::string& schedule, double lr, double min_lr, int64_t warmup_steps,
+                                    int64_t max_steps, int64_t step) {
+  TRIDENT_ASSIGN_OR_RETURN(LrSchedule decay, LrScheduleRegistry().Find(schedule));
   if (step < warmup_steps) return lr * static_cast<double>(step + 1) / (warmup_steps + 1);
-  if (schedule == "constant" || max_steps <= warmup_steps) return lr;
-  const double progress =
-      std::min(1.0, static_cast<double>(step - warmup_steps) / (max_steps - warmup_steps));
-  if (schedule == "linear") return lr + (min_lr - lr) * progress;
-  return min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (lr - min_lr);  // cosine
+  if (max_steps <= warmup_steps) return lr;
+  return decay(lr, min_lr, std::min(1.0, static_cast<double>(step - warmup_steps) / (max_steps - warmup_steps)));
 }
 
 }  // namespace trident

@@ -48,10 +48,16 @@ absl::StatusOr<OptimizerFactory> MakeOptimizerFactory(const std::string& type, c
 // Sets every param group's learning rate.
 void SetLearningRate(torch::optim::Optimizer& optimizer, double lr);
 
+// Learning-rate schedules by name (config's lr_scheduler): the rate after
+// warmup at `progress` (0 when warmup ends, 1 at max_steps) between `lr` and
+// `min_lr`. Built in: constant, cosine, linear.
+using LrSchedule = std::function<double(double lr, double min_lr, double progress)>;
+Registry<LrSchedule>& LrScheduleRegistry();
+
 // Learning rate at `step` (0-based): linear warmup over `warmup_steps`, then
-// "constant", "cosine" or "linear" decay to `min_lr` at `max_steps`.
-double LearningRate(const std::string& schedule, double lr, double min_lr, int64_t warmup_steps,
-                    int64_t max_steps, int64_t step);
+// `schedule` to `min_lr` at `max_steps`. Errors when `schedule` is unknown.
+absl::StatusOr<double> LearningRate(const std::string& schedule, double lr, double min_lr, int64_t warmup_steps,
+                                    int64_t max_steps, int64_t step);
 
 }  // namespace trident
 

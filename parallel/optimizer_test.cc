@@ -86,12 +86,14 @@ TEST(OptimizerRegistryTest, UnknownNamesAndBadArgumentsAreErrors) {
 }
 
 TEST(LearningRateTest, WarmupThenDecayToMinimum) {
-  EXPECT_DOUBLE_EQ(LearningRate("cosine", 1.0, 0.1, 4, 104, 0), 0.2);
-  EXPECT_DOUBLE_EQ(LearningRate("cosine", 1.0, 0.1, 4, 104, 4), 1.0);
-  EXPECT_NEAR(LearningRate("cosine", 1.0, 0.1, 4, 104, 54), 0.55, 1e-12);
-  EXPECT_NEAR(LearningRate("cosine", 1.0, 0.1, 4, 104, 104), 0.1, 1e-12);
-  EXPECT_NEAR(LearningRate("linear", 1.0, 0.1, 0, 100, 50), 0.55, 1e-12);
-  EXPECT_DOUBLE_EQ(LearningRate("constant", 1.0, 0.1, 0, 100, 99), 1.0);
+  EXPECT_DOUBLE_EQ(*LearningRate("cosine", 1.0, 0.1, 4, 104, 0), 0.2);
+  EXPECT_DOUBLE_EQ(*LearningRate("cosine", 1.0, 0.1, 4, 104, 4), 1.0);
+  EXPECT_NEAR(*LearningRate("cosine", 1.0, 0.1, 4, 104, 54), 0.55, 1e-12);
+  EXPECT_NEAR(*LearningRate("cosine", 1.0, 0.1, 4, 104, 104), 0.1, 1e-12);
+  EXPECT_NEAR(*LearningRate("linear", 1.0, 0.1, 0, 100, 50), 0.55, 1e-12);
+  EXPECT_DOUBLE_EQ(*LearningRate("constant", 1.0, 0.1, 0, 100, 99), 1.0);
+  EXPECT_THAT(std::string(LearningRate("step", 1.0, 0.1, 0, 100, 99).status().message()),
+              ::testing::HasSubstr("unknown lr_scheduler 'step'; choose constant, cosine, linear"));
 }
 
 }  // namespace

@@ -391,16 +391,4 @@ Registry<ModelFactory>& ModelRegistry();
 
 }  // namespace trident
 
-// Registers a model factory under `name` at static initialisation:
-//   TRIDENT_REGISTER_MODEL("my_net", MakeMyNet);
-#define TRIDENT_REGISTER_MODEL(name, ...)                               \
-  static const bool TRIDENT_REGISTRY_CONCAT_(trident_model_, __LINE__) = \
-      ::trident::ModelRegistry().Register(name, __VA_ARGS__)
-#define TRIDENT_REGISTER_LOSS(name, ...)                               \
-  static const bool TRIDENT_REGISTRY_CONCAT_(trident_loss_, __LINE__) = \
-      ::trident::LossRegistry().Register(name, __VA_ARGS__)
-#define TRIDENT_REGISTER_OPTIMIZER(name, ...)                               \
-  static const bool TRIDENT_REGISTRY_CONCAT_(trident_optimizer_, __LINE__) = \
-      ::trident::OptimizerRegistry().Register(name, __VA_ARGS__)
-
 #endif  // TRIDENT_PARALLEL_PARALLEL_H_

@@ -9,6 +9,7 @@
 #include "amp/amp.h"
 #include "base/status.h"
 #include "parallel/parallel.h"
+#include "partition/partition.h"
 #include "pipeline/pipeline.h"
 
 namespace trident {
@@ -74,11 +75,13 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
            {"grad_reduction", p.grad_reduction, {"mean", "sum", "per-token-mean"}},
            {"loss_reduction", p.loss_reduction, {"mean", "sum"}},
            {"trace_method", p.trace_method, {"jit", "layers", "none"}},
-           {"split_method", p.split_method, {"", "layer_split", "farthest_min_deps", "nearest_min_deps"}},
            {"device", p.device, {"cpu", "cuda"}}}) {
     if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
       return invalid(name, "='", value, "' is unknown; choose ", absl::StrJoin(allowed, ", "));
     }
+  }
+  if (!p.split_method.empty() && p.split_method != "layer_split" && !SplitMethodRegistry().Contains(p.split_method)) {
+    return invalid(SplitMethodRegistry().Find(p.split_method).status().message(), ", or layer_split for a LayerSequence");
   }
   if ((p.activation_checkpointing == "selected") != !p.checkpoint_layers.empty()) {
     return invalid("activation_checkpointing=selected recomputes the layers checkpoint_layers names; "

@@ -76,6 +76,8 @@ std::vector<int64_t> FarthestMinDeps(const ModelGraph& graph, int shard_count,
   return bounds;
 }
 
+TRIDENT_REGISTER(SplitMethodRegistry, "farthest_min_deps", FarthestMinDeps);
+
 std::vector<int64_t> NearestMinDeps(const ModelGraph& graph, int shard_count,
                                     const std::vector<std::string>& leaf_modules) {
   const auto& nodes = graph.nodes();
@@ -107,6 +109,8 @@ std::vector<int64_t> NearestMinDeps(const ModelGraph& graph, int shard_count,
   bounds.push_back(static_cast<int64_t>(nodes.size()));
   return bounds;
 }
+
+TRIDENT_REGISTER(SplitMethodRegistry, "nearest_min_deps", NearestMinDeps);
 
 }  // namespace
 
@@ -146,12 +150,17 @@ absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
   if (shard_count < 1) {
     return absl::InvalidArgumentError(absl::StrCat("shard_count=", shard_count, " must be positive"));
   }
-  if (split_method == "farthest_min_deps") return FarthestMinDeps(graph, shard_count, leaf_modules);
-  if (split_method == "nearest_min_deps") return NearestMinDeps(graph, shard_count, leaf_modules);
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown split_method '", split_method,
-      "' for a traced graph; choose farthest_min_deps or nearest_min_deps (layer_split needs a "
-      "LayerSequence model)"));
+  absl::StatusOr<SplitMethod> split = SplitMethodRegistry().Find(split_method);
+  if (!split.ok()) {
+    return absl::Status(split.status().code(), absl::StrCat(split.status().message(),
+                                                            " (layer_split cuts a LayerSequence, not a traced graph)"));
+  }
+  return (*split)(graph, shard_count, leaf_modules);
+}
+
+Registry<SplitMethod>& SplitMethodRegistry() {
+  static auto* registry = new Registry<SplitMethod>("split_method");
+  return *registry;
 }
 
 int DefaultShardCount(const ModelGraph& graph) {

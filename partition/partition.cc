@@ -132,22 +132,20 @@ Registry<PartitionMethod>& PartitionMethodRegistry() {
 
 namespace {
 
-const bool kRegistered = [] {
-  Registry<PartitionMethod>& r = PartitionMethodRegistry();
-  r.Register("uniform", [](const std::vector<double>& w, int s) -> absl::StatusOr<std::vector<int64_t>> {
-    return Uniform(static_cast<int64_t>(w.size()), s, /*floor=*/false);
-  });
-  r.Register("uniform_floor", [](const std::vector<double>& w, int s) -> absl::StatusOr<std::vector<int64_t>> {
-    return Uniform(static_cast<int64_t>(w.size()), s, /*floor=*/true);
-  });
-  r.Register("parameters", [](const std::vector<double>& w, int s) -> absl::StatusOr<std::vector<int64_t>> {
-    return MinimiseBottleneckBySearch(w, s);
-  });
-  r.Register("cost", [](const std::vector<double>& w, int s) -> absl::StatusOr<std::vector<int64_t>> {
-    return MinimiseBottleneckByDynamicProgram(w, s);
-  });
-  return true;
-}();
+using Bounds = absl::StatusOr<std::vector<int64_t>>;
+
+TRIDENT_REGISTER(PartitionMethodRegistry, "uniform", [](const std::vector<double>& w, int s) -> Bounds {
+  return Uniform(static_cast<int64_t>(w.size()), s, /*floor=*/false);
+});
+TRIDENT_REGISTER(PartitionMethodRegistry, "uniform_floor", [](const std::vector<double>& w, int s) -> Bounds {
+  return Uniform(static_cast<int64_t>(w.size()), s, /*floor=*/true);
+});
+TRIDENT_REGISTER(PartitionMethodRegistry, "parameters", [](const std::vector<double>& w, int s) -> Bounds {
+  return MinimiseBottleneckBySearch(w, s);
+});
+TRIDENT_REGISTER(PartitionMethodRegistry, "cost", [](const std::vector<double>& w, int s) -> Bounds {
+  return MinimiseBottleneckByDynamicProgram(w, s);
+});
 
 }  // namespace
 

@@ -76,6 +76,10 @@ absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
 // Returns shard boundaries over graph.nodes().
 // `leaf_modules` are parameter-name prefixes of submodules kept whole: no cut
 // between the first and the last node that reads their parameters.
+// Split methods are registered by name, as partition methods are.
+using SplitMethod = std::function<absl::StatusOr<std::vector<int64_t>>(
+    const ModelGraph& graph, int shard_count, const std::vector<std::string>& leaf_modules)>;
+Registry<SplitMethod>& SplitMethodRegistry();
 absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
                                                      const std::string& split_method,
                                                      int shard_count,

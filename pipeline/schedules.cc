@@ -257,44 +257,35 @@ ScheduleFactory OneChunk(std::function<PipelineSchedule*()> make) {
   };
 }
 
-OneFOneB::Variant Variant(const char* name) {
-  OneFOneB::Variant variant;
-  variant.name = name;
-  return variant;
+// A variant of 1F1B named `name`, edited by `change`.
+ScheduleFactory OneFOneBVariant(const char* name, std::function<void(OneFOneB::Variant&)> change) {
+  return OneChunk([name, change] {
+    OneFOneB::Variant v;
+    v.name = name;
+    change(v);
+    return new OneFOneB(v);
+  });
 }
 
-const bool kRegistered = [] {
-  Registry<ScheduleFactory>& r = ScheduleRegistry();
-  r.Register("gpipe", OneChunk([] { return new GPipe(); }));
-  r.Register("1f1b", OneChunk([] { return new OneFOneB(Variant("1f1b")); }));
-  r.Register("last_no_recompute_1f1b", OneChunk([] {
-               OneFOneB::Variant v = Variant("last_no_recompute_1f1b");
-               v.last_recomputes = false;
-               return new OneFOneB(v);
-             }));
-  r.Register("pre_recompute_1f1b", OneChunk([] {
-               OneFOneB::Variant v = Variant("pre_recompute_1f1b");
-               v.pre_recompute = true;
-               return new OneFOneB(v);
-             }));
-  r.Register("shifted_critical_path", OneChunk([] {
-               OneFOneB::Variant v = Variant("shifted_critical_path");
-               v.last_recomputes = false;
-               v.pre_recompute = true;
-               v.extra_warmup = true;
-               v.min_micro_batches = 4;
-               return new OneFOneB(v);
-             }));
-  r.Register("zb_h1", OneChunk([] {
-               OneFOneB::Variant v = Variant("zb_h1");
-               v.split_backward = true;
-               return new OneFOneB(v);
-             }));
-  r.Register("interleaved_1f1b", [](int virtual_stages) -> absl::StatusOr<std::unique_ptr<PipelineSchedule>> {
-    return std::unique_ptr<PipelineSchedule>(new Interleaved1F1B(virtual_stages));
-  });
-  return true;
-}();
+TRIDENT_REGISTER(ScheduleRegistry, "gpipe", OneChunk([] { return new GPipe(); }));
+TRIDENT_REGISTER(ScheduleRegistry, "1f1b", OneFOneBVariant("1f1b", [](OneFOneB::Variant&) {}));
+TRIDENT_REGISTER(ScheduleRegistry, "last_no_recompute_1f1b",
+                 OneFOneBVariant("last_no_recompute_1f1b", [](OneFOneB::Variant& v) { v.last_recomputes = false; }));
+TRIDENT_REGISTER(ScheduleRegistry, "pre_recompute_1f1b",
+                 OneFOneBVariant("pre_recompute_1f1b", [](OneFOneB::Variant& v) { v.pre_recompute = true; }));
+TRIDENT_REGISTER(ScheduleRegistry, "shifted_critical_path",
+                 OneFOneBVariant("shifted_critical_path", [](OneFOneB::Variant& v) {
+                   v.last_recomputes = false;
+                   v.pre_recompute = true;
+                   v.extra_warmup = true;
+                   v.min_micro_batches = 4;
+                 }));
+TRIDENT_REGISTER(ScheduleRegistry, "zb_h1",
+                 OneFOneBVariant("zb_h1", [](OneFOneB::Variant& v) { v.split_backward = true; }));
+TRIDENT_REGISTER(ScheduleRegistry, "interleaved_1f1b",
+                 [](int virtual_stages) -> absl::StatusOr<std::unique_ptr<PipelineSchedule>> {
+                   return std::unique_ptr<PipelineSchedule>(new Interleaved1F1B(virtual_stages));
+                 });
 
 }  // namespace
 

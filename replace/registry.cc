@@ -27,11 +27,6 @@ Registry<ReplacePair>& ReplacePairRegistry() {
   return *registry;
 }
 
-bool RegisterReplacePair(ReplacePair pair) {
-  const std::string name = pair.name;
-  return ReplacePairRegistry().Register(name, std::move(pair));
-}
-
 bool UseBuiltInPair(const std::string& pair, torch::nn::Module& module) {
   auto* replaceable = dynamic_cast<ReplaceableModule*>(&module);
   if (replaceable == nullptr || !replaceable->Offers(pair)) return false;
@@ -189,28 +184,24 @@ bool IsPlainMeanCrossEntropy(const torch::jit::Match& match, const ValueMap& vma
 
 const std::set<at::ScalarType> kFloatingTypes = {at::kFloat, at::kBFloat16, at::kHalf};
 
-const bool kBuiltInsRegistered = [] {
-  RegisterReplacePair({"fused_attention",
-                       kFloatingTypes,
-                       [](torch::nn::Module& m) { return UseBuiltInPair("fused_attention", m); },
-                       {{AttentionPattern("mul"), kAttentionReplacement,
-                         [](const auto& match, const auto& vmap) { return IsCausalAttention(match, vmap, false); }},
-                        {AttentionPattern("div"), kAttentionReplacement,
-                         [](const auto& match, const auto& vmap) { return IsCausalAttention(match, vmap, true); }}}});
-  RegisterReplacePair({"fused_layer_norm",
-                       kFloatingTypes,
-                       [](torch::nn::Module& m) { return UseBuiltInPair("fused_layer_norm", m); },
-                       {{kAddLayerNormPattern, kAddLayerNormReplacement, IsResidualAdd}}});
-  RegisterReplacePair({"fused_bias_gelu",
-                       kFloatingTypes,
-                       [](torch::nn::Module& m) { return UseBuiltInPair("fused_bias_gelu", m); },
-                       {{kBiasGeluPattern, kBiasGeluReplacement, HasBias}}});
-  RegisterReplacePair({"fused_cross_entropy",
-                       kFloatingTypes,
-                       [](torch::nn::Module& m) { return UseBuiltInPair("fused_cross_entropy", m); },
-                       {{kCrossEntropyPattern, kCrossEntropyReplacement, IsPlainMeanCrossEntropy}}});
-  return true;
-}();
+// A built-in pair: the zoo's modules that offer `name`, and `rewrites` in traced graphs.
+ReplacePair BuiltInPair(const std::string& name, std::vector<GraphRewrite> rewrites) {
+  return {kFloatingTypes, [name](torch::nn::Module& m) { return UseBuiltInPair(name, m); }, std::move(rewrites)};
+}
+
+TRIDENT_REGISTER(ReplacePairRegistry, "fused_attention",
+                 BuiltInPair("fused_attention",
+                             {{AttentionPattern("mul"), kAttentionReplacement,
+                               [](const auto& match, const auto& vmap) { return IsCausalAttention(match, vmap, false); }},
+                              {AttentionPattern("div"), kAttentionReplacement,
+                               [](const auto& match, const auto& vmap) { return IsCausalAttention(match, vmap, true); }}}));
+TRIDENT_REGISTER(ReplacePairRegistry, "fused_layer_norm",
+                 BuiltInPair("fused_layer_norm", {{kAddLayerNormPattern, kAddLayerNormReplacement, IsResidualAdd}}));
+TRIDENT_REGISTER(ReplacePairRegistry, "fused_bias_gelu",
+                 BuiltInPair("fused_bias_gelu", {{kBiasGeluPattern, kBiasGeluReplacement, HasBias}}));
+TRIDENT_REGISTER(ReplacePairRegistry, "fused_cross_entropy",
+                 BuiltInPair("fused_cross_entropy",
+                             {{kCrossEntropyPattern, kCrossEntropyReplacement, IsPlainMeanCrossEntropy}}));
 
 // The registered pairs `names` asks for, each with its index in the report;
 // pairs that do not support `dtype` are reported and left out.
@@ -305,7 +296,7 @@ absl::StatusOr<ReplacedGraph> ReplaceInGraph(const ModelGraph& model, const std:
   }));
   for (const auto& [index, pair] : pairs) {
     for (const GraphRewrite& rewrite : pair.graph_rewrites) {
-      TRIDENT_ASSIGN_OR_RETURN(int hits, Rewrite(graph, rewrite, pair.name));
+      TRIDENT_ASSIGN_OR_RETURN(int hits, Rewrite(graph, rewrite, result.report.pairs[index]));
       result.report.hits[index] += hits;
     }
   }

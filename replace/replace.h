@@ -37,8 +37,8 @@
 //
 // Users register their own pairs from C++, as ATorch's register_replace_pair:
 //
-//   static const bool kRegistered = RegisterReplacePair({
-//       "my_norm", {at::kFloat, at::kBFloat16},
+//   TRIDENT_REGISTER(trident::ReplacePairRegistry, "my_norm", trident::ReplacePair{
+//       {at::kFloat, at::kBFloat16},
 //       [](torch::nn::Module& m) {  // the module side: MyNorm modules switch to their fast path
 //         auto* norm = dynamic_cast<MyNormImpl*>(&m);
 //         if (norm != nullptr) norm->use_fast = true;
@@ -116,9 +116,9 @@ struct GraphRewrite {
   Filter filter;
 };
 
-// A replacement pair (ATorch's register_replace_pair).
+// A replacement pair (ATorch's register_replace_pair), registered by name in
+// ReplacePairRegistry.
 struct ReplacePair {
-  std::string name;
   // The compute dtypes it is exact for; under any other it is left out (and
   // the report says so).
   std::set<at::ScalarType> supported_dtypes;
@@ -131,8 +131,6 @@ struct ReplacePair {
 
 // The pairs by name; the built-ins register here as users do.
 Registry<ReplacePair>& ReplacePairRegistry();
-// Registers `pair` under pair.name (returns true, for static initializers).
-bool RegisterReplacePair(ReplacePair pair);
 
 // A module whose forward can switch parts of itself to replacement pairs (the
 // zoo's attention, MLP and transformer blocks); the built-in pairs' module

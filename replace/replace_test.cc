@@ -200,11 +200,11 @@ struct Replaceable : torch::nn::Module, ReplaceableModule {
 };
 
 TEST(ReplaceModulesTest, OffersEveryModuleToEachPair) {
-  ASSERT_TRUE(RegisterReplacePair({"test_user_norm", {at::kFloat}, [](torch::nn::Module& m) {
-                                     auto* norm = dynamic_cast<UserNormImpl*>(&m);
-                                     if (norm != nullptr) norm->fast = true;
-                                     return norm != nullptr;
-                                   }, {}}));
+  ASSERT_TRUE(ReplacePairRegistry().Register("test_user_norm", {{at::kFloat}, [](torch::nn::Module& m) {
+                                                 auto* norm = dynamic_cast<UserNormImpl*>(&m);
+                                                 if (norm != nullptr) norm->fast = true;
+                                                 return norm != nullptr;
+                                               }, {}}));
   auto root = std::make_shared<torch::nn::Module>();
   UserNorm a = root->register_module("a", UserNorm());
   UserNorm b = root->register_module("b", UserNorm());

@@ -49,10 +49,7 @@ absl::Status Run(const std::string& model_name) {
   std::string preset = FLAGS_preset;
   if (preset.empty()) {
     auto names = PresetNames(model_name);
-    if (names.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown model '", model_name, "'; choose gpt, llama or mlp"));
-    }
+    if (names.empty()) return PresetModelConfig(model_name, "").status();  // names the known models
     preset = names.front();
   }
   TRIDENT_ASSIGN_OR_RETURN(ModelConfig config, PresetModelConfig(model_name, preset));

@@ -321,11 +321,7 @@ absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
   if (c->min_lr() < 0 || c->min_lr() > c->lr()) {
     return Invalid(absl::StrCat("min_lr=", c->min_lr(), " must be in [0, lr=", c->lr(), "]"));
   }
-  if (c->lr_scheduler() != "constant" && c->lr_scheduler() != "cosine" &&
-      c->lr_scheduler() != "linear") {
-    return Invalid(absl::StrCat("lr_scheduler='", c->lr_scheduler(),
-                                "' is unknown; choose constant, cosine or linear"));
-  }
+  if (!LrScheduleRegistry().Contains(c->lr_scheduler())) return LrScheduleRegistry().Find(c->lr_scheduler()).status();
   if (c->warmup_steps() < 0) return Invalid("warmup_steps must not be negative");
   if (GradientClip(*c) < 0) return Invalid("grad_clip must not be negative (0 turns it off)");
   if (c->max_steps() < 1) return Invalid(absl::StrCat("max_steps=", c->max_steps(), " must be at least 1"));

@@ -172,7 +172,7 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("disagree"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_lr(-1); }, 1), HasSubstr("lr=-1 must be positive"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_lr_scheduler("step"); }, 1),
-              HasSubstr("lr_scheduler='step' is unknown"));
+              HasSubstr("unknown lr_scheduler 'step'; choose constant, cosine, linear"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_save_every(5); }, 1), HasSubstr("need save_dir"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_profile_step(c.max_steps() + 1); }, 1),
               HasSubstr("is not a step of this run"));
@@ -226,7 +226,7 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_virtual_stages(2); }, 1),
               HasSubstr("virtual_stages = 2 needs schedule interleaved_1f1b"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_split_method("zigzag"); }, 1),
-              HasSubstr("split_method='zigzag' is unknown"));
+              HasSubstr("unknown split_method 'zigzag'; choose farthest_min_deps, nearest_min_deps, or layer_split"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_grad_reduction("median"); }, 1),
               HasSubstr("grad_reduction='median' is unknown; choose mean, sum, per-token-mean"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_loss("hinge"); }, 1),

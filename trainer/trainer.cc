@@ -332,7 +332,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     if (!read_loss_late) TRIDENT_RETURN_IF_ERROR(read_loss());
     t.ForHooks([&](TrainerHooks& h) { h.AfterBackward(t.State()); });
     t.ForHooks([&](TrainerHooks& h) { h.AfterAggregateTrainStepOutputs(t.State(), m.loss); });
-    m.lr = LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps, t.step);
+    TRIDENT_ASSIGN_OR_RETURN(m.lr, LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps, t.step));
     m.loss_scale = t.model->loss_scale().value_or(1.0);
     const auto optimizer_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(m.skipped, t.model->UnscaleGradients());

@@ -70,9 +70,9 @@ ModelFactory ZooFactory(std::string model) {
   };
 }
 
-TRIDENT_REGISTER_MODEL("gpt", ZooFactory("gpt"));
-TRIDENT_REGISTER_MODEL("llama", ZooFactory("llama"));
-TRIDENT_REGISTER_MODEL("mlp", ZooFactory("mlp"));
+TRIDENT_REGISTER(ModelRegistry, "gpt", ZooFactory("gpt"));
+TRIDENT_REGISTER(ModelRegistry, "llama", ZooFactory("llama"));
+TRIDENT_REGISTER(ModelRegistry, "mlp", ZooFactory("mlp"));
 
 }  // namespace
 }  // namespace trident

@@ -59,7 +59,7 @@ namespace {
 
 // Registered as the zoo registers its models: `train --model=skipnet
 // --dataset_config...` (see skipnet.pbtxt) builds exactly these.
-TRIDENT_REGISTER_MODEL("skipnet", [](const trident::ComponentArgs& args,
+TRIDENT_REGISTER(trident::ModelRegistry, "skipnet", [](const trident::ComponentArgs& args,
                                      const trident::ModelContext& context)
                                       -> absl::StatusOr<trident::ModelSource> {
   TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"channels"}));
@@ -68,10 +68,10 @@ TRIDENT_REGISTER_MODEL("skipnet", [](const trident::ComponentArgs& args,
   return Source(context.seed, channels);
 });
 
-TRIDENT_REGISTER_LOSS("smoothed_cross_entropy", SmoothedCrossEntropy);
+TRIDENT_REGISTER(trident::LossRegistry, "smoothed_cross_entropy", SmoothedCrossEntropy);
 
-const bool kShapes = trident::DatasetRegistry().Register(
-    "shapes", [](const trident::ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<trident::Dataset>> {
+TRIDENT_REGISTER(
+    trident::DatasetRegistry, "shapes", [](const trident::ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<trident::Dataset>> {
       TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"size", "seed"}));
       TRIDENT_ASSIGN_OR_RETURN(const int64_t size, args.GetInt("size", 512));
       TRIDENT_ASSIGN_OR_RETURN(const int64_t seed, args.GetInt("seed", 1));

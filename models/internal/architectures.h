@@ -2,20 +2,40 @@
 #ifndef TRIDENT_MODELS_INTERNAL_ARCHITECTURES_H_
 #define TRIDENT_MODELS_INTERNAL_ARCHITECTURES_H_
 
+#include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "absl/status/status.h"
+#include "base/registry.h"
 #include "models/models.h"
 
 namespace trident {
 namespace internal {
 
-// Each builds the layers in `ranges` of an uninitialised model; CreateModelLayers
-// draws the weights.
-std::shared_ptr<LanguageModel> BuildGpt(const ModelConfig& config, const LayerRanges& ranges);
-std::shared_ptr<LanguageModel> BuildLlama(const ModelConfig& config, const LayerRanges& ranges);
-std::shared_ptr<LanguageModel> BuildMlp(const ModelConfig& config, const LayerRanges& ranges);
+// A zoo architecture (ModelConfig::model), registered by name in
+// ArchitectureRegistry from its own file (gpt.cc, llama.cc, mlp.cc).
+struct Architecture {
+  using Sizes = std::vector<std::pair<std::string, int64_t>>;
+  // Builds the layers in `ranges` of an uninitialised model; CreateModelLayers
+  // draws the weights.
+  std::function<std::shared_ptr<LanguageModel>(const ModelConfig& config, const LayerRanges& ranges)> build;
+  // Its checks of a config beyond the common ones (positive sizes, dropout,
+  // the tensor-parallel place).
+  std::function<absl::Status(const ModelConfig& config)> validate;
+  // The sizes tensor parallelism splits beyond n_head and the vocabulary.
+  std::function<Sizes(const ModelConfig& config)> tensor_parallel_sizes;
+  // The weights (by name suffix) drawn with init_method_std / sqrt(2 n_layer):
+  // GPT-2's residual projections. Empty: none.
+  std::string residual_projection_suffix;
+};
+Registry<Architecture>& ArchitectureRegistry();
+
+// n_embd divides into n_head heads (the attention architectures' check).
+absl::Status CheckHeadsDivideWidth(const ModelConfig& config);
 
 // The tensor parallelism of the token embedding and the head: the model's,
 // or, without parallel_vocab, none (every rank holds the whole vocabulary).
