@@ -20,10 +20,10 @@ def trident_cc_test(name, deps = [], gtest_main = True, blas_kernels_at_load = T
     """A GoogleTest test. Multi-process tests use //testing:multiprocess.
 
     Tests run on OpenBLAS's best kernels for the CPU from load, as training does
-    (//base:best_blas_kernels_at_load), unless `blas_kernels_at_load = False`.
+    (//kernels:best_blas_kernels_at_load), unless `blas_kernels_at_load = False`.
     """
     main = ["@gtest//:gtest_main"] if gtest_main else []
-    at_load = [Label("//base:best_blas_kernels_at_load")] if blas_kernels_at_load else []
+    at_load = [Label("//kernels:best_blas_kernels_at_load")] if blas_kernels_at_load else []
     native.cc_test(
         name = name,
         deps = deps + main + at_load + ["@gtest"],
@@ -34,13 +34,13 @@ def trident_cc_benchmark(name, deps = [], tags = [], benchmark_main = True, **kw
     """A Google Benchmark binary: built by `bazel test //...`, run only with `bazel run`.
 
     `benchmark_main = False` for binaries with their own main (benchmark::Initialize).
-    Every benchmark runs on OpenBLAS's best kernels for the CPU (//base:best_blas_kernels_at_load).
+    Every benchmark runs on OpenBLAS's best kernels for the CPU (//kernels:best_blas_kernels_at_load).
     """
     native.cc_test(
         name = name,
         deps = deps + [
             "@benchmark//:benchmark_main" if benchmark_main else "@benchmark",
-            Label("//base:best_blas_kernels_at_load"),
+            Label("//kernels:best_blas_kernels_at_load"),
         ],
         tags = tags + ["benchmark"],
         testonly = True,

@@ -7,7 +7,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "base/status.h"
 #include "data/data.h"
 
 namespace trident {
@@ -181,13 +180,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& path
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open tokenizer file ", path));
   std::string name;
   in >> name;
-  if (!TokenizerRegistry().Contains(name)) {
+  absl::StatusOr<TokenizerKind> kind = TokenizerRegistry().Find(name);
+  if (!kind.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("tokenizer file ", path, " starts with '", name,
                                                    "', which is not a tokenizer kind; it should start with one of ",
                                                    absl::StrJoin(TokenizerRegistry().Names(), ", ")));
   }
-  TRIDENT_ASSIGN_OR_RETURN(TokenizerKind kind, TokenizerRegistry().Find(name));
-  return kind.load(in, path);
+  return kind->load(in, path);
 }
 
 namespace {
@@ -215,13 +214,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadBpe(std::istream& in, const std::
   return std::unique_ptr<Tokenizer>(new BpeTokenizer(std::move(merges)));
 }
 
+absl::StatusOr<std::unique_ptr<Tokenizer>> Bytes() { return MakeByteTokenizer(); }
+
 TRIDENT_REGISTER(TokenizerRegistry, "byte",
-                 TokenizerKind{[](absl::string_view, int) -> absl::StatusOr<std::unique_ptr<Tokenizer>> {
-                                 return MakeByteTokenizer();
-                               },
-                               [](std::istream&, const std::string&) -> absl::StatusOr<std::unique_ptr<Tokenizer>> {
-                                 return MakeByteTokenizer();
-                               }});
+                 TokenizerKind{[](absl::string_view, int) { return Bytes(); },
+                               [](std::istream&, const std::string&) { return Bytes(); }});
 TRIDENT_REGISTER(TokenizerRegistry, "bpe", TokenizerKind{TrainBpeTokenizer, LoadBpe});
 
 }  // namespace

@@ -3,8 +3,8 @@
 
 #include <torch/torch.h>
 
-#include "base/aligned_linear.h"
 #include "base/recompute.h"
+#include "kernels/kernels.h"
 #include "models/internal/architectures.h"
 #include "replace/replace.h"
 
@@ -188,6 +188,12 @@ class TransformerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Transformer);
 
+// GPT-2's head reads the token embedding's matrix unless tie_word_embeddings is off.
+std::map<std::string, std::string> GptTiedParameters(const ModelConfig& config) {
+  if (!config.tie_word_embeddings) return {};
+  return {{"lm_head.weight", "transformer.wte.weight"}};
+}
+
 class Gpt : public LanguageModel {
  public:
   Gpt(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
@@ -236,10 +242,7 @@ class Gpt : public LanguageModel {
     return PrefixedParameters(*transformer->blocks[i - 1], LayerName(i));
   }
 
-  std::map<std::string, std::string> TiedParameters() const override {
-    if (!config().tie_word_embeddings) return {};
-    return {{"lm_head.weight", "transformer.wte.weight"}};
-  }
+  std::map<std::string, std::string> TiedParameters() const override { return GptTiedParameters(config()); }
 
   Transformer transformer{nullptr};
   ColumnParallelLinear lm_head{nullptr};  // untied only
@@ -255,7 +258,7 @@ TRIDENT_REGISTER(ArchitectureRegistry, "gpt",
                               [](const ModelConfig& c) {
                                 return Architecture::Sizes{{"the MLP width 4*n_embd", 4 * c.n_embd}};
                               },
-                              "c_proj.weight"});
+                              "c_proj.weight", GptTiedParameters});
 
 }  // namespace internal
 }  // namespace trident

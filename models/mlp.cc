@@ -78,7 +78,9 @@ TRIDENT_REGISTER(ArchitectureRegistry, "mlp",
                                     "model 'mlp' has no tensor-parallel form; use gpt or llama, or tp=1");
                               },
                               [](const ModelConfig&) { return Architecture::Sizes{}; },
-                              ""});
+                              "",
+                              nullptr,
+                              /*attention=*/false});
 
 }  // namespace internal
 }  // namespace trident

@@ -12,9 +12,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "base/aligned_linear.h"
 #include "base/rng.h"
 #include "base/status.h"
+#include "kernels/kernels.h"
 #include "models/internal/architectures.h"
 #include "replace/replace.h"
 
@@ -135,6 +135,18 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
     }
   }
   return absl::OkStatus();
+}
+
+std::map<std::string, std::string> ModelTiedParameters(const ModelConfig& config) {
+  auto architecture = internal::ArchitectureRegistry().Find(config.model);
+  if (!architecture.ok() || !architecture->tied_parameters) return {};
+  return architecture->tied_parameters(config);
+}
+
+double AttentionFlopsPerToken(const ModelConfig& config) {
+  auto architecture = internal::ArchitectureRegistry().Find(config.model);
+  if (!architecture.ok() || !architecture->attention) return 0.0;
+  return 12.0 * config.n_layer * config.n_embd * config.block_size;
 }
 
 Values LanguageModel::ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) {

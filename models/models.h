@@ -66,6 +66,13 @@ std::vector<std::string> PresetNames(absl::string_view model);
 // Errors (naming the field) for sizes that cannot build a model.
 absl::Status ValidateModelConfig(const ModelConfig& config);
 
+// LanguageModel::TiedParameters of a model of `config` (a valid one), known
+// before it is built.
+std::map<std::string, std::string> ModelTiedParameters(const ModelConfig& config);
+// The FLOPs per token of a training step beyond 6 per parameter: attention's
+// 12 L C T (scores and weighted values, forward and backward); 0 without it.
+double AttentionFlopsPerToken(const ModelConfig& config);
+
 // A causal language model: tokens [B, T] (int64, T <= block_size) to logits
 // [B, T, vocab]. Every zoo model is a LayerSequence: an embedding layer
 // ("embedding"), its blocks (named by their parameter prefix, such as

@@ -64,6 +64,19 @@ TEST(GptTest, ParameterNamesAndLayoutsMatchThePyTorchReference) {
   EXPECT_EQ(model->TiedParameters().at("lm_head.weight"), "transformer.wte.weight");
 }
 
+TEST(ModelConfigTest, TiedParametersAndAttentionAreKnownBeforeBuilding) {
+  for (const char* model : {"gpt", "llama", "mlp"}) {
+    for (bool tie : {true, false}) {
+      ModelConfig config = *PresetModelConfig(model, std::string(model) + "-tiny");
+      config.tie_word_embeddings = tie;
+      EXPECT_EQ(ModelTiedParameters(config), Make(config)->TiedParameters()) << model << " tie " << tie;
+    }
+  }
+  ModelConfig gpt = *PresetModelConfig("gpt", "gpt-tiny");
+  EXPECT_EQ(AttentionFlopsPerToken(gpt), 12.0 * gpt.n_layer * gpt.n_embd * gpt.block_size);
+  EXPECT_EQ(AttentionFlopsPerToken(*PresetModelConfig("mlp", "mlp-tiny")), 0.0);
+}
+
 TEST(GptTest, Gpt2SmallHasTheKnownParameterCount) {
   auto model = Make(*PresetModelConfig("gpt", "gpt2-124m"));
   EXPECT_EQ(model->NumParameters(), 124439808);  // GPT-2 small, head tied

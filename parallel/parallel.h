@@ -262,7 +262,7 @@ class ParallelModel;
 // builds the optimizer over this rank's parameters (or ZeRO's chunks). Every
 // rank calls it; an error on one rank reaches all. It changes nothing
 // process-wide: a program that wants the fastest fp32 CPU products calls
-// UseBestCpuKernels (base/blas_kernels.h) once first, as `train` does.
+// UseBestCpuKernels (kernels/kernels.h) once first, as `train` does.
 absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
                                                            Topology* topology, const Batch& example,
                                                            OptimizerFactory make_optimizer);

@@ -10,7 +10,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include "base/blas_kernels.h"
+#include "kernels/kernels.h"
 #include "replace/internal/vector_math.h"
 
 namespace trident {

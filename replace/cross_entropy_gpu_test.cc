@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "base/aligned_linear.h"
+#include "kernels/kernels.h"
 #include "replace/replace.h"
 
 namespace trident {

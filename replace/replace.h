@@ -80,7 +80,7 @@ namespace trident {
 at::Tensor FusedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 // Whether FusedCausalAttention runs its fused CPU kernels on these operands:
-// fp32 CPU tensors, with oneDNN's sgemm in the process (base/blas_kernels.h).
+// fp32 CPU tensors, with oneDNN's sgemm in the process (kernels/kernels.h).
 // They never write the [B, H, Tq, Tk] scores and beat the unfused operators
 // (see replace_benchmark). The zoo's attention takes them by default.
 bool FusedCausalAttentionOnCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);

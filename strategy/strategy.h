@@ -155,7 +155,7 @@ struct AcceleratedModel {
 // The reference design's auto_accelerate: SearchStrategy (or the loaded
 // strategy), then Parallelize with it. `loss`, when set, replaces the
 // source's. Like Parallelize, it changes nothing process-wide (see
-// UseBestCpuKernels in base/blas_kernels.h).
+// UseBestCpuKernels in kernels/kernels.h).
 absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source, std::shared_ptr<const Dataset> dataset,
                                                 int64_t global_batch_size, const OptimizerFactory& make_optimizer,
                                                 Topology* topology, const AutoAccelerateOptions& options,

@@ -7,9 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "base/aligned_linear.h"
 #include "base/module_names.h"
 #include "base/status.h"
+#include "kernels/kernels.h"
 #include "tensor_parallel/tensor_parallel.h"
 #include "topology/topology.h"
 

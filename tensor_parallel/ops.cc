@@ -13,8 +13,8 @@
 #include <torch/library.h>
 
 #include "absl/strings/str_cat.h"
-#include "base/aligned_linear.h"
 #include "base/autocast_state.h"
+#include "kernels/kernels.h"
 #include "tensor_parallel/tensor_parallel.h"
 #include "topology/topology.h"
 

@@ -25,9 +25,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "base/blas_kernels.h"
 #include "base/flags_help.h"
 #include "base/status.h"
+#include "kernels/kernels.h"
 #include "topology/topology.h"
 #include "trainer/trainer.h"
 

@@ -19,16 +19,13 @@ ModelSource ZooModelSource(const ModelConfig& config, uint64_t seed) {
   source.shards = [](LayerSequence& part) {
     return dynamic_cast<LanguageModel&>(part).ParameterShards();
   };
-  if (config.model == "gpt" && config.tie_word_embeddings) {
-    source.aliases = {{"lm_head.weight", "transformer.wte.weight"}};
-  }
+  source.aliases = ModelTiedParameters(config);
   source.sequence_length = config.block_size;
   source.vocab_size = config.vocab_size;
   source.returns_logits = true;
-  // 6 N per token for the products with the weights, plus attention's
-  // 12 L C T per token (scores and weighted values, forward and backward).
+  // 6 N per token for the products with the weights, plus attention's.
   const double T = config.block_size;
-  const double attention = config.model == "mlp" ? 0.0 : 12.0 * config.n_layer * config.n_embd * T;
+  const double attention = AttentionFlopsPerToken(config);
   source.flops_per_sample = [T, attention](int64_t parameters) { return T * (6.0 * parameters + attention); };
   return source;
 }

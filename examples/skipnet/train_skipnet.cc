@@ -5,8 +5,8 @@
 //   bazel run -c opt //skipnet:train_skipnet -- --dp=2 --pp=2 --zero_stage=1
 #include <gflags/gflags.h>
 
-#include "base/blas_kernels.h"
 #include "base/status.h"
+#include "kernels/kernels.h"
 #include "parallel/parallel.h"
 #include "skipnet/skipnet.h"
 #include "topology/topology.h"

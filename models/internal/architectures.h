@@ -31,6 +31,11 @@ struct Architecture {
   // The weights (by name suffix) drawn with init_method_std / sqrt(2 n_layer):
   // GPT-2's residual projections. Empty: none.
   std::string residual_projection_suffix;
+  // LanguageModel::TiedParameters of a model of `config`, before it is built
+  // (may be empty: none).
+  std::function<std::map<std::string, std::string>(const ModelConfig& config)> tied_parameters;
+  // Whether its blocks attend (for the FLOPs of a step).
+  bool attention = true;
 };
 Registry<Architecture>& ArchitectureRegistry();
 

@@ -21,7 +21,7 @@ namespace internal {
 void CheckAttentionShapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 // Whether the kernels below take q [B, H, Tq, D] and k, v [B, H, Tk, D]: fp32
-// CPU tensors, and oneDNN's sgemm in this process (base/blas_kernels.h).
+// CPU tensors, and oneDNN's sgemm in this process (kernels/kernels.h).
 bool CpuAttentionTakes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 // (out [B, H, Tq, D], a view of a [B, Tq, H, D] buffer so that merging the

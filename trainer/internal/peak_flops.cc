@@ -21,8 +21,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "base/blas_kernels.h"
 #include "base/status.h"
+#include "kernels/kernels.h"
 
 namespace trident {
 namespace internal {

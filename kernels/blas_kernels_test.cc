@@ -1,4 +1,4 @@
-#include "base/blas_kernels.h"
+#include "kernels/kernels.h"
 
 #include <dlfcn.h>
 

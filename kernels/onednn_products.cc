@@ -18,7 +18,7 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
-#include "base/blas_kernels.h"
+#include "kernels/kernels.h"
 
 namespace trident {
 namespace {

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "base/blas_kernels.h"
+#include "kernels/kernels.h"
 
 namespace trident {
 namespace {

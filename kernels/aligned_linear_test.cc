@@ -1,4 +1,4 @@
-#include "base/aligned_linear.h"
+#include "kernels/kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>

@@ -1,4 +1,4 @@
-#include "base/aligned_linear.h"
+#include "kernels/kernels.h"
 
 #include <limits>
 #include <vector>

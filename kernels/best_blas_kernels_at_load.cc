@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <string>
 
-#include "base/blas_kernels.h"
+#include "kernels/kernels.h"
 
 namespace trident {
 namespace {

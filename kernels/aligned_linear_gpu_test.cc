@@ -1,6 +1,6 @@
 // AlignedLinear on CUDA (needs a GPU; tagged gpu): the padded product gives
 // linear's values and gradients, in fp32 and under bf16 autocast.
-#include "base/aligned_linear.h"
+#include "kernels/kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
