@@ -23,8 +23,9 @@ absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentE
 const std::map<std::string, std::set<std::string>>& MethodFields() {
   static const auto* fields = new std::map<std::string, std::set<std::string>>{
       {"parallel_mode", {"parallel_mode", "rank_order"}},
-      {"amp_native", {"dtype", "skip_if_nonfinite"}},
-      {"half", {"dtype"}},
+      {"amp_native", {"dtype", "skip_if_nonfinite", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                      "min_loss_scale"}},
+      {"half", {"dtype", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}},
       {"zero1", {}},
       {"zero2", {}},
       {"fsdp", {"wrap", "min_num_params", "ignored"}},
@@ -61,6 +62,31 @@ absl::Status CheckMethods(const Strategy& strategy) {
     }
   }
   return absl::OkStatus();
+}
+
+// The loss scaler `method` (amp_native or half) gives over the defaults;
+// `static_one`: bf16's skip, whose scale is a static 1 unless given.
+LossScalerOptions ScalerOf(const OptimizationMethod& method, bool static_one) {
+  LossScalerOptions scaler;
+  if (static_one) scaler.loss_scale = 1;
+  if (method.has_loss_scale()) scaler.loss_scale = method.loss_scale();
+  if (method.has_initial_scale_power()) scaler.initial_scale_power = method.initial_scale_power();
+  if (method.has_loss_scale_window()) scaler.loss_scale_window = method.loss_scale_window();
+  if (method.has_hysteresis()) scaler.hysteresis = method.hysteresis();
+  if (method.has_min_loss_scale()) scaler.min_loss_scale = method.min_loss_scale();
+  return scaler;
+}
+
+// Records `scaler` on `method` where it differs from ScalerOf's defaults.
+void RecordScaler(const LossScalerOptions& scaler, bool static_one, OptimizationMethod* method) {
+  const LossScalerOptions defaults = ScalerOf(OptimizationMethod(), static_one);
+  if (scaler.loss_scale != defaults.loss_scale) method->set_loss_scale(scaler.loss_scale);
+  if (scaler.initial_scale_power != defaults.initial_scale_power) {
+    method->set_initial_scale_power(scaler.initial_scale_power);
+  }
+  if (scaler.loss_scale_window != defaults.loss_scale_window) method->set_loss_scale_window(scaler.loss_scale_window);
+  if (scaler.hysteresis != defaults.hysteresis) method->set_hysteresis(scaler.hysteresis);
+  if (scaler.min_loss_scale != defaults.min_loss_scale) method->set_min_loss_scale(scaler.min_loss_scale);
 }
 
 const std::vector<std::string>& DefaultAxisOrder() {
@@ -175,15 +201,18 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
     const std::string dtype = amp.has_dtype() ? amp.dtype() : "fp16";
     if (dtype != "bf16" && dtype != "fp16") return Invalid(absl::StrCat("strategy: amp_native dtype '", dtype, "'; choose bf16 or fp16"));
     plan->precision = dtype;
-    if (dtype == "bf16" && amp.skip_if_nonfinite()) {
-      plan->loss_scaling = true;  // a static scale of 1: only the skip
-      plan->loss_scaler.loss_scale = 1;
-    }
+    // fp16 always scales its loss; bf16 only to skip steps whose gradients
+    // are not finite (a static scale of 1 unless the method gives one).
+    const bool skip = dtype == "bf16" && amp.skip_if_nonfinite();
+    if (dtype == "bf16") plan->loss_scaling = skip;
+    if (skip || dtype == "fp16") plan->loss_scaler = ScalerOf(amp, skip);
   }
   if (has("half")) {
-    const std::string dtype = by_name["half"]->has_dtype() ? by_name["half"]->dtype() : "fp16";
+    const OptimizationMethod& half = *by_name["half"];
+    const std::string dtype = half.has_dtype() ? half.dtype() : "fp16";
     if (dtype != "bf16" && dtype != "fp16") return Invalid(absl::StrCat("strategy: half dtype '", dtype, "'; choose bf16 or fp16"));
     plan->precision = "pure_" + dtype;
+    if (dtype == "fp16") plan->loss_scaler = ScalerOf(half, /*static_one=*/false);
   }
   if (strategy.has_precision_table()) plan->precision_table = strategy.precision_table();
   if (has("checkpoint")) {
@@ -261,11 +290,14 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
     OptimizationMethod* amp = strategy.add_methods();
     amp->set_name("amp_native");
     amp->set_dtype(plan.precision);
-    if (plan.precision == "bf16" && plan.loss_scaling) amp->set_skip_if_nonfinite(true);
+    const bool skip = plan.precision == "bf16" && plan.loss_scaling;
+    if (skip) amp->set_skip_if_nonfinite(true);
+    if (skip || plan.precision == "fp16") RecordScaler(plan.loss_scaler, skip, amp);
   } else if (plan.precision == "pure_bf16" || plan.precision == "pure_fp16") {
     OptimizationMethod* half = strategy.add_methods();
     half->set_name("half");
     half->set_dtype(plan.precision.substr(5));
+    if (plan.precision == "pure_fp16") RecordScaler(plan.loss_scaler, /*static_one=*/false, half);
   }
   if (!plan.precision_table.empty()) strategy.set_precision_table(plan.precision_table);
   if (plan.activation_checkpointing != "none" || !plan.checkpoint_modules.empty()) {

@@ -74,7 +74,8 @@ std::string DecidedFields(const ParallelPlan& p) {
   return absl::StrCat(
       "dp=", p.dp, " tp=", p.tp, " pp=", p.pp, " axes=", absl::StrJoin(p.axis_order, ","), " ranks=",
       absl::StrJoin(p.rank_order, ","), " zero=", p.zero_stage, " precision=", p.precision, " table=",
-      p.precision_table, " scaling=", p.loss_scaling, "/", p.loss_scaler.loss_scale, " recompute=",
+      p.precision_table, " scaling=", p.loss_scaling, "/", p.loss_scaler.loss_scale, "/", p.loss_scaler.initial_scale_power, "/",
+      p.loss_scaler.loss_scale_window, "/", p.loss_scaler.hysteresis, "/", p.loss_scaler.min_loss_scale, " recompute=",
       p.activation_checkpointing, " layers=", absl::StrJoin(p.checkpoint_layers, ","), " ratio=",
       p.activation_checkpoint_ratio, " segment=", p.checkpoint_num_layers, " modules=",
       absl::StrJoin(p.checkpoint_modules, ","), " replace=", absl::StrJoin(p.module_replace, ","), " sp=",
@@ -83,7 +84,7 @@ std::string DecidedFields(const ParallelPlan& p) {
 }
 
 std::vector<ParallelPlan> PlansUsingEveryMethod() {
-  std::vector<ParallelPlan> plans(6);
+  std::vector<ParallelPlan> plans(8);
   {
     ParallelPlan& p = plans[0];  // 3D, sequence parallel, interleaved, full recomputation
     p.dp = p.tp = p.pp = 2;
@@ -143,6 +144,23 @@ std::vector<ParallelPlan> PlansUsingEveryMethod() {
     p.precision_table = "param=bf16";
   }
   plans[5].dp = 4;  // the default plan
+  {
+    ParallelPlan& p = plans[6];  // fp16 with a dynamic scaler of its own
+    p.dp = 2;
+    p.device = "cuda";
+    p.precision = "fp16";
+    p.loss_scaler.initial_scale_power = 8;
+    p.loss_scaler.loss_scale_window = 500;
+    p.loss_scaler.hysteresis = 3;
+    p.loss_scaler.min_loss_scale = 0.5;
+  }
+  {
+    ParallelPlan& p = plans[7];  // fp16 storage with a static scale
+    p.dp = 2;
+    p.device = "cuda";
+    p.precision = "pure_fp16";
+    p.loss_scaler.loss_scale = 1024;
+  }
   return plans;
 }
 
@@ -155,6 +173,7 @@ TEST(StrategyTest, ApplyStrategyInvertsStrategyFromPlan) {
   for (const ParallelPlan& plan : PlansUsingEveryMethod()) {
     ASSERT_TRUE(ValidatePlan(plan).ok()) << ValidatePlan(plan) << DecidedFields(plan);
     ParallelPlan again;
+    again.device = plan.device;  // not the strategy's: fp16 needs a GPU
     absl::Status applied = ApplyStrategy(StrategyFromPlan(plan), plan.dp * plan.tp * plan.pp, &again);
     ASSERT_TRUE(applied.ok()) << applied << "\n" << StrategyToText(StrategyFromPlan(plan));
     EXPECT_EQ(DecidedFields(again), DecidedFields(plan)) << StrategyToText(StrategyFromPlan(plan));
@@ -169,6 +188,7 @@ TEST(StrategyTest, ASavedStrategyLoadsAndSavesByteForByte) {
     auto loaded = LoadStrategy(path);
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     ParallelPlan applied;
+    applied.device = plan.device;
     ASSERT_TRUE(ApplyStrategy(*loaded, plan.dp * plan.tp * plan.pp, &applied).ok());
     EXPECT_EQ(StrategyToText(StrategyFromPlan(applied)), text);
   }

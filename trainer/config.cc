@@ -146,7 +146,15 @@ absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, Tra
   c->set_zero_stage(plan.zero_stage);
   c->set_precision(plan.precision);
   c->set_precision_table(plan.precision_table);
-  if (plan.loss_scaling) c->set_loss_scale(plan.loss_scaler.loss_scale);
+  // The scaler's options act where the loss is scaled (fp16; bf16's skip).
+  auto precision = MakePrecisionPolicy(plan.precision, plan.precision_table);
+  if (plan.loss_scaling || (precision.ok() && precision->loss_scaling && plan.loss_scaler.loss_scale > 0)) {
+    c->set_loss_scale(plan.loss_scaler.loss_scale);
+  }
+  c->set_initial_scale_power(plan.loss_scaler.initial_scale_power);
+  c->set_loss_scale_window(plan.loss_scaler.loss_scale_window);
+  c->set_hysteresis(plan.loss_scaler.hysteresis);
+  c->set_min_loss_scale(plan.loss_scaler.min_loss_scale);
   c->set_activation_checkpointing(plan.activation_checkpointing);
   c->set_checkpoint_layers(absl::StrJoin(plan.checkpoint_layers, ","));
   c->set_checkpoint_modules(absl::StrJoin(plan.checkpoint_modules, ","));
@@ -426,7 +434,10 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   plan.precision = c.precision();
   plan.precision_table = c.precision_table();
   plan.loss_scaling = c.loss_scale() >= 0 || c.skip_if_nonfinite();
-  plan.loss_scaler.loss_scale = c.loss_scale() >= 0 ? c.loss_scale() : 1.0;  // skip_if_nonfinite: a static 1
+  // Without loss_scale: fp16's dynamic scaler, or skip_if_nonfinite's static 1.
+  auto precision = MakePrecisionPolicy(c.precision(), c.precision_table());
+  const bool fp16 = precision.ok() && precision->loss_scaling;
+  plan.loss_scaler.loss_scale = c.loss_scale() >= 0 ? c.loss_scale() : fp16 ? 0.0 : 1.0;
   plan.loss_scaler.initial_scale_power = c.initial_scale_power();
   plan.loss_scaler.loss_scale_window = c.loss_scale_window();
   plan.loss_scaler.hysteresis = c.hysteresis();

@@ -101,6 +101,36 @@ TEST(ConfigFlagsTest, FlagsTextConfigAndSavedStrategyGiveTheSamePlan) {
   }
 }
 
+TEST(PlanFromConfigTest, Fp16ScalesDynamicallyUnlessTheConfigGivesAScale) {
+  TrainerConfig c;
+  c.set_precision("fp16");
+  EXPECT_EQ(PlanFromConfig(c).loss_scaler.loss_scale, 0.0);  // dynamic, as config.proto says
+  c.set_precision("pure_fp16");
+  EXPECT_EQ(PlanFromConfig(c).loss_scaler.loss_scale, 0.0);
+  c.set_loss_scale(128);
+  EXPECT_EQ(PlanFromConfig(c).loss_scaler.loss_scale, 128.0);
+  c.set_precision("bf16");
+  c.clear_loss_scale();
+  c.set_skip_if_nonfinite(true);
+  EXPECT_TRUE(PlanFromConfig(c).loss_scaling);
+  EXPECT_EQ(PlanFromConfig(c).loss_scaler.loss_scale, 1.0);  // only the skip
+}
+
+TEST(PlanFromConfigTest, AStrategysLossScalerReachesThePlan) {
+  Strategy strategy;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      R"(methods { name: "amp_native" dtype: "fp16" initial_scale_power: 8 hysteresis: 3 })", &strategy));
+  TrainerConfig c;
+  c.set_device("cuda");
+  ASSERT_TRUE(ApplyStrategyToConfig(strategy, 1, &c).ok());
+  const ParallelPlan plan = PlanFromConfig(c);
+  EXPECT_EQ(plan.precision, "fp16");
+  EXPECT_EQ(plan.loss_scaler.loss_scale, 0.0);
+  EXPECT_EQ(plan.loss_scaler.initial_scale_power, 8);
+  EXPECT_EQ(plan.loss_scaler.hysteresis, 3);
+  EXPECT_EQ(plan.loss_scaler.loss_scale_window, 1000);
+}
+
 TEST(ConfigFileTest, ShippedConfigsParse) {
   const char* srcdir = std::getenv("TEST_SRCDIR");
   ASSERT_NE(srcdir, nullptr);
