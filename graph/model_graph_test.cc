@@ -4,74 +4,25 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "models/models.h"
+#include "testing/tiny_model.h"
 
 namespace trident {
 namespace {
 
 using ::testing::HasSubstr;
 
-class TracedZooTest : public ::testing::TestWithParam<const char*> {};
-
-// Running the traced graph gives the eager model's loss and gradients.
-TEST_P(TracedZooTest, TracedGraphReproducesEagerLossAndGradients) {
-  const std::string preset = GetParam();
-  ModelConfig config = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
-  config.n_layer = 2;
-  auto traced_model = *CreateModel(config, 4);
-  auto eager_model = *CreateModel(config, 4);
-  torch::manual_seed(1);
-  auto tokens = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
-  auto targets = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
-  // Fresh data through the graph, so nothing was baked in as a constant.
-  auto tokens2 = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
-  auto targets2 = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
-  auto graph = ModelGraph::Trace(
-      *traced_model, {tokens, targets},
-      [&](const std::vector<at::Tensor>& in) {
-        return std::vector<at::Tensor>{traced_model->Loss(in[0], in[1])};
-      },
-      /*check_inputs=*/{tokens2, targets2});
-  ASSERT_TRUE(graph.ok()) << graph.status();
-  EXPECT_EQ((*graph)->parameter_names().size(), traced_model->named_parameters().size());
-  for (auto& p : traced_model->parameters()) p.mutable_grad() = at::Tensor();
-  auto outputs = (*graph)->Run({tokens2, targets2});
-  ASSERT_TRUE(outputs.ok()) << outputs.status();
-  ASSERT_EQ(outputs->size(), 1u);
-  (*outputs)[0].backward();
-  auto reference = eager_model->Loss(tokens2, targets2);
-  reference.backward();
-  EXPECT_NEAR((*outputs)[0].item<double>(), reference.item<double>(), 1e-6);
-  // Equal up to fp32 rounding, not bit-equal: the eager model runs the fused
-  // CPU attention, the trace the unfused operators graph analyses read
-  // (gradients differ by up to about 2e-7 where they reach 0.4).
-  auto expected = eager_model->named_parameters();
-  for (const auto& item : traced_model->named_parameters()) {
-    ASSERT_TRUE(item.value().grad().defined()) << item.key();
-    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-6))
-        << item.key();
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Zoo, TracedZooTest,
-                         ::testing::Values("gpt-tiny", "llama-tiny", "mlp-tiny"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           return name.substr(0, name.find('-'));
-                         });
-
 TEST(ModelGraphTest, NodesCarryParametersShapesAndFlops) {
-  ModelConfig config = *PresetModelConfig("mlp", "mlp-tiny");
+  testing::TinyModelOptions config;
   config.n_layer = 1;
   config.n_embd = 8;
   config.vocab_size = 16;
-  auto model = *CreateModel(config, 1);
+  auto model = std::make_shared<testing::TinyModel>(config, 1);
   auto tokens = torch::randint(16, {2, 4}, torch::kLong);
   auto graph = ModelGraph::Trace(*model, {tokens}, [&](const std::vector<at::Tensor>& in) {
     return std::vector<at::Tensor>{model->Logits(in[0])};
   });
   ASSERT_TRUE(graph.ok()) << graph.status();
-  // mlp's layers are ParallelLinear: one aten::linear node each, reading weight and bias.
+  // One aten::linear node per linear layer, reading its weight and bias.
   const GraphNode* product = nullptr;
   for (const GraphNode& node : (*graph)->nodes()) {
     if (node.kind == "aten::linear" &&

@@ -1,7 +1,9 @@
 // kernels: the choice of fp32 CPU product kernels (OpenBLAS's kernel set,
-// oneDNN in ATen's place) and linear products padded to aligned widths for
-// cuBLAS's fast kernels. A process-wide choice is the program's to make
-// (UseBestCpuKernels); no library call makes it.
+// oneDNN in ATen's place), linear products padded to aligned widths for
+// cuBLAS's fast kernels, and the fused operators (causal attention, residual
+// add + LayerNorm, bias + GELU, cross-entropy; CPU kernels here, CUDA ones in
+// the GPU build) that replace/'s pairs and the zoo use. A process-wide choice
+// is the program's to make (UseBestCpuKernels); no library call makes it.
 //
 // CPU products. The kernels of fp32 CPU matrix products: OpenBLAS's kernel selection, and
 // oneDNN in its place. OpenBLAS (Debian 12 ships 0.3.21, the BLAS that
@@ -27,6 +29,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 
@@ -99,6 +102,48 @@ at::Tensor PaddedForSoftmax(const at::Tensor& x);
 // columns computed, the first weight.size(0) returned. Under autocast the
 // weight is cast before it is padded.
 at::Tensor PaddedLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t width);
+
+// One AdamW step over n contiguous fp32 values on the CPU, in place: m and v
+// are the moments, decay = 1 - lr * weight_decay, step_size = lr / (1 -
+// beta1^step), inverse_sqrt_bias_correction2 = 1 / sqrt(1 - beta2^step).
+// Reads and writes each array once, as vector instructions, threaded over
+// ATen's intra-op pool; IEEE single precision, so the results do not depend
+// on the CPU's vector width.
+void FusedAdamWStep(float* p, const float* g, float* m, float* v, int64_t n, float decay, float beta1,
+                    float beta2, float inverse_sqrt_bias_correction2, float eps, float step_size);
+
+// The fused operators, usable directly (with autograd).
+
+// Causal attention of q [B, H, Tq, D] over k, v [B, H, Tk, D], Tk >= Tq:
+// query i is position Tk - Tq + i. Equals softmax(q k^T / sqrt(D) + causal
+// mask) v, without attention dropout.
+at::Tensor FusedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Whether FusedCausalAttention runs its fused CPU kernels on these operands:
+// fp32 CPU tensors, with oneDNN's sgemm in the process (UseOneDnnProducts).
+// They never write the [B, H, Tq, Tk] scores and beat the unfused operators
+// (see //replace:replace_benchmark). The zoo's attention takes them by default.
+bool FusedCausalAttentionOnCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// (x + alpha * residual, LayerNorm of that sum over the last dimensions
+// `normalized_shape`) from one pass; residual, weight and bias may be
+// undefined (without a residual the sum is x, and its gradient joins x's).
+// On CUDA (one normalized dimension of up to 1024, a multiple of 4) the
+// output is in autocast's dtype when autocast is on and x is fp32: the
+// type the next product reads.
+std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const at::Tensor& residual,
+                                                    double alpha, at::IntArrayRef normalized_shape,
+                                                    const at::Tensor& weight, const at::Tensor& bias,
+                                                    double eps);
+
+// gelu(x + bias) (bias over the last dimension); `approximate` "none" (erf)
+// or "tanh".
+at::Tensor FusedBiasGelu(const at::Tensor& x, const at::Tensor& bias, const std::string& approximate = "none");
+
+// The mean over targets other than `ignore_index` of -log_softmax(logits)[target]
+// (logits [N, C], targets [N] class ids), computed in fp32 as F::cross_entropy
+// is under autocast.
+at::Tensor FusedCrossEntropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index = -100);
 
 }  // namespace trident
 

@@ -5,14 +5,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "models/models.h"
 #include "partition/partition.h"
+#include "testing/tiny_model.h"
 
 namespace trident {
 namespace {
 
 struct Case {
-  const char* preset;
+  bool tied;  // the head reads the token embedding
   const char* method;
   int stages;
 };
@@ -21,11 +21,11 @@ class StageExactnessTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(StageExactnessTest, StagesInSequenceEqualTheUnsplitModel) {
   const Case c = GetParam();
-  const std::string preset = c.preset;
-  ModelConfig config = *PresetModelConfig(preset.substr(0, preset.find('-')), preset);
+  testing::TinyModelOptions config;
   config.n_layer = 3;
-  auto split = *CreateModel(config, 11);
-  auto whole = *CreateModel(config, 11);
+  config.tie_embeddings = c.tied;
+  auto split = std::make_shared<testing::TinyModel>(config, 11);
+  auto whole = std::make_shared<testing::TinyModel>(config, 11);
   torch::manual_seed(3);
   auto tokens = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
   auto targets = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
@@ -70,29 +70,26 @@ TEST_P(StageExactnessTest, StagesInSequenceEqualTheUnsplitModel) {
 
 std::vector<Case> AllCases() {
   std::vector<Case> cases;
-  for (const char* preset : {"gpt-tiny", "llama-tiny", "mlp-tiny"}) {
+  for (bool tied : {false, true}) {
     for (const char* method : {"uniform", "uniform_floor", "parameters", "cost", "custom"}) {
-      for (int stages = 1; stages <= 4; ++stages) cases.push_back({preset, method, stages});
+      for (int stages = 1; stages <= 4; ++stages) cases.push_back({tied, method, stages});
     }
   }
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(ZooMethodsStages, StageExactnessTest, ::testing::ValuesIn(AllCases()),
+INSTANTIATE_TEST_SUITE_P(MethodsStages, StageExactnessTest, ::testing::ValuesIn(AllCases()),
                          [](const auto& info) {
-                           std::string name = std::string(info.param.preset) + "_" +
-                                              info.param.method + "_" +
-                                              std::to_string(info.param.stages);
-                           for (char& ch : name) {
-                             if (ch == '-') ch = '_';
-                           }
-                           return name;
+                           return std::string(info.param.tied ? "tied_" : "") + info.param.method + "_" +
+                                  std::to_string(info.param.stages);
                          });
 
-TEST(BalanceTest, ParametersKeepTwelveGptLayersWithinFifteenPercentOnFourStages) {
-  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+TEST(BalanceTest, ParametersKeepTwelveBlocksWithinFifteenPercentOnFourStages) {
+  testing::TinyModelOptions config;
   config.n_layer = 12;
-  auto model = *CreateModel(config, 1);
+  config.vocab_size = 256;
+  config.tie_embeddings = true;
+  auto model = std::make_shared<testing::TinyModel>(config, 1);
   auto profile = ProfileLayers(*model, {torch::randint(256, {1, 8}, torch::kLong)});
   ASSERT_TRUE(profile.ok());
   PartitionOptions options;
@@ -106,7 +103,7 @@ TEST(BalanceTest, ParametersKeepTwelveGptLayersWithinFifteenPercentOnFourStages)
   for (const StagePlan& stage : plan->stages()) {
     double sum = 0;
     for (int64_t i = stage.first_layer(); i < stage.end_layer(); ++i) {
-      if ((*profile)[i].name.rfind("transformer.h.", 0) == 0) sum += (*profile)[i].parameters;
+      if ((*profile)[i].name.rfind("blocks.", 0) == 0) sum += (*profile)[i].parameters;
     }
     stage_parameters.push_back(sum);
     total += sum;
@@ -117,9 +114,11 @@ TEST(BalanceTest, ParametersKeepTwelveGptLayersWithinFifteenPercentOnFourStages)
 // The cost method evens out the stages' estimated forward FLOPs (the measured
 // times are reported by //benchmarks:partition_benchmark, BM_CostBalance).
 TEST(BalanceTest, CostKeepsTheSlowestOfFourStagesWithinTwentyPercentOfTheMean) {
-  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+  testing::TinyModelOptions config;
   config.n_layer = 12;
-  auto model = *CreateModel(config, 1);
+  config.vocab_size = 512;  // the head costs two blocks: 14 blocks' worth over 4 stages
+  config.tie_embeddings = true;
+  auto model = std::make_shared<testing::TinyModel>(config, 1);
   auto profile = ProfileLayers(*model, {torch::randint(256, {2, 64}, torch::kLong)});
   ASSERT_TRUE(profile.ok());
   PartitionOptions options;

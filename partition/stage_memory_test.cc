@@ -8,8 +8,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "models/models.h"
 #include "partition/partition.h"
+#include "testing/tiny_model.h"
 
 namespace trident {
 namespace {
@@ -27,10 +27,10 @@ int64_t ParameterBytes(const torch::nn::Module& module) {
 }
 
 TEST(StageMemoryTest, BuildingOneStageOfEightNeedsAboutOneStageOfMemory) {
-  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+  testing::TinyModelOptions config;
   config.n_layer = 16;
   config.n_embd = 512;
-  config.n_head = 8;
+  config.vocab_size = 256;
   const int64_t layers = config.n_layer + 2;
   auto tokens = torch::randint(config.vocab_size, {1, 8}, torch::kLong);
   const int64_t before = PeakResidentBytes();
@@ -38,9 +38,7 @@ TEST(StageMemoryTest, BuildingOneStageOfEightNeedsAboutOneStageOfMemory) {
   auto profile = ProfileLayersOneByOne(
       layers,
       [&](int64_t i) -> absl::StatusOr<std::shared_ptr<LayerSequence>> {
-        auto part = CreateModelLayers(config, 1, i, i + 1);
-        if (!part.ok()) return part.status();
-        return std::shared_ptr<LayerSequence>(*part);
+        return std::shared_ptr<LayerSequence>(std::make_shared<testing::TinyModel>(config, 1, LayerRanges{{i, i + 1}}));
       },
       {tokens});
   ASSERT_TRUE(profile.ok()) << profile.status();
@@ -50,13 +48,12 @@ TEST(StageMemoryTest, BuildingOneStageOfEightNeedsAboutOneStageOfMemory) {
   auto plan = PlanStages(*profile, options);
   ASSERT_TRUE(plan.ok()) << plan.status();
   const StagePlan& stage = plan->stages(4);
-  auto part = CreateModelLayers(config, 1, stage.first_layer(), stage.end_layer());
-  ASSERT_TRUE(part.ok()) << part.status();
-  const int64_t stage_bytes = ParameterBytes(**part);
+  testing::TinyModel part(config, 1, LayerRanges{{stage.first_layer(), stage.end_layer()}});
+  const int64_t stage_bytes = ParameterBytes(part);
   const int64_t stage_peak = PeakResidentBytes() - before;
 
-  auto whole = *CreateModel(config, 1);
-  const int64_t model_bytes = ParameterBytes(*whole);
+  testing::TinyModel whole(config, 1);
+  const int64_t model_bytes = ParameterBytes(whole);
   const int64_t whole_peak = PeakResidentBytes() - before;
   std::printf("model %.1f MB, stage %.1f MB (%.1fx); peak growth building the stage %.1f MB, "
               "then the whole model %.1f MB\n",

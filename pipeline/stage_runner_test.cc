@@ -10,9 +10,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "models/models.h"
 #include "partition/partition.h"
 #include "testing/multiprocess.h"
+#include "testing/tiny_model.h"
 
 namespace trident {
 namespace {
@@ -57,16 +57,17 @@ class StageRunnerTest : public ::testing::TestWithParam<Case> {};
 TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
   const Case c = GetParam();
   testing::RunOnRanks(c.stages, [c](int rank) {
-    ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+    testing::TinyModelOptions config;
     config.n_layer = std::max(2, c.stages * c.chunks - 2);
     config.n_embd = 64;
-    config.block_size = 16;
+    config.vocab_size = 256;
+    config.tie_embeddings = true;  // the first and the last stage share the embedding
     const int M = 4, mb = 2, T = 16;
     torch::manual_seed(7);
     auto tokens = torch::randint(config.vocab_size, {M * mb, T}, torch::kLong);
     auto targets = torch::randint(config.vocab_size, {M * mb, T}, torch::kLong);
 
-    auto whole = *CreateModel(config, 3);
+    auto whole = std::make_shared<testing::TinyModel>(config, 3);
     at::Tensor reference = whole->Loss(tokens, targets);
     reference.backward();
 
@@ -86,10 +87,10 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
           {bounds[v], bounds[v + 1], c.checkpointed_layers < 0 ? layers : c.checkpointed_layers});
       ranges.emplace_back(bounds[v], bounds[v + 1]);
     }
-    auto part = *CreateModelLayers(config, 3, ranges);
+    auto part = std::make_shared<testing::TinyModel>(config, 3, ranges);
     std::vector<std::pair<std::string, at::Tensor>> tied;
     for (const auto& item : part->named_parameters()) {
-      if (item.key() == "transformer.wte.weight") tied.emplace_back(item.key(), item.value());
+      if (item.key() == "embed.weight") tied.emplace_back(item.key(), item.value());
     }
     auto schedule = *MakeSchedule(c.schedule, c.chunks);
     if (!schedule->RecomputesOnLastStage() && rank == c.stages - 1) {
@@ -157,10 +158,10 @@ INSTANTIATE_TEST_SUITE_P(SchedulesAndStages, StageRunnerTest,
 // rounding; without restoring the RNG state they differ by half their size).
 TEST(StageRunnerRecomputeTest, RecomputationRestoresTheRandomState) {
   testing::RunOnRanks(1, [](int) {
-    ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+    testing::TinyModelOptions config;
     config.n_layer = 2;
     config.n_embd = 32;
-    config.n_head = 2;
+    config.vocab_size = 256;
     config.dropout = 0.2;
     auto topology = testing::JoinTopology({{"pipeline", 1}});
     ASSERT_TRUE(topology.ok());
@@ -169,7 +170,7 @@ TEST(StageRunnerRecomputeTest, RecomputationRestoresTheRandomState) {
     auto tokens = torch::randint(config.vocab_size, {4, 16}, torch::kLong);
     std::vector<std::vector<at::Tensor>> grads;
     for (int checkpointed : {0, 4}) {
-      auto model = *CreateModel(config, 5);
+      auto model = std::make_shared<testing::TinyModel>(config, 5);
       StageRunnerOptions options;
       options.chunks = {{0, 4, checkpointed}};
       options.checkpoint_num_layers = 2;
@@ -197,12 +198,12 @@ namespace {
 // it, long before the operation timeout.
 TEST(StageRunnerFailureTest, DeadStageIsNamedByItsNeighbour) {
   testing::MultiProcessResult result = testing::SpawnRanks(2, [](int rank) {
-    ModelConfig config = *PresetModelConfig("mlp", "mlp-tiny");
+    testing::TinyModelOptions config;
     config.n_layer = 2;
     auto topology = testing::JoinTopology({{"pipeline", 2}});
     ASSERT_TRUE(topology.ok()) << topology.status();
     const ProcessGroup& pipeline = **(*topology)->Group("pp");
-    auto part = *CreateModelLayers(config, 1, rank * 2, rank * 2 + 2);
+    auto part = std::make_shared<testing::TinyModel>(config, 1, LayerRanges{{rank * 2, rank * 2 + 2}});
     if (rank == 1) _exit(3);
     auto schedule = *MakeSchedule("1f1b");
     StageRunnerOptions options;

@@ -5,17 +5,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "models/models.h"
+#include "testing/tiny_model.h"
 
 namespace trident {
 namespace {
 
 TEST(DeferredWeightGradientsTest, InputGradientsFirstWeightGradientsLater) {
-  ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
+  testing::TinyModelOptions config;
   config.n_layer = 2;
   config.n_embd = 32;
-  config.n_head = 2;
-  auto model = *CreateModelLayers(config, 4, 1, 3);  // the two blocks: a middle stage
+  auto model = std::make_shared<testing::TinyModel>(config, 4, LayerRanges{{1, 3}});  // the two blocks: a middle stage
   internal::DeferredWeightGradients::Parameters parameters;
   for (const auto& p : model->parameters()) parameters.insert(p.unsafeGetTensorImpl());
   torch::manual_seed(1);
@@ -51,9 +50,9 @@ TEST(DeferredWeightGradientsTest, InputGradientsFirstWeightGradientsLater) {
 }
 
 TEST(DeferredWeightGradientsTest, AGraphOfParametersOnlyIsNotSplit) {
-  ModelConfig config = *PresetModelConfig("mlp", "mlp-tiny");
+  testing::TinyModelOptions config;
   config.n_layer = 1;
-  auto model = *CreateModelLayers(config, 4, 0, 2);  // fed token ids: no input gradient
+  auto model = std::make_shared<testing::TinyModel>(config, 4, LayerRanges{{0, 2}});  // fed token ids: no input gradient
   internal::DeferredWeightGradients::Parameters parameters;
   for (const auto& p : model->parameters()) parameters.insert(p.unsafeGetTensorImpl());
   at::Tensor out = model->ForwardLayer(1, model->ForwardLayer(0, torch::zeros({1, 4}, torch::kLong)));

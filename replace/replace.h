@@ -72,39 +72,6 @@ struct Value;
 
 namespace trident {
 
-// The fused operators, usable directly (with autograd).
-
-// Causal attention of q [B, H, Tq, D] over k, v [B, H, Tk, D], Tk >= Tq:
-// query i is position Tk - Tq + i. Equals softmax(q k^T / sqrt(D) + causal
-// mask) v, without attention dropout.
-at::Tensor FusedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
-
-// Whether FusedCausalAttention runs its fused CPU kernels on these operands:
-// fp32 CPU tensors, with oneDNN's sgemm in the process (kernels/kernels.h).
-// They never write the [B, H, Tq, Tk] scores and beat the unfused operators
-// (see replace_benchmark). The zoo's attention takes them by default.
-bool FusedCausalAttentionOnCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
-
-// (x + alpha * residual, LayerNorm of that sum over the last dimensions
-// `normalized_shape`) from one pass; residual, weight and bias may be
-// undefined (without a residual the sum is x, and its gradient joins x's).
-// On CUDA (one normalized dimension of up to 1024, a multiple of 4) the
-// output is in autocast's dtype when autocast is on and x is fp32: the
-// type the next product reads.
-std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const at::Tensor& residual,
-                                                    double alpha, at::IntArrayRef normalized_shape,
-                                                    const at::Tensor& weight, const at::Tensor& bias,
-                                                    double eps);
-
-// gelu(x + bias) (bias over the last dimension); `approximate` "none" (erf)
-// or "tanh".
-at::Tensor FusedBiasGelu(const at::Tensor& x, const at::Tensor& bias, const std::string& approximate = "none");
-
-// The mean over targets other than `ignore_index` of -log_softmax(logits)[target]
-// (logits [N, C], targets [N] class ids), computed in fp32 as F::cross_entropy
-// is under autocast.
-at::Tensor FusedCrossEntropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index = -100);
-
 // One rewrite of a traced graph: every match of `pattern` (TorchScript IR,
 // torch::jit::SubgraphRewriter's syntax) that `filter` accepts (none: all)
 // becomes `replacement`.

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "base/memory_counter.h"
+#include "kernels/kernels.h"
 #include "replace/replace.h"
 
 namespace trident {

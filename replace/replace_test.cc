@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "graph/model_graph.h"
+#include "kernels/kernels.h"
 
 namespace trident {
 namespace {

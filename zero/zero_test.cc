@@ -9,26 +9,25 @@
 #include <torch/torch.h>
 
 #include "base/memory_counter.h"
-#include "models/models.h"
 #include "testing/multiprocess.h"
+#include "testing/tiny_model.h"
 
 namespace trident {
 namespace {
 
 using ::testing::HasSubstr;
 
-// llama: no biases. (GPT's key bias has an exactly zero gradient, so Adam
-// turns its rounding noise into lr-sized steps of random sign: no layout can
-// match another there.)
-ModelConfig TinyModel() {
-  ModelConfig c = *PresetModelConfig("llama", "llama-tiny");
-  c.n_layer = 2;
-  c.n_embd = 32;
-  c.n_head = 2;
-  c.n_kv_head = 2;
-  c.block_size = 8;
-  c.vocab_size = 64;
-  return c;
+// Two residual blocks of width 32 over a vocabulary of 64.
+testing::TinyModelOptions Tiny() {
+  testing::TinyModelOptions options;
+  options.n_layer = 2;
+  options.n_embd = 32;
+  options.vocab_size = 64;
+  return options;
+}
+
+std::shared_ptr<testing::TinyModel> Build(const testing::TinyModelOptions& options, bool defer_values = false) {
+  return std::make_shared<testing::TinyModel>(options, /*seed=*/5, LayerRanges{}, defer_values);
 }
 
 // Decayed (matrices) and not decayed parameters, as the trainer groups them.
@@ -64,8 +63,8 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
     auto topology = testing::JoinTopology({{"data", c.ranks}});
     ASSERT_TRUE(topology.ok()) << topology.status();
     const ProcessGroup& dp = **(*topology)->Group("dp");
-    auto plain = *CreateModel(TinyModel(), 5);
-    auto sharded = *CreateModel(TinyModel(), 5);
+    auto plain = Build(Tiny());
+    auto sharded = Build(Tiny());
     auto plain_optimizer = MakeAdamW(Groups(*plain));
     ZeroOptions options;
     options.stage = c.stage;
@@ -123,8 +122,8 @@ TEST(ZeroGatherTest, LayersFinishTheAllGathersStepStarted) {
       auto topology = testing::JoinTopology({{"data", 2}});
       ASSERT_TRUE(topology.ok()) << topology.status();
       const ProcessGroup& dp = **(*topology)->Group("dp");
-      auto deferred = *CreateModel(TinyModel(), 5);
-      auto gathered = *CreateModel(TinyModel(), 5);
+      auto deferred = Build(Tiny());
+      auto gathered = Build(Tiny());
       ZeroOptions options;
       options.stage = stage;
       options.reduce_bucket_bytes = 16 << 10;  // several buckets
@@ -172,7 +171,7 @@ TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
     const ProcessGroup& dp = **(*topology)->Group("dp");
     int64_t parameter_bytes = 0, largest = 0;
     {
-      auto model = *CreateModel(TinyModel(), 5);
+      auto model = Build(Tiny());
       for (const auto& p : model->parameters()) {
         parameter_bytes += p.numel() * 4;
         largest = std::max<int64_t>(largest, p.numel() * 4);
@@ -180,7 +179,7 @@ TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
     }
     std::vector<MemoryReport> reports;
     for (int stage : {1, 2, 3}) {
-      auto model = *CreateModel(TinyModel(), 5);
+      auto model = Build(Tiny());
       ZeroOptions options;
       options.stage = stage;
       options.layers = model.get();
@@ -217,12 +216,10 @@ TEST(ZeroMemoryTest, StageThreeKeepsNoGatheredWeightsForBackward) {
   testing::RunOnRanks(2, [](int) {
     auto topology = testing::JoinTopology({{"data", 2}});
     ASSERT_TRUE(topology.ok());
-    ModelConfig config = TinyModel();
+    testing::TinyModelOptions config = Tiny();
     config.n_embd = 256;
-    config.n_head = 4;
-    config.n_kv_head = 4;
     MemoryCounter& memory = MemoryCounter::Install();
-    auto model = *CreateModel(config, 5);
+    auto model = Build(config);
     int64_t parameter_bytes = 0;
     for (const auto& p : model->parameters()) parameter_bytes += p.numel() * 4;
     ZeroOptions options;
@@ -249,9 +246,9 @@ TEST(ZeroMemoryTest, StageThreeHoldsOneBlockInBackward) {
   testing::RunOnRanks(2, [](int) {
     auto topology = testing::JoinTopology({{"data", 2}});
     ASSERT_TRUE(topology.ok());
-    ModelConfig config = TinyModel();
+    testing::TinyModelOptions config = Tiny();
     config.n_layer = 4;
-    auto model = *CreateModel(config, 5);
+    auto model = Build(config);
     ZeroOptions options;
     options.stage = 3;
     options.layers = model.get();
@@ -296,7 +293,7 @@ TEST(ZeroMemoryTest, StageThreeHoldsOneBlockInBackward) {
 // model built whole.
 class MaterializationWatcher : public LayerSequence {
  public:
-  explicit MaterializationWatcher(LanguageModel& model) : model_(model) {}
+  explicit MaterializationWatcher(testing::TinyModel& model) : model_(model) {}
   int64_t NumLayers() const override { return model_.NumLayers(); }
   std::string LayerName(int64_t i) const override { return model_.LayerName(i); }
   Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) override {
@@ -314,7 +311,7 @@ class MaterializationWatcher : public LayerSequence {
   int whole_when_drawing = 0;
 
  private:
-  LanguageModel& model_;
+  testing::TinyModel& model_;
 };
 
 TEST(ZeroStageThreeTest, DeferredValuesAreDrawnAndShardedLayerByLayer) {
@@ -322,9 +319,9 @@ TEST(ZeroStageThreeTest, DeferredValuesAreDrawnAndShardedLayerByLayer) {
     auto topology = testing::JoinTopology({{"data", 2}});
     ASSERT_TRUE(topology.ok());
     const ProcessGroup& dp = **(*topology)->Group("dp");
-    ModelConfig config = TinyModel();
-    auto model = *CreateModelLayers(config, 5, LayerRanges{{0, config.n_layer + 2}}, /*defer_values=*/true);
-    auto whole = *CreateModel(config, 5);
+    testing::TinyModelOptions config = Tiny();
+    auto model = Build(config, /*defer_values=*/true);
+    auto whole = Build(config);
     MaterializationWatcher watcher(*model);
     ZeroOptions options;
     options.stage = 3;
@@ -413,15 +410,15 @@ TEST(ZeroOptimizerTest, UntestedOptimizersAreRefusedUnlessAllowed) {
       for (const auto& g : groups) all.insert(all.end(), g.begin(), g.end());
       return std::unique_ptr<torch::optim::Optimizer>(new torch::optim::RMSprop(all));
     };
-    auto model = *CreateModel(TinyModel(), 5);
+    auto model = Build(Tiny());
     ZeroOptions options;
     EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*model), &dp, options, rmsprop).status().message()),
                 HasSubstr("set zero_allow_untested_optimizer"));
     options.allow_untested_optimizer = true;
-    auto other = *CreateModel(TinyModel(), 5);
+    auto other = Build(Tiny());
     EXPECT_TRUE(ZeroOptimizer::Create(Groups(*other), &dp, options, rmsprop).ok());
     options.stage = 4;
-    auto fourth = *CreateModel(TinyModel(), 5);
+    auto fourth = Build(Tiny());
     EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*fourth), &dp, options, rmsprop).status().message()),
                 HasSubstr("zero_stage=4 is not available"));
     options.stage = 3;

@@ -7,7 +7,7 @@ prefix="$PWD/.gpu_deps/root"
 keep_going=(-k 0)
 # Every gpu-tagged test's CMake target: `ctest -R gpu_test` runs them all, so build them all.
 gpu_tests=(amp_amp_gpu_test parallel_parallel_gpu_test kernels_aligned_linear_gpu_test base_host_copy_gpu_test
-  replace_cross_entropy_gpu_test replace_layer_norm_gpu_test topology_process_group_gpu_test)
+  kernels_cross_entropy_gpu_test kernels_layer_norm_gpu_test topology_process_group_gpu_test)
 
 gpu_configure() {
   local logs=$1

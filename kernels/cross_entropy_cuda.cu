@@ -6,8 +6,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "replace/internal/cross_entropy_cuda.h"
-#include "replace/internal/cuda_elements.cuh"
+#include "kernels/internal/cross_entropy_cuda.h"
+#include "kernels/internal/cuda_elements.cuh"
 
 namespace trident {
 namespace {

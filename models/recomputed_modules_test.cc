@@ -1,3 +1,4 @@
+// GraphLayers recomputing ATorch's checkpoint modules (attn, mlp) on the zoo's traced GPT.
 #include "graph/graph_layers.h"
 
 #include <gmock/gmock.h>

@@ -6,8 +6,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "replace/internal/cross_entropy_cuda.h"
-#include "replace/internal/cuda_dtype_of.h"
+#include "kernels/internal/cross_entropy_cuda.h"
+#include "kernels/internal/cuda_dtype_of.h"
 
 namespace trident {
 namespace {

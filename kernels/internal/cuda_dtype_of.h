@@ -1,11 +1,11 @@
-// The CudaDtype of an ATen scalar type, for replace/'s CUDA launchers' callers
+// The CudaDtype of an ATen scalar type, for kernels/' CUDA launchers' callers
 // (C++ only: the .cu files do not include ATen).
-#ifndef TRIDENT_REPLACE_INTERNAL_CUDA_DTYPE_OF_H_
-#define TRIDENT_REPLACE_INTERNAL_CUDA_DTYPE_OF_H_
+#ifndef TRIDENT_KERNELS_INTERNAL_CUDA_DTYPE_OF_H_
+#define TRIDENT_KERNELS_INTERNAL_CUDA_DTYPE_OF_H_
 
 #include <c10/core/ScalarType.h>
 
-#include "replace/internal/cuda_dtype.h"
+#include "kernels/internal/cuda_dtype.h"
 
 namespace trident {
 
@@ -28,4 +28,4 @@ inline bool CudaDtypeOf(c10::ScalarType type, CudaDtype* dtype) {
 
 }  // namespace trident
 
-#endif  // TRIDENT_REPLACE_INTERNAL_CUDA_DTYPE_OF_H_
+#endif  // TRIDENT_KERNELS_INTERNAL_CUDA_DTYPE_OF_H_

@@ -9,8 +9,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "replace/internal/cuda_dtype_of.h"
-#include "replace/internal/layer_norm_cuda.h"
+#include "kernels/internal/cuda_dtype_of.h"
+#include "kernels/internal/layer_norm_cuda.h"
 
 namespace trident {
 namespace {

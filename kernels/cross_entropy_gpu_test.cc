@@ -10,7 +10,6 @@
 #include <torch/torch.h>
 
 #include "kernels/kernels.h"
-#include "replace/replace.h"
 
 namespace trident {
 namespace {

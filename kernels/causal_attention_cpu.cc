@@ -1,4 +1,4 @@
-#include "replace/internal/causal_attention_cpu.h"
+#include "kernels/internal/causal_attention_cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,7 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "kernels/kernels.h"
-#include "replace/internal/vector_math.h"
+#include "kernels/internal/vector_math.h"
 
 namespace trident {
 namespace internal {

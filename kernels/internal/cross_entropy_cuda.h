@@ -7,12 +7,12 @@
 // element type `dtype`; targets are int64 class ids, `ignore_index` marks rows
 // that do not count. All pointers are device pointers; the kernels run on
 // `stream` and return without waiting.
-#ifndef TRIDENT_REPLACE_INTERNAL_CROSS_ENTROPY_CUDA_H_
-#define TRIDENT_REPLACE_INTERNAL_CROSS_ENTROPY_CUDA_H_
+#ifndef TRIDENT_KERNELS_INTERNAL_CROSS_ENTROPY_CUDA_H_
+#define TRIDENT_KERNELS_INTERNAL_CROSS_ENTROPY_CUDA_H_
 
 #include <cstdint>
 
-#include "replace/internal/cuda_dtype.h"
+#include "kernels/internal/cuda_dtype.h"
 
 namespace trident {
 
@@ -30,4 +30,4 @@ void LaunchCrossEntropyRowsBackward(CudaDtype dtype, const void* logits, int64_t
 
 }  // namespace trident
 
-#endif  // TRIDENT_REPLACE_INTERNAL_CROSS_ENTROPY_CUDA_H_
+#endif  // TRIDENT_KERNELS_INTERNAL_CROSS_ENTROPY_CUDA_H_

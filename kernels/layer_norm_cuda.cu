@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "replace/internal/cuda_elements.cuh"
-#include "replace/internal/layer_norm_cuda.h"
+#include "kernels/internal/cuda_elements.cuh"
+#include "kernels/internal/layer_norm_cuda.h"
 
 namespace trident {
 namespace {

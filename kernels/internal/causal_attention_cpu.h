@@ -5,8 +5,8 @@
 // caches hold; nothing of size [B, H, Tq, Tk] is ever written. Backward
 // recomputes each tile's probabilities from the forward's log-sum-exp of each
 // query (as flash attention does) and accumulates dk and dv tile by tile.
-#ifndef TRIDENT_REPLACE_INTERNAL_CAUSAL_ATTENTION_CPU_H_
-#define TRIDENT_REPLACE_INTERNAL_CAUSAL_ATTENTION_CPU_H_
+#ifndef TRIDENT_KERNELS_INTERNAL_CAUSAL_ATTENTION_CPU_H_
+#define TRIDENT_KERNELS_INTERNAL_CAUSAL_ATTENTION_CPU_H_
 
 #include <tuple>
 #include <utility>
@@ -37,4 +37,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CpuAttentionBackward(const at::Te
 }  // namespace internal
 }  // namespace trident
 
-#endif  // TRIDENT_REPLACE_INTERNAL_CAUSAL_ATTENTION_CPU_H_
+#endif  // TRIDENT_KERNELS_INTERNAL_CAUSAL_ATTENTION_CPU_H_

@@ -12,7 +12,7 @@
 #include <torch/torch.h>
 
 #include "base/autocast_state.h"
-#include "replace/replace.h"
+#include "kernels/kernels.h"
 
 namespace trident {
 namespace {

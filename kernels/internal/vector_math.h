@@ -5,8 +5,8 @@
 // the v4 clone, two AVX2 or four SSE registers in the others. The helpers are
 // always inlined into each clone, so no vector crosses a call (hence the
 // -Wpsabi warning about vector arguments is silenced for the includer).
-#ifndef TRIDENT_REPLACE_INTERNAL_VECTOR_MATH_H_
-#define TRIDENT_REPLACE_INTERNAL_VECTOR_MATH_H_
+#ifndef TRIDENT_KERNELS_INTERNAL_VECTOR_MATH_H_
+#define TRIDENT_KERNELS_INTERNAL_VECTOR_MATH_H_
 
 #include <cstdint>
 #include <cstring>
@@ -73,4 +73,4 @@ TRIDENT_VECTOR_INLINE Floats Exp(Floats x) {
 }  // namespace vector_math
 }  // namespace trident
 
-#endif  // TRIDENT_REPLACE_INTERNAL_VECTOR_MATH_H_
+#endif  // TRIDENT_KERNELS_INTERNAL_VECTOR_MATH_H_

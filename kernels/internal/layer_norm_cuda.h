@@ -5,12 +5,12 @@
 // Tensors are `rows` contiguous rows of `cols` values; every pointer is a
 // device pointer aligned to 16 bytes; weight and bias are fp32 (null: 1 and
 // 0). The kernels run on `stream` and return without waiting.
-#ifndef TRIDENT_REPLACE_INTERNAL_LAYER_NORM_CUDA_H_
-#define TRIDENT_REPLACE_INTERNAL_LAYER_NORM_CUDA_H_
+#ifndef TRIDENT_KERNELS_INTERNAL_LAYER_NORM_CUDA_H_
+#define TRIDENT_KERNELS_INTERNAL_LAYER_NORM_CUDA_H_
 
 #include <cstdint>
 
-#include "replace/internal/cuda_dtype.h"
+#include "kernels/internal/cuda_dtype.h"
 
 namespace trident {
 
@@ -57,4 +57,4 @@ void LaunchAddLayerNormBackward(const AddLayerNormDtypes& dtypes, const void* su
 
 }  // namespace trident
 
-#endif  // TRIDENT_REPLACE_INTERNAL_LAYER_NORM_CUDA_H_
+#endif  // TRIDENT_KERNELS_INTERNAL_LAYER_NORM_CUDA_H_

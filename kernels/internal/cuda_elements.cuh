@@ -1,7 +1,7 @@
-// Device helpers shared by replace/'s CUDA kernels: element conversions to and
+// Device helpers shared by kernels/' CUDA kernels: element conversions to and
 // from fp32, and packs of consecutive elements loaded and stored as one access.
-#ifndef TRIDENT_REPLACE_INTERNAL_CUDA_ELEMENTS_CUH_
-#define TRIDENT_REPLACE_INTERNAL_CUDA_ELEMENTS_CUH_
+#ifndef TRIDENT_KERNELS_INTERNAL_CUDA_ELEMENTS_CUH_
+#define TRIDENT_KERNELS_INTERNAL_CUDA_ELEMENTS_CUH_
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,4 +29,4 @@ struct alignas(sizeof(T) * kWidth) Pack {
 
 }  // namespace trident
 
-#endif  // TRIDENT_REPLACE_INTERNAL_CUDA_ELEMENTS_CUH_
+#endif  // TRIDENT_KERNELS_INTERNAL_CUDA_ELEMENTS_CUH_

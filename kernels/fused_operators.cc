@@ -14,10 +14,10 @@
 #include <torch/version.h>
 
 #include "base/autocast_state.h"
-#include "replace/internal/causal_attention_cpu.h"
-#include "replace/internal/cuda_dtype_of.h"
-#include "replace/internal/layer_norm_cuda.h"
-#include "replace/replace.h"
+#include "kernels/internal/causal_attention_cpu.h"
+#include "kernels/internal/cuda_dtype_of.h"
+#include "kernels/internal/layer_norm_cuda.h"
+#include "kernels/kernels.h"
 
 namespace trident {
 namespace {
@@ -440,14 +440,14 @@ TORCH_LIBRARY_FRAGMENT(trident, m) {
         "(Tensor, Tensor, Tensor, Tensor)");
 }
 
-#define TRIDENT_REPLACE_KERNELS(m)                      \
+#define TRIDENT_FUSED_KERNELS(m)                      \
   m.impl("causal_attention", AttentionKernel);          \
   m.impl("add_layer_norm", AddLayerNormKernel);         \
   m.impl("bias_gelu", BiasGeluKernel);                  \
   m.impl("cross_entropy", CrossEntropyKernel)
 
-TORCH_LIBRARY_IMPL(trident, CPU, m) { TRIDENT_REPLACE_KERNELS(m); }
-TORCH_LIBRARY_IMPL(trident, CUDA, m) { TRIDENT_REPLACE_KERNELS(m); }
+TORCH_LIBRARY_IMPL(trident, CPU, m) { TRIDENT_FUSED_KERNELS(m); }
+TORCH_LIBRARY_IMPL(trident, CUDA, m) { TRIDENT_FUSED_KERNELS(m); }
 
 TORCH_LIBRARY_IMPL(trident, Autograd, m) {
   m.impl("causal_attention", CausalAttentionAutograd);
