@@ -1,5 +1,5 @@
 // strategy=auto in the trainer: the search on the job's ranks (or a saved
-// strategy reused), applied to the config.
+// strategy reused), applied to the plan the config resolved to.
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -20,21 +20,22 @@ std::string Component(const std::pair<std::string, ComponentArgs>& component) {
 
 }  // namespace
 
-absl::StatusOr<TrainerConfig> Trainer::ChooseStrategy(TrainerConfig config, Topology* topology) {
+absl::StatusOr<ParallelPlan> Trainer::ChooseStrategy(const TrainerConfig& config, ParallelPlan base,
+                                                     Topology* topology) {
   const int world = topology->world_size();
-  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, world));
   TRIDENT_RETURN_IF_ERROR(internal::PrepareDefaultCorpus(config, *topology));
   ModelContext whole;
-  whole.seed = config.seed();
+  whole.seed = base.seed;
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, whole, /*open_data=*/true));
   // The first global batch, by the trainer's batch rule: what the profile and the dry runs run on.
-  BatchSampler sampler(parts.train_data->size(), config.global_batch_size(), config.seed(), config.shuffle());
+  const int64_t global_batch_size = GlobalBatchSize(base);
+  BatchSampler sampler(parts.train_data->size(), global_batch_size, base.seed, config.shuffle());
   std::vector<int64_t> first;
-  for (int64_t j = 0; j < config.global_batch_size(); ++j) first.push_back(sampler.SampleIndex(0, j));
+  for (int64_t j = 0; j < global_batch_size; ++j) first.push_back(sampler.SampleIndex(0, j));
   TRIDENT_ASSIGN_OR_RETURN(Batch global, parts.train_data->Get(first));
 
   AutoAccelerateOptions options;
-  options.base = PlanFromConfig(config);
+  options.base = base;
   options.base.batch_fields = parts.train_data->field_names();
   options.excluded = CommaList(config.strategy_excluded());
   options.time_limit_s = config.strategy_time_limit_s();
@@ -68,11 +69,8 @@ absl::StatusOr<TrainerConfig> Trainer::ChooseStrategy(TrainerConfig config, Topo
           wanted, "); pass --strategy_reuse=override to search again, or moo to search whenever they differ"));
     }
   }
-  if (chosen) {
-    ParallelPlan plan;
-    TRIDENT_RETURN_IF_ERROR(ApplyStrategy(*chosen, world, &plan));
-    TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
-  } else {
+  const bool reused = chosen.has_value();
+  if (!reused) {
     auto make_source = [&config](const ModelContext& context) -> absl::StatusOr<ModelSource> {
       TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts built, internal::BuildParts(config, context, false));
       return std::move(built.model);
@@ -82,16 +80,14 @@ absl::StatusOr<TrainerConfig> Trainer::ChooseStrategy(TrainerConfig config, Topo
     chosen = result.strategy;
   }
   // The strategy decides the layout, micro-batches (one unless it says), ZeRO,
-  // recomputation and precision; the search saved it with its fingerprint.
-  config.clear_strategy();
-  config.clear_load_strategy();
-  config.clear_finetune_strategy();
-  config.clear_save_strategy();
-  config.clear_run_mode();
-  config.set_grad_accumulation_steps(1);
-  TRIDENT_RETURN_IF_ERROR(ApplyStrategyToConfig(*chosen, world, &config));
-  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, world));
-  return config;
+  // recomputation and precision; the global batch stays.
+  ParallelPlan plan = std::move(base);
+  TRIDENT_RETURN_IF_ERROR(ApplyStrategy(*chosen, world, &plan));
+  TRIDENT_RETURN_IF_ERROR(KeepGlobalBatch(global_batch_size, &plan));
+  TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
+  // The search leaves the topology laid out for its choice; a reused one is laid out here.
+  if (reused) TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
+  return plan;
 }
 
 }  // namespace trident

@@ -182,7 +182,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   std::map<std::string, std::string> metadata = {{"step", absl::StrCat(step)},
                                                  {"layout", model->Layout()},
                                                  {"world_size", absl::StrCat(world_size)},
-                                                 {"global_batch_size", absl::StrCat(config.global_batch_size())}};
+                                                 {"global_batch_size", absl::StrCat(global_batch_size())}};
   CheckpointJob job;
   if (config.save_type() != "merged") {
     for (int r = 0; r < world_size; ++r) job.files.push_back(absl::StrCat("rank_", r, ".safetensors"));
@@ -328,9 +328,9 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   Print(absl::StrCat("resumed from ", resolved->path, " at step ", step, same_layout ? "" : absl::StrCat(
       " (saved as ", value("layout"), " on ", value("world_size"), " ranks; resharded to ", model->Layout(), ")"),
       "; RNG ", rng, loaded));
-  if (value("global_batch_size") != absl::StrCat(config.global_batch_size())) {
+  if (value("global_batch_size") != absl::StrCat(global_batch_size())) {
     Print(absl::StrCat("note: the checkpoint was trained with global batch ", value("global_batch_size"),
-                       " and this run uses ", config.global_batch_size(), "; the sample order from step ", step,
+                       " and this run uses ", global_batch_size(), "; the sample order from step ", step,
                        " follows the new batch size"));
   }
   ForHooks([&](TrainerHooks& h) { h.OnLoadCheckpoint(State(), resolved->path); });
@@ -393,7 +393,7 @@ absl::Status Trainer::Impl::WriteTrace(const std::vector<internal::OperatorEvent
     std::ofstream(config.trace_file()) << ChromeTraceJson(events, more);
     if (!events.empty()) {
       std::ofstream(fs::path(config.trace_file()).replace_extension(".svg"))
-          << TimelineSvg(events, absl::StrCat(config.schedule(), ", step ", config.trace_step(), ", ",
+          << TimelineSvg(events, absl::StrCat(model->plan().schedule, ", step ", config.trace_step(), ", ",
                                               topology().world_size(), " ranks (row = rank)"));
     }
     Print(absl::StrCat("wrote the ", operators ? "operators and " : "", "timeline of step ", config.trace_step(),

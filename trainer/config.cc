@@ -1,6 +1,7 @@
 #include "trainer/config.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 
 #include <google/protobuf/descriptor.h>
@@ -133,54 +134,6 @@ std::vector<std::string> CommaList(const std::string& text) {
   return items;
 }
 
-absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, TrainerConfig* c) {
-  ParallelPlan plan = PlanFromConfig(*c);
-  TRIDENT_RETURN_IF_ERROR(ApplyStrategy(strategy, world_size, &plan));
-  c->set_dp(plan.dp);
-  c->set_tp(plan.tp);
-  c->set_pp(plan.pp);
-  c->set_axis_order(absl::StrJoin(plan.axis_order, ","));
-  c->set_rank_order(absl::StrJoin(plan.rank_order, ","));
-  c->set_sequence_parallel(plan.sequence_parallel);
-  c->set_tp_overlapping_level(plan.tp_overlapping_level);
-  c->set_zero_stage(plan.zero_stage);
-  c->set_precision(plan.precision);
-  c->set_precision_table(plan.precision_table);
-  // The scaler's options act where the loss is scaled (fp16; bf16's skip).
-  auto precision = MakePrecisionPolicy(plan.precision, plan.precision_table);
-  if (plan.loss_scaling || (precision.ok() && precision->loss_scaling && plan.loss_scaler.loss_scale > 0)) {
-    c->set_loss_scale(plan.loss_scaler.loss_scale);
-  }
-  c->set_initial_scale_power(plan.loss_scaler.initial_scale_power);
-  c->set_loss_scale_window(plan.loss_scaler.loss_scale_window);
-  c->set_hysteresis(plan.loss_scaler.hysteresis);
-  c->set_min_loss_scale(plan.loss_scaler.min_loss_scale);
-  c->set_activation_checkpointing(plan.activation_checkpointing);
-  c->set_checkpoint_layers(absl::StrJoin(plan.checkpoint_layers, ","));
-  c->set_checkpoint_modules(absl::StrJoin(plan.checkpoint_modules, ","));
-  c->set_module_replace(absl::StrJoin(plan.module_replace, ","));
-  c->set_activation_checkpoint_ratio(plan.activation_checkpoint_ratio);
-  c->set_checkpoint_num_layers(plan.checkpoint_num_layers);
-  c->set_schedule(plan.schedule);
-  c->set_virtual_stages(plan.virtual_stages);
-  c->set_split_method(plan.split_method);
-  c->set_partition_method(plan.partition_method);
-  // The global batch stays (strong scaling, as the reference has it): the
-  // micro-batch size follows dp and the micro-batch count.
-  bool counted = strategy.has_gradient_accumulation_steps();
-  for (const OptimizationMethod& method : strategy.methods()) counted |= method.has_micro_batches();
-  const int64_t m = counted ? plan.num_micro_batches
-                            : (c->has_grad_accumulation_steps() ? c->grad_accumulation_steps() : 1);
-  if (c->has_global_batch_size()) {
-    if (c->global_batch_size() % (plan.dp * m) != 0) {
-      return Invalid(absl::StrCat("strategy: global_batch_size=", c->global_batch_size(),
-                                  " is not divisible by dp*micro_batches = ", plan.dp, "*", m));
-    }
-    c->set_micro_batch_size(c->global_batch_size() / (plan.dp * m));
-  }
-  c->set_grad_accumulation_steps(m);
-  return absl::OkStatus();
-}
 
 absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfig& c) {
   const TrainerConfig::TensorParallelLayerLists& lists = c.tp_layer_lists();
@@ -217,183 +170,9 @@ absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfi
 
 namespace {
 
-// The automatic mode's fields; the global batch stays as the config gives it
-// and the layout becomes a placeholder (one rank's) until the search sets it.
-absl::Status ResolveAutomaticStrategy(TrainerConfig* c) {
-  if (c->strategy() != "auto") return Invalid(absl::StrCat("strategy='", c->strategy(), "' is unknown; use auto (or leave it empty)"));
-  if (!c->load_strategy().empty() && !c->finetune_strategy()) {
-    return Invalid("strategy=auto with load_strategy: the loaded strategy already decides; add "
-                   "--finetune_strategy to search around it, or drop --strategy=auto");
-  }
-  if (c->run_mode() != "run" && c->run_mode() != "compile") {
-    return Invalid(absl::StrCat("run_mode='", c->run_mode(), "' is unknown; choose run or compile"));
-  }
-  const std::set<std::string> reuse = {"auto", "match", "override", "moo"};
-  if (!reuse.count(c->strategy_reuse())) {
-    return Invalid(absl::StrCat("strategy_reuse='", c->strategy_reuse(), "' is unknown; choose auto, match, override or moo"));
-  }
-  const std::set<std::string> methods = {"data", "tensor_parallel", "pipeline_parallel", "zero1",
-                                         "zero2", "fsdp", "checkpoint", "amp_native"};
-  for (const std::string& method : CommaList(c->strategy_excluded())) {
-    if (!methods.count(method)) {
-      return Invalid(absl::StrCat("strategy_excluded names '", method, "'; the methods are ", absl::StrJoin(methods, ", ")));
-    }
-  }
-  if (c->memory_limit_mb() < 0 || !(c->strategy_time_limit_s() > 0) || c->strategy_dry_runs() < 0) {
-    return Invalid("memory_limit_mb and strategy_dry_runs must not be negative and strategy_time_limit_s must be positive");
-  }
-  const int64_t accumulation = std::max<int64_t>(1, c->grad_accumulation_steps());
-  const int64_t global = c->has_global_batch_size() ? c->global_batch_size() : c->micro_batch_size() * accumulation * c->dp();
-  if (global < 1) return Invalid(absl::StrCat("global_batch_size=", global, " must be at least 1"));
-  c->set_global_batch_size(global);
-  c->set_dp(1);
-  c->set_tp(1);
-  c->set_pp(1);
-  c->set_micro_batch_size(global);
-  c->set_grad_accumulation_steps(1);
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::Status ResolveConfig(TrainerConfig* c, int world_size) {
-  TRIDENT_RETURN_IF_ERROR(LayerListsFromConfig(*c).status());
-  const bool automatic = !c->strategy().empty();
-  if (automatic) {
-    TRIDENT_RETURN_IF_ERROR(ResolveAutomaticStrategy(c));
-  } else if (c->run_mode() != "run") {
-    return Invalid(absl::StrCat("run_mode=", c->run_mode(), " needs strategy=auto (compile chooses a strategy and stops)"));
-  } else if (!c->load_strategy().empty()) {
-    TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(c->load_strategy()));
-    TRIDENT_RETURN_IF_ERROR(ApplyStrategyToConfig(strategy, world_size, c));
-  }
-  if (c->dp() < 1 || c->tp() < 1 || c->pp() < 1) {
-    return Invalid(absl::StrCat("dp=", c->dp(), ", tp=", c->tp(), ", pp=", c->pp(),
-                                ": each must be at least 1"));
-  }
-  if (!automatic && c->elastic() && c->dp() * c->tp() * c->pp() != world_size) {
-    // Another rank count than the layout's: dp follows it, tp and pp and the global batch stay.
-    const int model_parallel = c->tp() * c->pp();
-    if (world_size % model_parallel != 0) {
-      return Invalid(absl::StrCat("elastic: ", world_size, " ranks cannot hold tp*pp = ", c->tp(), "*", c->pp(),
-                                  " = ", model_parallel, "; start a multiple of ", model_parallel,
-                                  " ranks or change tp and pp"));
-    }
-    if (!c->has_global_batch_size()) {
-      c->set_global_batch_size(c->micro_batch_size() * c->dp() * std::max<int64_t>(1, c->grad_accumulation_steps()));
-    }
-    c->clear_grad_accumulation_steps();
-    c->set_dp(world_size / model_parallel);
-  }
-  if (!automatic && c->dp() * c->tp() * c->pp() != world_size) {
-    return Invalid(absl::StrCat("dp*tp*pp = ", c->dp(), "*", c->tp(), "*", c->pp(), " = ",
-                                c->dp() * c->tp() * c->pp(), " but ", world_size,
-                                " ranks were started; make the product equal the number of "
-                                "ranks, start train without a launcher to spawn dp*tp*pp, or set "
-                                "elastic to let dp follow the rank count"));
-  }
-  if ((c->loss_scale() < 0 && c->loss_scale() != -1) || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
-      !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 ||
-      c->initial_scale_power() > 100) {
-    return Invalid("loss_scale must be -1 (off), 0 (dynamic) or positive (static), loss_scale_window and hysteresis must be at "
-                   "least 1, min_loss_scale positive and initial_scale_power in [0, 100]");
-  }
-  if (c->micro_batch_size() < 1) {
-    return Invalid(absl::StrCat("micro_batch_size=", c->micro_batch_size(), " must be at least 1"));
-  }
-  const int64_t per_step = c->micro_batch_size() * c->dp();
-  if (c->has_global_batch_size()) {
-    if (c->global_batch_size() < 1 || c->global_batch_size() % per_step != 0) {
-      return Invalid(absl::StrCat("global_batch_size=", c->global_batch_size(),
-                                  " is not divisible by micro_batch_size*dp = ",
-                                  c->micro_batch_size(), "*", c->dp(), " = ", per_step));
-    }
-    const int64_t accumulation = c->global_batch_size() / per_step;
-    if (c->has_grad_accumulation_steps() && c->grad_accumulation_steps() != accumulation) {
-      return Invalid(absl::StrCat(
-          "global_batch_size=", c->global_batch_size(), " and grad_accumulation_steps=",
-          c->grad_accumulation_steps(), " disagree: with micro_batch_size=",
-          c->micro_batch_size(), " and dp=", c->dp(), " the global batch needs ", accumulation,
-          " accumulation steps; set only one of the two"));
-    }
-    c->set_grad_accumulation_steps(accumulation);
-  } else {
-    const int64_t accumulation = c->has_grad_accumulation_steps() ? c->grad_accumulation_steps() : 1;
-    if (accumulation < 1) {
-      return Invalid(absl::StrCat("grad_accumulation_steps=", accumulation, " must be at least 1"));
-    }
-    c->set_grad_accumulation_steps(accumulation);
-    c->set_global_batch_size(per_step * accumulation);
-  }
-  if (!(c->lr() > 0)) return Invalid(absl::StrCat("lr=", c->lr(), " must be positive"));
-  if (c->min_lr() < 0 || c->min_lr() > c->lr()) {
-    return Invalid(absl::StrCat("min_lr=", c->min_lr(), " must be in [0, lr=", c->lr(), "]"));
-  }
-  if (!LrScheduleRegistry().Contains(c->lr_scheduler())) return LrScheduleRegistry().Find(c->lr_scheduler()).status();
-  if (c->warmup_steps() < 0) return Invalid("warmup_steps must not be negative");
-  if (GradientClip(*c) < 0) return Invalid("grad_clip must not be negative (0 turns it off)");
-  if (c->max_steps() < 1) return Invalid(absl::StrCat("max_steps=", c->max_steps(), " must be at least 1"));
-  if (c->max_epochs() < 0 || c->val_every_n_epochs() < 0) {
-    return Invalid("max_epochs and val_every_n_epochs must not be negative");
-  }
-  if (c->eval_every() < 0 || c->eval_steps() < 1 || c->max_val_steps() < 0) {
-    return Invalid("eval_every and max_val_steps must not be negative and eval_steps must be at least 1");
-  }
-  if (c->log_every() < 1) return Invalid("log_every must be at least 1");
-  if (c->profile_step() < 0 || c->profile_step() > c->max_steps()) {
-    return Invalid(absl::StrCat("profile_step=", c->profile_step(), " is not a step of this run (1 to max_steps=",
-                                c->max_steps(), "; 0 turns profiling off)"));
-  }
-  if (c->tp_plan_report() && c->tp() < 2 && c->strategy().empty()) {
-    return Invalid("tp_plan_report prints the automatic tensor-parallel plan of a run with tp > 1; set tp");
-  }
-  if (c->profile_step() > 0) {
-    c->set_trace_step(c->profile_step());
-    if (c->trace_file().empty()) c->set_trace_file("trace.json");
-  }
-  if (c->save_every() < 0 || c->keep_last_n() < 0 || c->export_every() < 0) {
-    return Invalid("save_every, keep_last_n and export_every must not be negative");
-  }
-  if ((c->save_every() > 0 || c->resume_from() == "last" || c->resume_from() == "best") &&
-      c->save_dir().empty()) {
-    return Invalid("save_every and resume_from=last|best need save_dir");
-  }
-  if (c->save_type() != "sharded" && c->save_type() != "deduped" && c->save_type() != "merged") {
-    return Invalid(absl::StrCat("save_type='", c->save_type(), "' is not one of sharded, deduped, merged"));
-  }
-  if (c->save_failure() != "fail" && c->save_failure() != "warn") {
-    return Invalid(absl::StrCat("save_failure='", c->save_failure(), "' is not one of fail, warn"));
-  }
-  if (!(c->collective_timeout_s() > 0)) {
-    return Invalid(absl::StrCat("collective_timeout_s=", c->collective_timeout_s(), " must be positive"));
-  }
-  if (c->max_restarts() < 0) return Invalid("max_restarts must not be negative");
-  if (c->finetune() && c->resume_from().empty()) {
-    return Invalid("finetune loads the weights of resume_from (a checkpoint); set resume_from");
-  }
-  if (!(c->temperature() > 0) || c->top_k() < 0 || c->sample_tokens() < 0 || c->out_seq_length() < 0) {
-    return Invalid("temperature must be positive; top_k, sample_tokens and out_seq_length must not be negative");
-  }
-  for (const std::string& rank : CommaList(c->rank_order())) {
-    int value = 0;
-    if (!absl::SimpleAtoi(rank, &value)) {
-      return Invalid(absl::StrCat("rank_order '", c->rank_order(), "': '", rank,
-                                  "' is not a rank; list the rank at each mesh position, comma-separated"));
-    }
-  }
-  if (!(c->bucket_size_mb() > 0)) return Invalid("bucket_size_mb must be positive");
-  if (c->intra_op_threads() < 0) return Invalid("intra_op_threads must not be negative");
-  if (!c->loss().empty() && !LossRegistry().Contains(c->loss())) {
-    return LossRegistry().Find(c->loss()).status();
-  }
-  if (!c->lora_config().empty()) TRIDENT_RETURN_IF_ERROR(ReadLoraConfig(c->lora_config(), c->adapter_name()).status());
-  if ((c->lora_merge_on_export() || c->lora_save_base()) && c->lora_config().empty()) {
-    return Invalid("lora_merge_on_export and lora_save_base apply to LoRA runs; set lora_config");
-  }
-  return ValidatePlan(PlanFromConfig(*c));
-}
-
-ParallelPlan PlanFromConfig(const TrainerConfig& c) {
+// The layout the config's own fields give, before the rank count, a loaded
+// strategy and the batch arithmetic have their say.
+ParallelPlan PlanOfFields(const TrainerConfig& c) {
   ParallelPlan plan;
   plan.dp = c.dp();
   plan.tp = c.tp();
@@ -455,6 +234,210 @@ ParallelPlan PlanFromConfig(const TrainerConfig& c) {
   }
   return plan;
 }
+
+// The automatic mode's fields, and the plan the search starts from: one rank
+// holding the whole global batch.
+absl::Status ResolveAutomaticStrategy(const TrainerConfig& c, ParallelPlan* plan) {
+  if (c.strategy() != "auto") return Invalid(absl::StrCat("strategy='", c.strategy(), "' is unknown; use auto (or leave it empty)"));
+  if (!c.load_strategy().empty() && !c.finetune_strategy()) {
+    return Invalid("strategy=auto with load_strategy: the loaded strategy already decides; add "
+                   "--finetune_strategy to search around it, or drop --strategy=auto");
+  }
+  if (c.run_mode() != "run" && c.run_mode() != "compile") {
+    return Invalid(absl::StrCat("run_mode='", c.run_mode(), "' is unknown; choose run or compile"));
+  }
+  const std::set<std::string> reuse = {"auto", "match", "override", "moo"};
+  if (!reuse.count(c.strategy_reuse())) {
+    return Invalid(absl::StrCat("strategy_reuse='", c.strategy_reuse(), "' is unknown; choose auto, match, override or moo"));
+  }
+  const std::set<std::string> methods = {"data", "tensor_parallel", "pipeline_parallel", "zero1",
+                                         "zero2", "fsdp", "checkpoint", "amp_native"};
+  for (const std::string& method : CommaList(c.strategy_excluded())) {
+    if (!methods.count(method)) {
+      return Invalid(absl::StrCat("strategy_excluded names '", method, "'; the methods are ", absl::StrJoin(methods, ", ")));
+    }
+  }
+  if (c.memory_limit_mb() < 0 || !(c.strategy_time_limit_s() > 0) || c.strategy_dry_runs() < 0) {
+    return Invalid("memory_limit_mb and strategy_dry_runs must not be negative and strategy_time_limit_s must be positive");
+  }
+  const int64_t accumulation = std::max<int64_t>(1, c.grad_accumulation_steps());
+  const int64_t global = c.has_global_batch_size() ? c.global_batch_size() : c.micro_batch_size() * accumulation * c.dp();
+  if (global < 1) return Invalid(absl::StrCat("global_batch_size=", global, " must be at least 1"));
+  plan->dp = plan->tp = plan->pp = 1;
+  plan->micro_batch_size = global;
+  plan->num_micro_batches = 1;
+  return absl::OkStatus();
+}
+
+// dp x tp x pp on `world_size` ranks (dp following them under elastic, or as
+// a loaded strategy lays them out) and the micro-batches of the global batch.
+absl::Status ResolveLayout(const TrainerConfig& c, int world_size, ParallelPlan* plan) {
+  if (c.run_mode() != "run") {
+    return Invalid(absl::StrCat("run_mode=", c.run_mode(), " needs strategy=auto (compile chooses a strategy and stops)"));
+  }
+  if (c.dp() < 1 || c.tp() < 1 || c.pp() < 1) {
+    return Invalid(absl::StrCat("dp=", c.dp(), ", tp=", c.tp(), ", pp=", c.pp(), ": each must be at least 1"));
+  }
+  std::optional<int64_t> global, accumulation;
+  if (c.has_global_batch_size()) global = c.global_batch_size();
+  if (c.has_grad_accumulation_steps()) accumulation = c.grad_accumulation_steps();
+  if (!c.load_strategy().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(c.load_strategy()));
+    TRIDENT_RETURN_IF_ERROR(ApplyStrategy(strategy, world_size, plan));
+    // The strategy's micro-batch count, else the config's.
+    if (global) TRIDENT_RETURN_IF_ERROR(KeepGlobalBatch(*global, plan));
+    accumulation = plan->num_micro_batches;
+  }
+  const int model_parallel = plan->tp * plan->pp;
+  if (c.elastic() && plan->dp * model_parallel != world_size) {
+    // Another rank count than the layout's: dp follows it, tp and pp and the global batch stay.
+    if (world_size % model_parallel != 0) {
+      return Invalid(absl::StrCat("elastic: ", world_size, " ranks cannot hold tp*pp = ", plan->tp, "*", plan->pp,
+                                  " = ", model_parallel, "; start a multiple of ", model_parallel,
+                                  " ranks or change tp and pp"));
+    }
+    if (!global) global = plan->micro_batch_size * plan->dp * accumulation.value_or(1);
+    accumulation.reset();
+    plan->dp = world_size / model_parallel;
+  }
+  if (plan->dp * model_parallel != world_size) {
+    return Invalid(absl::StrCat("dp*tp*pp = ", plan->dp, "*", plan->tp, "*", plan->pp, " = ",
+                                plan->dp * model_parallel, " but ", world_size,
+                                " ranks were started; make the product equal the number of "
+                                "ranks, start train without a launcher to spawn dp*tp*pp, or set "
+                                "elastic to let dp follow the rank count"));
+  }
+  if (plan->micro_batch_size < 1) {
+    return Invalid(absl::StrCat("micro_batch_size=", plan->micro_batch_size, " must be at least 1"));
+  }
+  const int64_t per_step = plan->micro_batch_size * plan->dp;
+  if (global) {
+    if (*global < 1 || *global % per_step != 0) {
+      return Invalid(absl::StrCat("global_batch_size=", *global, " is not divisible by micro_batch_size*dp = ",
+                                  plan->micro_batch_size, "*", plan->dp, " = ", per_step));
+    }
+    if (accumulation && *accumulation != *global / per_step) {
+      return Invalid(absl::StrCat(
+          "global_batch_size=", *global, " and grad_accumulation_steps=", *accumulation,
+          " disagree: with micro_batch_size=", plan->micro_batch_size, " and dp=", plan->dp,
+          " the global batch needs ", *global / per_step, " accumulation steps; set only one of the two"));
+    }
+    accumulation = *global / per_step;
+  }
+  if (accumulation.value_or(1) < 1) {
+    return Invalid(absl::StrCat("grad_accumulation_steps=", *accumulation, " must be at least 1"));
+  }
+  plan->num_micro_batches = accumulation.value_or(1);
+  if (c.tp_plan_report() && plan->tp < 2) {
+    return Invalid("tp_plan_report prints the automatic tensor-parallel plan of a run with tp > 1; set tp");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckConfigFields(TrainerConfig* c) {
+  TRIDENT_RETURN_IF_ERROR(LayerListsFromConfig(*c).status());
+  if ((c->loss_scale() < 0 && c->loss_scale() != -1) || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
+      !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 ||
+      c->initial_scale_power() > 100) {
+    return Invalid("loss_scale must be -1 (off), 0 (dynamic) or positive (static), loss_scale_window and hysteresis must be at "
+                   "least 1, min_loss_scale positive and initial_scale_power in [0, 100]");
+  }
+  if (!(c->lr() > 0)) return Invalid(absl::StrCat("lr=", c->lr(), " must be positive"));
+  if (c->min_lr() < 0 || c->min_lr() > c->lr()) {
+    return Invalid(absl::StrCat("min_lr=", c->min_lr(), " must be in [0, lr=", c->lr(), "]"));
+  }
+  if (!LrScheduleRegistry().Contains(c->lr_scheduler())) return LrScheduleRegistry().Find(c->lr_scheduler()).status();
+  if (c->warmup_steps() < 0) return Invalid("warmup_steps must not be negative");
+  if (GradientClip(*c) < 0) return Invalid("grad_clip must not be negative (0 turns it off)");
+  if (c->max_steps() < 1) return Invalid(absl::StrCat("max_steps=", c->max_steps(), " must be at least 1"));
+  if (c->max_epochs() < 0 || c->val_every_n_epochs() < 0) {
+    return Invalid("max_epochs and val_every_n_epochs must not be negative");
+  }
+  if (c->eval_every() < 0 || c->eval_steps() < 1 || c->max_val_steps() < 0) {
+    return Invalid("eval_every and max_val_steps must not be negative and eval_steps must be at least 1");
+  }
+  if (c->log_every() < 1) return Invalid("log_every must be at least 1");
+  if (c->profile_step() < 0 || c->profile_step() > c->max_steps()) {
+    return Invalid(absl::StrCat("profile_step=", c->profile_step(), " is not a step of this run (1 to max_steps=",
+                                c->max_steps(), "; 0 turns profiling off)"));
+  }
+  if (c->profile_step() > 0) {
+    c->set_trace_step(c->profile_step());
+    if (c->trace_file().empty()) c->set_trace_file("trace.json");
+  }
+  if (c->save_every() < 0 || c->keep_last_n() < 0 || c->export_every() < 0) {
+    return Invalid("save_every, keep_last_n and export_every must not be negative");
+  }
+  if ((c->save_every() > 0 || c->resume_from() == "last" || c->resume_from() == "best") &&
+      c->save_dir().empty()) {
+    return Invalid("save_every and resume_from=last|best need save_dir");
+  }
+  if (c->save_type() != "sharded" && c->save_type() != "deduped" && c->save_type() != "merged") {
+    return Invalid(absl::StrCat("save_type='", c->save_type(), "' is not one of sharded, deduped, merged"));
+  }
+  if (c->save_failure() != "fail" && c->save_failure() != "warn") {
+    return Invalid(absl::StrCat("save_failure='", c->save_failure(), "' is not one of fail, warn"));
+  }
+  if (!(c->collective_timeout_s() > 0)) {
+    return Invalid(absl::StrCat("collective_timeout_s=", c->collective_timeout_s(), " must be positive"));
+  }
+  if (c->max_restarts() < 0) return Invalid("max_restarts must not be negative");
+  if (c->finetune() && c->resume_from().empty()) {
+    return Invalid("finetune loads the weights of resume_from (a checkpoint); set resume_from");
+  }
+  if (!(c->temperature() > 0) || c->top_k() < 0 || c->sample_tokens() < 0 || c->out_seq_length() < 0) {
+    return Invalid("temperature must be positive; top_k, sample_tokens and out_seq_length must not be negative");
+  }
+  for (const std::string& rank : CommaList(c->rank_order())) {
+    int value = 0;
+    if (!absl::SimpleAtoi(rank, &value)) {
+      return Invalid(absl::StrCat("rank_order '", c->rank_order(), "': '", rank,
+                                  "' is not a rank; list the rank at each mesh position, comma-separated"));
+    }
+  }
+  if (!(c->bucket_size_mb() > 0)) return Invalid("bucket_size_mb must be positive");
+  if (c->intra_op_threads() < 0) return Invalid("intra_op_threads must not be negative");
+  if (!c->loss().empty() && !LossRegistry().Contains(c->loss())) {
+    return LossRegistry().Find(c->loss()).status();
+  }
+  if (!c->lora_config().empty()) TRIDENT_RETURN_IF_ERROR(ReadLoraConfig(c->lora_config(), c->adapter_name()).status());
+  if ((c->lora_merge_on_export() || c->lora_save_base()) && c->lora_config().empty()) {
+    return Invalid("lora_merge_on_export and lora_save_base apply to LoRA runs; set lora_config");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ParallelPlan> ResolveConfig(TrainerConfig* c, int world_size) {
+  TRIDENT_RETURN_IF_ERROR(CheckConfigFields(c));
+  ParallelPlan plan = PlanOfFields(*c);
+  if (!c->strategy().empty()) {
+    TRIDENT_RETURN_IF_ERROR(ResolveAutomaticStrategy(*c, &plan));
+  } else {
+    TRIDENT_RETURN_IF_ERROR(ResolveLayout(*c, world_size, &plan));
+  }
+  TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
+  return plan;
+}
+
+absl::Status KeepGlobalBatch(int64_t global, ParallelPlan* plan) {
+  const int64_t per_micro_batch = plan->dp * plan->num_micro_batches;
+  if (global % per_micro_batch != 0) {
+    return Invalid(absl::StrCat("strategy: global_batch_size=", global, " is not divisible by dp*micro_batches = ",
+                                plan->dp, "*", plan->num_micro_batches));
+  }
+  plan->micro_batch_size = global / per_micro_batch;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> ConfigWorldSize(const TrainerConfig& c) {
+  if (c.load_strategy().empty()) return static_cast<int>(c.dp() * c.tp() * c.pp());
+  TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(c.load_strategy()));
+  return StrategyWorldSize(strategy, static_cast<int>(c.dp() * c.tp() * c.pp()));
+}
+
+int64_t GlobalBatchSize(const ParallelPlan& plan) { return plan.micro_batch_size * plan.num_micro_batches * plan.dp; }
 
 std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& c) {
   if (c.has_model_config()) {

@@ -1,5 +1,5 @@
 // TrainerConfig handling: text-format files, flag overrides by field name,
-// resolution of the batch sizes, and validation before any work starts.
+// and resolution into the run's ParallelPlan, checked before any work starts.
 #ifndef TRIDENT_TRAINER_CONFIG_H_
 #define TRIDENT_TRAINER_CONFIG_H_
 
@@ -25,18 +25,34 @@ absl::StatusOr<TrainerConfig> LoadTrainerConfig(const std::string& path);
 // parse, or the part of a dotted name that is no field.
 absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* config);
 
-// Fills in global_batch_size / grad_accumulation_steps and checks every field
-// against `world_size` ranks (the layout through ValidatePlan); the first
-// problem found is the error, naming the field and what to do. A
-// load_strategy is applied first.
-absl::Status ResolveConfig(TrainerConfig* config, int world_size);
+// The run `config` describes on `world_size` ranks, resolved once, one way:
+// every field is checked (the first problem found is the error, naming the
+// field and what to do) and the layout comes back as a plan: the config's
+// dp x tp x pp (dp following the rank count under elastic) with a
+// load_strategy applied on top, and the micro-batches of the global batch
+// (global_batch_size = micro_batch_size * grad_accumulation_steps * dp; a
+// strategy keeps the config's global batch and sets the micro-batch size).
+// With strategy=auto the plan is the search's starting point, one rank holding
+// the whole global batch (Trainer::ChooseStrategy edits it). The config
+// itself is not rewritten from the plan; only profile_step fills in its trace.
+absl::StatusOr<ParallelPlan> ResolveConfig(TrainerConfig* config, int world_size);
 
-// Sets the fields `strategy` decides (layout, precision, ZeRO, recomputation,
-// schedule, micro-batches within the global batch) for `world_size` ranks.
-absl::Status ApplyStrategyToConfig(const Strategy& strategy, int world_size, TrainerConfig* config);
+// The checks of ResolveConfig that do not depend on the layout (the loop,
+// evaluation, checkpoints, sampling, loss scaling, LoRA): what a config
+// given with a model already laid out (Trainer::Create from TrainerInputs)
+// must pass.
+absl::Status CheckConfigFields(TrainerConfig* config);
 
-// The parallel plan `config` describes (after ResolveConfig).
-ParallelPlan PlanFromConfig(const TrainerConfig& config);
+// The ranks `config` lays out: dp*tp*pp, or its load_strategy's parallel_mode.
+absl::StatusOr<int> ConfigWorldSize(const TrainerConfig& config);
+
+// micro_batch_size * num_micro_batches * dp: the samples of one step.
+int64_t GlobalBatchSize(const ParallelPlan& plan);
+// Sets plan's micro_batch_size to keep `global` (strong scaling, as the
+// reference has it) once a strategy has set dp and the micro-batch count;
+// an error when they do not divide it.
+absl::Status KeepGlobalBatch(int64_t global, ParallelPlan* plan);
+
 // The config's tp_layer_lists as the automatic pass takes them; errors name a
 // malformed entry.
 absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfig& config);

@@ -74,8 +74,8 @@ TEST(ConfigFlagsTest, FlagsTextConfigAndSavedStrategyGiveTheSamePlan) {
       "--rank_order=3,2,1,0", "--precision_table=buffer=fp32", "--partition_method=parameters"};
   TrainerConfig from_flags;
   ASSERT_TRUE(ApplyConfigFlags(&args, &from_flags).ok());
-  ASSERT_TRUE(ResolveConfig(&from_flags, 4).ok()) << ResolveConfig(&from_flags, 4);
-  const ParallelPlan plan = PlanFromConfig(from_flags);
+  auto plan = ResolveConfig(&from_flags, 4);
+  ASSERT_TRUE(plan.ok()) << plan.status();
 
   const std::string dir = ::testing::TempDir();
   {
@@ -83,47 +83,57 @@ TEST(ConfigFlagsTest, FlagsTextConfigAndSavedStrategyGiveTheSamePlan) {
   }
   auto from_text = LoadTrainerConfig(dir + "/run.pbtxt");
   ASSERT_TRUE(from_text.ok()) << from_text.status();
-  ASSERT_TRUE(ResolveConfig(&*from_text, 4).ok());
 
-  ASSERT_TRUE(SaveStrategy(StrategyFromPlan(plan), dir + "/run_strategy.pbtxt").ok());
+  ASSERT_TRUE(SaveStrategy(StrategyFromPlan(*plan), dir + "/run_strategy.pbtxt").ok());
   TrainerConfig from_strategy;
   from_strategy.set_load_strategy(dir + "/run_strategy.pbtxt");
   from_strategy.set_global_batch_size(16);
-  ASSERT_TRUE(ResolveConfig(&from_strategy, 4).ok()) << ResolveConfig(&from_strategy, 4);
+  EXPECT_EQ(ConfigWorldSize(from_strategy).value_or(0), 4);
 
-  const std::string expected = StrategyToText(StrategyFromPlan(plan));
+  const std::string expected = StrategyToText(StrategyFromPlan(*plan));
   EXPECT_THAT(expected, HasSubstr("rank_order: 3"));
-  for (const TrainerConfig* config : {&*from_text, &from_strategy}) {
-    const ParallelPlan other = PlanFromConfig(*config);
-    EXPECT_EQ(StrategyToText(StrategyFromPlan(other)), expected);
-    EXPECT_EQ(other.micro_batch_size, plan.micro_batch_size);
-    EXPECT_EQ(other.num_micro_batches, 4);
+  for (TrainerConfig* config : {&*from_text, &from_strategy}) {
+    const TrainerConfig given = *config;
+    auto other = ResolveConfig(config, 4);
+    ASSERT_TRUE(other.ok()) << other.status();
+    EXPECT_EQ(config->DebugString(), given.DebugString()) << "resolving leaves the config as given";
+    EXPECT_EQ(StrategyToText(StrategyFromPlan(*other)), expected);
+    EXPECT_EQ(other->micro_batch_size, plan->micro_batch_size);
+    EXPECT_EQ(other->num_micro_batches, 4);
   }
 }
 
-TEST(PlanFromConfigTest, Fp16ScalesDynamicallyUnlessTheConfigGivesAScale) {
+// The plan's loss scaler as config.proto describes it.
+ParallelPlan ResolvedPlan(TrainerConfig c) {
+  auto plan = ResolveConfig(&c, 1);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.value_or(ParallelPlan());
+}
+
+TEST(ResolveConfigTest, Fp16ScalesDynamicallyUnlessTheConfigGivesAScale) {
   TrainerConfig c;
+  c.set_dp(1);
+  c.set_device("cuda");
   c.set_precision("fp16");
-  EXPECT_EQ(PlanFromConfig(c).loss_scaler.loss_scale, 0.0);  // dynamic, as config.proto says
+  EXPECT_EQ(ResolvedPlan(c).loss_scaler.loss_scale, 0.0);  // dynamic, as config.proto says
   c.set_precision("pure_fp16");
-  EXPECT_EQ(PlanFromConfig(c).loss_scaler.loss_scale, 0.0);
+  EXPECT_EQ(ResolvedPlan(c).loss_scaler.loss_scale, 0.0);
   c.set_loss_scale(128);
-  EXPECT_EQ(PlanFromConfig(c).loss_scaler.loss_scale, 128.0);
+  EXPECT_EQ(ResolvedPlan(c).loss_scaler.loss_scale, 128.0);
   c.set_precision("bf16");
   c.clear_loss_scale();
   c.set_skip_if_nonfinite(true);
-  EXPECT_TRUE(PlanFromConfig(c).loss_scaling);
-  EXPECT_EQ(PlanFromConfig(c).loss_scaler.loss_scale, 1.0);  // only the skip
+  EXPECT_TRUE(ResolvedPlan(c).loss_scaling);
+  EXPECT_EQ(ResolvedPlan(c).loss_scaler.loss_scale, 1.0);  // only the skip
 }
 
-TEST(PlanFromConfigTest, AStrategysLossScalerReachesThePlan) {
-  Strategy strategy;
-  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
-      R"(methods { name: "amp_native" dtype: "fp16" initial_scale_power: 8 hysteresis: 3 })", &strategy));
+TEST(ResolveConfigTest, ALoadedStrategysLossScalerReachesThePlan) {
+  const std::string path = ::testing::TempDir() + "/fp16.strategy";
+  std::ofstream(path) << R"(methods { name: "amp_native" dtype: "fp16" initial_scale_power: 8 hysteresis: 3 })";
   TrainerConfig c;
   c.set_device("cuda");
-  ASSERT_TRUE(ApplyStrategyToConfig(strategy, 1, &c).ok());
-  const ParallelPlan plan = PlanFromConfig(c);
+  c.set_load_strategy(path);
+  const ParallelPlan plan = ResolvedPlan(c);
   EXPECT_EQ(plan.precision, "fp16");
   EXPECT_EQ(plan.loss_scaler.loss_scale, 0.0);
   EXPECT_EQ(plan.loss_scaler.initial_scale_power, 8);
@@ -146,16 +156,20 @@ TEST(ResolveConfigTest, DerivesTheBatchSizesEitherWay) {
   from_global.set_dp(2);
   from_global.set_micro_batch_size(4);
   from_global.set_global_batch_size(32);
-  ASSERT_TRUE(ResolveConfig(&from_global, 2).ok());
-  EXPECT_EQ(from_global.grad_accumulation_steps(), 4);
+  auto plan = ResolveConfig(&from_global, 2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->num_micro_batches, 4);
+  EXPECT_EQ(GlobalBatchSize(*plan), 32);
 
   TrainerConfig from_accumulation;
   from_accumulation.set_dp(1);
   from_accumulation.set_micro_batch_size(2);
   from_accumulation.set_grad_accumulation_steps(3);
-  ASSERT_TRUE(ResolveConfig(&from_accumulation, 1).ok());
-  EXPECT_EQ(from_accumulation.global_batch_size(), 6);
-  EXPECT_TRUE(ResolveConfig(&from_accumulation, 1).ok()) << "resolving twice is harmless";
+  plan = ResolveConfig(&from_accumulation, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->num_micro_batches, 3);
+  EXPECT_EQ(GlobalBatchSize(*plan), 6);
+  EXPECT_FALSE(from_accumulation.has_global_batch_size()) << "the plan holds the layout, not the config";
 }
 
 TEST(ResolveConfigTest, ElasticRunsLetDataParallelismFollowTheRankCount) {
@@ -167,21 +181,47 @@ TEST(ResolveConfigTest, ElasticRunsLetDataParallelismFollowTheRankCount) {
   layout.set_grad_accumulation_steps(2);
   layout.set_elastic(true);
   TrainerConfig shrunk = layout;
-  ASSERT_TRUE(ResolveConfig(&shrunk, 4).ok());
-  EXPECT_EQ(shrunk.dp(), 1);
-  EXPECT_EQ(shrunk.tp(), 2);
-  EXPECT_EQ(shrunk.pp(), 2);
-  EXPECT_EQ(shrunk.global_batch_size(), 32);
-  EXPECT_EQ(shrunk.grad_accumulation_steps(), 4);
+  auto plan = ResolveConfig(&shrunk, 4);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->dp, 1);
+  EXPECT_EQ(plan->tp, 2);
+  EXPECT_EQ(plan->pp, 2);
+  EXPECT_EQ(GlobalBatchSize(*plan), 32);
+  EXPECT_EQ(plan->num_micro_batches, 4);
   TrainerConfig grown = layout;
-  ASSERT_TRUE(ResolveConfig(&grown, 16).ok());
-  EXPECT_EQ(grown.dp(), 4);
-  EXPECT_EQ(grown.grad_accumulation_steps(), 1);
+  plan = ResolveConfig(&grown, 16);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->dp, 4);
+  EXPECT_EQ(plan->num_micro_batches, 1);
   TrainerConfig misfit = layout;
-  EXPECT_THAT(Message(ResolveConfig(&misfit, 6)), HasSubstr("elastic: 6 ranks cannot hold tp*pp = 2*2 = 4"));
+  EXPECT_THAT(Message(ResolveConfig(&misfit, 6).status()), HasSubstr("elastic: 6 ranks cannot hold tp*pp = 2*2 = 4"));
   TrainerConfig rigid = layout;
   rigid.set_elastic(false);
-  EXPECT_THAT(Message(ResolveConfig(&rigid, 4)), HasSubstr("or set elastic to let dp follow the rank count"));
+  EXPECT_THAT(Message(ResolveConfig(&rigid, 4).status()), HasSubstr("or set elastic to let dp follow the rank count"));
+}
+
+// strategy=auto: the search starts from one rank holding the whole global
+// batch; a chosen strategy keeps that batch.
+TEST(ResolveConfigTest, TheAutomaticStrategyStartsFromOneRankAndKeepsTheGlobalBatch) {
+  TrainerConfig c;
+  c.set_strategy("auto");
+  c.set_dp(1);
+  c.set_micro_batch_size(4);
+  c.set_grad_accumulation_steps(2);
+  auto plan = ResolveConfig(&c, 4);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->dp * plan->tp * plan->pp, 1);
+  EXPECT_EQ(plan->micro_batch_size, 8);
+  EXPECT_EQ(plan->num_micro_batches, 1);
+  Strategy strategy;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 4 } })", &strategy));
+  ASSERT_TRUE(ApplyStrategy(strategy, 4, &*plan).ok());
+  ASSERT_TRUE(KeepGlobalBatch(8, &*plan).ok());
+  EXPECT_EQ(plan->dp, 4);
+  EXPECT_EQ(plan->micro_batch_size, 2);
+  plan->num_micro_batches = 3;
+  EXPECT_THAT(Message(KeepGlobalBatch(8, &*plan)), HasSubstr("global_batch_size=8 is not divisible by dp*micro_batches = 4*3"));
 }
 
 TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
@@ -189,7 +229,7 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
     TrainerConfig c;
     c.set_dp(world);
     edit(c);
-    return Message(ResolveConfig(&c, world));
+    return Message(ResolveConfig(&c, world).status());
   };
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_dp(3); }, 2),
               HasSubstr("dp*tp*pp = 3*1*1 = 3 but 2 ranks were started"));
@@ -279,7 +319,12 @@ TEST(ModelComponentTest, PresetsOverridesAndChecks) {
     context.tp = {c.tp(), 0, "tp", false};
     context.data_vocab_size = 256;
     TRIDENT_ASSIGN_OR_RETURN(ModelSource model, factory(args, context));
-    TRIDENT_RETURN_IF_ERROR(CheckSource(model, PlanFromConfig(c)));
+    ParallelPlan plan;  // the fields CheckSource reads (ResolveConfig would refuse some pairs first)
+    plan.tp = c.tp();
+    plan.pp = c.pp();
+    plan.virtual_stages = c.virtual_stages();
+    plan.split_method = c.split_method();
+    TRIDENT_RETURN_IF_ERROR(CheckSource(model, plan));
     return model;
   };
   TrainerConfig c;
@@ -357,8 +402,9 @@ TEST(ConfigToTextTest, TheWholeTextReadsBackAsTheSameRun) {
     ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(ConfigToText(config), &again));
     EXPECT_EQ(ModelComponent(again).first, ModelComponent(config).first);
     EXPECT_EQ(ModelComponent(again).second.values(), ModelComponent(config).second.values());
-    const ParallelPlan plan = PlanFromConfig(again);
-    EXPECT_FALSE(plan.loss_scaling);
+    auto plan = ResolveConfig(&again, again.dp());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_FALSE(plan->loss_scaling);
   }
   EXPECT_EQ(ModelComponent(llama).second.GetString("preset", ""), "llama-tiny");
 }

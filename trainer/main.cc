@@ -84,16 +84,14 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   if (RestartCount() > 0 && !config.save_dir().empty() && config.resume_from().empty()) {
     config.set_resume_from("last");  // a restarted job goes on from its newest valid checkpoint
   }
-  const int64_t configured_dp = config.dp();
-  if (config.strategy().empty()) TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, env.world_size));
+  // The configuration is resolved once, here; the plan is the layout from now on.
+  TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, ResolveConfig(&config, env.world_size));
   if (!blas_note.empty() && env.rank == 0) std::printf("%s\n", blas_note.c_str());
-  if (config.dp() != configured_dp && env.rank == 0) {
-    std::printf("elastic: %d ranks, so dp=%lld instead of %lld (tp=%lld and pp=%lld kept; global batch %lld in %lld "
+  if (config.elastic() && plan.dp != config.dp() && env.rank == 0) {
+    std::printf("elastic: %d ranks, so dp=%d instead of %lld (tp=%d and pp=%d kept; global batch %lld in %lld "
                 "accumulation steps)\n",
-                env.world_size, static_cast<long long>(config.dp()), static_cast<long long>(configured_dp),
-                static_cast<long long>(config.tp()), static_cast<long long>(config.pp()),
-                static_cast<long long>(config.global_batch_size()),
-                static_cast<long long>(config.grad_accumulation_steps()));
+                env.world_size, plan.dp, static_cast<long long>(config.dp()), plan.tp, plan.pp,
+                static_cast<long long>(GlobalBatchSize(plan)), static_cast<long long>(plan.num_micro_batches));
   }
   // This rank's share of the cores goes to the pool that runs its matrix
   // products (see config.proto's intra_op_threads): on CPU they run in oneDNN
@@ -105,7 +103,7 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   const int share = static_cast<int>(
       std::max(1u, std::thread::hardware_concurrency() / std::max(1, env.local_world_size)));
   const bool onednn_products =
-      config.device() != "cuda" && (UseOneDnnProducts() || absl::StrContains(config.precision(), "bf16"));
+      plan.device != "cuda" && (UseOneDnnProducts() || absl::StrContains(plan.precision, "bf16"));
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
     using SetThreads = void (*)(int);
     if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
@@ -116,22 +114,22 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   const char* omp_threads = std::getenv("OMP_NUM_THREADS");
   const int pool = omp_threads != nullptr && std::atoi(omp_threads) > 0 ? std::atoi(omp_threads) : share;
   at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : onednn_products ? pool : 1);
-  TuneAllocatorForTraining(/*sharded_parameters=*/config.zero_stage() == 3);
+  TuneAllocatorForTraining(/*sharded_parameters=*/plan.zero_stage == 3);
   TopologyOptions options;
   if (config.strategy().empty()) {  // else the search lays the ranks out
-    const ParallelPlan plan = PlanFromConfig(config);
     options.mesh_axes = PlanMeshAxes(plan);
     options.rank_order = plan.rank_order;
   }
-  options.backend = config.device() == "cuda" ? CommBackend::kNccl : CommBackend::kGloo;
+  options.backend = plan.device == "cuda" ? CommBackend::kNccl : CommBackend::kGloo;
   options.timeout = absl::Seconds(config.collective_timeout_s());
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));
   if (!config.strategy().empty()) {
     const bool compile_only = config.run_mode() == "compile";
-    TRIDENT_ASSIGN_OR_RETURN(config, Trainer::ChooseStrategy(config, topology.get()));
+    TRIDENT_ASSIGN_OR_RETURN(plan, Trainer::ChooseStrategy(config, std::move(plan), topology.get()));
     if (compile_only) return absl::OkStatus();
   }
-  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, topology.get()));
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                           Trainer::Create(std::move(config), std::move(plan), topology.get()));
   return trainer->Train().status();
 }
 
@@ -141,10 +139,9 @@ absl::Status Run(int argc, char** argv) {
   const std::string blas_note = UseBestBlasKernels();
   TRIDENT_ASSIGN_OR_RETURN(TrainerConfig config, ConfigFromCommandLine(&argc, &argv));
   if (HasDistributedEnv()) return RunRank(config, blas_note);
-  int nproc = FLAGS_nproc > 0 ? FLAGS_nproc : config.dp() * config.tp() * config.pp();
-  if (FLAGS_nproc <= 0 && !config.load_strategy().empty()) {
-    TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(config.load_strategy()));
-    nproc = StrategyWorldSize(strategy, nproc);
+  int nproc = FLAGS_nproc;
+  if (nproc <= 0) {
+    TRIDENT_ASSIGN_OR_RETURN(nproc, ConfigWorldSize(config));
   }
   // Check the configuration once, here, before any rank starts.
   TRIDENT_RETURN_IF_ERROR(Trainer::Preflight(config, nproc));

@@ -87,13 +87,12 @@ absl::StatusOr<std::vector<Batch>> Trainer::Impl::MicroBatches(const Dataset& da
 }
 
 absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
-  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, world_size));
+  TRIDENT_ASSIGN_OR_RETURN(const ParallelPlan plan, ResolveConfig(&config, world_size));
   ModelContext context;
-  context.tp = {config.tp(), 0, "tp", config.sequence_parallel(), config.parallel_vocab(),
-                config.tp_overlapping_level()};
-  context.seed = config.seed();
+  context.tp = {plan.tp, 0, "tp", plan.sequence_parallel, plan.parallel_vocab, plan.tp_overlapping_level};
+  context.seed = plan.seed;
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, context, false));
-  TRIDENT_RETURN_IF_ERROR(CheckSource(parts.model, PlanFromConfig(config)));
+  TRIDENT_RETURN_IF_ERROR(CheckSource(parts.model, plan));
   for (const std::string& path : {config.init_from(), config.resume_from()}) {
     if (!path.empty() && path != "last" && path != "best" && !fs::exists(path)) {
       return absl::NotFoundError(absl::StrCat(path, " does not exist (init_from / resume_from)"));
@@ -103,24 +102,27 @@ absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, Topology* topology) {
-  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, topology->world_size()));
+  TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, ResolveConfig(&config, topology->world_size()));
+  if (!config.strategy().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(plan, ChooseStrategy(config, std::move(plan), topology));
+  }
+  return Create(std::move(config), std::move(plan), topology);
+}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, ParallelPlan plan,
+                                                         Topology* topology) {
   TRIDENT_RETURN_IF_ERROR(internal::PrepareDefaultCorpus(config, *topology));
   ModelContext context;
-  context.seed = config.seed();
-  if (config.tp() > 1) {
+  context.seed = plan.seed;
+  if (plan.tp > 1) {
     TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * tp, topology->Group("tensor"));
-    context.tp = {config.tp(),
-                  tp->rank(),
-                  tp->name(),
-                  config.sequence_parallel(),
-                  config.parallel_vocab(),
-                  config.tp_overlapping_level()};
+    context.tp = {plan.tp, tp->rank(), tp->name(), plan.sequence_parallel, plan.parallel_vocab,
+                  plan.tp_overlapping_level};
   }
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, context, true));
-  ParallelPlan plan = PlanFromConfig(config);
   plan.batch_fields = parts.train_data->field_names();
-  std::vector<int64_t> first(config.micro_batch_size());
-  for (int64_t i = 0; i < config.micro_batch_size(); ++i) first[i] = i % parts.train_data->size();
+  std::vector<int64_t> first(plan.micro_batch_size);
+  for (int64_t i = 0; i < plan.micro_batch_size; ++i) first[i] = i % parts.train_data->size();
   TRIDENT_ASSIGN_OR_RETURN(Batch example, parts.train_data->Get(first));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ParallelModel> model,
                            Parallelize(std::move(parts.model), plan, topology, example, parts.optimizer));
@@ -140,23 +142,17 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   if (inputs.model == nullptr || inputs.train_data == nullptr) {
     return absl::InvalidArgumentError("Trainer::Create needs a model and training data");
   }
+  TRIDENT_RETURN_IF_ERROR(CheckConfigFields(&config));
   auto impl = std::make_unique<Impl>();
   Impl& t = *impl;
-  // The model's plan decides the layout and the micro-batching.
+  // The model's plan decides the layout and the micro-batching; the config the rest.
   const ParallelPlan& plan = inputs.model->plan();
-  config.set_dp(plan.dp);
-  config.set_tp(plan.tp);
-  config.set_pp(plan.pp);
-  config.set_micro_batch_size(plan.micro_batch_size);
-  config.set_grad_accumulation_steps(plan.num_micro_batches);
-  config.set_global_batch_size(plan.micro_batch_size * plan.num_micro_batches * plan.dp);
-  TRIDENT_RETURN_IF_ERROR(ResolveConfig(&config, inputs.model->topology().world_size()));
   t.config = std::move(config);
   t.model = std::move(inputs.model);
   t.train_data = std::move(inputs.train_data);
   t.val_data = std::move(inputs.val_data);
   t.tokenizer = std::move(inputs.tokenizer);
-  t.sampler = std::make_unique<BatchSampler>(t.train_data->size(), t.config.global_batch_size(),
+  t.sampler = std::make_unique<BatchSampler>(t.train_data->size(), t.global_batch_size(),
                                              t.config.seed(), t.config.shuffle());
   if (!t.config.init_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadInitialWeights(t.config.init_from()));
   if (!t.config.resume_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadCheckpoint());
@@ -175,10 +171,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
     const std::string warning = internal::SlowBf16Warning(plan.device, plan.precision);
     if (!warning.empty()) t.Print(warning);
   }
-  if (t.is_rank0() && !t.config.save_strategy().empty()) {
+  // Under strategy=auto the search saved its choice (with the run's
+  // fingerprint) and dry-ran it.
+  const bool searched = !t.config.strategy().empty();
+  if (t.is_rank0() && !searched && !t.config.save_strategy().empty()) {
     TRIDENT_RETURN_IF_ERROR(SaveStrategy(StrategyFromPlan(plan), t.config.save_strategy()));
   }
-  if (!t.config.load_strategy().empty() && !t.config.ignore_dryrun_on_load_strategy()) {
+  if (!searched && !t.config.load_strategy().empty() && !t.config.ignore_dryrun_on_load_strategy()) {
     TRIDENT_ASSIGN_OR_RETURN(const double ms, t.DryRun(3));
     t.Print(absl::StrFormat("dry run of the loaded strategy (%s): %.0f ms/step", DescribePlan(plan), ms));
   }
@@ -212,7 +211,7 @@ absl::StatusOr<double> Trainer::Impl::DryRun(int steps) {
 absl::StatusOr<double> Trainer::Impl::Evaluate() {
   if (val_data == nullptr) return absl::NotFoundError("no validation data (val.bin in the data directory)");
   ForHooks([&](TrainerHooks& h) { h.OnValStart(State()); });
-  BatchSampler val_sampler(val_data->size(), config.global_batch_size(), config.seed(), /*shuffle=*/false);
+  BatchSampler val_sampler(val_data->size(), global_batch_size(), config.seed(), /*shuffle=*/false);
   const int64_t steps = config.max_val_steps() > 0 ? config.max_val_steps() : config.eval_steps();
   double total = 0;
   model->SetTraining(false);
@@ -267,7 +266,9 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   Impl& t = *impl_;
   const TrainerConfig& c = t.config;
   int64_t max_steps = c.max_steps();
-  const int64_t steps_per_epoch = (t.train_data->size() + c.global_batch_size() - 1) / c.global_batch_size();
+  const ParallelPlan& plan = t.model->plan();
+  const int64_t global_batch_size = GlobalBatchSize(plan);
+  const int64_t steps_per_epoch = (t.train_data->size() + global_batch_size - 1) / global_batch_size;
   if (c.max_epochs() > 0) max_steps = std::min(max_steps, steps_per_epoch * c.max_epochs());
   TrainResult result;
   result.first_step = t.step;
@@ -279,7 +280,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
                            ? "the checkpoints and metrics when save_dir or metrics_file is set"
                            : absl::StrJoin(ResolvedConfigPaths(c), " and "),
                        "): ", ConfigChangesToText(c)));
-  t.Print(absl::StrCat("layout: ", DescribePlan(t.model->plan())));
+  t.Print(absl::StrCat("layout: ", DescribePlan(plan)));
   t.Print(absl::StrCat("per rank: ", t.model->Memory().ToString()));
   t.Print(absl::StrCat("stages:\n", t.model->Describe()));
   if (c.tp_plan_report()) return result;
@@ -288,11 +289,10 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | peak RSS %.0f MB",
       t.model_name.empty() ? "" : " " + t.model_name, HumanCount(t.model->num_parameters()),
       t.train_data->size(), tokens_per_sample > 0 ? absl::StrCat(" of ", tokens_per_sample, " tokens") : "",
-      t.topology().world_size(), c.global_batch_size(), c.micro_batch_size(), c.grad_accumulation_steps(),
-      c.dp(), at::get_num_threads(), t.peak_flops / 1e9, PeakResidentMb()));
+      t.topology().world_size(), global_batch_size, plan.micro_batch_size, plan.num_micro_batches, plan.dp, at::get_num_threads(), t.peak_flops / 1e9, PeakResidentMb()));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
   const auto start = Clock::now();
-  const double samples_per_step = static_cast<double>(c.global_batch_size());
+  const double samples_per_step = static_cast<double>(global_batch_size);
   while (t.step < max_steps) {
     const int64_t epoch = t.epoch();
     if (t.step == result.first_step || t.sampler->Epoch(t.step - 1) != epoch) {

@@ -113,11 +113,16 @@ class Trainer {
  public:
   // Builds everything `config` names (model, data, loss, optimizer by
   // registered name), parallelizes the model over `topology`, and loads
-  // init_from / resume_from. Every error comes before any training.
+  // init_from / resume_from. Every error comes before any training. The
+  // layout is ResolveConfig's plan, or with strategy=auto ChooseStrategy's.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config, Topology* topology);
+  // The same laid out as `plan` (what ResolveConfig or ChooseStrategy gave
+  // for `config`; `train` resolves once and lays the topology out from it).
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config, ParallelPlan plan,
+                                                         Topology* topology);
   // The loop over parts you built. The model's plan decides the layout and
-  // micro-batching (config's dp, tp, pp and batch fields are set from it); the
-  // config gives the rest (steps, learning rate, evaluation, checkpoints, ...).
+  // micro-batching (the config's layout fields are not read); the config
+  // gives the rest (steps, learning rate, evaluation, checkpoints, ...).
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config, TrainerInputs inputs);
   ~Trainer();
 
@@ -128,9 +133,11 @@ class Trainer {
 
   // The fully automatic mode (config.strategy "auto"): chooses the strategy
   // on `topology`'s ranks (strategy/strategy.h), or reuses the one saved for
-  // this run (strategy_reuse), and returns `config` with it applied. Leaves
-  // `topology` laid out for it (axes tensor, pipeline, data). Every rank calls it.
-  static absl::StatusOr<TrainerConfig> ChooseStrategy(TrainerConfig config, Topology* topology);
+  // this run (strategy_reuse), and returns `base` (ResolveConfig's plan for
+  // `config`) with it applied, the global batch kept. Leaves `topology` laid
+  // out for it. Every rank calls it.
+  static absl::StatusOr<ParallelPlan> ChooseStrategy(const TrainerConfig& config, ParallelPlan base,
+                                                     Topology* topology);
 
   void AddHooks(std::shared_ptr<TrainerHooks> hooks);
   // Trains until max_steps (or max_epochs), then evaluates, samples and exports.

@@ -48,7 +48,7 @@ std::vector<std::pair<std::string, double>> WallClockBreakdown(
 
 class Trainer::Impl {
  public:
-  TrainerConfig config;
+  TrainerConfig config;  // as given (the layout is the model's plan)
   std::unique_ptr<ParallelModel> model;
   std::unique_ptr<Dataset> train_data, val_data;
   std::unique_ptr<Tokenizer> tokenizer;
@@ -64,6 +64,7 @@ class Trainer::Impl {
 
   Topology& topology() const { return model->topology(); }
   bool is_rank0() const { return topology().rank() == 0; }
+  int64_t global_batch_size() const { return GlobalBatchSize(model->plan()); }
   int64_t epoch() const { return sampler->Epoch(step); }
   TrainerState State() { return TrainerState{config, *model, topology(), step, epoch()}; }
   template <typename Fn>

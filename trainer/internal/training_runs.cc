@@ -79,14 +79,18 @@ TrainerConfig SmallConfig(int dp) {
 
 void TrainEverywhere(const TrainerConfig& config,
                      const std::function<void(const TrainResult&)>& on_rank0) {
-  RunOnRanks(config.dp() * config.tp() * config.pp(), [&](int rank) {
-    const ParallelPlan plan = PlanFromConfig(config);
+  auto world = ConfigWorldSize(config);
+  ASSERT_TRUE(world.ok()) << world.status();
+  RunOnRanks(*world, [&](int rank) {
+    TrainerConfig resolved = config;
+    auto plan = ResolveConfig(&resolved, *world);
+    ASSERT_TRUE(plan.ok()) << plan.status();
     TopologyOptions options;
-    options.mesh_axes = PlanMeshAxes(plan);
-    options.rank_order = plan.rank_order;
+    options.mesh_axes = PlanMeshAxes(*plan);
+    options.rank_order = plan->rank_order;
     auto topology = JoinTopology(options);
     ASSERT_TRUE(topology.ok()) << topology.status();
-    auto trainer = Trainer::Create(config, topology->get());
+    auto trainer = Trainer::Create(resolved, *plan, topology->get());
     ASSERT_TRUE(trainer.ok()) << trainer.status();
     auto result = (*trainer)->Train();
     ASSERT_TRUE(result.ok()) << result.status();
