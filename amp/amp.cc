@@ -3,9 +3,9 @@
 #include <cmath>
 #include <map>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
 #include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
@@ -51,8 +51,8 @@ absl::StatusOr<PrecisionPolicy> MakePrecisionPolicy(const std::string& mode, con
   for (absl::string_view entry : absl::StrSplit(table, ',')) {
     std::vector<absl::string_view> kv = absl::StrSplit(entry, '=');
     if (kv.size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat("precision table entry '", entry,
-                                                     "' is not kind=dtype (param, buffer, input)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("precision table entry '", entry, "' is not kind=dtype (param, buffer, input)"));
     }
     TRIDENT_ASSIGN_OR_RETURN(at::ScalarType dtype, ParseDtype(kv[1]));
     if (kv[0] == "param") {
@@ -62,8 +62,8 @@ absl::StatusOr<PrecisionPolicy> MakePrecisionPolicy(const std::string& mode, con
     } else if (kv[0] == "input") {
       policy.input = dtype;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("precision table kind '", kv[0],
-                                                     "' is unknown; choose param, buffer or input"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("precision table kind '", kv[0], "' is unknown; choose param, buffer or input"));
     }
   }
   if (policy.param == at::kHalf) policy.loss_scaling = true;
@@ -99,8 +99,7 @@ AutocastScope::~AutocastScope() {
 
 LossScaler::LossScaler(LossScalerOptions options)
     : options_(options),
-      scale_(options.loss_scale > 0 ? options.loss_scale
-                                    : std::ldexp(1.0, options.initial_scale_power)),
+      scale_(options.loss_scale > 0 ? options.loss_scale : std::ldexp(1.0, options.initial_scale_power)),
       hysteresis_left_(options.hysteresis) {}
 
 void LossScaler::Update(bool overflow) {
@@ -129,8 +128,8 @@ absl::Status LossScaler::LoadState(const NamedTensors& state) {
     for (const auto& [key, tensor] : state) {
       if (key == name) return tensor;
     }
-    return absl::NotFoundError(absl::StrCat("the loss scaler's state lacks '", name,
-                                            "' (saved without loss scaling?)"));
+    return absl::NotFoundError(
+        absl::StrCat("the loss scaler's state lacks '", name, "' (saved without loss scaling?)"));
   };
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor scale, get("amp/loss_scale"));
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor hysteresis, get("amp/hysteresis_left"));

@@ -69,7 +69,7 @@ class AutocastScope {
 
 // The reference design's loss-scaling parameters and defaults.
 struct LossScalerOptions {
-  double loss_scale = 0;        // 0: dynamic; otherwise a static scale
+  double loss_scale = 0;         // 0: dynamic; otherwise a static scale
   int initial_scale_power = 32;  // dynamic: start at 2^initial_scale_power
   int loss_scale_window = 1000;  // steps without overflow before the scale doubles
   int hysteresis = 2;            // overflows tolerated before the scale halves

@@ -18,8 +18,8 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 TEST(FlagsHelpTest, MessageFieldsBecomeFlagsWithTypesDefaultsAndComments) {
-  auto help = MessageFlagsHelp(internal::kHelpTestDescriptor, internal::kHelpTestDescriptorSize,
-                               "trident.help_test.Config");
+  auto help =
+      MessageFlagsHelp(internal::kHelpTestDescriptor, internal::kHelpTestDescriptorSize, "trident.help_test.Config");
   ASSERT_TRUE(help.ok()) << help.status();
   EXPECT_EQ(*help,
             "Config (base/testdata/help_test.proto):\n"
@@ -36,9 +36,9 @@ TEST(FlagsHelpTest, MessageFieldsBecomeFlagsWithTypesDefaultsAndComments) {
             "      a registered model\n"
             "  --model.args.KEY (string, one entry per flag)\n"
             "      the model's arguments\n");
-  EXPECT_FALSE(MessageFlagsHelp(internal::kHelpTestDescriptor, internal::kHelpTestDescriptorSize,
-                                "trident.help_test.Other")
-                   .ok());
+  EXPECT_FALSE(
+      MessageFlagsHelp(internal::kHelpTestDescriptor, internal::kHelpTestDescriptorSize, "trident.help_test.Other")
+          .ok());
   const unsigned char garbage[] = {0xff, 0xff, 0xff};
   EXPECT_THAT(std::string(MessageFlagsHelp(garbage, sizeof(garbage), "x").status().message()),
               HasSubstr("does not parse"));

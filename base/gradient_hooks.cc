@@ -6,8 +6,7 @@
 
 namespace trident {
 
-std::vector<std::vector<int>> BucketIndicesInBackwardOrder(const std::vector<int64_t>& bytes,
-                                                           int64_t bucket_bytes,
+std::vector<std::vector<int>> BucketIndicesInBackwardOrder(const std::vector<int64_t>& bytes, int64_t bucket_bytes,
                                                            const std::vector<int>& kinds) {
   std::vector<std::vector<int>> buckets;
   int64_t filled = 0;
@@ -25,9 +24,9 @@ std::vector<std::vector<int>> BucketIndicesInBackwardOrder(const std::vector<int
   return buckets;
 }
 
-std::vector<std::vector<at::Tensor>> BucketsInBackwardOrder(
-    const std::vector<at::Tensor>& parameters, int64_t bucket_bytes,
-    const std::function<int(const at::Tensor&)>& kind) {
+std::vector<std::vector<at::Tensor>> BucketsInBackwardOrder(const std::vector<at::Tensor>& parameters,
+                                                            int64_t bucket_bytes,
+                                                            const std::function<int(const at::Tensor&)>& kind) {
   std::vector<int64_t> bytes;
   std::vector<int> kinds;
   for (const at::Tensor& p : parameters) {
@@ -59,8 +58,7 @@ class AccumulatedHook : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 void GradientAccumulatedHooks::Add(const at::Tensor& parameter, std::function<void()> callback) {
-  std::shared_ptr<torch::autograd::Node> accumulator =
-      torch::autograd::impl::grad_accumulator(parameter);
+  std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(parameter);
   accumulator->add_post_hook(std::make_unique<AccumulatedHook>(std::move(callback)));
   accumulators_.push_back(std::move(accumulator));
 }

@@ -26,8 +26,7 @@ std::vector<std::vector<at::Tensor>> BucketsInBackwardOrder(
     const std::function<int(const at::Tensor&)>& kind = nullptr);
 // The same rule on sizes alone: indices into `bytes` (and `kinds`, when not
 // empty) per bucket.
-std::vector<std::vector<int>> BucketIndicesInBackwardOrder(const std::vector<int64_t>& bytes,
-                                                           int64_t bucket_bytes,
+std::vector<std::vector<int>> BucketIndicesInBackwardOrder(const std::vector<int64_t>& bytes, int64_t bucket_bytes,
                                                            const std::vector<int>& kinds = {});
 
 // The hooks live as long as this object: its destructor removes them.

@@ -56,9 +56,7 @@ class CountingAllocator : public c10::Allocator {
   // LibTorch 2.x made allocate non-const and added copy_data; 1.13 (Debian's) has neither.
 #if TORCH_VERSION_MAJOR >= 2
   c10::DataPtr allocate(size_t n) override { return Allocate(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 #else
   c10::DataPtr allocate(size_t n) const override { return Allocate(n); }
 #endif

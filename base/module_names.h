@@ -10,9 +10,8 @@ namespace trident {
 // Whether module `name` ("transformer.h.0.attn") is meant by `pattern`: the
 // full name, or a suffix after a '.' ("attn", "h.0.attn").
 inline bool ModuleNameMatches(const std::string& name, const std::string& pattern) {
-  return name == pattern ||
-         (name.size() > pattern.size() && name[name.size() - pattern.size() - 1] == '.' &&
-          name.compare(name.size() - pattern.size(), pattern.size(), pattern) == 0);
+  return name == pattern || (name.size() > pattern.size() && name[name.size() - pattern.size() - 1] == '.' &&
+                             name.compare(name.size() - pattern.size(), pattern.size(), pattern) == 0);
 }
 
 // Whether a module of class `type_name` is meant by `pattern`: the class's

@@ -119,8 +119,7 @@ class Recomputation : public torch::CustomClassHolder {
     for (size_t k = 0; k < inputs.size(); ++k) {
       TORCH_CHECK(!inputs[k].defined() || inputs[k]._version() == versions[k], "RecomputeInBackward: input ", k,
                   " (shape ", inputs[k].sizes(), ") was modified in place after the forward that recomputes it");
-      leaves_.push_back(inputs[k].defined() ? inputs[k].detach().requires_grad_(inputs[k].requires_grad())
-                                            : inputs[k]);
+      leaves_.push_back(inputs[k].defined() ? inputs[k].detach().requires_grad_(inputs[k].requires_grad()) : inputs[k]);
     }
     inputs.clear();
     {
@@ -131,7 +130,8 @@ class Recomputation : public torch::CustomClassHolder {
       // gradients, so an input read by two products (q, k and v projections)
       // would share one cast and sum its gradients in the lower precision.
       Values seen;
-      for (const at::Tensor& leaf : leaves_) seen.push_back(leaf.defined() && leaf.requires_grad() ? leaf.view_as(leaf) : leaf);
+      for (const at::Tensor& leaf : leaves_)
+        seen.push_back(leaf.defined() && leaf.requires_grad() ? leaf.view_as(leaf) : leaf);
       outputs_ = forward(seen);
     }
     rerun_ = true;
@@ -171,8 +171,9 @@ class Recomputation : public torch::CustomClassHolder {
   bool computed() const { return computed_; }
   // Hands out the gradient of tensor input i, once.
   at::Tensor TakeGradient(size_t i) {
-    TORCH_CHECK(!taken_.count(i), "RecomputeInBackward: backward asked twice for the gradients of one recomputed "
-                                  "forward (a second backward through the same graph); run the forward again");
+    TORCH_CHECK(!taken_.count(i),
+                "RecomputeInBackward: backward asked twice for the gradients of one recomputed "
+                "forward (a second backward through the same graph); run the forward again");
     taken_.insert(i);
     return std::move(grads_[i]);
   }

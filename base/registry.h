@@ -61,8 +61,8 @@ class Registry {
     if (it == entries_.end()) {
       std::vector<std::string> names;
       for (const auto& entry : entries_) names.push_back(entry.first);
-      return absl::InvalidArgumentError(absl::StrCat("unknown ", kind_, " '", name, "'; choose ",
-                                                     absl::StrJoin(names, ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown ", kind_, " '", name, "'; choose ", absl::StrJoin(names, ", ")));
     }
     return it->second;
   }
@@ -121,9 +121,8 @@ class ComponentArgs {
       if (!found) unknown.push_back(key);
     }
     if (unknown.empty()) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(owner_, " has no argument(s) ",
-                                                   absl::StrJoin(unknown, ", "), "; it takes ",
-                                                   absl::StrJoin(known, ", ")));
+    return absl::InvalidArgumentError(absl::StrCat(owner_, " has no argument(s) ", absl::StrJoin(unknown, ", "),
+                                                   "; it takes ", absl::StrJoin(known, ", ")));
   }
 
  private:
@@ -141,8 +140,7 @@ class ComponentArgs {
       parsed = absl::SimpleAtoi(it->second, &value);
     }
     if (!parsed) {
-      return absl::InvalidArgumentError(absl::StrCat(owner_, ": argument ", key, "='", it->second,
-                                                     "' is not ", what));
+      return absl::InvalidArgumentError(absl::StrCat(owner_, ": argument ", key, "='", it->second, "' is not ", what));
     }
     return value;
   }
@@ -156,9 +154,8 @@ class ComponentArgs {
 // Registers `...` (the factory) as `name` in `registry` (the function that
 // returns the Registry, namespace-qualified where needed) at static
 // initialisation. Use it at namespace scope, any number of times per file.
-#define TRIDENT_REGISTER(registry, name, ...)                                    \
-  [[maybe_unused]] static const bool TRIDENT_REGISTRY_CONCAT_(trident_registered_, \
-                                                              __COUNTER__) =       \
+#define TRIDENT_REGISTER(registry, name, ...)                                                     \
+  [[maybe_unused]] static const bool TRIDENT_REGISTRY_CONCAT_(trident_registered_, __COUNTER__) = \
       registry().Register(name, __VA_ARGS__)
 
 #define TRIDENT_REGISTRY_CONCAT_INNER_(a, b) a##b

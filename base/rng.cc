@@ -22,7 +22,8 @@ void SetCpuRngState(const at::Tensor& state) {
 namespace {
 
 at::Generator CudaGenerator(int device) {
-  return at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  return at::globalContext().defaultGenerator(
+      c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
 }
 
 }  // namespace

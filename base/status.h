@@ -52,8 +52,7 @@ int ExitCodeFor(absl::string_view program, const absl::Status& status);
 
 // `lhs` = value of `expr` (an absl::StatusOr<T>), or returns its error.
 #define TRIDENT_ASSIGN_OR_RETURN(lhs, expr) \
-  TRIDENT_ASSIGN_OR_RETURN_IMPL_(           \
-      TRIDENT_STATUS_CONCAT_(trident_statusor_, __LINE__), lhs, expr)
+  TRIDENT_ASSIGN_OR_RETURN_IMPL_(TRIDENT_STATUS_CONCAT_(trident_statusor_, __LINE__), lhs, expr)
 
 #define TRIDENT_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
   auto statusor = (expr);                                   \

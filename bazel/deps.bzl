@@ -8,7 +8,12 @@ workspace that builds on it:
 Everything is offline: the system libraries that tools/setup.sh installs
 (Debian packages), wrapped as Bazel targets, and local stand-ins for the rule
 repositories Bazel 4.2.3 would otherwise download.
+
+With --config=cuda (.bazelrc), @libtorch is the host's CUDA LibTorch and
+@trident_cuda says where nvcc is (bazel/cuda.bzl).
 """
+
+load("//bazel:cuda.bzl", "trident_cuda_config", "trident_libtorch")
 
 def _trident_tree_impl(ctx):
     # A directory of Trident's tree as a repository of its own (symlinked).
@@ -36,6 +41,9 @@ def trident_dependencies():
             _trident_tree(name = shim, directory = "third_party/" + shim)
     if not native.existing_rule("platforms"):
         native.local_repository(name = "platforms", path = "/usr/share/bazel/platforms")
-    for name in ["libtorch", "absl", "glog", "gflags", "protobuf", "gtest", "benchmark", "zlib"]:
+    if not native.existing_rule("libtorch"):
+        trident_libtorch(name = "libtorch", cpu_build_file = Label("//third_party:libtorch.BUILD"))
+    if not native.existing_rule("trident_cuda"):
+        trident_cuda_config(name = "trident_cuda")
+    for name in ["absl", "glog", "gflags", "protobuf", "gtest", "benchmark", "zlib"]:
         _system_library(name, "/usr", str(Label("//third_party:%s.BUILD" % name)))
-    _system_library("cuda", "/usr/local/cuda", str(Label("//third_party:cuda.BUILD")))

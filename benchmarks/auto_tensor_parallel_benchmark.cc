@@ -51,10 +51,10 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
   std::unique_ptr<ModelGraph> part;
   if (automatic) {
     TRIDENT_ASSIGN_OR_RETURN(model, CreateModel(config, 1));
-    TRIDENT_ASSIGN_OR_RETURN(auto whole, ModelGraph::Trace(*model, {tokens, targets},
-                                                           [&](const std::vector<at::Tensor>& in) {
-                                                             return std::vector<at::Tensor>{model->Loss(in[0], in[1])};
-                                                           }));
+    TRIDENT_ASSIGN_OR_RETURN(auto whole,
+                             ModelGraph::Trace(*model, {tokens, targets}, [&](const std::vector<at::Tensor>& in) {
+                               return std::vector<at::Tensor>{model->Loss(in[0], in[1])};
+                             }));
     TRIDENT_ASSIGN_OR_RETURN(TensorParallelGraph sharded, AutoTensorParallel(*whole, parallelism));
     TRIDENT_ASSIGN_OR_RETURN(part, ModelGraph::Trace(sharded.parameters, {tokens, targets}, sharded.forward));
     loss = [&] { return (*part->Run({tokens, targets}))[0]; };
@@ -98,10 +98,22 @@ void BM_WholeGpt(benchmark::State& state, const std::string& plan) {
 }
 void BM_HandPlan(benchmark::State& state) { BM_WholeGpt(state, "hand"); }
 void BM_AutomaticPlan(benchmark::State& state) { BM_WholeGpt(state, "auto"); }
-BENCHMARK(BM_HandPlan)->Args({2, 0})->Args({2, 1})->Args({4, 0})
-    ->ArgNames({"tp", "sp"})->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_AutomaticPlan)->Args({2, 0})->Args({2, 1})->Args({4, 0})
-    ->ArgNames({"tp", "sp"})->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_HandPlan)
+    ->Args({2, 0})
+    ->Args({2, 1})
+    ->Args({4, 0})
+    ->ArgNames({"tp", "sp"})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AutomaticPlan)
+    ->Args({2, 0})
+    ->Args({2, 1})
+    ->Args({4, 0})
+    ->ArgNames({"tp", "sp"})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trident

@@ -4,9 +4,9 @@
 //   bazel run -c opt //benchmarks:partition_benchmark
 #include <benchmark/benchmark.h>
 
+#include <torch/torch.h>
 #include <algorithm>
 #include <chrono>
-#include <torch/torch.h>
 
 #include "models/models.h"
 #include "partition/partition.h"
@@ -42,10 +42,8 @@ void BM_PlanStages_Gpt2_350m(benchmark::State& state, const char* split_method) 
   for (auto _ : state) benchmark::DoNotOptimize(*PlanGraphStages(*graph, options));
   state.counters["nodes"] = static_cast<double>(graph->nodes().size());
 }
-BENCHMARK_CAPTURE(BM_PlanStages_Gpt2_350m, farthest_min_deps, "farthest_min_deps")
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_PlanStages_Gpt2_350m, nearest_min_deps, "nearest_min_deps")
-    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PlanStages_Gpt2_350m, farthest_min_deps, "farthest_min_deps")->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PlanStages_Gpt2_350m, nearest_min_deps, "nearest_min_deps")->Unit(benchmark::kMillisecond);
 
 // Plans 4 stages of a 12-layer gpt-tiny by measured layer times (cost), then
 // times each stage: `imbalance` is the slowest stage's time over the mean.

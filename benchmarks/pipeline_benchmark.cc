@@ -54,9 +54,8 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
   const ProcessGroup& pipeline = **topology->Group("pp");
   ModelConfig config = *PresetModelConfig("gpt", "gpt-tiny");
   const int stages = pipeline.size(), stage = pipeline.rank(), chunks = Chunks(schedule_name);
-  TRIDENT_ASSIGN_OR_RETURN(auto bounds, PartitionLayers("uniform",
-                                                        std::vector<double>(config.n_layer + 2, 1.0),
-                                                        stages * chunks));
+  TRIDENT_ASSIGN_OR_RETURN(auto bounds,
+                           PartitionLayers("uniform", std::vector<double>(config.n_layer + 2, 1.0), stages * chunks));
   StageRunnerOptions runner_options;
   runner_options.dealloc_sent_outputs = args.at(1) == "dealloc";
   LayerRanges ranges;
@@ -86,16 +85,14 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
       if (e.op == Op::kForward) forward += e.end - e.start;
       if (e.op == Op::kBackward || e.op == Op::kBackwardInput) backward += e.end - e.start;
       if (e.op == Op::kBackwardWeight) weight += e.end - e.start;
-      if (e.op == Op::kForward || e.op == Op::kBackward || e.op == Op::kBackwardInput ||
-          e.op == Op::kBackwardWeight) {
-        absl::StrAppend(&computed, " ", static_cast<int>(e.op), " ", e.micro_batch, " ", e.chunk, " ",
-                        e.end - e.start);
+      if (e.op == Op::kForward || e.op == Op::kBackward || e.op == Op::kBackwardInput || e.op == Op::kBackwardWeight) {
+        absl::StrAppend(&computed, " ", static_cast<int>(e.op), " ", e.micro_batch, " ", e.chunk, " ", e.end - e.start);
         ++computes;
       }
     }
     absl::StrAppend(result, end, " ", forward / kMicroBatches, " ", (backward + weight) / kMicroBatches, " ",
-                    forward + backward + weight, " ", weight / kMicroBatches, " ",
-                    memory.peak_bytes() - before, " ", computes, computed, "\n");
+                    forward + backward + weight, " ", weight / kMicroBatches, " ", memory.peak_bytes() - before, " ",
+                    computes, computed, "\n");
   }
   return absl::OkStatus();
 }
@@ -166,18 +163,46 @@ void BM_PipelineStep(benchmark::State& state, const char* schedule, bool dealloc
   state.counters["vs_simulated"] = Median(ratios);
   state.counters["vs_replayed"] = Median(replay_ratios);
 }
-BENCHMARK_CAPTURE(BM_PipelineStep, gpipe, "gpipe")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
-    ->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_PipelineStep, gpipe_dealloc, "gpipe", true)->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
-    ->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_PipelineStep, one_f_one_b_dealloc, "1f1b", true)->Arg(2)->ArgName("pp")->UseManualTime()
-    ->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_PipelineStep, one_f_one_b, "1f1b")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
-    ->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_PipelineStep, zb_h1, "zb_h1")->Arg(2)->Arg(4)->ArgName("pp")->UseManualTime()
-    ->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_PipelineStep, interleaved_1f1b, "interleaved_1f1b")->Arg(2)->ArgName("pp")
-    ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, gpipe, "gpipe")
+    ->Arg(2)
+    ->Arg(4)
+    ->ArgName("pp")
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, gpipe_dealloc, "gpipe", true)
+    ->Arg(2)
+    ->Arg(4)
+    ->ArgName("pp")
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, one_f_one_b_dealloc, "1f1b", true)
+    ->Arg(2)
+    ->ArgName("pp")
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, one_f_one_b, "1f1b")
+    ->Arg(2)
+    ->Arg(4)
+    ->ArgName("pp")
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, zb_h1, "zb_h1")
+    ->Arg(2)
+    ->Arg(4)
+    ->ArgName("pp")
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_PipelineStep, interleaved_1f1b, "interleaved_1f1b")
+    ->Arg(2)
+    ->ArgName("pp")
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trident

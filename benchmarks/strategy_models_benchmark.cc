@@ -115,14 +115,16 @@ absl::StatusOr<std::vector<double>> MeasureLayout(const internal::ProfileRequest
   counter.ResetPeak();
   double seconds = 0;
   {
-    TRIDENT_ASSIGN_OR_RETURN(auto model, Parallelize(source, plan, topology,
-                                                     internal::BatchRows(global, 0, plan.micro_batch_size), request.make_optimizer));
+    TRIDENT_ASSIGN_OR_RETURN(auto model,
+                             Parallelize(source, plan, topology, internal::BatchRows(global, 0, plan.micro_batch_size),
+                                         request.make_optimizer));
     if (topology->rank() == 0) *state = model->Memory().total();
     std::vector<Batch> micro(plan.num_micro_batches);
     if (model->ReadsData()) {
       const int dp_rank = model->data_parallel_group() ? model->data_parallel_group()->rank() : 0;
       for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
-        micro[m] = internal::BatchRows(global, (dp_rank * plan.num_micro_batches + m) * plan.micro_batch_size, plan.micro_batch_size);
+        micro[m] = internal::BatchRows(global, (dp_rank * plan.num_micro_batches + m) * plan.micro_batch_size,
+                                       plan.micro_batch_size);
       }
     }
     std::vector<double> steps;
@@ -169,8 +171,8 @@ absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
   std::vector<int64_t> state(layouts.size(), 0);
   for (int round = 0; round < kRounds; ++round) {
     for (size_t l = 0; l < layouts.size(); ++l) {
-      TRIDENT_ASSIGN_OR_RETURN(std::vector<double> measured, MeasureLayout(request, global, PlanOf(layouts[l]),
-                                                                           topology.get(), &state[l]));
+      TRIDENT_ASSIGN_OR_RETURN(std::vector<double> measured,
+                               MeasureLayout(request, global, PlanOf(layouts[l]), topology.get(), &state[l]));
       seconds[l].push_back(measured[0]);
       peak[l] = std::max(peak[l], measured[1]);
     }
@@ -182,9 +184,10 @@ absl::Status Worker(const std::vector<std::string>& args, std::string* result) {
     std::sort(seconds[l].begin(), seconds[l].end());
     if (const char* detail = std::getenv("STRATEGY_MODELS_DETAIL"); detail != nullptr && topology->rank() == 0) {
       std::FILE* out = std::fopen(detail, "a");
-      if (out != nullptr) std::fprintf(out, "%s: pipeline %.1f ms (compute %.1f, message %.2f), reduction %.1f, optimizer %.1f\n",
-                   DescribePlan(plan).c_str(), 1e3 * time.pipeline_seconds, 1e3 * time.compute_seconds,
-                   1e3 * time.message_seconds, 1e3 * time.reduction_seconds, 1e3 * time.optimizer_seconds);
+      if (out != nullptr)
+        std::fprintf(out, "%s: pipeline %.1f ms (compute %.1f, message %.2f), reduction %.1f, optimizer %.1f\n",
+                     DescribePlan(plan).c_str(), 1e3 * time.pipeline_seconds, 1e3 * time.compute_seconds,
+                     1e3 * time.message_seconds, 1e3 * time.reduction_seconds, 1e3 * time.optimizer_seconds);
       if (out != nullptr) std::fclose(out);
     }
     if (topology->rank() == 0) {
@@ -225,8 +228,8 @@ int Main(int argc, char** argv) {
     return 1;
   }
   std::printf("%s at world size %d, global batch %lld:\n%-34s %14s %14s %11s %11s %6s %10s %10s %6s\n", argv[2], world,
-              static_cast<long long>(kGlobalBatch), "layout", "state pred", "state report", "peak pred",
-              "peak meas", "err", "step pred", "step meas", "err");
+              static_cast<long long>(kGlobalBatch), "layout", "state pred", "state report", "peak pred", "peak meas",
+              "err", "step pred", "step meas", "err");
   std::vector<double> predicted, measured;
   double worst_memory = 0, worst_time = 0;
   int exact = 0, rows = 0;
@@ -242,12 +245,13 @@ int Main(int argc, char** argv) {
     predicted.push_back(step_pred);
     measured.push_back(step_meas);
     std::printf("%-34s %14s %14s %9.1fMB %9.1fMB %+5.0f%% %8.1fms %8.1fms %+5.0f%%\n", f[0].c_str(), f[1].c_str(),
-                f[2].c_str(), peak_pred / 1e6, peak_meas / 1e6, 100 * memory_error, 1000 * step_pred,
-                1000 * step_meas, 100 * time_error);
+                f[2].c_str(), peak_pred / 1e6, peak_meas / 1e6, 100 * memory_error, 1000 * step_pred, 1000 * step_meas,
+                100 * time_error);
   }
-  std::printf("state bytes exact in %d of %d layouts; largest peak-memory error %.0f%%, largest step-time error "
-              "%.0f%%; Spearman rank correlation of step times %.3f\n",
-              exact, rows, 100 * worst_memory, 100 * worst_time, Spearman(predicted, measured));
+  std::printf(
+      "state bytes exact in %d of %d layouts; largest peak-memory error %.0f%%, largest step-time error "
+      "%.0f%%; Spearman rank correlation of step times %.3f\n",
+      exact, rows, 100 * worst_memory, 100 * worst_time, Spearman(predicted, measured));
   return 0;
 }
 

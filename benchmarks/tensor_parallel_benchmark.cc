@@ -84,7 +84,10 @@ BENCHMARK(BM_TransformerBlock)
     ->Args({4, 0, 1})
     ->Args({2, 0, 2})
     ->Args({4, 0, 2})
-    ->ArgNames({"tp", "sp", "overlap"})->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+    ->ArgNames({"tp", "sp", "overlap"})
+    ->UseManualTime()
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace trident

@@ -73,8 +73,7 @@ absl::Status RunWorker(const std::vector<std::string>& args, std::string* result
   TRIDENT_ASSIGN_OR_RETURN(auto topology, Topology::CreateFromEnvironment(options));
   TRIDENT_ASSIGN_OR_RETURN(
       auto trainer,
-      Trainer::Create(BenchmarkConfig(topology->world_size() / tp / pp, tp, pp, zero_stage, bf16),
-                      topology.get()));
+      Trainer::Create(BenchmarkConfig(topology->world_size() / tp / pp, tp, pp, zero_stage, bf16), topology.get()));
   auto timer = std::make_shared<StepTimer>();
   trainer->AddHooks(timer);
   TRIDENT_RETURN_IF_ERROR(trainer->Train().status());
@@ -91,8 +90,8 @@ void BM_TrainStep_GptTiny(benchmark::State& state) {
   const bool bf16 = state.range(4) != 0;
   double step_ms = 0, peak_mb = 0;
   for (auto _ : state) {
-    auto results = testing::RunRankWorkers(dp * tp * pp, {std::to_string(tp), std::to_string(pp),
-                                                          std::to_string(zero_stage), bf16 ? "1" : "0"});
+    auto results = testing::RunRankWorkers(
+        dp * tp * pp, {std::to_string(tp), std::to_string(pp), std::to_string(zero_stage), bf16 ? "1" : "0"});
     if (!results.ok()) {
       state.SkipWithError(std::string(results.status().message()).c_str());
       return;
@@ -105,12 +104,21 @@ void BM_TrainStep_GptTiny(benchmark::State& state) {
   state.counters["tokens_per_s"] = benchmark::Counter(16.0 * 128 / (step_ms / 1000.0));
 }
 BENCHMARK(BM_TrainStep_GptTiny)
-    ->Args({1, 1, 1, 0, 0})->Args({2, 1, 1, 0, 0})->Args({1, 2, 1, 0, 0})  // dp, tp scaling
-    ->Args({1, 1, 2, 0, 0})                                                // pp
-    ->Args({2, 1, 1, 1, 0})->Args({2, 1, 1, 2, 0})->Args({2, 1, 1, 3, 0})->Args({4, 1, 1, 0, 0})
-    ->Args({4, 1, 1, 1, 0})->Args({4, 1, 1, 2, 0})->Args({4, 1, 1, 3, 0})  // ZeRO stages
-    ->Args({1, 1, 1, 0, 1})                                                // bf16
-    ->ArgNames({"dp", "tp", "pp", "zero", "bf16"})->UseManualTime()->Iterations(1)
+    ->Args({1, 1, 1, 0, 0})
+    ->Args({2, 1, 1, 0, 0})
+    ->Args({1, 2, 1, 0, 0})  // dp, tp scaling
+    ->Args({1, 1, 2, 0, 0})  // pp
+    ->Args({2, 1, 1, 1, 0})
+    ->Args({2, 1, 1, 2, 0})
+    ->Args({2, 1, 1, 3, 0})
+    ->Args({4, 1, 1, 0, 0})
+    ->Args({4, 1, 1, 1, 0})
+    ->Args({4, 1, 1, 2, 0})
+    ->Args({4, 1, 1, 3, 0})  // ZeRO stages
+    ->Args({1, 1, 1, 0, 1})  // bf16
+    ->ArgNames({"dp", "tp", "pp", "zero", "bf16"})
+    ->UseManualTime()
+    ->Iterations(1)
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

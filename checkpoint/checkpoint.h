@@ -43,8 +43,7 @@ struct Checksum {
 // `checksum`, when given, receives the file's, computed while writing. Errors
 // say why (disk full, permission denied); a partly written file is removed.
 absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tensors,
-                              const std::map<std::string, std::string>& metadata = {},
-                              Checksum* checksum = nullptr);
+                              const std::map<std::string, std::string>& metadata = {}, Checksum* checksum = nullptr);
 
 struct SafetensorsContents {
   NamedTensors tensors;  // in file order
@@ -89,7 +88,9 @@ struct TensorSlice {
 
   int64_t numel() const;  // elements held
   bool whole() const;     // the full tensor, in row-major order
-  bool operator==(const TensorSlice& other) const { return full_shape == other.full_shape && segments == other.segments; }
+  bool operator==(const TensorSlice& other) const {
+    return full_shape == other.full_shape && segments == other.segments;
+  }
   // Text form stored in checkpoint files, and its parsing (errors name the text).
   std::string Encode() const;
   static absl::StatusOr<TensorSlice> Decode(const std::string& text);
@@ -107,14 +108,13 @@ struct SlicedTensor {
 // shape (any safetensors reader loads them by name), other pieces flat, their
 // slices in the metadata.
 absl::Status WriteSlicedSafetensors(const std::string& path, const std::vector<SlicedTensor>& pieces,
-                                    std::map<std::string, std::string> metadata = {},
-                                    Checksum* checksum = nullptr);
+                                    std::map<std::string, std::string> metadata = {}, Checksum* checksum = nullptr);
 
 // Copies the elements that `source` (its data at `source_data`) and `target`
 // (its data `target_data`) both hold, marking them in `covered` (a byte
 // tensor of target_data's size) when given. Returns the elements copied.
 int64_t CopyOverlap(const TensorSlice& source, const at::Tensor& source_data, const TensorSlice& target,
-                 at::Tensor& target_data, at::Tensor* covered = nullptr);
+                    at::Tensor& target_data, at::Tensor* covered = nullptr);
 
 // Reads named tensors from every safetensors file of a checkpoint directory
 // (or one file) in any layout: files are memory-mapped and each read copies
@@ -165,7 +165,7 @@ class CheckpointReader {
 absl::StatusOr<Checksum> FileChecksum(const std::string& path);
 
 struct ResolvedCheckpoint {
-  std::string path;                // the step_N directory
+  std::string path;  // the step_N directory
   CheckpointManifest manifest;
   std::vector<std::string> skipped;  // newer checkpoints refused, each with the reason
 };
@@ -187,8 +187,7 @@ class CheckpointDirectory {
   // Checks a step directory against its manifest: every file's size, and the
   // CRC-32 of the files numbered shard, shard + shards, ... in the manifest (so
   // that ranks split the reading); errors name the file at fault.
-  static absl::StatusOr<CheckpointManifest> Validate(const std::string& checkpoint_path, int shard = 0,
-                                                     int shards = 1);
+  static absl::StatusOr<CheckpointManifest> Validate(const std::string& checkpoint_path, int shard = 0, int shards = 1);
   using Validator = std::function<absl::StatusOr<CheckpointManifest>(const std::string& checkpoint_path)>;
   // `which`: "last" (the newest valid step, listing the newer ones refused), "best",
   // or a path to a step directory (refused when invalid). `validate` (default:

@@ -48,8 +48,7 @@ absl::Status PointLink(const fs::path& link, const std::string& target) {
   fs::create_directory_symlink(target, temporary, error);
   if (!error) fs::rename(temporary, link, error);
   if (error) {
-    return absl::InternalError(absl::StrCat("cannot point ", link.string(), " at ", target, ": ",
-                                            error.message()));
+    return absl::InternalError(absl::StrCat("cannot point ", link.string(), " at ", target, ": ", error.message()));
   }
   return absl::OkStatus();
 }
@@ -57,15 +56,14 @@ absl::Status PointLink(const fs::path& link, const std::string& target) {
 absl::StatusOr<CheckpointManifest> ReadManifest(const fs::path& directory) {
   std::ifstream in(directory / kManifest);
   if (!in) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", directory.string(), " has no ", kManifest,
-                                            ": it was not completely written"));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", directory.string(), " has no ", kManifest, ": it was not completely written"));
   }
   std::stringstream text;
   text << in.rdbuf();
   CheckpointManifest manifest;
   if (!google::protobuf::TextFormat::ParseFromString(text.str(), &manifest)) {
-    return absl::DataLossError(
-        absl::StrCat("checkpoint manifest ", (directory / kManifest).string(), " is corrupt"));
+    return absl::DataLossError(absl::StrCat("checkpoint manifest ", (directory / kManifest).string(), " is corrupt"));
   }
   return manifest;
 }
@@ -92,14 +90,14 @@ absl::StatusOr<std::string> CheckpointDirectory::StagingPath(int64_t step) const
   std::error_code error;
   fs::create_directories(path, error);
   if (error) {
-    return absl::InternalError(absl::StrCat("cannot create checkpoint directory ", path.string(),
-                                            ": ", error.message(), "; check save_dir"));
+    return absl::InternalError(
+        absl::StrCat("cannot create checkpoint directory ", path.string(), ": ", error.message(), "; check save_dir"));
   }
   return path.string();
 }
 
-absl::Status CheckpointDirectory::Commit(int64_t step, int world_size, std::optional<double> val_loss,
-                                         int keep_last_n, const std::map<std::string, Checksum>& files) const {
+absl::Status CheckpointDirectory::Commit(int64_t step, int world_size, std::optional<double> val_loss, int keep_last_n,
+                                         const std::map<std::string, Checksum>& files) const {
   TRIDENT_ASSIGN_OR_RETURN(const std::string staging, StagingPath(step));
   CheckpointManifest manifest;
   manifest.set_step(step);
@@ -136,8 +134,8 @@ absl::Status CheckpointDirectory::Commit(int64_t step, int world_size, std::opti
   fs::remove_all(final_path, error);
   fs::rename(staging, final_path, error);
   if (error) {
-    return absl::InternalError(absl::StrCat("cannot rename ", staging, " to ", final_path.string(),
-                                            ": ", error.message()));
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", staging, " to ", final_path.string(), ": ", error.message()));
   }
   TRIDENT_RETURN_IF_ERROR(PointLink(fs::path(save_dir_) / "last", StepName(step)));
   if (val_loss) {
@@ -182,7 +180,7 @@ absl::StatusOr<CheckpointManifest> CheckpointDirectory::Validate(const std::stri
 }
 
 absl::StatusOr<ResolvedCheckpoint> CheckpointDirectory::Resolve(const std::string& which,
-                                                                 const Validator& given) const {
+                                                                const Validator& given) const {
   const Validator validate = given ? given : [](const std::string& path) { return Validate(path); };
   ResolvedCheckpoint resolved;
   if (which == "last") {
@@ -195,14 +193,13 @@ absl::StatusOr<ResolvedCheckpoint> CheckpointDirectory::Resolve(const std::strin
       }
       resolved.skipped.push_back(std::string(manifest.status().message()));
     }
-    return absl::NotFoundError(absl::StrCat(
-        "no valid checkpoint in ", save_dir_,
-        resolved.skipped.empty() ? "" : absl::StrCat(" (", absl::StrJoin(resolved.skipped, "; "), ")"),
-        "; start without resume_from or point it at a valid step directory"));
+    return absl::NotFoundError(
+        absl::StrCat("no valid checkpoint in ", save_dir_,
+                     resolved.skipped.empty() ? "" : absl::StrCat(" (", absl::StrJoin(resolved.skipped, "; "), ")"),
+                     "; start without resume_from or point it at a valid step directory"));
   }
   std::error_code error;
-  const fs::path path = which == "best" ? fs::canonical(fs::path(save_dir_) / "best", error)
-                                        : fs::path(which);
+  const fs::path path = which == "best" ? fs::canonical(fs::path(save_dir_) / "best", error) : fs::path(which);
   if (error) return absl::NotFoundError(absl::StrCat("no best checkpoint in ", save_dir_));
   TRIDENT_ASSIGN_OR_RETURN(resolved.manifest, validate(path.string()));
   resolved.path = path.string();

@@ -98,8 +98,8 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const s
       if (described != header.metadata.end()) {
         auto slice = TensorSlice::Decode(described->second);
         if (!slice.ok()) {
-          return absl::DataLossError(absl::StrCat("checkpoint file ", file_path, ": tensor '", e.name, "': ",
-                                                  slice.status().message()));
+          return absl::DataLossError(
+              absl::StrCat("checkpoint file ", file_path, ": tensor '", e.name, "': ", slice.status().message()));
         }
         if (slice->numel() != c10::multiply_integers(e.shape)) {
           return absl::DataLossError(absl::StrCat("checkpoint file ", file_path, ": tensor '", e.name, "' holds ",
@@ -116,8 +116,8 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const s
                                                 absl::StrJoin(stored.slice.full_shape, ", "), "] in ", file_path));
       }
       // Replicas (the same slice in several files) are read from the first.
-      const bool copy = std::any_of(pieces.begin(), pieces.end(),
-                                    [&](const Stored& other) { return other.slice == stored.slice; });
+      const bool copy =
+          std::any_of(pieces.begin(), pieces.end(), [&](const Stored& other) { return other.slice == stored.slice; });
       if (!copy) pieces.push_back(std::move(stored));
     }
     reader->metadata_[file_name] = std::move(header.metadata);
@@ -141,9 +141,10 @@ absl::Status CheckpointReader::Read(const std::string& name, const TensorSlice& 
   }
   const std::vector<Stored>& pieces = found->second;
   if (pieces.front().slice.full_shape != slice.full_shape) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint ", path_, ": tensor '", name, "' has shape [", absl::StrJoin(pieces.front().slice.full_shape, ", "),
-        "] but the model's is [", absl::StrJoin(slice.full_shape, ", "), "]; the checkpoint is for another model size"));
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path_, ": tensor '", name, "' has shape [",
+                                                   absl::StrJoin(pieces.front().slice.full_shape, ", "),
+                                                   "] but the model's is [", absl::StrJoin(slice.full_shape, ", "),
+                                                   "]; the checkpoint is for another model size"));
   }
   if (!target.is_contiguous() || target.numel() != slice.numel()) {
     return absl::InternalError(absl::StrCat("reading '", name, "': the target holds ", target.numel(),
@@ -163,9 +164,9 @@ absl::Status CheckpointReader::Read(const std::string& name, const TensorSlice& 
   }));
   const int64_t missing = slice.numel() - covered.sum().item<int64_t>();
   if (missing > 0) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " lacks ", missing, " of the ", slice.numel(),
-                                            " elements of tensor '", name,
-                                            "' this rank needs: a file of the checkpoint is missing; resume from another checkpoint"));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path_, " lacks ", missing, " of the ", slice.numel(), " elements of tensor '", name,
+                     "' this rank needs: a file of the checkpoint is missing; resume from another checkpoint"));
   }
   return absl::OkStatus();
 }
@@ -175,7 +176,8 @@ absl::StatusOr<at::Tensor> CheckpointReader::ReadWhole(const std::string& name) 
   if (found == stored_.end()) {
     return absl::NotFoundError(absl::StrCat("checkpoint ", path_, " has no tensor '", name, "'"));
   }
-  at::Tensor whole = at::empty(found->second.front().slice.full_shape, at::TensorOptions().dtype(found->second.front().dtype));
+  at::Tensor whole =
+      at::empty(found->second.front().slice.full_shape, at::TensorOptions().dtype(found->second.front().dtype));
   TRIDENT_RETURN_IF_ERROR(Read(name, TensorSlice::Whole(whole.sizes().vec()), whole));
   return whole;
 }

@@ -79,8 +79,7 @@ TEST(SafetensorsTest, MalformedFilesNameTheFile) {
   const std::string path = dir + "/cut.safetensors";
   ASSERT_TRUE(WriteSafetensors(path, {{"w", at::randn({16})}}).ok());
   fs::resize_file(path, fs::file_size(path) - 4);
-  EXPECT_THAT(std::string(ReadSafetensors(path).status().message()),
-              HasSubstr("tensor 'w' has data offsets"));
+  EXPECT_THAT(std::string(ReadSafetensors(path).status().message()), HasSubstr("tensor 'w' has data offsets"));
 }
 
 // The full tensor rebuilt from the pieces each part of a layout holds.
@@ -106,7 +105,8 @@ TEST(TensorSliceTest, BlockShardsAreTheTensorParallelSlices) {
   EXPECT_TRUE(at::equal(local, full.index_select(0, at::tensor({1, 3, 5}, at::kLong))));
   // Columns (dimension 1) of two ranks put back together.
   std::vector<std::pair<TensorSlice, at::Tensor>> pieces;
-  for (int rank = 0; rank < 2; ++rank) pieces.emplace_back(TensorSlice::BlockShard({6, 4}, 1, 1, rank, 2), full.chunk(2, 1)[rank].contiguous());
+  for (int rank = 0; rank < 2; ++rank)
+    pieces.emplace_back(TensorSlice::BlockShard({6, 4}, 1, 1, rank, 2), full.chunk(2, 1)[rank].contiguous());
   EXPECT_TRUE(at::equal(Assemble(pieces, {6, 4}), full));
 }
 
@@ -152,10 +152,13 @@ TEST(CheckpointReaderTest, ReadsAnySliceFromPiecesOfAnotherLayout) {
   // Written by tp=2 (rows, one block) with a ZeRO-like split of the bias.
   for (int rank = 0; rank < 2; ++rank) {
     TensorSlice shard = TensorSlice::BlockShard({6, 4}, 0, 1, rank, 2);
-    std::vector<SlicedTensor> pieces = {{"w", shard, w.chunk(2, 0)[rank].contiguous()},
-                                        {"b", TensorSlice::Whole({6}).FlatRange(rank * 2, rank * 2 + 4), b.narrow(0, rank * 2, 4).clone()},
-                                        {"step", TensorSlice::Whole({}), at::tensor(5, at::kLong)}};
-    ASSERT_TRUE(WriteSlicedSafetensors(dir + "/rank_" + std::to_string(rank) + ".safetensors", pieces, {{"rank", std::to_string(rank)}}).ok());
+    std::vector<SlicedTensor> pieces = {
+        {"w", shard, w.chunk(2, 0)[rank].contiguous()},
+        {"b", TensorSlice::Whole({6}).FlatRange(rank * 2, rank * 2 + 4), b.narrow(0, rank * 2, 4).clone()},
+        {"step", TensorSlice::Whole({}), at::tensor(5, at::kLong)}};
+    ASSERT_TRUE(WriteSlicedSafetensors(dir + "/rank_" + std::to_string(rank) + ".safetensors", pieces,
+                                       {{"rank", std::to_string(rank)}})
+                    .ok());
   }
   auto reader = CheckpointReader::Open(dir);
   ASSERT_TRUE(reader.ok()) << reader.status();
@@ -176,7 +179,8 @@ TEST(CheckpointReaderTest, ReadsAnySliceFromPiecesOfAnotherLayout) {
   fs::remove(dir + "/rank_1.safetensors");
   reader = CheckpointReader::Open(dir);
   ASSERT_TRUE(reader.ok());
-  EXPECT_THAT(std::string((*reader)->ReadWhole("w").status().message()), HasSubstr("lacks 12 of the 24 elements of tensor 'w'"));
+  EXPECT_THAT(std::string((*reader)->ReadWhole("w").status().message()),
+              HasSubstr("lacks 12 of the 24 elements of tensor 'w'"));
   at::Tensor other = at::empty({8, 4});
   EXPECT_THAT(std::string((*reader)->Read("w", TensorSlice::Whole({8, 4}), other).message()),
               HasSubstr("has shape [6, 4] but the model's is [8, 4]"));

@@ -21,9 +21,8 @@ namespace {
 
 const std::vector<std::pair<at::ScalarType, const char*>>& DtypeNames() {
   static const auto* names = new std::vector<std::pair<at::ScalarType, const char*>>{
-      {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"},
-      {at::kLong, "I64"},   {at::kInt, "I32"},   {at::kShort, "I16"}, {at::kChar, "I8"},
-      {at::kByte, "U8"},    {at::kBool, "BOOL"}};
+      {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"}, {at::kLong, "I64"},
+      {at::kInt, "I32"},    {at::kShort, "I16"}, {at::kChar, "I8"},  {at::kByte, "U8"},       {at::kBool, "BOOL"}};
   return *names;
 }
 
@@ -87,9 +86,12 @@ class JsonParser {
       if (c == '\\') {
         if (pos_ >= s_.size()) return false;
         char e = s_[pos_++];
-        if (e == 'n') c = '\n';
-        else if (e == 't') c = '\t';
-        else if (e == 'r') c = '\r';
+        if (e == 'n')
+          c = '\n';
+        else if (e == 't')
+          c = '\t';
+        else if (e == 'r')
+          c = '\r';
         else if (e == 'u') {
           if (pos_ + 4 > s_.size()) return false;
           c = static_cast<char>(std::stoi(s_.substr(pos_, 4), nullptr, 16));
@@ -164,14 +166,14 @@ absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tenso
       if (type == tensor.scalar_type()) dtype = label;
     }
     if (dtype == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("safetensors cannot store tensor '", name,
-                                                     "' of dtype ", c10::toString(tensor.scalar_type())));
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors cannot store tensor '", name, "' of dtype ", c10::toString(tensor.scalar_type())));
     }
     contiguous.push_back(tensor.detach().to(at::kCPU).contiguous());
     const int64_t bytes = contiguous.back().numel() * contiguous.back().element_size();
     entries.push_back(absl::StrCat(JsonString(name), ":{\"dtype\":\"", dtype, "\",\"shape\":[",
-                                   absl::StrJoin(tensor.sizes(), ","), "],\"data_offsets\":[",
-                                   offset, ",", offset + bytes, "]}"));
+                                   absl::StrJoin(tensor.sizes(), ","), "],\"data_offsets\":[", offset, ",",
+                                   offset + bytes, "]}"));
     offset += bytes;
   }
   std::string header = "{" + absl::StrJoin(entries, ",") + "}";

@@ -31,8 +31,8 @@ struct Box {
 
 // Splits elements [begin, end) of the row-major flattening of `shape` into
 // boxes, in order (each box's elements are consecutive in that order).
-void FlatBoxes(const std::vector<int64_t>& shape, size_t dim, std::vector<int64_t> prefix, int64_t begin,
-               int64_t end, std::vector<Box>* out) {
+void FlatBoxes(const std::vector<int64_t>& shape, size_t dim, std::vector<int64_t> prefix, int64_t begin, int64_t end,
+               std::vector<Box>* out) {
   if (begin >= end) return;
   const std::vector<int64_t> rest(shape.begin() + dim, shape.end());
   auto emit = [&](int64_t from, int64_t count) {  // rows [from, from + count) of dimension `dim`, whole below
@@ -181,8 +181,7 @@ bool TensorSlice::whole() const {
 std::string TensorSlice::Encode() const {
   std::vector<std::string> parts = {Join(full_shape), Join(local_shape)};
   for (const SliceSegment& s : segments) {
-    parts.push_back(absl::StrCat(Join(s.offsets), ";", Join(s.lengths), ";", s.data_offset, ";",
-                                 Join(s.data_strides)));
+    parts.push_back(absl::StrCat(Join(s.offsets), ";", Join(s.lengths), ";", s.data_offset, ";", Join(s.data_strides)));
   }
   return absl::StrJoin(parts, "|");
 }

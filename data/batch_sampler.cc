@@ -6,12 +6,8 @@
 
 namespace trident {
 
-BatchSampler::BatchSampler(int64_t num_samples, int64_t global_batch_size, uint64_t seed,
-                           bool shuffle)
-    : num_samples_(num_samples),
-      global_batch_size_(global_batch_size),
-      seed_(seed),
-      shuffle_(shuffle) {
+BatchSampler::BatchSampler(int64_t num_samples, int64_t global_batch_size, uint64_t seed, bool shuffle)
+    : num_samples_(num_samples), global_batch_size_(global_batch_size), seed_(seed), shuffle_(shuffle) {
   CHECK_GT(num_samples, 0);
   CHECK_GT(global_batch_size, 0);
 }
@@ -36,8 +32,8 @@ int64_t BatchSampler::SampleIndex(int64_t step, int64_t j) const {
   return permutation_[index];
 }
 
-std::vector<int64_t> BatchSampler::MicroBatch(int64_t step, int dp, int dp_rank,
-                                              int64_t micro_batch_size, int64_t micro) const {
+std::vector<int64_t> BatchSampler::MicroBatch(int64_t step, int dp, int dp_rank, int64_t micro_batch_size,
+                                              int64_t micro) const {
   CHECK_EQ(global_batch_size_ % dp, 0);
   const int64_t first = dp_rank * (global_batch_size_ / dp) + micro * micro_batch_size;
   CHECK_LE(first + micro_batch_size, (dp_rank + 1) * (global_batch_size_ / dp));
@@ -48,8 +44,6 @@ std::vector<int64_t> BatchSampler::MicroBatch(int64_t step, int dp, int dp_rank,
   return samples;
 }
 
-int64_t BatchSampler::Epoch(int64_t step) const {
-  return step * global_batch_size_ / num_samples_;
-}
+int64_t BatchSampler::Epoch(int64_t step) const { return step * global_batch_size_ / num_samples_; }
 
 }  // namespace trident

@@ -69,8 +69,7 @@ class TokenFile {
   // Maps `path` and checks it: an even byte count, at least one sample of
   // `sample_length` (+1) tokens, and every token below `vocab_size`. Errors name
   // the file and what is wrong with it.
-  static absl::StatusOr<std::unique_ptr<TokenFile>> Open(const std::string& path,
-                                                         int64_t vocab_size,
+  static absl::StatusOr<std::unique_ptr<TokenFile>> Open(const std::string& path, int64_t vocab_size,
                                                          int64_t sample_length);
   ~TokenFile();
   TokenFile(const TokenFile&) = delete;
@@ -122,8 +121,7 @@ class BatchSampler {
   int64_t SampleIndex(int64_t step, int64_t j) const;
   // Samples of micro-batch `micro` (of `micro_batch_size`) of data-parallel rank
   // `dp_rank` of `dp` at step `step`.
-  std::vector<int64_t> MicroBatch(int64_t step, int dp, int dp_rank, int64_t micro_batch_size,
-                                  int64_t micro) const;
+  std::vector<int64_t> MicroBatch(int64_t step, int dp, int dp_rank, int64_t micro_batch_size, int64_t micro) const;
   // Epoch of the first sample of `step`.
   int64_t Epoch(int64_t step) const;
 
@@ -148,8 +146,7 @@ class Tokenizer {
 
 std::unique_ptr<Tokenizer> MakeByteTokenizer();
 // Learns vocab_size - 256 merges from `text` (vocab_size in [256, 65536]).
-absl::StatusOr<std::unique_ptr<Tokenizer>> TrainBpeTokenizer(absl::string_view text,
-                                                            int vocab_size);
+absl::StatusOr<std::unique_ptr<Tokenizer>> TrainBpeTokenizer(absl::string_view text, int vocab_size);
 // A tokenizer file starts with its kind's name (the word Save writes first);
 // LoadTokenizer reads that word and the kind's `load` reads the rest.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& path);
@@ -169,8 +166,8 @@ Registry<TokenizerKind>& TokenizerRegistry();
 struct PrepareOptions {
   std::vector<std::string> inputs;  // text files; empty: DefaultCorpusFiles()
   std::string output_dir;
-  std::string tokenizer = "byte";   // a TokenizerRegistry name: "byte" or "bpe"
-  int vocab_size = 512;             // bpe only
+  std::string tokenizer = "byte";  // a TokenizerRegistry name: "byte" or "bpe"
+  int vocab_size = 512;            // bpe only
   double val_fraction = 0.1;
 };
 struct PreparedData {

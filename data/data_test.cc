@@ -39,12 +39,10 @@ TEST(TokenFileTest, SampleKIsTheSliceStartingAtKTimesT) {
 }
 
 TEST(TokenFileTest, BadFilesAreRefusedWithTheirName) {
-  EXPECT_THAT(Message(TokenFile::Open(TempPath("absent.bin"), 256, 4).status()),
-              HasSubstr("cannot open token file"));
+  EXPECT_THAT(Message(TokenFile::Open(TempPath("absent.bin"), 256, 4).status()), HasSubstr("cannot open token file"));
   const std::string odd = TempPath("odd.bin");
   std::ofstream(odd, std::ios::binary) << "abc";
-  EXPECT_THAT(Message(TokenFile::Open(odd, 256, 1).status()),
-              HasSubstr("odd.bin has 3 bytes, an odd number"));
+  EXPECT_THAT(Message(TokenFile::Open(odd, 256, 1).status()), HasSubstr("odd.bin has 3 bytes, an odd number"));
   const std::string short_file = TempPath("short.bin");
   ASSERT_TRUE(WriteTokenFile(short_file, {1, 2, 3}).ok());
   EXPECT_THAT(Message(TokenFile::Open(short_file, 256, 4).status()),

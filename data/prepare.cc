@@ -20,9 +20,8 @@ absl::StatusOr<std::vector<std::string>> DefaultCorpusFiles() {
     }
   }
   if (error || files.empty()) {
-    return absl::NotFoundError(absl::StrCat(
-        "the default corpus (Debian's fortunes in ", directory.string(),
-        ") is missing; run tools/setup.sh or pass --data"));
+    return absl::NotFoundError(absl::StrCat("the default corpus (Debian's fortunes in ", directory.string(),
+                                            ") is missing; run tools/setup.sh or pass --data"));
   }
   std::sort(files.begin(), files.end());
   return files;
@@ -34,8 +33,7 @@ absl::StatusOr<PreparedData> PrepareTextCorpus(const PrepareOptions& options) {
     TRIDENT_ASSIGN_OR_RETURN(inputs, DefaultCorpusFiles());
   }
   if (options.val_fraction < 0 || options.val_fraction >= 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("val_fraction=", options.val_fraction, " must be in [0, 1)"));
+    return absl::InvalidArgumentError(absl::StrCat("val_fraction=", options.val_fraction, " must be in [0, 1)"));
   }
   std::string text;
   for (const std::string& path : inputs) {
@@ -52,8 +50,7 @@ absl::StatusOr<PreparedData> PrepareTextCorpus(const PrepareOptions& options) {
   std::error_code error;
   std::filesystem::create_directories(options.output_dir, error);
   if (error) {
-    return absl::InternalError(
-        absl::StrCat("cannot create ", options.output_dir, ": ", error.message()));
+    return absl::InternalError(absl::StrCat("cannot create ", options.output_dir, ": ", error.message()));
   }
   PreparedData prepared;
   prepared.train_path = options.output_dir + "/train.bin";

@@ -16,13 +16,11 @@
 
 namespace trident {
 
-absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Open(const std::string& path,
-                                                           int64_t vocab_size,
+absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Open(const std::string& path, int64_t vocab_size,
                                                            int64_t sample_length) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat("cannot open token file ", path, ": ",
-                                            std::strerror(errno),
+    return absl::NotFoundError(absl::StrCat("cannot open token file ", path, ": ", std::strerror(errno),
                                             "; prepare one with tools/prepare_data"));
   }
   struct stat info;
@@ -30,22 +28,21 @@ absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Open(const std::string& pa
   const size_t bytes = static_cast<size_t>(info.st_size);
   if (bytes % 2 != 0) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "token file ", path, " has ", bytes, " bytes, an odd number: it is not a uint16 token "
-        "array (truncated or not a .bin written by tools/prepare_data)"));
+    return absl::InvalidArgumentError(absl::StrCat("token file ", path, " has ", bytes,
+                                                   " bytes, an odd number: it is not a uint16 token "
+                                                   "array (truncated or not a .bin written by tools/prepare_data)"));
   }
   const int64_t count = static_cast<int64_t>(bytes / 2);
   if (count < sample_length + 1) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "token file ", path, " holds ", count, " tokens, fewer than one sample of block_size ",
-        sample_length, " + 1; use more text or a smaller block_size"));
+    return absl::InvalidArgumentError(absl::StrCat("token file ", path, " holds ", count,
+                                                   " tokens, fewer than one sample of block_size ", sample_length,
+                                                   " + 1; use more text or a smaller block_size"));
   }
   void* mapped = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
   close(fd);
   if (mapped == MAP_FAILED) {
-    return absl::InternalError(absl::StrCat("cannot map token file ", path, ": ",
-                                            std::strerror(errno)));
+    return absl::InternalError(absl::StrCat("cannot map token file ", path, ": ", std::strerror(errno)));
   }
   std::unique_ptr<TokenFile> file(new TokenFile());
   file->path_ = path;
@@ -56,9 +53,8 @@ absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Open(const std::string& pa
   for (int64_t i = 0; i < count; ++i) {
     if (file->tokens_[i] >= vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "token file ", path, " has token id ", file->tokens_[i], " at position ", i,
-          ", not below vocab_size ", vocab_size,
-          "; the file was made with another tokenizer or vocab_size is too small"));
+          "token file ", path, " has token id ", file->tokens_[i], " at position ", i, ", not below vocab_size ",
+          vocab_size, "; the file was made with another tokenizer or vocab_size is too small"));
     }
   }
   return file;
@@ -68,8 +64,7 @@ TokenFile::~TokenFile() {
   if (tokens_ != nullptr) munmap(const_cast<uint16_t*>(tokens_), mapped_bytes_);
 }
 
-void TokenFile::Fill(const std::vector<int64_t>& samples, at::Tensor* inputs,
-                     at::Tensor* targets) const {
+void TokenFile::Fill(const std::vector<int64_t>& samples, at::Tensor* inputs, at::Tensor* targets) const {
   const int64_t n = static_cast<int64_t>(samples.size()), T = sample_length_;
   *inputs = at::empty({n, T}, at::kLong);
   *targets = at::empty({n, T}, at::kLong);
@@ -87,8 +82,8 @@ void TokenFile::Fill(const std::vector<int64_t>& samples, at::Tensor* inputs,
 absl::StatusOr<Batch> TokenDataset::Get(const std::vector<int64_t>& indices) const {
   for (int64_t i : indices) {
     if (i < 0 || i >= size()) {
-      return absl::OutOfRangeError(absl::StrCat("sample ", i, " of ", file_->path(), ", which has ",
-                                                size(), " samples"));
+      return absl::OutOfRangeError(
+          absl::StrCat("sample ", i, " of ", file_->path(), ", which has ", size(), " samples"));
     }
   }
   at::Tensor inputs, targets;
@@ -108,19 +103,18 @@ absl::StatusOr<std::unique_ptr<Dataset>> MakeDataset(const std::string& type, co
 
 namespace {
 
-TRIDENT_REGISTER(
-    DatasetRegistry, "tokens", [](const ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<Dataset>> {
-      TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"path", "block_size", "vocab_size"}));
-      const std::string path = args.GetString("path", "");
-      if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(args.owner(), " needs a path"));
-      TRIDENT_ASSIGN_OR_RETURN(const int64_t block_size, args.GetInt("block_size", 0));
-      TRIDENT_ASSIGN_OR_RETURN(const int64_t vocab_size, args.GetInt("vocab_size", 65536));
-      if (block_size < 1) {
-        return absl::InvalidArgumentError(absl::StrCat(args.owner(), " needs block_size (tokens per sample)"));
-      }
-      TRIDENT_ASSIGN_OR_RETURN(auto file, TokenFile::Open(path, vocab_size, block_size));
-      return std::unique_ptr<Dataset>(new TokenDataset(std::move(file)));
-    });
+TRIDENT_REGISTER(DatasetRegistry, "tokens", [](const ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<Dataset>> {
+  TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"path", "block_size", "vocab_size"}));
+  const std::string path = args.GetString("path", "");
+  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(args.owner(), " needs a path"));
+  TRIDENT_ASSIGN_OR_RETURN(const int64_t block_size, args.GetInt("block_size", 0));
+  TRIDENT_ASSIGN_OR_RETURN(const int64_t vocab_size, args.GetInt("vocab_size", 65536));
+  if (block_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(args.owner(), " needs block_size (tokens per sample)"));
+  }
+  TRIDENT_ASSIGN_OR_RETURN(auto file, TokenFile::Open(path, vocab_size, block_size));
+  return std::unique_ptr<Dataset>(new TokenDataset(std::move(file)));
+});
 
 }  // namespace
 

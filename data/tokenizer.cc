@@ -129,11 +129,9 @@ class BpeTokenizer : public Tokenizer {
 
 std::unique_ptr<Tokenizer> MakeByteTokenizer() { return std::make_unique<ByteTokenizer>(); }
 
-absl::StatusOr<std::unique_ptr<Tokenizer>> TrainBpeTokenizer(absl::string_view text,
-                                                            int vocab_size) {
+absl::StatusOr<std::unique_ptr<Tokenizer>> TrainBpeTokenizer(absl::string_view text, int vocab_size) {
   if (vocab_size < 256 || vocab_size > 65536) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("BPE vocab_size=", vocab_size, " must be in [256, 65536]"));
+    return absl::InvalidArgumentError(absl::StrCat("BPE vocab_size=", vocab_size, " must be in [256, 65536]"));
   }
   std::unordered_map<std::string, int64_t> frequency;
   for (absl::string_view chunk : Chunks(text)) ++frequency[std::string(chunk)];
@@ -152,9 +150,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TrainBpeTokenizer(absl::string_view t
     }
     if (pairs.empty()) break;  // every word is a single token already
     // The most frequent pair; std::map order breaks ties deterministically.
-    auto best = std::max_element(pairs.begin(), pairs.end(), [](const auto& a, const auto& b) {
-      return a.second < b.second;
-    });
+    auto best =
+        std::max_element(pairs.begin(), pairs.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
     const Pair merge = best->first;
     const int id = 256 + static_cast<int>(merges.size());
     merges.push_back(merge);
@@ -202,14 +199,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadBpe(std::istream& in, const std::
   while (in >> merge.first >> merge.second) {
     const int next = 256 + static_cast<int>(merges.size());
     if (merge.first < 0 || merge.second < 0 || merge.first >= next || merge.second >= next) {
-      return absl::InvalidArgumentError(absl::StrCat("tokenizer file ", path, ": merge ",
-                                                     merges.size(), " refers to unknown ids"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer file ", path, ": merge ", merges.size(), " refers to unknown ids"));
     }
     merges.push_back(merge);
   }
   if (static_cast<int>(merges.size()) + 256 != vocab) {
-    return absl::InvalidArgumentError(absl::StrCat("tokenizer file ", path, " declares vocab ",
-                                                   vocab, " but has ", merges.size(), " merges"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer file ", path, " declares vocab ", vocab, " but has ", merges.size(), " merges"));
   }
   return std::unique_ptr<Tokenizer>(new BpeTokenizer(std::move(merges)));
 }

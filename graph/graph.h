@@ -70,9 +70,7 @@ class LayerSequence {
   // micro-batch (the layer reads the fields it needs; BatchFields says which).
   virtual Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) = 0;
   // The batch fields layer i reads (default: layer 0 reads field 0).
-  virtual std::vector<int> BatchFields(int64_t i) const {
-    return i == 0 ? std::vector<int>{0} : std::vector<int>{};
-  }
+  virtual std::vector<int> BatchFields(int64_t i) const { return i == 0 ? std::vector<int>{0} : std::vector<int>{}; }
   // The parameters layer i reads, by their model names. A tied parameter (GPT's
   // token embedding, read by the first and the last layer) is listed by both.
   virtual NamedTensors LayerParameters(int64_t i) = 0;
@@ -109,7 +107,7 @@ class LayerSequence {
 struct LayerProfile {
   std::string name;
   std::vector<std::string> parameter_names;  // as LayerSequence::LayerParameters lists them
-  int64_t parameters = 0;        // scalars this layer reads (tied ones in each reader)
+  int64_t parameters = 0;                    // scalars this layer reads (tied ones in each reader)
   int64_t parameter_bytes = 0;
   // Estimate: 2 * rows * (scalars of its matrices) for layers fed activations; 0
   // for a layer fed token ids (its matrices are looked up, not multiplied).
@@ -124,8 +122,7 @@ using LayerBuilder = std::function<absl::StatusOr<std::shared_ptr<LayerSequence>
 // Memory-light profiling for models too large to build whole: layer i is
 // profiled on a part that `build(i)` makes, which is freed before layer i + 1 is
 // built; layer i's input is layer i - 1's output. Peak memory: about one layer.
-absl::StatusOr<std::vector<LayerProfile>> ProfileLayersOneByOne(int64_t num_layers,
-                                                                const LayerBuilder& build,
+absl::StatusOr<std::vector<LayerProfile>> ProfileLayersOneByOne(int64_t num_layers, const LayerBuilder& build,
                                                                 const Batch& batch);
 
 // Profiles every layer by running the sequence on `batch` (no gradients).

@@ -147,9 +147,10 @@ absl::StatusOr<std::unique_ptr<GraphLayers>> GraphLayers::Create(std::shared_ptr
   }
   for (size_t o = 0; o < graph->output_ids().size(); ++o) {
     if (!made.count(graph->output_ids()[o])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "output ", o, " of the traced model is not computed by any operator (an input or a "
-          "parameter returned as it is); return computed tensors only"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("output ", o,
+                       " of the traced model is not computed by any operator (an input or a "
+                       "parameter returned as it is); return computed tensors only"));
     }
   }
   layers->graph_ = std::move(graph);
@@ -163,8 +164,8 @@ std::string GraphLayers::LayerName(int64_t i) const { return absl::StrCat("shard
 Values GraphLayers::ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) {
   const std::vector<int64_t>& in_ids = crossing_.at(i);
   if (inputs.size() != in_ids.size()) {
-    throw std::invalid_argument(absl::StrCat("shard ", i, " takes ", in_ids.size(),
-                                             " tensors from the shard before it, got ", inputs.size()));
+    throw std::invalid_argument(
+        absl::StrCat("shard ", i, " takes ", in_ids.size(), " tensors from the shard before it, got ", inputs.size()));
   }
   std::map<int64_t, at::Tensor> values;
   for (size_t k = 0; k < in_ids.size(); ++k) values[in_ids[k]] = inputs[k];

@@ -92,7 +92,7 @@ class GraphLayers : public LayerSequence {
   // Value ids crossing each boundary (entering shard i: crossing_[i]); the
   // last entry is the graph's outputs.
   std::vector<std::vector<int64_t>> crossing_;
-  std::vector<NamedTensors> parameters_;  // per shard
+  std::vector<NamedTensors> parameters_;        // per shard
   std::vector<std::vector<int>> batch_fields_;  // per shard
 };
 

@@ -1,8 +1,8 @@
 #include <algorithm>
 #include <chrono>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -14,9 +14,9 @@ at::Tensor LayerSequence::Loss(const Values& outputs, const Batch&) {
   for (const at::Tensor& t : outputs) {
     if (t.defined() && t.dim() == 0 && at::isFloatingType(t.scalar_type())) return t;
   }
-  throw std::invalid_argument(absl::StrCat(
-      "the model's outputs (", outputs.size(), " tensor(s)) hold no scalar loss: return the loss "
-      "from forward (alone, or first among the outputs) or give a loss function"));
+  throw std::invalid_argument(absl::StrCat("the model's outputs (", outputs.size(),
+                                           " tensor(s)) hold no scalar loss: return the loss "
+                                           "from forward (alone, or first among the outputs) or give a loss function"));
 }
 
 void LayerSequence::To(const at::Device& device) {
@@ -43,8 +43,8 @@ int64_t Bytes(const Values& values) {
 }
 
 // Profiles layer i of `layers` on `inputs`; sets `outputs` to its result.
-absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, const Values& inputs,
-                                          const Batch& batch, Values* outputs) {
+absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, const Values& inputs, const Batch& batch,
+                                          Values* outputs) {
   c10::NoGradGuard no_grad;
   LayerProfile p;
   p.name = layers.LayerName(i);
@@ -67,8 +67,7 @@ absl::StatusOr<LayerProfile> ProfileLayer(LayerSequence& layers, int64_t i, cons
     for (int run = 0; run < 3; ++run) {
       const auto start = std::chrono::steady_clock::now();
       *outputs = layers.RunLayer(i, inputs, batch);
-      seconds.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   });
   TRIDENT_RETURN_IF_ERROR(ran);
@@ -91,8 +90,7 @@ absl::StatusOr<std::vector<LayerProfile>> ProfileLayers(LayerSequence& layers, c
   return profile;
 }
 
-absl::StatusOr<std::vector<LayerProfile>> ProfileLayersOneByOne(int64_t num_layers,
-                                                                const LayerBuilder& build,
+absl::StatusOr<std::vector<LayerProfile>> ProfileLayersOneByOne(int64_t num_layers, const LayerBuilder& build,
                                                                 const Batch& batch) {
   std::vector<LayerProfile> profile;
   Values x, outputs;

@@ -8,15 +8,15 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/jit/runtime/interpreter.h>
-#include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/csrc/jit/passes/inliner.h>
+#include <torch/csrc/jit/runtime/interpreter.h>
+#include <torch/csrc/jit/serialization/import.h>
 #include <torch/nn/module.h>
-#include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -39,8 +39,8 @@ void ThrowOnTracerWarning(const std::string& message) { throw TracerWarning(mess
 void LogTracerWarning(const std::string& message) { LOG(WARNING) << "tracer: " << message; }
 
 bool IsMatrixProduct(const std::string& kind) {
-  return kind == "aten::linear" || kind == "aten::matmul" || kind == "aten::mm" ||
-         kind == "aten::bmm" || kind == "aten::addmm" || kind == "aten::baddbmm";
+  return kind == "aten::linear" || kind == "aten::matmul" || kind == "aten::mm" || kind == "aten::bmm" ||
+         kind == "aten::addmm" || kind == "aten::baddbmm";
 }
 
 std::vector<int64_t> ShapeOf(const torch::jit::Value* value) {
@@ -178,10 +178,10 @@ const std::vector<std::string>& ModelGraph::parameter_names() const { return imp
 const std::vector<at::Tensor>& ModelGraph::parameters() const { return impl_->parameters; }
 const std::map<std::string, std::string>& ModelGraph::aliases() const { return impl_->aliases; }
 
-
-absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
-    torch::nn::Module& module, const std::vector<at::Tensor>& example_inputs,
-    const Forward& forward, const std::vector<at::Tensor>& check_inputs) {
+absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(torch::nn::Module& module,
+                                                              const std::vector<at::Tensor>& example_inputs,
+                                                              const Forward& forward,
+                                                              const std::vector<at::Tensor>& check_inputs) {
   std::vector<std::pair<std::string, at::Tensor>> parameters;
   for (const auto& item : module.named_parameters()) parameters.emplace_back(item.key(), item.value());
   return Trace(parameters, example_inputs, forward, check_inputs);
@@ -190,8 +190,8 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
 namespace {
 
 bool ReadsTensorValue(const std::string& kind) {
-  return kind == "aten::item" || kind == "aten::_local_scalar_dense" || kind == "aten::Int" ||
-         kind == "aten::Float" || kind == "aten::Bool" || kind == "aten::is_nonzero";
+  return kind == "aten::item" || kind == "aten::_local_scalar_dense" || kind == "aten::Int" || kind == "aten::Float" ||
+         kind == "aten::Bool" || kind == "aten::is_nonzero";
 }
 
 // Whether `value` is computed from the values (not only the shapes) of tensors:
@@ -216,8 +216,7 @@ bool DependsOnTensorData(const torch::jit::Value* value, std::map<const torch::j
 // The first node of `block` (or a block inside it) that turns tensor data
 // into a Python value: control flow after it may depend on the data. Shape
 // arithmetic (int(x.size(1) // heads) in traced code) is not such a read.
-const torch::jit::Node* FindValueRead(const torch::jit::Block* block,
-                                      std::map<const torch::jit::Value*, bool>& memo) {
+const torch::jit::Node* FindValueRead(const torch::jit::Block* block, std::map<const torch::jit::Value*, bool>& memo) {
   for (const torch::jit::Node* node : block->nodes()) {
     if (ReadsTensorValue(node->kind().toQualString()) && !node->inputs().empty() &&
         DependsOnTensorData(node->input(0), memo)) {
@@ -239,8 +238,8 @@ void MoveDeviceConstants(torch::jit::Module& module, const at::Device& device) {
   std::function<void(torch::jit::Block*)> rewrite = [&](torch::jit::Block* block) {
     for (torch::jit::Node* node : block->nodes()) {
       for (torch::jit::Block* inner : node->blocks()) rewrite(inner);
-      const bool device_constant = node->kind() == c10::prim::Constant &&
-                                   node->output()->type()->kind() == c10::TypeKind::DeviceObjType;
+      const bool device_constant =
+          node->kind() == c10::prim::Constant && node->output()->type()->kind() == c10::TypeKind::DeviceObjType;
       if (!device_constant || !torch::jit::toIValue(node->output())->toDevice().is_cpu()) continue;
       torch::jit::WithInsertPoint here(node);
       node->output()->replaceAllUsesWith(node->owningGraph()->insertConstant(device));
@@ -259,8 +258,8 @@ void MoveDeviceConstants(torch::jit::Module& module, const at::Device& device) {
 
 absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& path) {
   auto module = std::make_shared<torch::jit::Module>();
-  TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("loading TorchScript module ", path),
-                                          [&] { *module = torch::jit::load(path); }));
+  TRIDENT_RETURN_IF_ERROR(
+      CatchExceptions(absl::StrCat("loading TorchScript module ", path), [&] { *module = torch::jit::load(path); }));
   // A scripted forward whose control flow reads tensor values traces one path
   // only (the interpreter runs its `if` without the tracer seeing it): refuse.
   std::string value_read;
@@ -277,8 +276,7 @@ absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& pat
   if (!value_read.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "forward of ", path, " reads a tensor's value (", value_read,
-        "), so its control flow may depend on the data and a trace would record one branch only. ",
-        kUseLayerSequence));
+        "), so its control flow may depend on the data and a trace would record one branch only. ", kUseLayerSequence));
   }
   TorchScriptModule loaded;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
@@ -298,8 +296,8 @@ absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& pat
     auto add = [&](const c10::IValue& value) {
       if (value.isNone()) return;
       if (!value.isTensor()) {
-        throw std::invalid_argument(absl::StrCat("forward of ", path, " returned a ",
-                                                 value.tagKind(), "; return tensors (a tuple or list of them)"));
+        throw std::invalid_argument(absl::StrCat("forward of ", path, " returned a ", value.tagKind(),
+                                                 "; return tensors (a tuple or list of them)"));
       }
       outputs.push_back(value.toTensor());
     };
@@ -320,17 +318,16 @@ absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& pat
   return loaded;
 }
 
-absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::FromTorchScript(
-    const std::string& path, const std::vector<at::Tensor>& example_inputs,
-    const std::vector<at::Tensor>& check_inputs) {
+absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::FromTorchScript(const std::string& path,
+                                                                        const std::vector<at::Tensor>& example_inputs,
+                                                                        const std::vector<at::Tensor>& check_inputs) {
   TRIDENT_ASSIGN_OR_RETURN(TorchScriptModule module, TorchScriptModule::Load(path));
   return Trace(module.parameters, example_inputs, module.forward, check_inputs, module.module);
 }
 
 absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
-    const std::vector<std::pair<std::string, at::Tensor>>& parameters,
-    const std::vector<at::Tensor>& example_inputs, const Forward& forward,
-    const std::vector<at::Tensor>& check_inputs, std::shared_ptr<void> keep_alive) {
+    const std::vector<std::pair<std::string, at::Tensor>>& parameters, const std::vector<at::Tensor>& example_inputs,
+    const Forward& forward, const std::vector<at::Tensor>& check_inputs, std::shared_ptr<void> keep_alive) {
   auto impl = std::make_unique<Impl>();
   impl->num_inputs = example_inputs.size();
   impl->keep_alive = std::move(keep_alive);
@@ -354,17 +351,17 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   absl::Status traced = CatchExceptions("tracing the model", [&] {
     try {
       state = torch::jit::tracer::trace(
-                stack,
-                [&](torch::jit::Stack) {
-                  torch::jit::Stack outputs;
-                  for (const at::Tensor& t : forward(example_inputs)) outputs.emplace_back(t);
-                  return outputs;
-                },
-                [&](const at::Tensor& t) {
-                  auto it = names.find(t.unsafeGetTensorImpl());
-                  return it == names.end() ? std::string() : it->second;
-                })
-                .first;
+                  stack,
+                  [&](torch::jit::Stack) {
+                    torch::jit::Stack outputs;
+                    for (const at::Tensor& t : forward(example_inputs)) outputs.emplace_back(t);
+                    return outputs;
+                  },
+                  [&](const at::Tensor& t) {
+                    auto it = names.find(t.unsafeGetTensorImpl());
+                    return it == names.end() ? std::string() : it->second;
+                  })
+                  .first;
     } catch (const TracerWarning&) {
       warned = true;
       throw;
@@ -374,14 +371,16 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
   if (!traced.ok()) {
     torch::jit::tracer::abandon();
     if (!warned) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          traced.message(), " (the forward failed on the example batch: do its shapes and values "
-          "fit the model?)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(traced.message(),
+                       " (the forward failed on the example batch: do its shapes and values "
+                       "fit the model?)"));
     }
-    return absl::FailedPreconditionError(absl::StrCat(
-        traced.message(),
-        ". The tracer records one execution; a forward that reads tensor values to decide what "
-        "to compute, or takes inputs it cannot record, cannot be traced. ", kUseLayerSequence));
+    return absl::FailedPreconditionError(
+        absl::StrCat(traced.message(),
+                     ". The tracer records one execution; a forward that reads tensor values to decide what "
+                     "to compute, or takes inputs it cannot record, cannot be traced. ",
+                     kUseLayerSequence));
   }
   impl->graph = state->graph;
   int64_t position = 0;
@@ -392,8 +391,7 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
       return absl::FailedPreconditionError(absl::StrCat(
           "tracing the model: its forward reads a tensor's value (node ", position, ", ", kind,
           node->sourceRange().source() ? absl::StrCat(" at ", node->sourceRange().str()) : "",
-          "), so control flow may depend on data and the trace would record one branch only. ",
-          kUseLayerSequence));
+          "), so control flow may depend on data and the trace would record one branch only. ", kUseLayerSequence));
     }
   }
   torch::jit::EliminateDeadCode(impl->graph);
@@ -450,15 +448,16 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
     c10::NoGradGuard no_grad;
     TRIDENT_ASSIGN_OR_RETURN(std::vector<at::Tensor> traced_outputs, model_graph->Run(check_inputs));
     std::vector<at::Tensor> eager_outputs;
-    TRIDENT_RETURN_IF_ERROR(CatchExceptions("running the model on check_inputs",
-                                            [&] { eager_outputs = forward(check_inputs); }));
+    TRIDENT_RETURN_IF_ERROR(
+        CatchExceptions("running the model on check_inputs", [&] { eager_outputs = forward(check_inputs); }));
     for (size_t i = 0; i < eager_outputs.size(); ++i) {
       if (i >= traced_outputs.size() || !traced_outputs[i].sizes().equals(eager_outputs[i].sizes()) ||
           !at::allclose(traced_outputs[i], eager_outputs[i], 1e-4, 1e-5)) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "tracing the model: the traced graph disagrees with the model on check_inputs (output ",
-            i, "), so its control flow depends on tensor values and a trace records one branch "
-            "only. ", kUseLayerSequence));
+        return absl::FailedPreconditionError(
+            absl::StrCat("tracing the model: the traced graph disagrees with the model on check_inputs (output ", i,
+                         "), so its control flow depends on tensor values and a trace records one branch "
+                         "only. ",
+                         kUseLayerSequence));
       }
     }
   }
@@ -467,14 +466,13 @@ absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Trace(
 
 absl::StatusOr<std::vector<at::Tensor>> ModelGraph::Run(const std::vector<at::Tensor>& inputs) {
   if (inputs.size() != impl_->num_inputs) {
-    return absl::InvalidArgumentError(absl::StrCat("the traced graph takes ", impl_->num_inputs,
-                                                   " inputs, got ", inputs.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the traced graph takes ", impl_->num_inputs, " inputs, got ", inputs.size()));
   }
   torch::jit::Stack stack;
   for (const at::Tensor& t : inputs) stack.emplace_back(t);
   for (const at::Tensor& p : impl_->parameters) stack.emplace_back(p);
-  TRIDENT_RETURN_IF_ERROR(
-      CatchExceptions("running the traced graph", [&] { RunCode(*impl_->code, stack); }));
+  TRIDENT_RETURN_IF_ERROR(CatchExceptions("running the traced graph", [&] { RunCode(*impl_->code, stack); }));
   return Unpack(stack);
 }
 
@@ -515,9 +513,9 @@ absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> ModelGraph::Split(
   }
   for (size_t i = 1; i + 1 < boundaries.size(); ++i) {
     if (!CrossingTensors(boundaries[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cannot cut before node ", boundaries[i], " (", g.nodes[boundaries[i]].kind,
-          "): a value that is not a tensor would cross; choose another boundary"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot cut before node ", boundaries[i], " (", g.nodes[boundaries[i]].kind,
+                       "): a value that is not a tensor would cross; choose another boundary"));
     }
   }
   std::vector<std::unique_ptr<StageGraph>> stages;
@@ -567,9 +565,8 @@ absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> ModelGraph::Split(
       stage->sent_.push_back(static_cast<int64_t>(value->unique()));
     }
     // A graph function returns one value: several outputs travel as a tuple.
-    st.graph->registerOutput(outputs.size() == 1
-                                 ? outputs[0]
-                                 : st.graph->insertNode(st.graph->createTuple(outputs))->output());
+    st.graph->registerOutput(outputs.size() == 1 ? outputs[0]
+                                                 : st.graph->insertNode(st.graph->createTuple(outputs))->output());
     st.code = std::make_unique<torch::jit::Code>(st.graph, absl::StrCat("stage", s));
     stages.push_back(std::move(stage));
   }
@@ -579,8 +576,7 @@ absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> ModelGraph::Split(
 std::vector<TensorFlow> ModelGraph::Flows(const std::vector<int64_t>& boundaries) const {
   const Impl& g = *impl_;
   auto stage_of = [&](int64_t op) {
-    return static_cast<int>(std::upper_bound(boundaries.begin(), boundaries.end(), op) -
-                            boundaries.begin()) - 1;
+    return static_cast<int>(std::upper_bound(boundaries.begin(), boundaries.end(), op) - boundaries.begin()) - 1;
   };
   std::vector<TensorFlow> flows;
   for (int64_t i = 0; i < static_cast<int64_t>(g.ops.size()); ++i) {
@@ -600,19 +596,19 @@ std::vector<TensorFlow> ModelGraph::Flows(const std::vector<int64_t>& boundaries
       flow.to_stages.assign(readers.begin(), readers.end());
       flow.shape = ShapeOf(output);
       flow.dtype = type->scalarType() ? c10::toString(*type->scalarType()) : "?";
-      flow.bytes = Elements(flow.shape) *
-                   (type->scalarType() ? static_cast<int64_t>(c10::elementSize(*type->scalarType())) : 4);
+      flow.bytes =
+          Elements(flow.shape) * (type->scalarType() ? static_cast<int64_t>(c10::elementSize(*type->scalarType())) : 4);
       flows.push_back(std::move(flow));
     }
   }
   return flows;
 }
 
-absl::StatusOr<std::vector<at::Tensor>> StageGraph::Run(
-    const std::vector<at::Tensor>& received, const std::vector<at::Tensor>& model_inputs) const {
+absl::StatusOr<std::vector<at::Tensor>> StageGraph::Run(const std::vector<at::Tensor>& received,
+                                                        const std::vector<at::Tensor>& model_inputs) const {
   if (received.size() != received_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("stage takes ", received_.size(),
-                                                   " received tensors, got ", received.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("stage takes ", received_.size(), " received tensors, got ", received.size()));
   }
   torch::jit::Stack stack;
   for (const auto& [source, index] : impl_->inputs) {
@@ -622,8 +618,8 @@ absl::StatusOr<std::vector<at::Tensor>> StageGraph::Run(
         break;
       case Impl::Source::kModelInput:
         if (index >= model_inputs.size()) {
-          return absl::InvalidArgumentError(absl::StrCat("stage reads model input ", index,
-                                                         " but ", model_inputs.size(), " were given"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("stage reads model input ", index, " but ", model_inputs.size(), " were given"));
         }
         stack.emplace_back(model_inputs[index]);
         break;
@@ -632,8 +628,7 @@ absl::StatusOr<std::vector<at::Tensor>> StageGraph::Run(
         break;
     }
   }
-  TRIDENT_RETURN_IF_ERROR(
-      CatchExceptions("running a pipeline stage", [&] { RunCode(*impl_->code, stack); }));
+  TRIDENT_RETURN_IF_ERROR(CatchExceptions("running a pipeline stage", [&] { RunCode(*impl_->code, stack); }));
   return Unpack(stack);
 }
 
@@ -650,23 +645,21 @@ int64_t ModelGraph::total_parameter_bytes() const {
 }
 
 std::string ModelGraph::Summary() const {
-  std::string out = absl::StrFormat("%5s  %-28s %-22s %12s %12s %12s  %s\n", "node", "kind",
-                                    "output", "flops", "param_bytes", "act_bytes", "parameters");
+  std::string out = absl::StrFormat("%5s  %-28s %-22s %12s %12s %12s  %s\n", "node", "kind", "output", "flops",
+                                    "param_bytes", "act_bytes", "parameters");
   int64_t activation = 0;
   for (size_t i = 0; i < impl_->nodes.size(); ++i) {
     const GraphNode& n = impl_->nodes[i];
     const std::string shape =
         n.output_shapes.empty() ? "-" : absl::StrCat("[", absl::StrJoin(n.output_shapes[0], ","), "]");
-    absl::StrAppend(&out, absl::StrFormat("%5d  %-28s %-22s %12.4g %12d %12d  %s\n", i, n.kind,
-                                          shape, n.forward_flops, n.parameter_bytes,
-                                          n.activation_bytes, absl::StrJoin(n.parameters, ",")));
+    absl::StrAppend(&out, absl::StrFormat("%5d  %-28s %-22s %12.4g %12d %12d  %s\n", i, n.kind, shape, n.forward_flops,
+                                          n.parameter_bytes, n.activation_bytes, absl::StrJoin(n.parameters, ",")));
     activation += n.activation_bytes;
   }
-  absl::StrAppend(&out, absl::StrFormat(
-                            "total: %d nodes, %.4g forward FLOPs, %d parameters (%d bytes), %d "
-                            "activation bytes\n",
-                            impl_->nodes.size(), total_flops(), impl_->parameters.size(),
-                            total_parameter_bytes(), activation));
+  absl::StrAppend(&out, absl::StrFormat("total: %d nodes, %.4g forward FLOPs, %d parameters (%d bytes), %d "
+                                        "activation bytes\n",
+                                        impl_->nodes.size(), total_flops(), impl_->parameters.size(),
+                                        total_parameter_bytes(), activation));
   return out;
 }
 
@@ -706,8 +699,8 @@ absl::StatusOr<ModelGraph::Untied> ModelGraph::Untie() const {
       std::vector<std::string> kinds;
       for (const torch::jit::Node* reader : readers) kinds.push_back(reader->kind().toQualString());
       return absl::FailedPreconditionError(absl::StrCat(
-          "no_tie_modules: the tied parameter ", absl::StrJoin(names, " = "), " has ", names.size(),
-          " names but ", readers.size(), " operator(s) read it in the traced graph (", absl::StrJoin(kinds, ", "),
+          "no_tie_modules: the tied parameter ", absl::StrJoin(names, " = "), " has ", names.size(), " names but ",
+          readers.size(), " operator(s) read it in the traced graph (", absl::StrJoin(kinds, ", "),
           "), so which name each reads is unknown; untie it in the model itself"));
     }
     for (size_t k = 1; k < names.size(); ++k) {
@@ -756,8 +749,8 @@ void ModelGraph::CanonicalizeLinearProducts(torch::jit::Graph& graph, size_t fir
       }
     }
     torch::jit::WithInsertPoint here(node);
-    torch::jit::Value* linear = graph.insert(c10::aten::linear,
-                                 {x, weight, bias != nullptr ? bias : graph.insertConstant(c10::IValue())});
+    torch::jit::Value* linear =
+        graph.insert(c10::aten::linear, {x, weight, bias != nullptr ? bias : graph.insertConstant(c10::IValue())});
     linear->setType(result->type());
     result->replaceAllUsesWith(linear);
     // The replaced operators go (an in-place add_ is not dead code to the JIT).

@@ -80,10 +80,10 @@ class StageGraph {
 
 // A tensor that one stage of a split graph sends to later ones.
 struct TensorFlow {
-  int64_t value_id = 0;         // as in StageGraph::sent() / received()
+  int64_t value_id = 0;  // as in StageGraph::sent() / received()
   int from_stage = 0;
-  std::vector<int> to_stages;   // every later stage that reads it
-  std::vector<int64_t> shape;   // for the traced example input
+  std::vector<int> to_stages;  // every later stage that reads it
+  std::vector<int64_t> shape;  // for the traced example input
   std::string dtype;
   int64_t bytes = 0;
 };
@@ -116,23 +116,24 @@ class ModelGraph {
   // the graph and the eager forward must agree on them too. Fails, naming what
   // happened and suggesting the LayerSequence path, when the forward cannot be
   // traced or its control flow depends on tensor values (the check disagrees).
-  static absl::StatusOr<std::unique_ptr<ModelGraph>> Trace(
-      torch::nn::Module& module, const std::vector<at::Tensor>& example_inputs,
-      const Forward& forward, const std::vector<at::Tensor>& check_inputs = {});
+  static absl::StatusOr<std::unique_ptr<ModelGraph>> Trace(torch::nn::Module& module,
+                                                           const std::vector<at::Tensor>& example_inputs,
+                                                           const Forward& forward,
+                                                           const std::vector<at::Tensor>& check_inputs = {});
   // The same for a forward that reads `parameters` (name, tensor) directly. A
   // tensor listed under several names (tied weights) becomes one graph input
   // under its first name; aliases() maps the others to it. `keep_alive` is
   // held as long as the graph (the owner of the parameters).
   static absl::StatusOr<std::unique_ptr<ModelGraph>> Trace(
-      const std::vector<std::pair<std::string, at::Tensor>>& parameters,
-      const std::vector<at::Tensor>& example_inputs, const Forward& forward,
-      const std::vector<at::Tensor>& check_inputs = {}, std::shared_ptr<void> keep_alive = nullptr);
+      const std::vector<std::pair<std::string, at::Tensor>>& parameters, const std::vector<at::Tensor>& example_inputs,
+      const Forward& forward, const std::vector<at::Tensor>& check_inputs = {},
+      std::shared_ptr<void> keep_alive = nullptr);
   // Loads a TorchScript module saved from Python (torch.jit.save) and traces its
   // forward on `example_inputs` into a graph of its operators, with the module's
   // parameters as named inputs. The loaded module stays alive inside the graph.
-  static absl::StatusOr<std::unique_ptr<ModelGraph>> FromTorchScript(
-      const std::string& path, const std::vector<at::Tensor>& example_inputs,
-      const std::vector<at::Tensor>& check_inputs = {});
+  static absl::StatusOr<std::unique_ptr<ModelGraph>> FromTorchScript(const std::string& path,
+                                                                     const std::vector<at::Tensor>& example_inputs,
+                                                                     const std::vector<at::Tensor>& check_inputs = {});
   ~ModelGraph();
 
   const std::vector<GraphNode>& nodes() const;
@@ -158,8 +159,7 @@ class ModelGraph {
   std::optional<int> CrossingTensors(int64_t position) const;
   // Cuts the nodes at `boundaries` (first 0, last nodes().size(), increasing;
   // every inner one a position where CrossingTensors has a value) into stages.
-  absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> Split(
-      const std::vector<int64_t>& boundaries) const;
+  absl::StatusOr<std::vector<std::unique_ptr<StageGraph>>> Split(const std::vector<int64_t>& boundaries) const;
   // The tensors that cross between the stages `boundaries` makes (see Split),
   // in the order they are made.
   std::vector<TensorFlow> Flows(const std::vector<int64_t>& boundaries) const;

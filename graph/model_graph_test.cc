@@ -54,9 +54,7 @@ TEST(ModelGraphTest, DataDependentControlFlowIsAClearError) {
   DataDependentImpl module;
   torch::manual_seed(0);
   auto x = torch::randn({2, 4});
-  auto forward = [&](const std::vector<at::Tensor>& in) {
-    return std::vector<at::Tensor>{module.forward(in[0])};
-  };
+  auto forward = [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{module.forward(in[0])}; };
   // Find a check input that takes the other branch.
   const bool positive = module.forward(x).sum().item<float>() > 0;
   at::Tensor other;
@@ -163,8 +161,7 @@ TEST(ModelGraphTest, TorchScriptModulesFromThePythonEcosystemTrace) {
   for (const auto& item : reference.named_parameters()) {
     ASSERT_LT(i, (*graph)->parameters().size());
     EXPECT_EQ((*graph)->parameter_names()[i], item.name);
-    EXPECT_TRUE(torch::allclose((*graph)->parameters()[i].grad(), item.value.grad(), 1e-5, 1e-7))
-        << item.name;
+    EXPECT_TRUE(torch::allclose((*graph)->parameters()[i].grad(), item.value.grad(), 1e-5, 1e-7)) << item.name;
     ++i;
   }
   EXPECT_THAT(std::string(ModelGraph::FromTorchScript("/nonexistent.pt", {x}).status().message()),

@@ -14,9 +14,9 @@ namespace {
 // vectoriser's dynamic cost model, and sqrt without errno so it can be a
 // vector instruction); the arithmetic is IEEE single precision either way, so
 // the results do not depend on the vector width.
-void AdamWRange(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-                int64_t n, float decay, float beta1, float beta2, float inverse_sqrt_bias_correction2,
-                float eps, float step_size) {
+void AdamWRange(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
+                float decay, float beta1, float beta2, float inverse_sqrt_bias_correction2, float eps,
+                float step_size) {
   for (int64_t i = 0; i < n; ++i) {
     const float grad = g[i];
     const float new_m = m[i] * beta1 + grad * (1 - beta1);
@@ -30,9 +30,8 @@ void AdamWRange(float* __restrict p, const float* __restrict g, float* __restric
 
 }  // namespace
 
-void FusedAdamWStep(float* p, const float* g, float* m, float* v, int64_t n, float decay,
-                    float beta1, float beta2, float inverse_sqrt_bias_correction2, float eps,
-                    float step_size) {
+void FusedAdamWStep(float* p, const float* g, float* m, float* v, int64_t n, float decay, float beta1, float beta2,
+                    float inverse_sqrt_bias_correction2, float eps, float step_size) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     AdamWRange(p + begin, g + begin, m + begin, v + begin, end - begin, decay, beta1, beta2,
                inverse_sqrt_bias_correction2, eps, step_size);

@@ -41,13 +41,12 @@ TEST(AlignedLinearGpuTest, OddWidthsGiveLinearsValuesAndGradients) {
     EXPECT_EQ(view.size(-1), 1001);
     EXPECT_EQ(view.stride(-2), 1024);  // rows of the padded width
     const at::Tensor probe = at::randn({4, 256, 1001}, at::kCUDA);
-    const Result reference = Differentiate([](auto x, auto w, auto b) { return at::linear(x, w, b); },
-                                           x.to(at::kDouble), w.to(at::kDouble), b.to(at::kDouble),
-                                           probe.to(at::kDouble));
+    const Result reference =
+        Differentiate([](auto x, auto w, auto b) { return at::linear(x, w, b); }, x.to(at::kDouble), w.to(at::kDouble),
+                      b.to(at::kDouble), probe.to(at::kDouble));
     const AutocastState before = GetAutocastState(at::kCUDA);
     if (bf16) SetAutocastState(at::kCUDA, {true, at::kBFloat16});
-    const Result aligned =
-        Differentiate([](auto x, auto w, auto b) { return AlignedLinear(x, w, b); }, x, w, b, probe);
+    const Result aligned = Differentiate([](auto x, auto w, auto b) { return AlignedLinear(x, w, b); }, x, w, b, probe);
     SetAutocastState(at::kCUDA, before);
     at::autocast::clear_cache();
     const double tolerance = bf16 ? 1e-2 : 1e-5;
@@ -67,7 +66,8 @@ TEST(AlignedLinearGpuTest, CrossEntropyOverThePaddedProduct) {
   const at::Tensor targets = at::randint(0, 1001, {256}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
   auto loss_and_gradient = [&](bool aligned) {
     at::Tensor w = w0.clone().requires_grad_(true);
-    at::Tensor rows = aligned ? AlignedLinear(x, w, at::Tensor()).reshape({-1, 1001}) : at::linear(x, w).reshape({-1, 1001});
+    at::Tensor rows =
+        aligned ? AlignedLinear(x, w, at::Tensor()).reshape({-1, 1001}) : at::linear(x, w).reshape({-1, 1001});
     if (aligned) {
       rows = PaddedForSoftmax(rows);
       EXPECT_EQ(rows.size(1), 1024);

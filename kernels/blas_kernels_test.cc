@@ -26,9 +26,8 @@ void UseGenericKernels() {
 
 const char* ExpectedKernels() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
     return "SkylakeX";
   }
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? "Haswell" : "Prescott";

@@ -10,8 +10,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include "kernels/kernels.h"
 #include "kernels/internal/vector_math.h"
+#include "kernels/kernels.h"
 
 namespace trident {
 namespace internal {
@@ -93,19 +93,23 @@ at::Tensor HeadsLast(const at::Tensor& like, int64_t tokens, bool zero) {
   return (zero ? at::zeros(shape, like.options()) : at::empty(shape, like.options())).permute({0, 2, 1, 3});
 }
 
-void Gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+void Gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float beta, float* c, int64_t ldc) {
   const int status = OneDnnSgemm()(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  TORCH_CHECK(status == 0, "causal attention: oneDNN's sgemm failed with status ", status, " (m ", m, ", n ", n,
-              ", k ", k, ")");
+  TORCH_CHECK(status == 0, "causal attention: oneDNN's sgemm failed with status ", status, " (m ", m, ", n ", n, ", k ",
+              k, ")");
 }
 
 // The shape every kernel runs over: tiles of query rows, each seeing the keys
 // up to its last query.
 struct Tiles {
   Tiles(const at::Tensor& q, const at::Tensor& k)
-      : items(q.size(0) * q.size(1)), queries(q.size(2)), keys(k.size(2)), dim(q.size(3)),
-        offset(keys - queries), scale(1.0f / std::sqrt(static_cast<float>(dim))) {}
+      : items(q.size(0) * q.size(1)),
+        queries(q.size(2)),
+        keys(k.size(2)),
+        dim(q.size(3)),
+        offset(keys - queries),
+        scale(1.0f / std::sqrt(static_cast<float>(dim))) {}
   // Calls body(first query, rows, keys the tile sees) for each tile.
   template <typename Body>
   void ForEach(Body body) const {

@@ -69,7 +69,8 @@ __global__ void CrossEntropyRowsKernel(const T* __restrict__ logits, int64_t col
   const int64_t row = blockIdx.x;
   const T* x = logits + row * stride;
   MaxSum acc{-INFINITY, 0.f};
-  for (int64_t j = static_cast<int64_t>(threadIdx.x) * kWidth; j < cols; j += static_cast<int64_t>(blockDim.x) * kWidth) {
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * kWidth; j < cols;
+       j += static_cast<int64_t>(blockDim.x) * kWidth) {
     const Pack<T, kWidth> pack = *reinterpret_cast<const Pack<T, kWidth>*>(x + j);
 #pragma unroll
     for (int k = 0; k < kWidth; ++k) Add(acc, ToFloat(pack.value[k]));
@@ -96,7 +97,8 @@ __global__ void CrossEntropyRowsBackwardKernel(const T* __restrict__ logits, int
   T* g = grad + row * cols;
   const int64_t target = targets[row];
   const float s = target == ignore_index ? 0.f : scale[0], row_lse = lse[row];
-  for (int64_t j = static_cast<int64_t>(threadIdx.x) * kWidth; j < cols; j += static_cast<int64_t>(blockDim.x) * kWidth) {
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * kWidth; j < cols;
+       j += static_cast<int64_t>(blockDim.x) * kWidth) {
     const Pack<T, kWidth> in = *reinterpret_cast<const Pack<T, kWidth>*>(x + j);
     Pack<T, kWidth> out;
 #pragma unroll
@@ -133,8 +135,8 @@ void RowsForward(const void* logits, int64_t rows, int64_t cols, int64_t stride,
                  int64_t ignore_index, float* lse, float* loss, cudaStream_t stream) {
   WithPackWidth<T>(logits, cols, stride, nullptr, [&](auto pack, int threads) {
     constexpr int kWidth = sizeof(pack) / sizeof(T);
-    CrossEntropyRowsKernel<T, kWidth><<<rows, threads, 0, stream>>>(static_cast<const T*>(logits), cols, stride,
-                                                                     targets, ignore_index, lse, loss);
+    CrossEntropyRowsKernel<T, kWidth>
+        <<<rows, threads, 0, stream>>>(static_cast<const T*>(logits), cols, stride, targets, ignore_index, lse, loss);
   });
 }
 
@@ -164,16 +166,15 @@ void LaunchCrossEntropyRows(CudaDtype dtype, const void* logits, int64_t rows, i
   }
 }
 
-void LaunchCrossEntropyRowsBackward(CudaDtype dtype, const void* logits, int64_t rows, int64_t cols,
-                                    int64_t stride, const int64_t* targets, int64_t ignore_index, const float* lse,
-                                    const float* scale, void* grad, CUstream_st* stream) {
+void LaunchCrossEntropyRowsBackward(CudaDtype dtype, const void* logits, int64_t rows, int64_t cols, int64_t stride,
+                                    const int64_t* targets, int64_t ignore_index, const float* lse, const float* scale,
+                                    void* grad, CUstream_st* stream) {
   if (rows == 0) return;
   switch (dtype) {
     case CudaDtype::kFloat:
       return RowsBackward<float>(logits, rows, cols, stride, targets, ignore_index, lse, scale, grad, stream);
     case CudaDtype::kBFloat16:
-      return RowsBackward<__nv_bfloat16>(logits, rows, cols, stride, targets, ignore_index, lse, scale, grad,
-                                         stream);
+      return RowsBackward<__nv_bfloat16>(logits, rows, cols, stride, targets, ignore_index, lse, scale, grad, stream);
     case CudaDtype::kHalf:
       return RowsBackward<__half>(logits, rows, cols, stride, targets, ignore_index, lse, scale, grad, stream);
   }

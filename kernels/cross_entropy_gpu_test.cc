@@ -67,8 +67,7 @@ TEST(CrossEntropyGpuTest, EqualsCrossEntropyForEachPrecisionAndLayout) {
     SCOPED_TRACE(testing::Message() << c.dtype << " classes " << c.classes << " row stride " << c.row_stride);
     at::manual_seed(7);
     const int64_t rows = 96;
-    const at::Tensor logits =
-        (at::randn({rows, c.row_stride}, at::kCUDA) * 4).to(c.dtype).narrow(1, 0, c.classes);
+    const at::Tensor logits = (at::randn({rows, c.row_stride}, at::kCUDA) * 4).to(c.dtype).narrow(1, 0, c.classes);
     const at::Tensor targets = Targets(rows, c.classes);
     const LossAndGrad reference = Reference(logits, targets), fused = Fused(logits, targets);
     EXPECT_EQ(fused.loss.scalar_type(), at::kFloat);

@@ -46,8 +46,12 @@ at::Tensor CausalMask(int64_t first, int64_t rows, int64_t keys, const at::Tenso
 // The [B*H, T, D] views of q, k, v and how the blocks run over them.
 struct AttentionShape {
   AttentionShape(const at::Tensor& q, const at::Tensor& k)
-      : batch_heads(q.size(0) * q.size(1)), queries(q.size(2)), keys(k.size(2)), dim(q.size(3)),
-        offset(keys - queries), scale(1.0 / std::sqrt(static_cast<double>(dim))) {}
+      : batch_heads(q.size(0) * q.size(1)),
+        queries(q.size(2)),
+        keys(k.size(2)),
+        dim(q.size(3)),
+        offset(keys - queries),
+        scale(1.0 / std::sqrt(static_cast<double>(dim))) {}
   at::Tensor Flat(const at::Tensor& x) const { return x.reshape({batch_heads, x.size(2), dim}); }
   // Calls body(first query, rows, keys it sees) for each block.
   template <typename Body>
@@ -58,8 +62,7 @@ struct AttentionShape {
     }
   }
   // softmax(mask + scale * q k^T) of one block.
-  at::Tensor Probabilities(const at::Tensor& q, const at::Tensor& k, int64_t first, int64_t rows,
-                           int64_t seen) const {
+  at::Tensor Probabilities(const at::Tensor& q, const at::Tensor& k, int64_t first, int64_t rows, int64_t seen) const {
     at::Tensor mask = CausalMask(offset + first, rows, seen, q.options());
     at::Tensor scores = at::baddbmm(mask.expand({batch_heads, rows, seen}), q.narrow(1, first, rows),
                                     k.narrow(1, 0, seen).transpose(1, 2), /*beta=*/1, /*alpha=*/scale);
@@ -125,8 +128,8 @@ struct CausalAttentionFunction : torch::autograd::Function<CausalAttentionFuncti
       const at::Tensor p = saved[3].defined() ? saved[3] : shape.Probabilities(qf, kf, first, rows, seen);
       const at::Tensor g = go.narrow(1, first, rows);
       dv.narrow(1, 0, seen).baddbmm_(p.transpose(1, 2), g);
-      at::Tensor ds = at::_softmax_backward_data(at::bmm(g, vf.narrow(1, 0, seen).transpose(1, 2)), p, -1,
-                                                 p.scalar_type());
+      at::Tensor ds =
+          at::_softmax_backward_data(at::bmm(g, vf.narrow(1, 0, seen).transpose(1, 2)), p, -1, p.scalar_type());
       ds.mul_(shape.scale);
       dq.narrow(1, first, rows).copy_(at::bmm(ds, kf.narrow(1, 0, seen)));
       dk.narrow(1, 0, seen).baddbmm_(ds.transpose(1, 2), qf.narrow(1, first, rows));
@@ -166,8 +169,8 @@ struct NormParts {
 // ATen's add and LayerNorm, which dispatch to AVX2.
 NormParts AddLayerNormForward(const at::Tensor& x, const at::Tensor& r, double alpha, at::IntArrayRef shape,
                               const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  TORCH_CHECK(!r.defined() || x.sizes() == r.sizes(), "add_layer_norm: x ", x.sizes(), " and residual ",
-              r.sizes(), " must have one shape");
+  TORCH_CHECK(!r.defined() || x.sizes() == r.sizes(), "add_layer_norm: x ", x.sizes(), " and residual ", r.sizes(),
+              " must have one shape");
   NormParts parts;
   parts.sum = r.defined() ? at::add(x, r, alpha) : x;
   std::tie(parts.out, parts.mean, parts.rstd) = at::native_layer_norm(parts.sum, shape, weight, bias, eps);
@@ -180,8 +183,8 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
                                double eps) {
     const at::Tensor present_weight = AbsentIfEmpty(weight).value_or(at::Tensor()),
                      present_bias = AbsentIfEmpty(bias).value_or(at::Tensor());
-    NormParts parts = AddLayerNormForward(x, AbsentIfEmpty(r).value_or(at::Tensor()), alpha, shape,
-                                          present_weight, present_bias, eps);
+    NormParts parts = AddLayerNormForward(x, AbsentIfEmpty(r).value_or(at::Tensor()), alpha, shape, present_weight,
+                                          present_bias, eps);
     ctx->save_for_backward({parts.sum, parts.mean, parts.rstd, present_weight, present_bias});
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["shape"] = shape;
@@ -194,9 +197,9 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
     const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
     at::Tensor grad_sum, grad_weight, grad_bias;
     if (grads[1].defined()) {
-      std::tie(grad_sum, grad_weight, grad_bias) = at::native_layer_norm_backward(
-          grads[1].contiguous(), sum, shape, saved[1], saved[2], weight, bias,
-          {true, weight.defined(), bias.defined()});
+      std::tie(grad_sum, grad_weight, grad_bias) =
+          at::native_layer_norm_backward(grads[1].contiguous(), sum, shape, saved[1], saved[2], weight, bias,
+                                         {true, weight.defined(), bias.defined()});
       if (grads[0].defined()) grad_sum.add_(grads[0]);
     } else {
       grad_sum = grads[0];
@@ -223,12 +226,11 @@ c10::TypedOperatorHandle<Signature> Op(const char* name) {
 struct AddLayerNormCudaFunction : torch::autograd::Function<AddLayerNormCudaFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& r, double alpha,
                                const at::Tensor& weight, const at::Tensor& bias, double eps, int64_t out_dtype) {
-    static const auto rows_op =
-        Op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-            const at::Tensor&, const c10::optional<at::Tensor>&, double, const c10::optional<at::Tensor>&,
-            const c10::optional<at::Tensor>&, double, at::ScalarType)>("trident::add_layer_norm_rows");
-    auto [sum, out, mean, rstd] = rows_op.call(x, AbsentIfEmpty(r), alpha, AbsentIfEmpty(weight),
-                                               AbsentIfEmpty(bias), eps, static_cast<at::ScalarType>(out_dtype));
+    static const auto rows_op = Op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const c10::optional<at::Tensor>&, double, const c10::optional<at::Tensor>&,
+        const c10::optional<at::Tensor>&, double, at::ScalarType)>("trident::add_layer_norm_rows");
+    auto [sum, out, mean, rstd] = rows_op.call(x, AbsentIfEmpty(r), alpha, AbsentIfEmpty(weight), AbsentIfEmpty(bias),
+                                               eps, static_cast<at::ScalarType>(out_dtype));
     const bool has_residual = r.numel() > 0;
     if (!has_residual) sum = x;  // the sum's gradient joins x's in backward's pass
     ctx->save_for_backward({sum, mean, rstd, weight, bias});
@@ -237,11 +239,10 @@ struct AddLayerNormCudaFunction : torch::autograd::Function<AddLayerNormCudaFunc
     return {sum, out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto backward_op =
-        Op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-            const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
-            const at::Tensor&, const c10::optional<at::Tensor>&, double, c10::optional<at::ScalarType>, bool,
-            bool)>("trident::add_layer_norm_rows_backward");
+    static const auto backward_op = Op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+        const c10::optional<at::Tensor>&, double, c10::optional<at::ScalarType>, bool, bool)>(
+        "trident::add_layer_norm_rows_backward");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &sum = saved[0], &weight = saved[3], &bias = saved[4];
     const double alpha = ctx->saved_data["alpha"].toDouble();
@@ -253,16 +254,15 @@ struct AddLayerNormCudaFunction : torch::autograd::Function<AddLayerNormCudaFunc
       at::Tensor grad_residual = residual_dtype && g.defined() ? (g * alpha).to(*residual_dtype) : at::Tensor();
       return {g, grad_residual, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
-    auto [grad_x, grad_residual, grad_weight, grad_bias] =
-        backward_op.call(sum, grads[1], grads[0].defined() ? c10::optional<at::Tensor>(grads[0]) : c10::nullopt,
-                         saved[1], saved[2], AbsentIfEmpty(weight), alpha, residual_dtype, weight.numel() > 0,
-                         bias.numel() > 0);
+    auto [grad_x, grad_residual, grad_weight, grad_bias] = backward_op.call(
+        sum, grads[1], grads[0].defined() ? c10::optional<at::Tensor>(grads[0]) : c10::nullopt, saved[1], saved[2],
+        AbsentIfEmpty(weight), alpha, residual_dtype, weight.numel() > 0, bias.numel() > 0);
     const auto as = [](const at::Tensor& grad, const at::Tensor& like) {
       return like.numel() > 0 ? grad.to(like.scalar_type()) : at::Tensor();
     };
     if (!residual_dtype) grad_residual = at::Tensor();
-    return {grad_x, grad_residual, at::Tensor(), as(grad_weight, weight), as(grad_bias, bias), at::Tensor(),
-            at::Tensor()};
+    return {grad_x,       grad_residual, at::Tensor(), as(grad_weight, weight), as(grad_bias, bias),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -270,7 +270,7 @@ struct AddLayerNormCudaFunction : torch::autograd::Function<AddLayerNormCudaFunc
 // and the normalized shape: autocast's lower precision for fp32 x under
 // autocast, else x's own.
 c10::optional<at::ScalarType> CudaNormOutput(const at::Tensor& x, const c10::optional<at::Tensor>& r,
-                                              at::IntArrayRef shape) {
+                                             at::IntArrayRef shape) {
   if (!x.is_cuda() || x.numel() == 0 || shape.size() != 1 || shape[0] != x.size(-1)) return c10::nullopt;
   const bool has_residual = r && r->defined();
   if (has_residual && r->sizes() != x.sizes()) return c10::nullopt;
@@ -288,17 +288,17 @@ std::tuple<at::Tensor, at::Tensor> AddLayerNormAutograd(const at::Tensor& x, con
                                                         const c10::optional<at::Tensor>& weight,
                                                         const c10::optional<at::Tensor>& bias, double eps) {
   if (const c10::optional<at::ScalarType> out = CudaNormOutput(x, r, shape)) {
-    variable_list parts = AddLayerNormCudaFunction::apply(x, PresentOrEmpty(r, x), alpha.toDouble(),
-                                                          PresentOrEmpty(weight, x), PresentOrEmpty(bias, x), eps,
-                                                          static_cast<int64_t>(*out));
+    variable_list parts =
+        AddLayerNormCudaFunction::apply(x, PresentOrEmpty(r, x), alpha.toDouble(), PresentOrEmpty(weight, x),
+                                        PresentOrEmpty(bias, x), eps, static_cast<int64_t>(*out));
     return {parts[0], parts[1]};
   }
   // Mixed precision: the sum in the wider type, as x + r would promote.
   const bool has_residual = r && r->defined();
   const at::ScalarType dtype = has_residual ? at::promote_types(x.scalar_type(), r->scalar_type()) : x.scalar_type();
-  variable_list parts = AddLayerNormFunction::apply(x.to(dtype), has_residual ? r->to(dtype) : PresentOrEmpty(r, x),
-                                                    alpha.toDouble(), shape.vec(), PresentOrEmpty(weight, x),
-                                                    PresentOrEmpty(bias, x), eps);
+  variable_list parts =
+      AddLayerNormFunction::apply(x.to(dtype), has_residual ? r->to(dtype) : PresentOrEmpty(r, x), alpha.toDouble(),
+                                  shape.vec(), PresentOrEmpty(weight, x), PresentOrEmpty(bias, x), eps);
   return {parts[0], parts[1]};
 }
 
@@ -381,9 +381,8 @@ struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
                             int64_t ignore_index) {
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     if (logits.is_cuda()) {
-      static const auto rows_op =
-          Op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t)>(
-              "trident::cross_entropy_rows");
+      static const auto rows_op = Op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t)>(
+          "trident::cross_entropy_rows");
       auto [lse, losses] = rows_op.call(logits, targets, ignore_index);
       const at::Tensor count = targets.ne(ignore_index).sum().to(at::kFloat);
       ctx->save_for_backward({logits, targets, lse, count});
@@ -396,8 +395,9 @@ struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (ctx->saved_data.count("ignore_index") > 0) {  // the CUDA path
-      static const auto backward_op = Op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, int64_t)>("trident::cross_entropy_rows_backward");
+      static const auto backward_op =
+          Op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>(
+              "trident::cross_entropy_rows_backward");
       const auto saved = ctx->get_saved_variables();
       const at::Tensor scale = grads[0].to(at::kFloat) / saved[3];  // on the device: no wait for the loss
       return {backward_op.call(saved[0], saved[1], saved[2], scale, ctx->saved_data["ignore_index"].toInt()),
@@ -405,7 +405,7 @@ struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
     }
     at::Tensor grad = ctx->saved_data["grad"].toTensor();
     ctx->saved_data.erase("grad");  // the only reference: a leaf's .grad may take the buffer itself
-    grad.mul_(grads[0]);  // in place: a graph is run backward once
+    grad.mul_(grads[0]);            // in place: a graph is run backward once
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     return {grad.to(dtype), at::Tensor(), at::Tensor()};
   }
@@ -423,27 +423,31 @@ at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& target
 
 TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
-  m.def("add_layer_norm(Tensor x, Tensor? residual, Scalar alpha, int[] normalized_shape, Tensor? weight, "
-        "Tensor? bias, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "add_layer_norm(Tensor x, Tensor? residual, Scalar alpha, int[] normalized_shape, Tensor? weight, "
+      "Tensor? bias, float eps) -> (Tensor, Tensor)");
   m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> Tensor");
   m.def("cross_entropy(Tensor logits, Tensor targets, int ignore_index) -> Tensor");
   // CUDA only (cross_entropy_cuda.cc): each row's log-sum-exp and loss in fp32; the logits' gradient.
   m.def("cross_entropy_rows(Tensor logits, Tensor targets, int ignore_index) -> (Tensor, Tensor)");
-  m.def("cross_entropy_rows_backward(Tensor logits, Tensor targets, Tensor lse, Tensor scale, int ignore_index) -> "
-        "Tensor");
+  m.def(
+      "cross_entropy_rows_backward(Tensor logits, Tensor targets, Tensor lse, Tensor scale, int ignore_index) -> "
+      "Tensor");
   // CUDA only (layer_norm_cuda.cc): x (+ alpha residual) over the last dimension; outputs not asked for are
   // empty: (sum, out, mean, rstd) and (grad_x, grad_residual, grad_weight, grad_bias).
-  m.def("add_layer_norm_rows(Tensor x, Tensor? residual, float alpha, Tensor? weight, Tensor? bias, float eps, "
-        "ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("add_layer_norm_rows_backward(Tensor sum, Tensor grad_out, Tensor? grad_sum, Tensor mean, Tensor rstd, "
-        "Tensor? weight, float alpha, ScalarType? residual_dtype, bool weight_grad, bool bias_grad) -> "
-        "(Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "add_layer_norm_rows(Tensor x, Tensor? residual, float alpha, Tensor? weight, Tensor? bias, float eps, "
+      "ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "add_layer_norm_rows_backward(Tensor sum, Tensor grad_out, Tensor? grad_sum, Tensor mean, Tensor rstd, "
+      "Tensor? weight, float alpha, ScalarType? residual_dtype, bool weight_grad, bool bias_grad) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
 }
 
-#define TRIDENT_FUSED_KERNELS(m)                      \
-  m.impl("causal_attention", AttentionKernel);          \
-  m.impl("add_layer_norm", AddLayerNormKernel);         \
-  m.impl("bias_gelu", BiasGeluKernel);                  \
+#define TRIDENT_FUSED_KERNELS(m)                \
+  m.impl("causal_attention", AttentionKernel);  \
+  m.impl("add_layer_norm", AddLayerNormKernel); \
+  m.impl("bias_gelu", BiasGeluKernel);          \
   m.impl("cross_entropy", CrossEntropyKernel)
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) { TRIDENT_FUSED_KERNELS(m); }
@@ -457,8 +461,8 @@ TORCH_LIBRARY_IMPL(trident, Autograd, m) {
 }
 
 at::Tensor FusedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  static const auto op = Op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-      "trident::causal_attention");
+  static const auto op =
+      Op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("trident::causal_attention");
   return op.call(q, k, v);
 }
 
@@ -469,18 +473,16 @@ bool FusedCausalAttentionOnCpu(const at::Tensor& q, const at::Tensor& k, const a
 std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const at::Tensor& residual, double alpha,
                                                     at::IntArrayRef normalized_shape, const at::Tensor& weight,
                                                     const at::Tensor& bias, double eps) {
-  static const auto op =
-      Op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const c10::optional<at::Tensor>&, const c10::Scalar&,
-                                            at::IntArrayRef, const c10::optional<at::Tensor>&,
-                                            const c10::optional<at::Tensor>&, double)>("trident::add_layer_norm");
+  static const auto op = Op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const c10::optional<at::Tensor>&, const c10::Scalar&, at::IntArrayRef,
+      const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, double)>("trident::add_layer_norm");
   const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
   auto [sum, out] = op.call(x, optional(residual), alpha, normalized_shape, optional(weight), optional(bias), eps);
   return {sum, out};
 }
 
 at::Tensor FusedBiasGelu(const at::Tensor& x, const at::Tensor& bias, const std::string& approximate) {
-  static const auto op =
-      Op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("trident::bias_gelu");
+  static const auto op = Op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("trident::bias_gelu");
   return op.call(x, bias, approximate);
 }
 

@@ -64,9 +64,8 @@ bool OneDnnProductsInUse();
 // stored, rows `ld` floats apart) or 'T' (transposed), from the libdnnl that
 // LibTorch links; it returns 0 on success. Inside a parallel region (ATen's
 // parallel_for) it runs on the calling thread alone. Null without libdnnl.
-using RowMajorSgemm = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha,
-                              const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-                              int64_t ldc);
+using RowMajorSgemm = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                              int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 RowMajorSgemm OneDnnSgemm();
 
 // UseBestBlasKernels, then UseOneDnnProducts: what `train`, every test and
@@ -78,7 +77,6 @@ std::string UseBestCpuKernels();
 // The name of the kernel set OpenBLAS uses now ("SkylakeX", "Prescott", ...);
 // empty without OpenBLAS.
 std::string BlasCoreName();
-
 
 // at::linear(x, weight, bias) (bias may be undefined). On CUDA, where
 // weight.size(0) is not a multiple of kAlignedWidth, the product runs padded
@@ -109,8 +107,8 @@ at::Tensor PaddedLinear(const at::Tensor& x, const at::Tensor& weight, const at:
 // Reads and writes each array once, as vector instructions, threaded over
 // ATen's intra-op pool; IEEE single precision, so the results do not depend
 // on the CPU's vector width.
-void FusedAdamWStep(float* p, const float* g, float* m, float* v, int64_t n, float decay, float beta1,
-                    float beta2, float inverse_sqrt_bias_correction2, float eps, float step_size);
+void FusedAdamWStep(float* p, const float* g, float* m, float* v, int64_t n, float decay, float beta1, float beta2,
+                    float inverse_sqrt_bias_correction2, float eps, float step_size);
 
 // The fused operators, usable directly (with autograd).
 
@@ -131,10 +129,9 @@ bool FusedCausalAttentionOnCpu(const at::Tensor& q, const at::Tensor& k, const a
 // On CUDA (one normalized dimension of up to 1024, a multiple of 4) the
 // output is in autocast's dtype when autocast is on and x is fp32: the
 // type the next product reads.
-std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const at::Tensor& residual,
-                                                    double alpha, at::IntArrayRef normalized_shape,
-                                                    const at::Tensor& weight, const at::Tensor& bias,
-                                                    double eps);
+std::pair<at::Tensor, at::Tensor> FusedAddLayerNorm(const at::Tensor& x, const at::Tensor& residual, double alpha,
+                                                    at::IntArrayRef normalized_shape, const at::Tensor& weight,
+                                                    const at::Tensor& bias, double eps);
 
 // gelu(x + bias) (bias over the last dimension); `approximate` "none" (erf)
 // or "tanh".

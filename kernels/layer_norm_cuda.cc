@@ -61,8 +61,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> AddLayerNormRowsCuda(
   at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat)), rstd = at::empty_like(mean);
   LaunchAddLayerNorm(dtypes, x.data_ptr(), DataOrNull(residual), static_cast<float>(alpha), FloatData(weight),
                      FloatData(bias), static_cast<float>(eps), rows, cols, has_residual ? sum.data_ptr() : nullptr,
-                     out.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-                     c10::cuda::getCurrentCUDAStream());
+                     out.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {sum, out, mean, rstd};
 }
@@ -84,17 +83,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> AddLayerNormRowsBackw
       Dtypes(sum.scalar_type(), residual_dtype.value_or(sum.scalar_type()), grad_out.scalar_type(), cols);
   const at::Tensor weight = Float(weight0);
   at::Tensor grad_x = at::empty(sum.sizes(), sum.options());
-  at::Tensor grad_residual = residual_dtype ? at::empty(sum.sizes(), sum.options().dtype(*residual_dtype))
-                                            : at::empty({0}, sum.options());
+  at::Tensor grad_residual =
+      residual_dtype ? at::empty(sum.sizes(), sum.options().dtype(*residual_dtype)) : at::empty({0}, sum.options());
   const int blocks = AddLayerNormBackwardBlocks(dtypes, rows);
   const auto partial = [&](bool wanted) {
     return wanted ? at::empty({blocks, cols}, sum.options().dtype(at::kFloat)) : at::Tensor();
   };
   at::Tensor partial_weight = partial(weight_grad), partial_bias = partial(bias_grad);
-  LaunchAddLayerNormBackward(dtypes, sum.data_ptr(), grad_out.data_ptr(), DataOrNull(grad_sum),
-                             mean.data_ptr<float>(), rstd.data_ptr<float>(), FloatData(weight),
-                             static_cast<float>(alpha), rows, cols, grad_x.data_ptr(),
-                             residual_dtype ? grad_residual.data_ptr() : nullptr,
+  LaunchAddLayerNormBackward(dtypes, sum.data_ptr(), grad_out.data_ptr(), DataOrNull(grad_sum), mean.data_ptr<float>(),
+                             rstd.data_ptr<float>(), FloatData(weight), static_cast<float>(alpha), rows, cols,
+                             grad_x.data_ptr(), residual_dtype ? grad_residual.data_ptr() : nullptr,
                              weight_grad ? partial_weight.data_ptr<float>() : nullptr,
                              bias_grad ? partial_bias.data_ptr<float>() : nullptr, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

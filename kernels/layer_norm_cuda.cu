@@ -245,8 +245,8 @@ int AddLayerNormBackwardBlocks(const AddLayerNormDtypes& dtypes, int64_t rows) {
     int device = 0, processors = 1, per_processor = 1;
     if (cudaGetDevice(&device) == cudaSuccess &&
         cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_processor, AddLayerNormBackwardKernel<X, R, O>,
-                                                      kWarps * 32, 0) == cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_processor, AddLayerNormBackwardKernel<X, R, O>, kWarps * 32,
+                                                      0) == cudaSuccess) {
       resident = std::max(1, processors * per_processor);
     }
   });

@@ -39,8 +39,8 @@ struct Results {
 
 // Runs the fused operator (or, with `reference`, add and layer_norm in
 // float64) and backward from the fixed gradients of the sum and the output.
-Results RunFusedOrReference(const Case& c, bool reference, const std::vector<at::Tensor>& inputs, const at::Tensor& grad_sum,
-            const at::Tensor& grad_out) {
+Results RunFusedOrReference(const Case& c, bool reference, const std::vector<at::Tensor>& inputs,
+                            const at::Tensor& grad_sum, const at::Tensor& grad_out) {
   const bool has_residual = c.residual != at::ScalarType::Undefined;
   std::vector<at::Tensor> leaves;
   for (const at::Tensor& t : inputs) {

@@ -109,8 +109,8 @@ bool BatchProduct(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   std::atomic<bool> failed{false};
   at::parallel_for(0, a.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      if (OneDnnSgemm()(o.ta, o.tb, m, n, k, 1, a_data + i * a.stride(0), o.lda, b_data + i * b.stride(0), o.ldb,
-                        0, out_data + i * m * n, n) != 0) {
+      if (OneDnnSgemm()(o.ta, o.tb, m, n, k, 1, a_data + i * a.stride(0), o.lda, b_data + i * b.stride(0), o.ldb, 0,
+                        out_data + i * m * n, n) != 0) {
         failed = true;
       }
     }
@@ -197,7 +197,7 @@ bool UseOneDnnProducts() {
   static const bool used = [] {
     const char* setting = std::getenv("TRIDENT_ONEDNN_PRODUCTS");
     if (OneDnnSgemm() == nullptr || (setting != nullptr && std::string(setting) == "0")) return false;
-    // Replacing LibTorch's own CPU kernels warns once per operator; this is the point.
+      // Replacing LibTorch's own CPU kernels warns once per operator; this is the point.
 #if TORCH_VERSION_MAJOR >= 2
     struct Quiet : c10::WarningHandler {
       void process(const c10::Warning&) override {}

@@ -23,8 +23,8 @@ class OneDnnProductsTest : public ::testing::Test {
   static void ExpectClose(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
     ASSERT_EQ(got.sizes(), want.sizes()) << what;
     ASSERT_EQ(got.scalar_type(), at::kFloat) << what;
-    EXPECT_TRUE(at::allclose(got.to(at::kDouble), want, 1e-4, 1e-4)) << what << ": off by "
-                                                                      << (got.to(at::kDouble) - want).abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(got.to(at::kDouble), want, 1e-4, 1e-4))
+        << what << ": off by " << (got.to(at::kDouble) - want).abs().max().item<double>();
   }
 };
 
@@ -74,7 +74,8 @@ TEST_F(OneDnnProductsTest, BatchedProductsMatchFp64) {
   ExpectClose(at::bmm(q.transpose(0, 1).contiguous().transpose(0, 1), k.transpose(1, 2)), want,
               "a batch dimension that is not the outermost");
   const at::Tensor shared = at::randn({1, 8, 5}).expand({6, 8, 5});
-  ExpectClose(at::bmm(q, shared), at::bmm(q.to(at::kDouble), shared.to(at::kDouble)), "a factor broadcast over the batch");
+  ExpectClose(at::bmm(q, shared), at::bmm(q.to(at::kDouble), shared.to(at::kDouble)),
+              "a factor broadcast over the batch");
 }
 
 // A linear layer's forward with enough rows runs one block of rows per
@@ -108,7 +109,8 @@ TEST_F(OneDnnProductsTest, LinearGradientsMatchFp64) {
   const at::Tensor x = at::randn({33, 24});
   auto gradients = [&](at::ScalarType dtype) {
     std::vector<at::Tensor> leaves;
-    for (const at::Tensor& w : weights) leaves.push_back(w.to(dtype, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true));
+    for (const at::Tensor& w : weights)
+      leaves.push_back(w.to(dtype, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true));
     const at::Tensor hidden = at::gelu(at::linear(x.to(dtype), leaves[0], leaves[1]));
     at::linear(hidden, leaves[2], leaves[3]).pow(2).sum().backward();
     return std::vector<at::Tensor>{leaves[0].grad(), leaves[2].grad()};

@@ -265,8 +265,8 @@ absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions
           "name linear layers in target_modules, or build this one as trident::ParallelLinear"));
     }
     const at::Tensor full_a = DrawA(AdapterName(name, "lora_A", options), options.r, features->second, seed);
-    TRIDENT_ASSIGN_OR_RETURN(auto shards, AddLowRankAdapter(*module, options.adapter_name, full_a, options.scale(),
-                                                            options.dropout));
+    TRIDENT_ASSIGN_OR_RETURN(
+        auto shards, AddLowRankAdapter(*module, options.adapter_name, full_a, options.scale(), options.dropout));
     for (const auto& [relative, spec] : shards) result.shards[Join(name, relative)] = spec;
     result.adapted.push_back(name);
   }
@@ -310,8 +310,8 @@ absl::StatusOr<NamedTensors> MergeAdapters(const NamedTensors& full, const LoraO
   }
   for (const std::string& layer : AdaptedLayers(full, options.adapter_name)) {
     if (!by_name.count(Join(layer, "weight"))) {
-      return absl::InvalidArgumentError(absl::StrCat("cannot merge the adapter of '", layer, "': the tensors hold no ",
-                                                     Join(layer, "weight")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot merge the adapter of '", layer, "': the tensors hold no ", Join(layer, "weight")));
     }
   }
   return merged;

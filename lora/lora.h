@@ -47,7 +47,7 @@ struct LoraOptions {
   double dropout = 0;
   // Linear layers by module name, or a suffix after '.'.
   std::vector<std::string> target_modules;
-  std::string bias = "none";  // which biases train: none, all, lora_only
+  std::string bias = "none";                 // which biases train: none, all, lora_only
   std::vector<std::string> modules_to_save;  // trained whole, by name or suffix
   std::string adapter_name = "default";
   double scale() const { return alpha / static_cast<double>(r); }

@@ -4,9 +4,9 @@
 
 #include <fstream>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include "testing/multiprocess.h"
@@ -117,10 +117,10 @@ TEST(LoraTest, BiasAndModulesToSaveChooseWhatElseTrains) {
   const NamedTensors peft = PeftAdapter(Parameters(*net), lora);
   std::vector<std::string> names;
   for (const auto& [name, t] : peft) names.push_back(name);
-  EXPECT_THAT(names, ::testing::UnorderedElementsAre(
-                         "base_model.model.fc1.bias", "base_model.model.fc1.lora_A.default.weight",
-                         "base_model.model.fc1.lora_B.default.weight", "base_model.model.norm.weight",
-                         "base_model.model.norm.bias"));
+  EXPECT_THAT(names,
+              ::testing::UnorderedElementsAre("base_model.model.fc1.bias", "base_model.model.fc1.lora_A.default.weight",
+                                              "base_model.model.fc1.lora_B.default.weight",
+                                              "base_model.model.norm.weight", "base_model.model.norm.bias"));
 }
 
 TEST(LoraTest, TargetsThatAreNotLinearLayersAreRefused) {

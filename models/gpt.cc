@@ -24,8 +24,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
         dropout_(c.dropout),
         cache_(cache),
         block_(block) {
-    c_attn = register_module(
-        "c_attn", ColumnParallelLinear(c.tp, c.n_embd, 3 * c.n_embd, true, false, /*blocks=*/3));
+    c_attn = register_module("c_attn", ColumnParallelLinear(c.tp, c.n_embd, 3 * c.n_embd, true, false, /*blocks=*/3));
     c_proj = register_module("c_proj", RowParallelLinear(c.tp, c.n_embd, c.n_embd));
     resid_dropout = register_module("resid_dropout", torch::nn::Dropout(c.dropout));
   }
@@ -40,8 +39,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
 
   torch::Tensor Run(const torch::Tensor& x, bool partial) {
     if (!recompute() || !is_training()) return Attend(x, partial);
-    return RecomputeInBackward([this, partial](const Values& in) { return Values{Attend(in[0], partial)}; },
-                               {x}, parameters())[0];
+    return RecomputeInBackward([this, partial](const Values& in) { return Values{Attend(in[0], partial)}; }, {x},
+                               parameters())[0];
   }
 
   torch::Tensor Attend(const torch::Tensor& x, bool partial) {
@@ -53,8 +52,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public RecomputableMod
     // selects would each fill a zero tensor of qkv's size and add; unbinding a
     // heads-first permutation would need a second copy back to qkv's layout).
     const std::vector<torch::Tensor> qkv_parts = qkv.view({B, T, 3, local_heads_, head_dim_}).unbind(2);
-    torch::Tensor q = qkv_parts[0].transpose(1, 2), k = qkv_parts[1].transpose(1, 2),
-                  v = qkv_parts[2].transpose(1, 2);
+    torch::Tensor q = qkv_parts[0].transpose(1, 2), k = qkv_parts[1].transpose(1, 2), v = qkv_parts[2].transpose(1, 2);
     if (cache_->active()) std::tie(k, v) = cache_->Append(block_, k, v);
     torch::Tensor y = CausalAttention(q, k, v, dropout_, is_training(), Uses("fused_attention"));
     const torch::Tensor heads = y.transpose(1, 2).reshape({B, T, local_heads_ * head_dim_});
@@ -145,16 +143,15 @@ class BlockImpl : public torch::nn::Module, public ReplaceableModule {
   }
   // tp_overlapping_level 2: attention and MLP, each from its norm to its residual add.
   std::vector<BlockRegion> Regions() {
-    return {{[this](const torch::Tensor& x) { return ln_1(x); },
-             [this](const torch::Tensor& h) { return attn->PartialForward(h); },
-             [this](const torch::Tensor& x, const torch::Tensor& y) {
-               return x + attn->resid_dropout(y + attn->c_proj->bias);
-             }},
-            {[this](const torch::Tensor& x) { return ln_2(x); },
-             [this](const torch::Tensor& h) { return mlp->PartialForward(h); },
-             [this](const torch::Tensor& x, const torch::Tensor& y) {
-               return x + mlp->dropout(y + mlp->c_proj->bias);
-             }}};
+    return {
+        {[this](const torch::Tensor& x) { return ln_1(x); },
+         [this](const torch::Tensor& h) { return attn->PartialForward(h); },
+         [this](const torch::Tensor& x, const torch::Tensor& y) {
+           return x + attn->resid_dropout(y + attn->c_proj->bias);
+         }},
+        {[this](const torch::Tensor& x) { return ln_2(x); },
+         [this](const torch::Tensor& h) { return mlp->PartialForward(h); },
+         [this](const torch::Tensor& x, const torch::Tensor& y) { return x + mlp->dropout(y + mlp->c_proj->bias); }}};
   }
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
@@ -251,9 +248,8 @@ class Gpt : public LanguageModel {
 }  // namespace
 
 TRIDENT_REGISTER(ArchitectureRegistry, "gpt",
-                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges) -> std::shared_ptr<LanguageModel> {
-                                return std::make_shared<Gpt>(config, ranges);
-                              },
+                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges)
+                                  -> std::shared_ptr<LanguageModel> { return std::make_shared<Gpt>(config, ranges); },
                               CheckHeadsDivideWidth,
                               [](const ModelConfig& c) {
                                 return Architecture::Sizes{{"the MLP width 4*n_embd", 4 * c.n_embd}};

@@ -36,8 +36,7 @@ class RmsNormImpl : public torch::nn::Module {
 TORCH_MODULE(RmsNorm);
 
 // Rotates pairs (x_i, x_{i + d/2}) as Hugging Face's rotate_half does.
-torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
-                          const torch::Tensor& sin) {
+torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
   auto rotated = torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * cos + rotated * sin;
@@ -78,8 +77,8 @@ class AttentionImpl : public torch::nn::Module, public RecomputableModule, publi
   torch::Tensor Run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool partial) {
     if (!recompute() || !is_training()) return Attend(x, cos, sin, partial);
     return RecomputeInBackward(
-        [this, partial](const Values& in) { return Values{Attend(in[0], in[1], in[2], partial)}; },
-        {x, cos, sin}, parameters())[0];
+        [this, partial](const Values& in) { return Values{Attend(in[0], in[1], in[2], partial)}; }, {x, cos, sin},
+        parameters())[0];
   }
 
   torch::Tensor Attend(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool partial) {
@@ -230,8 +229,7 @@ class Llama : public LanguageModel {
       const ModelConfig& c = config();
       const int64_t head_dim = c.n_embd / c.n_head;
       auto options = torch::TensorOptions().dtype(torch::kFloat).device(like.device());
-      auto inv_freq =
-          1.0 / torch::pow(c.rope_theta, torch::arange(0, head_dim, 2, options) / head_dim);
+      auto inv_freq = 1.0 / torch::pow(c.rope_theta, torch::arange(0, head_dim, 2, options) / head_dim);
       auto angles = torch::outer(torch::arange(T, options), inv_freq);
       auto both = torch::cat({angles, angles}, -1);
       rotary_ = {both.cos(), both.sin()};
@@ -267,9 +265,8 @@ absl::Status CheckLlama(const ModelConfig& c) {
 }
 
 TRIDENT_REGISTER(ArchitectureRegistry, "llama",
-                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges) -> std::shared_ptr<LanguageModel> {
-                                return std::make_shared<Llama>(config, ranges);
-                              },
+                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges)
+                                  -> std::shared_ptr<LanguageModel> { return std::make_shared<Llama>(config, ranges); },
                               CheckLlama,
                               [](const ModelConfig& c) {
                                 return Architecture::Sizes{{"n_kv_head", c.n_kv_head > 0 ? c.n_kv_head : c.n_head},

@@ -17,9 +17,7 @@ class ResidualBlockImpl : public torch::nn::Module {
     fc2 = register_module("fc2", ParallelLinear(hidden, c.n_embd));
     dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
   }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return x + dropout(fc2(torch::gelu(fc1(norm(x)))));
-  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + dropout(fc2(torch::gelu(fc1(norm(x))))); }
   torch::nn::LayerNorm norm{nullptr};
   ParallelLinear fc1{nullptr}, fc2{nullptr};
   torch::nn::Dropout dropout{nullptr};
@@ -31,8 +29,7 @@ class Mlp : public LanguageModel {
   Mlp(const ModelConfig& c, const LayerRanges& ranges) : LanguageModel(c, ranges) {
     if (HasLayer(0)) embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.n_embd));
     blocks_holder = register_module("blocks", std::make_shared<torch::nn::Module>());
-    blocks = BuildBlocks<ResidualBlock>(*this, *blocks_holder, c.n_layer,
-                                        [&](int64_t) { return ResidualBlock(c); });
+    blocks = BuildBlocks<ResidualBlock>(*this, *blocks_holder, c.n_layer, [&](int64_t) { return ResidualBlock(c); });
     if (HasLayer(c.n_layer + 1)) {
       norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
       head = register_module("head", ParallelLinear(c.n_embd, c.vocab_size));
@@ -69,17 +66,14 @@ class Mlp : public LanguageModel {
 }  // namespace
 
 TRIDENT_REGISTER(ArchitectureRegistry, "mlp",
-                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges) -> std::shared_ptr<LanguageModel> {
-                                return std::make_shared<Mlp>(config, ranges);
-                              },
+                 Architecture{[](const ModelConfig& config, const LayerRanges& ranges)
+                                  -> std::shared_ptr<LanguageModel> { return std::make_shared<Mlp>(config, ranges); },
                               [](const ModelConfig& c) {
                                 if (c.tp.size == 1) return absl::OkStatus();
                                 return absl::InvalidArgumentError(
                                     "model 'mlp' has no tensor-parallel form; use gpt or llama, or tp=1");
                               },
-                              [](const ModelConfig&) { return Architecture::Sizes{}; },
-                              "",
-                              nullptr,
+                              [](const ModelConfig&) { return Architecture::Sizes{}; }, "", nullptr,
                               /*attention=*/false});
 
 }  // namespace internal

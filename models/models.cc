@@ -27,8 +27,8 @@ struct Preset {
   ModelConfig config;
 };
 
-ModelConfig Sizes(const char* model, int64_t layers, int64_t heads, int64_t embd, int64_t block,
-                  int64_t vocab, int64_t kv_heads = 0, int64_t intermediate = 0) {
+ModelConfig Sizes(const char* model, int64_t layers, int64_t heads, int64_t embd, int64_t block, int64_t vocab,
+                  int64_t kv_heads = 0, int64_t intermediate = 0) {
   ModelConfig c;
   c.model = model;
   c.n_layer = layers;
@@ -78,9 +78,8 @@ absl::StatusOr<ModelConfig> PresetModelConfig(absl::string_view model, absl::str
   for (const Preset& p : Presets()) {
     if (p.model == model && p.name == preset) return p.config;
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown preset '", preset, "' for model '",
-                                                 model, "'; choose one of ",
-                                                 absl::StrJoin(PresetNames(model), ", ")));
+  return absl::InvalidArgumentError(absl::StrCat("unknown preset '", preset, "' for model '", model,
+                                                 "'; choose one of ", absl::StrJoin(PresetNames(model), ", ")));
 }
 
 std::vector<std::string> PresetNames(absl::string_view model) {
@@ -93,30 +92,28 @@ std::vector<std::string> PresetNames(absl::string_view model) {
 
 absl::Status ValidateModelConfig(const ModelConfig& c) {
   TRIDENT_ASSIGN_OR_RETURN(internal::Architecture architecture, internal::ArchitectureRegistry().Find(c.model));
-  for (const auto& [name, value] :
-       std::vector<std::pair<const char*, int64_t>>{{"n_layer", c.n_layer},
-                                                    {"n_head", c.n_head},
-                                                    {"n_embd", c.n_embd},
-                                                    {"block_size", c.block_size},
-                                                    {"vocab_size", c.vocab_size}}) {
+  for (const auto& [name, value] : std::vector<std::pair<const char*, int64_t>>{{"n_layer", c.n_layer},
+                                                                                {"n_head", c.n_head},
+                                                                                {"n_embd", c.n_embd},
+                                                                                {"block_size", c.block_size},
+                                                                                {"vocab_size", c.vocab_size}}) {
     if (value <= 0) {
       return absl::InvalidArgumentError(absl::StrCat(name, "=", value, " must be positive"));
     }
   }
   if (c.vocab_size > 65536) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "vocab_size=", c.vocab_size, " exceeds 65536, the range of uint16 token files"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_size=", c.vocab_size, " exceeds 65536, the range of uint16 token files"));
   }
   if (!(c.init_method_std > 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("init_method_std=", c.init_method_std,
-                                                   " must be positive"));
+    return absl::InvalidArgumentError(absl::StrCat("init_method_std=", c.init_method_std, " must be positive"));
   }
   if (c.dropout < 0 || c.dropout >= 1) {
     return absl::InvalidArgumentError(absl::StrCat("dropout=", c.dropout, " must be in [0, 1)"));
   }
   if (c.tp.size < 1 || c.tp.rank < 0 || c.tp.rank >= c.tp.size) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor-parallel rank ", c.tp.rank,
-                                                   " of size ", c.tp.size, " is not a valid place"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor-parallel rank ", c.tp.rank, " of size ", c.tp.size, " is not a valid place"));
   }
   TRIDENT_RETURN_IF_ERROR(architecture.validate(c));
   // Tensor parallelism splits heads, the vocabulary and the architecture's widths.
@@ -127,11 +124,11 @@ absl::Status ValidateModelConfig(const ModelConfig& c) {
   if (c.tp.sequence_parallel) split.emplace_back("block_size (sequence parallelism)", c.block_size);
   for (const auto& [name, value] : split) {
     if (value % tp != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, "=", value, " is not divisible by tp=", tp,
-          name == "vocab_size" ? "; set vocab_size to a multiple of tp (a padded vocabulary "
-                                 "trains the same), or keep the vocabulary whole (parallel_vocab false)"
-                               : ""));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "=", value, " is not divisible by tp=", tp,
+                       name == "vocab_size" ? "; set vocab_size to a multiple of tp (a padded vocabulary "
+                                              "trains the same), or keep the vocabulary whole (parallel_vocab false)"
+                                            : ""));
     }
   }
   return absl::OkStatus();
@@ -170,9 +167,7 @@ at::Tensor LanguageModel::Loss(const at::Tensor& tokens, const at::Tensor& targe
 at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tensor& targets) {
   const TensorParallelism& tp = config_.tp;
   if (tp.size > 1 && tp.parallel_vocab) {
-    return VocabParallelCrossEntropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
-                                     tp.group)
-        .mean();
+    return VocabParallelCrossEntropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), tp.group).mean();
   }
   if (tp.size > 1 && tp.sequence_parallel) {
     // The whole vocabulary's logits of this rank's sequence shard: the mean
@@ -180,8 +175,8 @@ at::Tensor LanguageModel::SequenceLoss(const at::Tensor& logits, const at::Tenso
     // gives each rank its shard's share; the replicated parameters' partial
     // gradients are summed as sequence parallelism sums them.
     const int64_t T = logits.size(1);
-    at::Tensor shard = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}), targets.narrow(1, tp.rank * T, T).reshape({-1}));
+    at::Tensor shard = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                            targets.narrow(1, tp.rank * T, T).reshape({-1}));
     return ReduceFromTensorParallelRegion(shard / static_cast<double>(tp.size), tp.group);
   }
   // On CUDA the head's logits are a view of a product padded to an aligned width: the loss reads the
@@ -266,8 +261,8 @@ std::pair<at::Tensor, at::Tensor> KeyValueCache::Append(int64_t layer, const at:
   return found->second;
 }
 
-at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           double dropout, bool training, bool fused) {
+at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool training,
+                           bool fused) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Tk = k.size(2);
   at::Tensor keys = k, values = v;
   if (k.size(1) != H) {
@@ -277,15 +272,14 @@ at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   // The fused CPU kernels outside tracing: a traced graph keeps the operators
   // below, which graph analyses (automatic tensor parallelism) read.
-  if (fused || (!(training && dropout > 0) && !torch::jit::tracer::isTracing() &&
-                FusedCausalAttentionOnCpu(q, keys, values))) {
+  if (fused ||
+      (!(training && dropout > 0) && !torch::jit::tracer::isTracing() && FusedCausalAttentionOnCpu(q, keys, values))) {
     return FusedCausalAttention(q, keys, values);
   }
   // Additive: -inf above the diagonal; the queries are the last T of Tk positions.
   thread_local at::Tensor mask;
   auto causal_mask = [&] {
-    if (!mask.defined() || mask.size(0) < Tk || mask.scalar_type() != q.scalar_type() ||
-        mask.device() != q.device()) {
+    if (!mask.defined() || mask.size(0) < Tk || mask.scalar_type() != q.scalar_type() || mask.device() != q.device()) {
       // Never recorded: a traced graph holds the mask as a constant, made in
       // this trace or in an earlier run.
       at::tracer::impl::NoTracerDispatchMode untraced;
@@ -333,8 +327,7 @@ void LanguageModel::KeepPositions(int64_t n) { cache_->Keep(n); }
 void LanguageModel::StopDecoding() { cache_->Stop(); }
 
 bool LanguageModel::HasLayer(int64_t i) const {
-  return std::any_of(ranges_.begin(), ranges_.end(),
-                     [i](const auto& r) { return i >= r.first && i < r.second; });
+  return std::any_of(ranges_.begin(), ranges_.end(), [i](const auto& r) { return i >= r.first && i < r.second; });
 }
 
 void LanguageModel::CheckLayer(int64_t i) const {
@@ -342,33 +335,28 @@ void LanguageModel::CheckLayer(int64_t i) const {
     std::vector<std::string> held;
     for (const auto& [first, end] : ranges_) held.push_back(absl::StrCat(first, " to ", end - 1));
     throw std::out_of_range(absl::StrCat("layer ", i, " (", LayerName(i),
-                                         ") is not materialised in this model part (layers ",
-                                         absl::StrJoin(held, ", "), ")"));
+                                         ") is not materialised in this model part (layers ", absl::StrJoin(held, ", "),
+                                         ")"));
   }
 }
 
-absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config,
-                                                           uint64_t seed) {
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config, uint64_t seed) {
   return CreateModelLayers(config, seed, 0, config.n_layer + 2);
 }
 
-absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
-                                                                 uint64_t seed,
-                                                                 int64_t first_layer,
-                                                                 int64_t end_layer) {
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config, uint64_t seed,
+                                                                 int64_t first_layer, int64_t end_layer) {
   return CreateModelLayers(config, seed, LayerRanges{{first_layer, end_layer}});
 }
 
-absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
-                                                                 uint64_t seed,
-                                                                 const LayerRanges& ranges,
-                                                                 bool defer_values) {
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config, uint64_t seed,
+                                                                 const LayerRanges& ranges, bool defer_values) {
   TRIDENT_RETURN_IF_ERROR(ValidateModelConfig(config));
   for (const auto& [first_layer, end_layer] : ranges) {
     if (first_layer < 0 || end_layer > config.n_layer + 2 || first_layer >= end_layer) {
       return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", end_layer,
-                                                     ") are not a range of the model's ",
-                                                     config.n_layer + 2, " layers"));
+                                                     ") are not a range of the model's ", config.n_layer + 2,
+                                                     " layers"));
     }
   }
   std::shared_ptr<LanguageModel> model;
@@ -378,13 +366,12 @@ absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConf
     const std::string residual_suffix = architecture.residual_projection_suffix;
     const double std = config.init_method_std;
     const double residual_std = std / std::sqrt(2.0 * config.n_layer);
-    auto draw = [seed, std, residual_std, residual_suffix, shards = model->ParameterShards()](
-                    const std::string& name, at::Tensor& p) {
+    auto draw = [seed, std, residual_std, residual_suffix, shards = model->ParameterShards()](const std::string& name,
+                                                                                              at::Tensor& p) {
       torch::NoGradGuard no_grad;
       if (p.dim() >= 2) {
         // GPT-2: residual projections get a smaller std.
-        const double drawn_std =
-            !residual_suffix.empty() && absl::EndsWith(name, residual_suffix) ? residual_std : std;
+        const double drawn_std = !residual_suffix.empty() && absl::EndsWith(name, residual_suffix) ? residual_std : std;
         auto generator = at::make_generator<at::CPUGeneratorImpl>(ParameterSeed(seed, name));
         auto shard = shards.find(name);
         if (shard == shards.end()) {

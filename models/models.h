@@ -150,25 +150,20 @@ class LanguageModel : public torch::nn::Module, public LayerSequence, public Rep
 // Builds `config`'s model. Every parameter is drawn from its own generator,
 // seeded from `seed` and the parameter's name, so the same seed gives the same
 // weights on every rank and every run, whichever layers a process builds.
-absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config,
-                                                           uint64_t seed);
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModel(const ModelConfig& config, uint64_t seed);
 
 // Builds only layers [first_layer, end_layer) of `config`'s model (for a
 // pipeline stage, or one layer at a time for memory-light profiling), with the
 // same weights those layers have in CreateModel's model. GPT's tied token
 // embedding is built by both the first and the last layer.
-absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
-                                                                 uint64_t seed,
-                                                                 int64_t first_layer,
-                                                                 int64_t end_layer);
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config, uint64_t seed,
+                                                                 int64_t first_layer, int64_t end_layer);
 // The same for several ranges, such as the model chunks of an interleaved
 // pipeline rank (layers [0, 2) and [6, 8) of 12). With `defer_values` the
 // parameters' memory is reserved but not written (so it is not resident) and
 // MaterializeLayer(i) draws layer i's values, the same ones.
-absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config,
-                                                                 uint64_t seed,
-                                                                 const LayerRanges& ranges,
-                                                                 bool defer_values = false);
+absl::StatusOr<std::shared_ptr<LanguageModel>> CreateModelLayers(const ModelConfig& config, uint64_t seed,
+                                                                 const LayerRanges& ranges, bool defer_values = false);
 
 }  // namespace trident
 

@@ -4,9 +4,9 @@
 #include <cmath>
 #include <set>
 
+#include <ATen/autocast_mode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
@@ -45,22 +45,14 @@ TEST(GptTest, ParameterNamesAndLayoutsMatchThePyTorchReference) {
   c.vocab_size = 32;
   auto model = Make(c);
   EXPECT_THAT(NamesAndShapes(*model),
-              ElementsAreArray({"transformer.wte.weight [32, 8]",
-                                "transformer.wpe.weight [16, 8]",
-                                "transformer.h.0.ln_1.weight [8]",
-                                "transformer.h.0.ln_1.bias [8]",
-                                "transformer.h.0.attn.c_attn.weight [24, 8]",
-                                "transformer.h.0.attn.c_attn.bias [24]",
-                                "transformer.h.0.attn.c_proj.weight [8, 8]",
-                                "transformer.h.0.attn.c_proj.bias [8]",
-                                "transformer.h.0.ln_2.weight [8]",
-                                "transformer.h.0.ln_2.bias [8]",
-                                "transformer.h.0.mlp.c_fc.weight [32, 8]",
-                                "transformer.h.0.mlp.c_fc.bias [32]",
-                                "transformer.h.0.mlp.c_proj.weight [8, 32]",
-                                "transformer.h.0.mlp.c_proj.bias [8]",
-                                "transformer.ln_f.weight [8]",
-                                "transformer.ln_f.bias [8]"}));
+              ElementsAreArray({"transformer.wte.weight [32, 8]", "transformer.wpe.weight [16, 8]",
+                                "transformer.h.0.ln_1.weight [8]", "transformer.h.0.ln_1.bias [8]",
+                                "transformer.h.0.attn.c_attn.weight [24, 8]", "transformer.h.0.attn.c_attn.bias [24]",
+                                "transformer.h.0.attn.c_proj.weight [8, 8]", "transformer.h.0.attn.c_proj.bias [8]",
+                                "transformer.h.0.ln_2.weight [8]", "transformer.h.0.ln_2.bias [8]",
+                                "transformer.h.0.mlp.c_fc.weight [32, 8]", "transformer.h.0.mlp.c_fc.bias [32]",
+                                "transformer.h.0.mlp.c_proj.weight [8, 32]", "transformer.h.0.mlp.c_proj.bias [8]",
+                                "transformer.ln_f.weight [8]", "transformer.ln_f.bias [8]"}));
   EXPECT_EQ(model->TiedParameters().at("lm_head.weight"), "transformer.wte.weight");
 }
 
@@ -87,17 +79,14 @@ TEST(GptTest, InitialisationFollowsGpt2) {
   auto params = model->named_parameters();
   const double residual_std = 0.02 / std::sqrt(2.0 * 4);
   EXPECT_NEAR(params["transformer.h.0.mlp.c_fc.weight"].std().item<double>(), 0.02, 0.001);
-  EXPECT_NEAR(params["transformer.h.0.attn.c_proj.weight"].std().item<double>(), residual_std,
-              0.0005);
+  EXPECT_NEAR(params["transformer.h.0.attn.c_proj.weight"].std().item<double>(), residual_std, 0.0005);
   EXPECT_EQ(params["transformer.h.0.attn.c_attn.bias"].abs().sum().item<double>(), 0.0);
   EXPECT_EQ(params["transformer.ln_f.weight"].sum().item<double>(), 256.0);
   // The same seed gives the same weights; another seed does not.
   auto same = Make(*PresetModelConfig("gpt", "gpt-tiny"), 7);
   auto other = Make(*PresetModelConfig("gpt", "gpt-tiny"), 8);
-  EXPECT_TRUE(torch::equal(params["transformer.wte.weight"],
-                           same->named_parameters()["transformer.wte.weight"]));
-  EXPECT_FALSE(torch::equal(params["transformer.wte.weight"],
-                            other->named_parameters()["transformer.wte.weight"]));
+  EXPECT_TRUE(torch::equal(params["transformer.wte.weight"], same->named_parameters()["transformer.wte.weight"]));
+  EXPECT_FALSE(torch::equal(params["transformer.wte.weight"], other->named_parameters()["transformer.wte.weight"]));
 }
 
 TEST(LlamaTest, HuggingFaceNamesNoBiasesAndGroupedQueryShapes) {
@@ -110,17 +99,13 @@ TEST(LlamaTest, HuggingFaceNamesNoBiasesAndGroupedQueryShapes) {
   c.vocab_size = 32;
   auto model = Make(c);
   EXPECT_THAT(NamesAndShapes(*model),
-              ElementsAreArray({"model.embed_tokens.weight [32, 16]",
-                                "model.layers.0.self_attn.q_proj.weight [16, 16]",
-                                "model.layers.0.self_attn.k_proj.weight [8, 16]",
-                                "model.layers.0.self_attn.v_proj.weight [8, 16]",
-                                "model.layers.0.self_attn.o_proj.weight [16, 16]",
-                                "model.layers.0.mlp.gate_proj.weight [24, 16]",
-                                "model.layers.0.mlp.up_proj.weight [24, 16]",
-                                "model.layers.0.mlp.down_proj.weight [16, 24]",
-                                "model.layers.0.input_layernorm.weight [16]",
-                                "model.layers.0.post_attention_layernorm.weight [16]",
-                                "model.norm.weight [16]", "lm_head.weight [32, 16]"}));
+              ElementsAreArray(
+                  {"model.embed_tokens.weight [32, 16]", "model.layers.0.self_attn.q_proj.weight [16, 16]",
+                   "model.layers.0.self_attn.k_proj.weight [8, 16]", "model.layers.0.self_attn.v_proj.weight [8, 16]",
+                   "model.layers.0.self_attn.o_proj.weight [16, 16]", "model.layers.0.mlp.gate_proj.weight [24, 16]",
+                   "model.layers.0.mlp.up_proj.weight [24, 16]", "model.layers.0.mlp.down_proj.weight [16, 24]",
+                   "model.layers.0.input_layernorm.weight [16]", "model.layers.0.post_attention_layernorm.weight [16]",
+                   "model.norm.weight [16]", "lm_head.weight [32, 16]"}));
   EXPECT_TRUE(model->TiedParameters().empty());
 }
 
@@ -175,8 +160,8 @@ TEST_P(EveryModelTest, CachedDecodingComputesTheWholeSequencesLogits) {
 // autocast (one scope around forward and backward, as a training step has),
 // and keep fewer bytes.
 TEST(RecomputeTest, RecomputedBlocksGiveTheSameGradientsAndKeepLess) {
-  for (const auto& run_of : std::vector<std::pair<std::string, bool>>{
-           {"gpt", false}, {"gpt", true}, {"llama", false}, {"llama", true}}) {
+  for (const auto& run_of :
+       std::vector<std::pair<std::string, bool>>{{"gpt", false}, {"gpt", true}, {"llama", false}, {"llama", true}}) {
     const std::string name = run_of.first;
     const bool bf16 = run_of.second;
     SCOPED_TRACE(absl::StrCat(name, bf16 ? " bf16" : " fp32"));
@@ -247,8 +232,7 @@ TEST_P(EveryModelTest, LearnsARepeatingSequence) {
   EXPECT_LT(last, first * 0.3) << "first " << first << " last " << last;
 }
 
-INSTANTIATE_TEST_SUITE_P(Zoo, EveryModelTest,
-                         ::testing::Values("gpt-tiny", "llama-tiny", "mlp-tiny"),
+INSTANTIATE_TEST_SUITE_P(Zoo, EveryModelTest, ::testing::Values("gpt-tiny", "llama-tiny", "mlp-tiny"),
                          [](const auto& info) {
                            std::string name = info.param;
                            return name.substr(0, name.find('-'));
@@ -303,12 +287,10 @@ TEST(ModelConfigTest, UnknownNamesAndBadSizesAreClearErrors) {
               HasSubstr("choose one of gpt-tiny, gpt2-124m"));
   ModelConfig c = *PresetModelConfig("gpt", "gpt-tiny");
   c.n_head = 3;
-  EXPECT_THAT(std::string(CreateModel(c, 1).status().message()),
-              HasSubstr("n_embd=256 is not divisible by n_head=3"));
+  EXPECT_THAT(std::string(CreateModel(c, 1).status().message()), HasSubstr("n_embd=256 is not divisible by n_head=3"));
   c = *PresetModelConfig("llama", "llama-tiny");
   c.n_kv_head = 3;
-  EXPECT_THAT(std::string(ValidateModelConfig(c).message()),
-              HasSubstr("n_head=4 is not divisible by n_kv_head=3"));
+  EXPECT_THAT(std::string(ValidateModelConfig(c).message()), HasSubstr("n_head=4 is not divisible by n_kv_head=3"));
   c.n_kv_head = 2;
   c.vocab_size = 70000;
   EXPECT_THAT(std::string(ValidateModelConfig(c).message()), HasSubstr("exceeds 65536"));

@@ -28,10 +28,9 @@ TracedGpt TraceGpt() {
   TracedGpt traced;
   traced.model = *CreateModel(config, 4);
   traced.tokens = torch::randint(config.vocab_size, {2, 32}, torch::kLong);
-  auto graph = ModelGraph::Trace(*traced.model, {traced.tokens, traced.tokens},
-                                 [&](const std::vector<at::Tensor>& in) {
-                                   return std::vector<at::Tensor>{traced.model->Loss(in[0], in[1])};
-                                 });
+  auto graph = ModelGraph::Trace(*traced.model, {traced.tokens, traced.tokens}, [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{traced.model->Loss(in[0], in[1])};
+  });
   EXPECT_TRUE(graph.ok()) << graph.status();
   traced.graph = std::move(*graph);
   for (const auto& item : traced.model->named_modules()) traced.module_types[item.key()] = item.value()->name();

@@ -49,8 +49,7 @@ TEST_P(TensorParallelModelTest, LossAndGradientsEqualOneProcess) {
     auto full = whole->named_parameters();
     for (const auto& item : (*sharded)->named_parameters()) {
       auto spec = shards.find(item.key());
-      const at::Tensor expected =
-          spec == shards.end() ? full[item.key()] : spec->second.Slice(full[item.key()]);
+      const at::Tensor expected = spec == shards.end() ? full[item.key()] : spec->second.Slice(full[item.key()]);
       EXPECT_TRUE(torch::equal(item.value(), expected)) << "initial " << item.key();
     }
 
@@ -89,10 +88,9 @@ TEST_P(TensorParallelModelTest, LossAndGradientsEqualOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(
     ModelsAndRanks, TensorParallelModelTest,
-    ::testing::Values(Case{"gpt", 2, false}, Case{"gpt", 4, false}, Case{"gpt", 2, true},
-                      Case{"gpt", 4, true}, Case{"llama", 2, false}, Case{"llama", 4, false},
-                      Case{"llama", 2, true}, Case{"gpt", 2, false, 2}, Case{"gpt", 4, false, 2},
-                      Case{"llama", 2, false, 2}),
+    ::testing::Values(Case{"gpt", 2, false}, Case{"gpt", 4, false}, Case{"gpt", 2, true}, Case{"gpt", 4, true},
+                      Case{"llama", 2, false}, Case{"llama", 4, false}, Case{"llama", 2, true},
+                      Case{"gpt", 2, false, 2}, Case{"gpt", 4, false, 2}, Case{"llama", 2, false, 2}),
     [](const auto& info) {
       return std::string(info.param.model) + "_tp" + std::to_string(info.param.tp) +
              (info.param.sequence_parallel ? "_sp" : "") +
@@ -102,8 +100,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(TensorParallelModelConfigTest, DimensionsThatDoNotDivideAreNamed) {
   ModelConfig c = SmallConfig("gpt");
   c.tp = {3, 0, "tp", false};
-  EXPECT_THAT(std::string(ValidateModelConfig(c).message()),
-              ::testing::HasSubstr("n_head=4 is not divisible by tp=3"));
+  EXPECT_THAT(std::string(ValidateModelConfig(c).message()), ::testing::HasSubstr("n_head=4 is not divisible by tp=3"));
   c.n_head = 3;
   c.n_embd = 33;
   EXPECT_THAT(std::string(ValidateModelConfig(c).message()),

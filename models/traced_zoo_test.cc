@@ -33,9 +33,7 @@ TEST_P(TracedZooTest, TracedGraphReproducesEagerLossAndGradients) {
   auto targets2 = torch::randint(config.vocab_size, {2, 16}, torch::kLong);
   auto graph = ModelGraph::Trace(
       *traced_model, {tokens, targets},
-      [&](const std::vector<at::Tensor>& in) {
-        return std::vector<at::Tensor>{traced_model->Loss(in[0], in[1])};
-      },
+      [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{traced_model->Loss(in[0], in[1])}; },
       /*check_inputs=*/{tokens2, targets2});
   ASSERT_TRUE(graph.ok()) << graph.status();
   EXPECT_EQ((*graph)->parameter_names().size(), traced_model->named_parameters().size());
@@ -53,18 +51,15 @@ TEST_P(TracedZooTest, TracedGraphReproducesEagerLossAndGradients) {
   auto expected = eager_model->named_parameters();
   for (const auto& item : traced_model->named_parameters()) {
     ASSERT_TRUE(item.value().grad().defined()) << item.key();
-    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-6))
-        << item.key();
+    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-6)) << item.key();
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Zoo, TracedZooTest,
-                         ::testing::Values("gpt-tiny", "llama-tiny", "mlp-tiny"),
+INSTANTIATE_TEST_SUITE_P(Zoo, TracedZooTest, ::testing::Values("gpt-tiny", "llama-tiny", "mlp-tiny"),
                          [](const auto& info) {
                            std::string name = info.param;
                            return name.substr(0, name.find('-'));
                          });
-
 
 // Equal up to fp32 rounding (see above: fused eager attention, unfused traced).
 void ExpectSameGradients(torch::nn::Module& split, torch::nn::Module& whole) {

@@ -97,8 +97,8 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
     for (const ParameterPart& part : parts) {
       const std::string& name = index.Name(part.parameter);
       if (part.begin == part.end || (deduplicate && index.WrittenElsewhere(name, true))) continue;
-      pieces.push_back({name, index.PartSlice(name, part),
-                        internal::FlatPart(part.updated, part.offset, part.end - part.begin)});
+      pieces.push_back(
+          {name, index.PartSlice(name, part), internal::FlatPart(part.updated, part.offset, part.end - part.begin)});
     }
   }
   for (const auto& [name, p] : m.parameters) {  // whole: frozen ones (if saved), all without ZeRO
@@ -123,8 +123,8 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
           const bool first = part.begin == 0 && (m.tp == nullptr || m.tp->rank() == 0 || !m.shards.count(name));
           if (first || !deduplicate) pieces.push_back({StateName(name, state), TensorSlice::Whole({}), tensor});
         } else {
-          pieces.push_back({StateName(name, state), slice,
-                            internal::FlatPart(tensor, part.offset, part.end - part.begin)});
+          pieces.push_back(
+              {StateName(name, state), slice, internal::FlatPart(tensor, part.offset, part.end - part.begin)});
         }
       }
     }
@@ -146,7 +146,9 @@ absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader,
   c10::NoGradGuard no_grad;
   // Reads the slice of `name` into the contiguous `into` (any device).
   auto read = [&](const std::string& name, const TensorSlice& slice, at::Tensor into) -> absl::Status {
-    at::Tensor staged = into.device().is_cpu() && into.is_contiguous() ? into : at::empty(into.sizes(), into.options().device(at::kCPU));
+    at::Tensor staged = into.device().is_cpu() && into.is_contiguous()
+                            ? into
+                            : at::empty(into.sizes(), into.options().device(at::kCPU));
     TRIDENT_RETURN_IF_ERROR(reader.Read(name, slice, staged));
     if (!staged.is_same(into)) into.copy_(staged);
     return absl::OkStatus();
@@ -184,7 +186,8 @@ absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader,
     for (const ParameterPart& part : parts) {
       if (part.begin == part.end) continue;
       const std::string& name = index.Name(part.parameter);
-      const bool saved = reader.Contains(StateName(name, "exp_avg")) || reader.Contains(StateName(name, "momentum_buffer"));
+      const bool saved =
+          reader.Contains(StateName(name, "exp_avg")) || reader.Contains(StateName(name, "momentum_buffer"));
       if (!saved) {  // saved before its first update, or without optimizer state
         if (!names->empty()) missing.push_back(name);
         continue;
@@ -203,7 +206,8 @@ absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader,
       }
     }
     if (!missing.empty() && missing.size() < parts.size()) {
-      return absl::DataLossError(absl::StrCat("checkpoint ", reader.path(), " holds optimizer state for some parameters but not for ",
+      return absl::DataLossError(absl::StrCat("checkpoint ", reader.path(),
+                                              " holds optimizer state for some parameters but not for ",
                                               absl::StrJoin(missing, ", ")));
     }
     for (const ParameterPart& part : parts) {

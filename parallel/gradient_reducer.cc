@@ -7,8 +7,8 @@
 
 namespace trident {
 
-GradientReducer::GradientReducer(const NamedTensors& parameters, const ProcessGroup* group,
-                                 int64_t bucket_bytes, double predivide_factor)
+GradientReducer::GradientReducer(const NamedTensors& parameters, const ProcessGroup* group, int64_t bucket_bytes,
+                                 double predivide_factor)
     : group_(group != nullptr && group->size() > 1 ? group : nullptr),
       predivide_factor_(predivide_factor),
       parameters_(parameters) {
@@ -65,7 +65,8 @@ void GradientReducer::OnGradientReady(int parameter) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (first_error_.ok()) {
       first_error_ = absl::InternalError(absl::StrCat(
-          "the gradient of ", parameters_[parameter].first, " was accumulated again after its bucket's "
+          "the gradient of ", parameters_[parameter].first,
+          " was accumulated again after its bucket's "
           "all-reduce had started, so the sum may have missed part of it: a backward pass that accumulates a "
           "parameter more than once (a hand-written backward inside a recomputed module?)"));
     }

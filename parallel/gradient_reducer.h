@@ -62,8 +62,8 @@ class GradientReducer {
   double predivide_factor_;
   NamedTensors parameters_;
   std::vector<Bucket> buckets_;
-  std::vector<int> bucket_of_;     // per parameter
-  std::vector<bool> arrived_;      // per parameter, in this backward
+  std::vector<int> bucket_of_;  // per parameter
+  std::vector<bool> arrived_;   // per parameter, in this backward
   GradientAccumulatedHooks hooks_;
   bool sync_ = false;
   std::mutex mutex_;

@@ -12,15 +12,12 @@ ModelSource ModelSource::FromLayers(std::shared_ptr<LayerSequence> layers) {
   ModelSource source;
   source.kind = Kind::kLayers;
   source.num_layers = layers->NumLayers();
-  source.build = [layers](const LayerRanges&) -> absl::StatusOr<std::shared_ptr<LayerSequence>> {
-    return layers;
-  };
+  source.build = [layers](const LayerRanges&) -> absl::StatusOr<std::shared_ptr<LayerSequence>> { return layers; };
   return source;
 }
 
 ModelSource ModelSource::FromLayerBuilder(
-    int64_t num_layers,
-    std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges&)> build) {
+    int64_t num_layers, std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges&)> build) {
   ModelSource source;
   source.kind = Kind::kLayers;
   source.num_layers = num_layers;
@@ -58,17 +55,17 @@ namespace {
 
 // A TorchScript file saved from Python: args path, and block_size and
 // vocab_size describing the token data it trains on.
-TRIDENT_REGISTER(ModelRegistry, "torchscript", [](const ComponentArgs& args, const ModelContext& context)
-                                          -> absl::StatusOr<ModelSource> {
-  TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"path", "block_size", "vocab_size"}));
-  ModelSource source = ModelSource::FromTorchScript(args.GetString("path", ""));
-  if (source.torchscript_path.empty()) {
-    return absl::InvalidArgumentError("model 'torchscript' needs a path (--model=torchscript:PATH)");
-  }
-  TRIDENT_ASSIGN_OR_RETURN(source.sequence_length, args.GetInt("block_size", 0));
-  TRIDENT_ASSIGN_OR_RETURN(source.vocab_size, args.GetInt("vocab_size", context.data_vocab_size));
-  return source;
-});
+TRIDENT_REGISTER(ModelRegistry, "torchscript",
+                 [](const ComponentArgs& args, const ModelContext& context) -> absl::StatusOr<ModelSource> {
+                   TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"path", "block_size", "vocab_size"}));
+                   ModelSource source = ModelSource::FromTorchScript(args.GetString("path", ""));
+                   if (source.torchscript_path.empty()) {
+                     return absl::InvalidArgumentError("model 'torchscript' needs a path (--model=torchscript:PATH)");
+                   }
+                   TRIDENT_ASSIGN_OR_RETURN(source.sequence_length, args.GetInt("block_size", 0));
+                   TRIDENT_ASSIGN_OR_RETURN(source.vocab_size, args.GetInt("vocab_size", context.data_vocab_size));
+                   return source;
+                 });
 
 const at::Tensor& FirstOutput(const Values& outputs, const char* loss) {
   TORCH_CHECK(!outputs.empty() && outputs[0].defined(), "loss '", loss,

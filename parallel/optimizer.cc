@@ -6,10 +6,10 @@
 #include <string>
 #include <type_traits>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 #include <torch/version.h>
@@ -21,9 +21,7 @@
 namespace trident {
 namespace {
 
-bool Fusable(const at::Tensor& t) {
-  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
-}
+bool Fusable(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); }
 
 // GPU parameters of one device and dtype, updated together by LibTorch 2's
 // multi-tensor AdamW kernel (PyTorch's fused=True): one launch for all of
@@ -71,8 +69,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(s.step()));
       if (Fusable(p) && Fusable(grad) && Fusable(s.exp_avg()) && Fusable(s.exp_avg_sq())) {
         FusedAdamWStep(p.data_ptr<float>(), grad.data_ptr<float>(), s.exp_avg().data_ptr<float>(),
-                       s.exp_avg_sq().data_ptr<float>(), p.numel(),
-                       static_cast<float>(1.0 - lr * decay), beta1, beta2,
+                       s.exp_avg_sq().data_ptr<float>(), p.numel(), static_cast<float>(1.0 - lr * decay), beta1, beta2,
                        static_cast<float>(1.0 / std::sqrt(bias_correction2)), eps,
                        static_cast<float>(lr / bias_correction1));
         continue;
@@ -99,8 +96,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     }
 #if TORCH_VERSION_MAJOR >= 2
     for (auto& [where, b] : gpu) {
-      at::_fused_adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, b.steps, lr, beta1,
-                        beta2, decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+      at::_fused_adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, b.steps, lr, beta1, beta2,
+                        decay, eps, /*amsgrad=*/false, /*maximize=*/false);
     }
 #endif
   }
@@ -112,8 +109,7 @@ Registry<OptimizerMaker>& OptimizerRegistry() {
   return *registry;
 }
 
-absl::StatusOr<OptimizerFactory> MakeOptimizerFactory(const std::string& type,
-                                                      const ComponentArgs& args) {
+absl::StatusOr<OptimizerFactory> MakeOptimizerFactory(const std::string& type, const ComponentArgs& args) {
   TRIDENT_ASSIGN_OR_RETURN(OptimizerMaker make, OptimizerRegistry().Find(type));
   return make(args);
 }
@@ -136,8 +132,8 @@ absl::StatusOr<AdamArgs> ReadAdamArgs(const ComponentArgs& args, double default_
   TRIDENT_ASSIGN_OR_RETURN(a.eps, args.GetDouble("eps", 1e-8));
   TRIDENT_ASSIGN_OR_RETURN(a.weight_decay, args.GetDouble("weight_decay", default_decay));
   if (a.beta1 < 0 || a.beta1 >= 1 || a.beta2 < 0 || a.beta2 >= 1) {
-    return absl::InvalidArgumentError(absl::StrCat(args.owner(), ": beta1=", a.beta1, " and beta2=",
-                                                   a.beta2, " must be in [0, 1)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.owner(), ": beta1=", a.beta1, " and beta2=", a.beta2, " must be in [0, 1)"));
   }
   if (!(a.eps > 0) || a.weight_decay < 0) {
     return absl::InvalidArgumentError(
@@ -188,8 +184,7 @@ TRIDENT_REGISTER(OptimizerRegistry, "sgd", [](const ComponentArgs& args) -> absl
       options->momentum(momentum).weight_decay(g == 0 ? decay : 0.0);
       param_groups.emplace_back(groups[g], std::move(options));
     }
-    return std::unique_ptr<torch::optim::Optimizer>(
-        new torch::optim::SGD(param_groups, torch::optim::SGDOptions(0.0)));
+    return std::unique_ptr<torch::optim::Optimizer>(new torch::optim::SGD(param_groups, torch::optim::SGDOptions(0.0)));
   });
 });
 

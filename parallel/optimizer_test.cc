@@ -75,14 +75,14 @@ TEST(AdamWStateTest, StateRoundTripsExactly) {
 TEST(OptimizerRegistryTest, UnknownNamesAndBadArgumentsAreErrors) {
   EXPECT_THAT(std::string(MakeOptimizerFactory("lamb", {}).status().message()),
               ::testing::HasSubstr("unknown optimizer 'lamb'; choose adam, adamw, sgd"));
-  EXPECT_THAT(std::string(MakeOptimizerFactory("adamw", ComponentArgs("optimizer 'adamw'", {{"betas", "1"}}))
-                              .status()
-                              .message()),
-              ::testing::HasSubstr("has no argument(s) betas"));
-  EXPECT_THAT(std::string(MakeOptimizerFactory("sgd", ComponentArgs("optimizer 'sgd'", {{"momentum", "x"}}))
-                              .status()
-                              .message()),
-              ::testing::HasSubstr("momentum='x' is not a number"));
+  EXPECT_THAT(
+      std::string(
+          MakeOptimizerFactory("adamw", ComponentArgs("optimizer 'adamw'", {{"betas", "1"}})).status().message()),
+      ::testing::HasSubstr("has no argument(s) betas"));
+  EXPECT_THAT(
+      std::string(
+          MakeOptimizerFactory("sgd", ComponentArgs("optimizer 'sgd'", {{"momentum", "x"}})).status().message()),
+      ::testing::HasSubstr("momentum='x' is not a number"));
 }
 
 TEST(LearningRateTest, WarmupThenDecayToMinimum) {

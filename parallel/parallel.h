@@ -117,8 +117,7 @@ struct ModelSource {
 
   static ModelSource FromLayers(std::shared_ptr<LayerSequence> layers);
   static ModelSource FromLayerBuilder(
-      int64_t num_layers,
-      std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges&)> build);
+      int64_t num_layers, std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges&)> build);
   static ModelSource FromModule(std::shared_ptr<torch::nn::Module> module,
                                 std::function<Values(const Values&)> forward);
   static ModelSource FromTorchScript(std::string path);
@@ -152,8 +151,8 @@ struct ParallelPlan {
   // where its cost model finds the communication dearer than the compute saved.
   bool tp_split_all = false;
   TensorParallelLayerLists tp_layer_lists;  // Merak's set_tp_layer_lists: pins parts of that plan
-  int virtual_stages = 1;          // model chunks per pipeline rank (interleaved_1f1b)
-  std::string schedule = "1f1b";   // see MakeSchedule
+  int virtual_stages = 1;                   // model chunks per pipeline rank (interleaved_1f1b)
+  std::string schedule = "1f1b";            // see MakeSchedule
   // Where stages may be cut: "layer_split" (LayerSequence layers) or
   // "farthest_min_deps" / "nearest_min_deps" (traced graphs); "" picks
   // farthest_min_deps for traced models, layer_split for layer sequences.
@@ -263,9 +262,8 @@ class ParallelModel;
 // rank calls it; an error on one rank reaches all. It changes nothing
 // process-wide: a program that wants the fastest fp32 CPU products calls
 // UseBestCpuKernels (kernels/kernels.h) once first, as `train` does.
-absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
-                                                           Topology* topology, const Batch& example,
-                                                           OptimizerFactory make_optimizer);
+absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan, Topology* topology,
+                                                           const Batch& example, OptimizerFactory make_optimizer);
 
 class ParallelModel {
  public:
@@ -364,8 +362,7 @@ class ParallelModel {
   const std::vector<TimelineEvent>& timeline() const;
 
  private:
-  friend absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource, ParallelPlan,
-                                                                    Topology*, const Batch&,
+  friend absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource, ParallelPlan, Topology*, const Batch&,
                                                                     OptimizerFactory);
   class Impl;
   explicit ParallelModel(std::unique_ptr<Impl> impl);
@@ -385,8 +382,7 @@ struct ModelContext {
   uint64_t seed = 1;
   int64_t data_vocab_size = 0;  // of the training data, when it has a tokenizer
 };
-using ModelFactory =
-    std::function<absl::StatusOr<ModelSource>(const ComponentArgs& args, const ModelContext& context)>;
+using ModelFactory = std::function<absl::StatusOr<ModelSource>(const ComponentArgs& args, const ModelContext& context)>;
 Registry<ModelFactory>& ModelRegistry();
 
 }  // namespace trident

@@ -3,8 +3,8 @@
 #include <numeric>
 #include <set>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -33,13 +33,13 @@ absl::StatusOr<const ProcessGroup*> AxisGroup(const Topology& topology, const ch
   auto group = topology.Group(axis);
   if (!group.ok()) {
     if (size == 1) return nullptr;
-    return absl::InvalidArgumentError(absl::StrCat("the plan asks for ", size, " ranks on axis '",
-                                                   axis, "' but the topology has no such axis; ",
+    return absl::InvalidArgumentError(absl::StrCat("the plan asks for ", size, " ranks on axis '", axis,
+                                                   "' but the topology has no such axis; ",
                                                    "create it in TopologyOptions::mesh_axes"));
   }
   if ((*group)->size() != size) {
-    return absl::InvalidArgumentError(absl::StrCat("the topology's '", axis, "' group has ",
-                                                   (*group)->size(), " ranks but the plan says ", size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the topology's '", axis, "' group has ", (*group)->size(), " ranks but the plan says ", size));
   }
   return *group;
 }
@@ -53,8 +53,8 @@ absl::StatusOr<at::Device> PlanDevice(const ParallelPlan& plan, const Topology& 
   }
   const int local = topology.env().local_rank;
   if (local >= static_cast<int>(torch::cuda::device_count())) {
-    return absl::FailedPreconditionError(absl::StrCat("local rank ", local, " has no GPU: this node has ",
-                                                      torch::cuda::device_count()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("local rank ", local, " has no GPU: this node has ", torch::cuda::device_count()));
   }
   at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(local));
   c10::impl::getDeviceGuardImpl(at::kCUDA)->setDevice(device);
@@ -70,10 +70,10 @@ absl::Status CheckMeshOrder(const ParallelPlan& plan, const Topology& topology) 
   for (int rank = 0; rank < topology.world_size(); ++rank) {
     for (const char* axis : {"tensor", "pipeline", "data"}) {
       if (planned.AxisIndex(axis, rank) != topology.mesh().AxisIndex(axis, rank)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the plan lays the ranks out as ", planned.ToString(), " but the topology as ",
-            topology.mesh().ToString(), " (rank ", rank, " differs on axis '", axis,
-            "'); create the topology with PlanMeshAxes(plan) and plan.rank_order"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("the plan lays the ranks out as ", planned.ToString(), " but the topology as ",
+                         topology.mesh().ToString(), " (rank ", rank, " differs on axis '", axis,
+                         "'); create the topology with PlanMeshAxes(plan) and plan.rank_order"));
       }
     }
   }
@@ -82,13 +82,12 @@ absl::Status CheckMeshOrder(const ParallelPlan& plan, const Topology& topology) 
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan,
-                                                           Topology* topology, const Batch& example,
-                                                           OptimizerFactory make_optimizer) {
+absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan, Topology* topology,
+                                                           const Batch& example, OptimizerFactory make_optimizer) {
   TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
   if (plan.dp * plan.tp * plan.pp != topology->world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("dp*tp*pp = ", plan.dp * plan.tp * plan.pp,
-                                                   " but the job has ", topology->world_size(), " ranks"));
+    return absl::InvalidArgumentError(absl::StrCat("dp*tp*pp = ", plan.dp * plan.tp * plan.pp, " but the job has ",
+                                                   topology->world_size(), " ranks"));
   }
   TRIDENT_RETURN_IF_ERROR(CheckSource(source, plan));
   TRIDENT_RETURN_IF_ERROR(CheckMeshOrder(plan, *topology));
@@ -284,8 +283,8 @@ absl::Status ParallelModel::Impl::CheckModulePatterns() {
   }
   return check(plan.checkpoint_layers, layer_hits, "checkpoint_layers:",
                absl::StrCat("matches no layer of the model (layer names are like '",
-                            part.layers->LayerName(std::min(part.chunks.front().first_layer + 1,
-                                                            part.chunks.front().end_layer - 1)),
+                            part.layers->LayerName(
+                                std::min(part.chunks.front().first_layer + 1, part.chunks.front().end_layer - 1)),
                             "')"));
 }
 
@@ -369,8 +368,7 @@ absl::StatusOr<std::vector<double>> ParallelModel::Impl::LossWeights(const std::
   if (HoldsLastStage()) {
     for (size_t m = 0; m < M; ++m) {
       const at::Tensor& targets = batches[m].at(batches[m].size() - 1);
-      tokens[m] = at::isFloatingType(targets.scalar_type()) ? targets.numel()
-                                                             : (targets >= 0).sum().item<double>();
+      tokens[m] = at::isFloatingType(targets.scalar_type()) ? targets.numel() : (targets >= 0).sum().item<double>();
     }
   }
   at::Tensor total = at::full({1}, std::accumulate(tokens.begin(), tokens.end(), 0.0), at::kDouble);
@@ -451,8 +449,7 @@ absl::StatusOr<Values> ParallelModel::Forward(const Batch& batch) {
   c10::NoGradGuard no_grad;
   AutocastScope autocast(m.precision, m.device.type());
   std::vector<StageChunk> chunks = m.part.chunks;  // the training specs stay as they are
-  TRIDENT_ASSIGN_OR_RETURN(StagePass pass, ForwardThroughStages(*m.part.layers, chunks, m.pp,
-                                                                m.OnDevice({batch})[0]));
+  TRIDENT_ASSIGN_OR_RETURN(StagePass pass, ForwardThroughStages(*m.part.layers, chunks, m.pp, m.OnDevice({batch})[0]));
   return pass.outputs;
 }
 
@@ -499,18 +496,17 @@ std::string ParallelModel::Describe() const {
   std::string text;
   for (const StagePlan& s : plan.stages()) {
     const bool named = s.layer_names_size() > 0;
-    absl::StrAppend(&text, absl::StrFormat("  virtual stage %d: %s %d-%d (%s .. %s)\n", s.stage(),
-                                           m.part.traced ? "shards" : "layers", s.first_layer(),
-                                           s.end_layer() - 1, named ? s.layer_names(0) : "",
-                                           named ? s.layer_names(s.layer_names_size() - 1) : ""));
+    absl::StrAppend(
+        &text, absl::StrFormat("  virtual stage %d: %s %d-%d (%s .. %s)\n", s.stage(),
+                               m.part.traced ? "shards" : "layers", s.first_layer(), s.end_layer() - 1,
+                               named ? s.layer_names(0) : "", named ? s.layer_names(s.layer_names_size() - 1) : ""));
   }
   if (!m.part.tensor_parallel_report.empty()) {
     absl::StrAppend(&text, "  automatic tensor parallelism:\n", m.part.tensor_parallel_report);
   }
   if (m.plan.no_tie_modules && m.part.traced) {
     absl::StrAppend(&text, "  no_tie_modules: ",
-                    m.part.untied.empty() ? "the model ties no parameters" : absl::StrJoin(m.part.untied, ", "),
-                    "\n");
+                    m.part.untied.empty() ? "the model ties no parameters" : absl::StrJoin(m.part.untied, ", "), "\n");
   }
   if (!m.plan.module_replace.empty()) absl::StrAppend(&text, "  ", m.part.replace_report.Summary(), " (this rank)\n");
   if (!m.plan.checkpoint_modules.empty()) {

@@ -65,8 +65,7 @@ Batch MicroBatch(int m) {
 OptimizerFactory Sgd() { return *MakeOptimizerFactory("sgd", ComponentArgs()); }
 
 // Gradients after one ForwardBackward of `plan` on `source`, by name, and the loss.
-std::map<std::string, at::Tensor> Gradients(ParallelModel& model, const std::vector<Batch>& batches,
-                                            double* loss) {
+std::map<std::string, at::Tensor> Gradients(ParallelModel& model, const std::vector<Batch>& batches, double* loss) {
   model.ZeroGrad();
   auto result = model.ForwardBackward(batches);
   EXPECT_TRUE(result.ok()) << result.status();
@@ -202,8 +201,9 @@ TEST(ParallelModelTest, NoTieModulesUntiesTracedModulesAndRefusesEagerOnes) {
     plan.micro_batch_size = 2;
     plan.trace_method = "none";
     plan.no_tie_modules = true;
-    EXPECT_THAT(std::string(Parallelize(TiedSource(true), plan, topology->get(), MicroBatch(0), Sgd()).status().message()),
-                HasSubstr("no_tie_modules: the model ties b.weight to a.weight and is not traced"));
+    EXPECT_THAT(
+        std::string(Parallelize(TiedSource(true), plan, topology->get(), MicroBatch(0), Sgd()).status().message()),
+        HasSubstr("no_tie_modules: the model ties b.weight to a.weight and is not traced"));
   });
 }
 
@@ -236,7 +236,8 @@ TEST(ParallelModelTest, LoraAdaptsAUserModuleTracedOrEager) {
       plan.trace_method = method;
       plan.lora = LoraOptions{.r = 2, .alpha = 4, .target_modules = {"a", "b"}};
       auto net = std::make_shared<AdaptableNetImpl>();
-      ModelSource source = ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
+      ModelSource source =
+          ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
       source.loss = *LossRegistry().Find("mse");
       auto model = Parallelize(source, plan, topology->get(), batches[0], Sgd());
       ASSERT_TRUE(model.ok()) << method << ": " << model.status();
@@ -314,8 +315,10 @@ class WideLayers : public torch::nn::Module, public LayerSequence {
     return {x + down[i](torch::gelu(up[i](x)))};
   }
   NamedTensors LayerParameters(int64_t i) override {
-    return {{"up.weight", up[i]->weight}, {"up.bias", up[i]->bias},
-            {"down.weight", down[i]->weight}, {"down.bias", down[i]->bias}};
+    return {{"up.weight", up[i]->weight},
+            {"up.bias", up[i]->bias},
+            {"down.weight", down[i]->weight},
+            {"down.bias", down[i]->bias}};
   }
   std::vector<torch::nn::Linear> up, down;
 };
@@ -373,8 +376,8 @@ TEST(ParallelModelTest, StepsAfterTheFirstAllocateNothingNew) {
     source.loss = *LossRegistry().Find("mse");
     const std::vector<Batch> micro_batches = {{batch[0].narrow(0, 0, 64), batch[1].narrow(0, 0, 64)},
                                               {batch[0].narrow(0, 64, 64), batch[1].narrow(0, 64, 64)}};
-    auto model = Parallelize(source, plan, topology->get(), micro_batches[0],
-                             *MakeOptimizerFactory("adamw", ComponentArgs()));
+    auto model =
+        Parallelize(source, plan, topology->get(), micro_batches[0], *MakeOptimizerFactory("adamw", ComponentArgs()));
     ASSERT_TRUE(model.ok()) << model.status();
     struct StepMemory {
       int64_t live_after, peak, allocations;
@@ -415,9 +418,9 @@ TEST(ParallelModelTest, SetupErrorsReachEveryRank) {
     plan.shard_count = 3;
     const Batch example = MicroBatch(0);
     // The loss is not a scalar: the last stage finds out, both ranks fail.
-    auto vector_loss = Parallelize(
-        TinySource([](const Batch& b, const Values& out) { return (out[0] - b.back()).pow(2); }), plan,
-        topology->get(), example, Sgd());
+    auto vector_loss =
+        Parallelize(TinySource([](const Batch& b, const Values& out) { return (out[0] - b.back()).pow(2); }), plan,
+                    topology->get(), example, Sgd());
     ASSERT_FALSE(vector_loss.ok());
     EXPECT_THAT(std::string(vector_loss.status().message()),
                 HasSubstr(rank == 1 ? "the loss must be a floating-point scalar" : "rank 1 failed"));

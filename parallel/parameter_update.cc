@@ -3,8 +3,8 @@
 #include <cmath>
 #include <unordered_set>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/host_copy.h"
@@ -40,9 +40,9 @@ class PlainDataParallel : public ParameterUpdate {
     std::unique_ptr<PlainDataParallel> plain(new PlainDataParallel());
     plain->options_ = std::move(o);
     for (const auto& [name, p] : plain->options_.parameters) plain->list_.push_back(p);
-    plain->reducer_ = std::make_unique<GradientReducer>(
-        plain->options_.parameters, plain->options_.data_parallel, plain->options_.bucket_bytes,
-        plain->options_.gradient_predivide_factor);
+    plain->reducer_ =
+        std::make_unique<GradientReducer>(plain->options_.parameters, plain->options_.data_parallel,
+                                          plain->options_.bucket_bytes, plain->options_.gradient_predivide_factor);
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the optimizer", [&] {
       plain->optimizer_ = plain->options_.make_optimizer(DecayGroups(plain->options_.parameters));
     }));
@@ -124,15 +124,12 @@ class Zero : public ParameterUpdate {
     zero_options.gradient_predivide_factor = options.gradient_predivide_factor;
     zero_options.layers = options.layers;
     zero_options.layer_indices = options.layer_indices;
-    zero_options.keep_full_gradient = [keep](const at::Tensor& p) {
-      return keep.count(p.unsafeGetTensorImpl()) > 0;
-    };
+    zero_options.keep_full_gradient = [keep](const at::Tensor& p) { return keep.count(p.unsafeGetTensorImpl()) > 0; };
     zero_options.counted_in_norm = [counted](const at::Tensor& p) {
       return counted.count(p.unsafeGetTensorImpl()) > 0;
     };
-    TRIDENT_ASSIGN_OR_RETURN(zero->zero_,
-                             ZeroOptimizer::Create(DecayGroups(options.parameters), options.data_parallel,
-                                                   zero_options, options.make_optimizer));
+    TRIDENT_ASSIGN_OR_RETURN(zero->zero_, ZeroOptimizer::Create(DecayGroups(options.parameters), options.data_parallel,
+                                                                zero_options, options.make_optimizer));
     return std::unique_ptr<ParameterUpdate>(std::move(zero));
   }
   void ZeroGrad() override { zero_->ZeroGrad(); }
@@ -156,9 +153,7 @@ class Zero : public ParameterUpdate {
   torch::optim::Optimizer& optimizer() override { return zero_->optimizer(); }
   absl::Status GatherFullParameters() override { return zero_->GatherAllParameters(); }
   absl::Status WaitForUpdatedParameters() override { return zero_->WaitForUpdatedParameters(); }
-  absl::Status ReleaseFullParameters(bool keep_changes) override {
-    return zero_->ReleaseAllParameters(keep_changes);
-  }
+  absl::Status ReleaseFullParameters(bool keep_changes) override { return zero_->ReleaseAllParameters(keep_changes); }
 
  private:
   Zero() = default;
@@ -192,9 +187,9 @@ absl::StatusOr<std::unique_ptr<ParameterUpdate>> MakeParameterUpdate(ParameterUp
   }
   if (options.zero_stage == 0) return PlainDataParallel::Create(std::move(options));
   if (options.data_parallel == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "zero_stage=", options.zero_stage, " shards over the data-parallel group, and this run has "
-        "none (dp=1); use zero_stage=0 or dp > 1"));
+    return absl::InvalidArgumentError(absl::StrCat("zero_stage=", options.zero_stage,
+                                                   " shards over the data-parallel group, and this run has "
+                                                   "none (dp=1); use zero_stage=0 or dp > 1"));
   }
   return Zero::Create(std::move(options));
 }

@@ -73,20 +73,20 @@ class ParameterUpdate {
 };
 
 struct ParameterUpdateOptions {
-  NamedTensors parameters;                 // stored once each
-  std::vector<at::Tensor> counted;         // in the gradient norm (tied copies, tp replicas once)
-  std::vector<at::Tensor> keep_full_gradient;  // ZeRO-2: summed between pipeline stages first
+  NamedTensors parameters;                        // stored once each
+  std::vector<at::Tensor> counted;                // in the gradient norm (tied copies, tp replicas once)
+  std::vector<at::Tensor> keep_full_gradient;     // ZeRO-2: summed between pipeline stages first
   const ProcessGroup* data_parallel = nullptr;    // nullptr: dp = 1
   const ProcessGroup* tensor_parallel = nullptr;  // nullptr: tp = 1
-  const ProcessGroup* norm_group = nullptr;    // tensor x pipeline ranks (nullptr: none)
-  const ProcessGroup* world = nullptr;         // every rank (ZeRO's norm spans dp too)
+  const ProcessGroup* norm_group = nullptr;       // tensor x pipeline ranks (nullptr: none)
+  const ProcessGroup* world = nullptr;            // every rank (ZeRO's norm spans dp too)
   int64_t bucket_bytes = 25 << 20;
   double gradient_predivide_factor = 1.0;  // prescale_gradients
   // Builds the optimizer: group 0 the parameters of dimension >= 2 (weight
   // decay applies), group 1 the others.
   OptimizerFactory make_optimizer;
-  int zero_stage = 0;  // 0: plain data parallelism
-  LayerSequence* layers = nullptr;     // ZeRO stage 3: the model and the layers held
+  int zero_stage = 0;               // 0: plain data parallelism
+  LayerSequence* layers = nullptr;  // ZeRO stage 3: the model and the layers held
   std::vector<int64_t> layer_indices;
   bool zero_allow_untested_optimizer = false;
   int64_t zero_allgather_bucket_bytes = 0;

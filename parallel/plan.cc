@@ -17,8 +17,8 @@ namespace trident {
 std::vector<MeshAxis> PlanMeshAxes(const ParallelPlan& plan) {
   const std::map<std::string, int> sizes = {{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}};
   std::vector<MeshAxis> axes;
-  for (const std::string& name : plan.axis_order.empty() ? std::vector<std::string>{"tensor", "pipeline", "data"}
-                                                         : plan.axis_order) {
+  for (const std::string& name :
+       plan.axis_order.empty() ? std::vector<std::string>{"tensor", "pipeline", "data"} : plan.axis_order) {
     auto size = sizes.find(name);
     if (size != sizes.end()) axes.push_back({name, size->second});
   }
@@ -58,19 +58,19 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
     return invalid("zero_stage=", p.zero_stage, " is unknown; choose 0, 1, 2 or 3");
   }
   if (p.zero_stage == 3 && p.pp > 1 && p.schedule == "zb_h1") {
-    return invalid("zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
-                   "has released the layer's parameters; use zero_stage <= 2 or another schedule");
+    return invalid(
+        "zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
+        "has released the layer's parameters; use zero_stage <= 2 or another schedule");
   }
   if (p.zero_reduce_bucket_bytes < 1 || p.zero_allgather_bucket_bytes < 1 || p.bucket_bytes < 1) {
     return invalid("bucket sizes must be positive");
   }
   if (!(p.gradient_predivide_factor > 0)) return invalid("gradient_predivide_factor must be positive");
   if (p.micro_batch_size < 1 || p.num_micro_batches < 1) {
-    return invalid("micro_batch_size=", p.micro_batch_size, " and the number of micro-batches (",
-                   p.num_micro_batches, ") must be at least 1");
+    return invalid("micro_batch_size=", p.micro_batch_size, " and the number of micro-batches (", p.num_micro_batches,
+                   ") must be at least 1");
   }
-  for (const auto& [name, value, allowed] :
-       std::vector<std::tuple<const char*, std::string, std::vector<std::string>>>{
+  for (const auto& [name, value, allowed] : std::vector<std::tuple<const char*, std::string, std::vector<std::string>>>{
            {"activation_checkpointing", p.activation_checkpointing, {"none", "full", "stage_aware", "selected"}},
            {"grad_reduction", p.grad_reduction, {"mean", "sum", "per-token-mean"}},
            {"loss_reduction", p.loss_reduction, {"mean", "sum"}},
@@ -81,21 +81,23 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
     }
   }
   if (!p.split_method.empty() && p.split_method != "layer_split" && !SplitMethodRegistry().Contains(p.split_method)) {
-    return invalid(SplitMethodRegistry().Find(p.split_method).status().message(), ", or layer_split for a LayerSequence");
+    return invalid(SplitMethodRegistry().Find(p.split_method).status().message(),
+                   ", or layer_split for a LayerSequence");
   }
   if ((p.activation_checkpointing == "selected") != !p.checkpoint_layers.empty()) {
-    return invalid("activation_checkpointing=selected recomputes the layers checkpoint_layers names; "
-                   "give both or neither");
+    return invalid(
+        "activation_checkpointing=selected recomputes the layers checkpoint_layers names; "
+        "give both or neither");
   }
-  if (p.checkpoint_num_layers < 1 || p.activation_checkpoint_ratio < 0 ||
-      p.activation_checkpoint_ratio > 1) {
+  if (p.checkpoint_num_layers < 1 || p.activation_checkpoint_ratio < 0 || p.activation_checkpoint_ratio > 1) {
     return invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
   }
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(p.precision, p.precision_table));
   if (p.device == "cpu" && (precision.compute == at::kHalf || precision.param == at::kHalf)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "precision=", p.precision, " computes or stores float16, which needs a GPU; on CPU, whose "
-        "kernels lack float16 (LayerNorm, matrix products), use bf16 or pure_bf16 (or device=cuda)"));
+    return absl::UnimplementedError(
+        absl::StrCat("precision=", p.precision,
+                     " computes or stores float16, which needs a GPU; on CPU, whose "
+                     "kernels lack float16 (LayerNorm, matrix products), use bf16 or pure_bf16 (or device=cuda)"));
   }
   TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(p.schedule, p.virtual_stages));
   if (p.pp == 1 && schedule->num_chunks() > 1) {
@@ -122,20 +124,21 @@ absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan) {
   }
   if (source.kind == ModelSource::Kind::kLayers) {
     if (!plan.split_method.empty() && plan.split_method != "layer_split") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "split_method=", plan.split_method, " cuts traced graphs; this model is a layer "
-          "sequence, cut at layer boundaries: use layer_split (with custom_split_points to choose "
-          "the cuts)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("split_method=", plan.split_method,
+                       " cuts traced graphs; this model is a layer "
+                       "sequence, cut at layer boundaries: use layer_split (with custom_split_points to choose "
+                       "the cuts)"));
     }
     if (source.num_layers < stages) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "pp*virtual_stages = ", stages, " pipeline stages but the model has ", source.num_layers,
-          " layers; lower pp or virtual_stages or use a deeper model"));
+      return absl::InvalidArgumentError(absl::StrCat("pp*virtual_stages = ", stages,
+                                                     " pipeline stages but the model has ", source.num_layers,
+                                                     " layers; lower pp or virtual_stages or use a deeper model"));
     }
   }
   if (source.kind == ModelSource::Kind::kTorchScript && !std::ifstream(source.torchscript_path)) {
-    return absl::NotFoundError(absl::StrCat("cannot read TorchScript file ", source.torchscript_path,
-                                            " (save one with torch.jit.save)"));
+    return absl::NotFoundError(
+        absl::StrCat("cannot read TorchScript file ", source.torchscript_path, " (save one with torch.jit.save)"));
   }
   if (!layers && plan.split_method == "layer_split") {
     return absl::InvalidArgumentError(

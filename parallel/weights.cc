@@ -1,6 +1,6 @@
 // Loading and exporting a ParallelModel's weights by single-process name.
-#include <set>
 #include <c10/core/GradMode.h>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -37,9 +37,8 @@ absl::Status ParallelModel::LoadWeights(const SafetensorsContents& weights) {
       }
       if (!value.sizes().equals(parameter.sizes())) {
         loaded = absl::InvalidArgumentError(absl::StrCat(
-            weights.path, ": tensor '", name, "' has shape ", c10::str(value.sizes()),
-            " but the model's parameter is ", c10::str(parameter.sizes()),
-            "; the file is for another model size"));
+            weights.path, ": tensor '", name, "' has shape ", c10::str(value.sizes()), " but the model's parameter is ",
+            c10::str(parameter.sizes()), "; the file is for another model size"));
         break;
       }
       parameter.copy_(value);

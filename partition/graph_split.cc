@@ -35,8 +35,8 @@ std::vector<std::pair<int64_t, int>> CutCandidates(const ModelGraph& graph,
   const auto leaves = LeafRanges(graph, leaf_modules);
   std::vector<std::pair<int64_t, int>> candidates;
   for (int64_t p = 1; p < static_cast<int64_t>(graph.nodes().size()); ++p) {
-    const bool inside = std::any_of(leaves.begin(), leaves.end(),
-                                    [p](const auto& r) { return r.first < p && p <= r.second; });
+    const bool inside =
+        std::any_of(leaves.begin(), leaves.end(), [p](const auto& r) { return r.first < p && p <= r.second; });
     if (inside) continue;
     if (auto crossing = graph.CrossingTensors(p)) candidates.emplace_back(p, *crossing);
   }
@@ -92,11 +92,9 @@ std::vector<int64_t> NearestMinDeps(const ModelGraph& graph, int shard_count,
     double worst_weight = 0;
     for (size_t i = 0; i < cuts.size(); ++i) {
       const int64_t left = i == 0 ? 0 : cuts[i - 1].first;
-      const int64_t right =
-          i + 1 == cuts.size() ? static_cast<int64_t>(nodes.size()) : cuts[i + 1].first;
+      const int64_t right = i + 1 == cuts.size() ? static_cast<int64_t>(nodes.size()) : cuts[i + 1].first;
       const double merged = prefix[right] - prefix[left];
-      if (cuts[i].second > worst_crossing ||
-          (cuts[i].second == worst_crossing && merged < worst_weight)) {
+      if (cuts[i].second > worst_crossing || (cuts[i].second == worst_crossing && merged < worst_weight)) {
         worst = i;
         worst_crossing = cuts[i].second;
         worst_weight = merged;
@@ -143,10 +141,8 @@ std::vector<LayerProfile> ShardProfiles(const ModelGraph& graph, const std::vect
   return profile;
 }
 
-absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
-                                                     const std::string& split_method,
-                                                     int shard_count,
-                                                     const std::vector<std::string>& leaf_modules) {
+absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph, const std::string& split_method,
+                                                     int shard_count, const std::vector<std::string>& leaf_modules) {
   if (shard_count < 1) {
     return absl::InvalidArgumentError(absl::StrCat("shard_count=", shard_count, " must be positive"));
   }
@@ -197,9 +193,9 @@ absl::StatusOr<Plan> PlanGraphStages(const ModelGraph& graph, const GraphPartiti
     weights.push_back(w);
   }
   if (static_cast<int>(weights.size()) < options.num_stages) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the graph split into ", weights.size(), " shards, fewer than the ", options.num_stages,
-        " stages asked for; raise shard_count or use fewer stages"));
+    return absl::InvalidArgumentError(absl::StrCat("the graph split into ", weights.size(), " shards, fewer than the ",
+                                                   options.num_stages,
+                                                   " stages asked for; raise shard_count or use fewer stages"));
   }
   TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> grouped,
                            PartitionLayers(options.partition_method, weights, options.num_stages));

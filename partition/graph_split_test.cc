@@ -56,8 +56,7 @@ void ExpectSameGradients(torch::nn::Module& split, torch::nn::Module& whole) {
   auto expected = whole.named_parameters();
   for (const auto& item : split.named_parameters()) {
     ASSERT_TRUE(item.value().grad().defined()) << item.key();
-    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-6))
-        << item.key();
+    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-6)) << item.key();
   }
 }
 
@@ -205,13 +204,11 @@ TEST(GraphSplitHubTest, SkipConnectionsAndHubTensorsCrossSeveralStages) {
     EXPECT_GE(stages->back()->received().size(), 2u);
     bool skip_from_first_to_last = false;
     for (const StageTensorFlow& flow : plan->flows()) {
-      if (flow.from_stage() == 0 && flow.to_stages_size() >= 2 &&
-          flow.to_stages(flow.to_stages_size() - 1) == 3) {
+      if (flow.from_stage() == 0 && flow.to_stages_size() >= 2 && flow.to_stages(flow.to_stages_size() - 1) == 3) {
         skip_from_first_to_last = true;
         EXPECT_EQ(flow.dtype(), "Float");
       }
-      EXPECT_TRUE(std::find(stages->at(flow.from_stage())->sent().begin(),
-                            stages->at(flow.from_stage())->sent().end(),
+      EXPECT_TRUE(std::find(stages->at(flow.from_stage())->sent().begin(), stages->at(flow.from_stage())->sent().end(),
                             flow.value_id()) != stages->at(flow.from_stage())->sent().end());
     }
     EXPECT_TRUE(skip_from_first_to_last) << plan->DebugString();
@@ -239,8 +236,10 @@ TEST(GraphSplitShardsTest, EmbeddingsGetShardsOfTheirOwn) {
   for (size_t s = 0; s + 1 < shards->size(); ++s) {
     int embeddings = 0, other_parameter_nodes = 0;
     for (int64_t i = (*shards)[s]; i < (*shards)[s + 1]; ++i) {
-      if (nodes[i].kind == "aten::embedding") ++embeddings;
-      else if (!nodes[i].parameters.empty()) ++other_parameter_nodes;
+      if (nodes[i].kind == "aten::embedding")
+        ++embeddings;
+      else if (!nodes[i].parameters.empty())
+        ++other_parameter_nodes;
     }
     if (embeddings > 0) {
       EXPECT_EQ(other_parameter_nodes, 0) << "shard " << s;
@@ -258,8 +257,7 @@ TEST(GraphSplitErrorsTest, UnknownSplitMethodAndBadBoundaries) {
   ASSERT_TRUE(graph.ok());
   EXPECT_THAT(std::string(SplitIntoShards(**graph, "random", 4).status().message()),
               HasSubstr("unknown split_method 'random'"));
-  EXPECT_THAT(std::string((*graph)->Split({0, 2, 1}).status().message()),
-              HasSubstr("must rise from 0"));
+  EXPECT_THAT(std::string((*graph)->Split({0, 2, 1}).status().message()), HasSubstr("must rise from 0"));
 }
 
 }  // namespace
@@ -312,9 +310,7 @@ class BranchingLayers : public torch::nn::Module, public LayerSequence {
 TEST(UntraceableModelTest, RefusedByTheTracerPartitionedAsALayerSequence) {
   torch::manual_seed(0);
   BranchingLayers model;
-  auto forward = [&](const std::vector<at::Tensor>& in) {
-    return std::vector<at::Tensor>{model.Forward(in[0])};
-  };
+  auto forward = [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{model.Forward(in[0])}; };
   auto x = torch::randn({3, 8});
   // Look for an input that takes another branch somewhere.
   std::vector<at::Tensor> check;

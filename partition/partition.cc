@@ -50,9 +50,7 @@ std::vector<int64_t> MinimiseBottleneckBySearch(const std::vector<double>& w, in
   std::sort(candidates.begin(), candidates.end());
   const double largest = *std::max_element(w.begin(), w.end());
   auto first = std::lower_bound(candidates.begin(), candidates.end(), largest);
-  auto feasible = std::partition_point(first, candidates.end(), [&](double b) {
-    return StagesNeeded(w, b) > stages;
-  });
+  auto feasible = std::partition_point(first, candidates.end(), [&](double b) { return StagesNeeded(w, b) > stages; });
   const double bottleneck = feasible == candidates.end() ? candidates.back() : *feasible;
   // Greedy cut under the bottleneck, forced where each remaining stage needs a layer.
   const int64_t layers = static_cast<int64_t>(w.size());
@@ -97,25 +95,22 @@ std::vector<int64_t> MinimiseBottleneckByDynamicProgram(const std::vector<double
 }
 
 absl::Status CheckBoundaries(const std::vector<int64_t>& bounds, int64_t layers, int stages) {
-  bool ok = static_cast<int>(bounds.size()) == stages + 1 && bounds.front() == 0 &&
-            bounds.back() == layers;
+  bool ok = static_cast<int>(bounds.size()) == stages + 1 && bounds.front() == 0 && bounds.back() == layers;
   for (size_t i = 1; ok && i < bounds.size(); ++i) ok = bounds[i] > bounds[i - 1];
   if (ok) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "custom boundaries [", absl::StrJoin(bounds, ", "), "] do not cut ", layers, " layers into ",
-      stages, " stages: give ", stages + 1, " increasing layer indices from 0 to ", layers));
+  return absl::InvalidArgumentError(absl::StrCat("custom boundaries [", absl::StrJoin(bounds, ", "), "] do not cut ",
+                                                 layers, " layers into ", stages, " stages: give ", stages + 1,
+                                                 " increasing layer indices from 0 to ", layers));
 }
 
 }  // namespace
 
-absl::StatusOr<std::vector<int64_t>> PartitionLayers(absl::string_view method,
-                                                     const std::vector<double>& weights,
+absl::StatusOr<std::vector<int64_t>> PartitionLayers(absl::string_view method, const std::vector<double>& weights,
                                                      int num_stages) {
   const int64_t layers = static_cast<int64_t>(weights.size());
   if (num_stages < 1 || num_stages > layers) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot cut ", layers, " layers into ",
-                                                   num_stages, " stages; use 1 to ", layers,
-                                                   " stages"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot cut ", layers, " layers into ", num_stages, " stages; use 1 to ", layers, " stages"));
   }
   if (method == "custom") {
     return absl::InvalidArgumentError(
@@ -140,17 +135,15 @@ TRIDENT_REGISTER(PartitionMethodRegistry, "uniform", [](const std::vector<double
 TRIDENT_REGISTER(PartitionMethodRegistry, "uniform_floor", [](const std::vector<double>& w, int s) -> Bounds {
   return Uniform(static_cast<int64_t>(w.size()), s, /*floor=*/true);
 });
-TRIDENT_REGISTER(PartitionMethodRegistry, "parameters", [](const std::vector<double>& w, int s) -> Bounds {
-  return MinimiseBottleneckBySearch(w, s);
-});
+TRIDENT_REGISTER(PartitionMethodRegistry, "parameters",
+                 [](const std::vector<double>& w, int s) -> Bounds { return MinimiseBottleneckBySearch(w, s); });
 TRIDENT_REGISTER(PartitionMethodRegistry, "cost", [](const std::vector<double>& w, int s) -> Bounds {
   return MinimiseBottleneckByDynamicProgram(w, s);
 });
 
 }  // namespace
 
-absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
-                                const PartitionOptions& options) {
+absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile, const PartitionOptions& options) {
   const int64_t layers = static_cast<int64_t>(profile.size());
   const int stages = options.num_stages;
   std::vector<int64_t> bounds;
@@ -159,20 +152,17 @@ absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
   plan.set_partition_method(options.partition_method);
   if (!options.custom_split_points.empty()) {
     if (static_cast<int>(options.custom_split_points.size()) != stages - 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          options.custom_split_points.size(), " custom_split_points for ", stages,
-          " stages; give one per stage after the first"));
+      return absl::InvalidArgumentError(absl::StrCat(options.custom_split_points.size(), " custom_split_points for ",
+                                                     stages, " stages; give one per stage after the first"));
     }
     bounds.push_back(0);
     for (const std::string& point : options.custom_split_points) {
-      auto it = std::find_if(profile.begin(), profile.end(),
-                             [&](const LayerProfile& p) { return p.name == point; });
+      auto it = std::find_if(profile.begin(), profile.end(), [&](const LayerProfile& p) { return p.name == point; });
       if (it == profile.end()) {
         std::vector<std::string> names;
         for (const LayerProfile& p : profile) names.push_back(p.name);
-        return absl::InvalidArgumentError(absl::StrCat("custom split point '", point,
-                                                       "' is not a layer; the layers are ",
-                                                       absl::StrJoin(names, ", ")));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "custom split point '", point, "' is not a layer; the layers are ", absl::StrJoin(names, ", ")));
       }
       bounds.push_back(it - profile.begin());
     }

@@ -39,8 +39,7 @@ namespace trident {
 // Methods are registered by name; a user's own registers a PartitionMethod
 // with PartitionMethodRegistry() at static initialisation ("parameters" is fed
 // parameter counts, any other method the FLOPs or measured times).
-absl::StatusOr<std::vector<int64_t>> PartitionLayers(absl::string_view method,
-                                                     const std::vector<double>& weights,
+absl::StatusOr<std::vector<int64_t>> PartitionLayers(absl::string_view method, const std::vector<double>& weights,
                                                      int num_stages);
 using PartitionMethod =
     std::function<absl::StatusOr<std::vector<int64_t>>(const std::vector<double>& weights, int num_stages)>;
@@ -60,8 +59,7 @@ struct PartitionOptions {
 };
 
 // The plan for `profile` (see ProfileLayers) under `options`.
-absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
-                                const PartitionOptions& options);
+absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile, const PartitionOptions& options);
 
 // Graph path: a traced ModelGraph is first cut into shards at positions where
 // only tensors cross, then the shards are grouped into stages.
@@ -77,11 +75,10 @@ absl::StatusOr<Plan> PlanStages(const std::vector<LayerProfile>& profile,
 // `leaf_modules` are parameter-name prefixes of submodules kept whole: no cut
 // between the first and the last node that reads their parameters.
 // Split methods are registered by name, as partition methods are.
-using SplitMethod = std::function<absl::StatusOr<std::vector<int64_t>>(
-    const ModelGraph& graph, int shard_count, const std::vector<std::string>& leaf_modules)>;
+using SplitMethod = std::function<absl::StatusOr<std::vector<int64_t>>(const ModelGraph& graph, int shard_count,
+                                                                       const std::vector<std::string>& leaf_modules)>;
 Registry<SplitMethod>& SplitMethodRegistry();
-absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph,
-                                                     const std::string& split_method,
+absl::StatusOr<std::vector<int64_t>> SplitIntoShards(const ModelGraph& graph, const std::string& split_method,
                                                      int shard_count,
                                                      const std::vector<std::string>& leaf_modules = {});
 

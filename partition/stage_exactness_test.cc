@@ -63,8 +63,7 @@ TEST_P(StageExactnessTest, StagesInSequenceEqualTheUnsplitModel) {
   EXPECT_EQ(loss.item<double>(), reference.item<double>());
   auto expected = whole->named_parameters();
   for (const auto& item : split->named_parameters()) {
-    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-7))
-        << item.key();
+    EXPECT_TRUE(torch::allclose(item.value().grad(), expected[item.key()].grad(), 1e-5, 1e-7)) << item.key();
   }
 }
 
@@ -78,11 +77,9 @@ std::vector<Case> AllCases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(MethodsStages, StageExactnessTest, ::testing::ValuesIn(AllCases()),
-                         [](const auto& info) {
-                           return std::string(info.param.tied ? "tied_" : "") + info.param.method + "_" +
-                                  std::to_string(info.param.stages);
-                         });
+INSTANTIATE_TEST_SUITE_P(MethodsStages, StageExactnessTest, ::testing::ValuesIn(AllCases()), [](const auto& info) {
+  return std::string(info.param.tied ? "tied_" : "") + info.param.method + "_" + std::to_string(info.param.stages);
+});
 
 TEST(BalanceTest, ParametersKeepTwelveBlocksWithinFifteenPercentOnFourStages) {
   testing::TinyModelOptions config;

@@ -55,10 +55,10 @@ TEST(StageMemoryTest, BuildingOneStageOfEightNeedsAboutOneStageOfMemory) {
   testing::TinyModel whole(config, 1);
   const int64_t model_bytes = ParameterBytes(whole);
   const int64_t whole_peak = PeakResidentBytes() - before;
-  std::printf("model %.1f MB, stage %.1f MB (%.1fx); peak growth building the stage %.1f MB, "
-              "then the whole model %.1f MB\n",
-              model_bytes / 1e6, stage_bytes / 1e6, double(model_bytes) / stage_bytes,
-              stage_peak / 1e6, whole_peak / 1e6);
+  std::printf(
+      "model %.1f MB, stage %.1f MB (%.1fx); peak growth building the stage %.1f MB, "
+      "then the whole model %.1f MB\n",
+      model_bytes / 1e6, stage_bytes / 1e6, double(model_bytes) / stage_bytes, stage_peak / 1e6, whole_peak / 1e6);
   EXPECT_GE(model_bytes, 7.5 * stage_bytes);
   EXPECT_LE(stage_peak, 2 * stage_bytes);
   // The measurement sees whole models: building one grows the peak by about its size.

@@ -22,17 +22,17 @@
 namespace trident {
 
 enum class Op {
-  kLoadMicroBatch,           // read micro-batch inputs (first stage) or targets (last)
+  kLoadMicroBatch,  // read micro-batch inputs (first stage) or targets (last)
   kForward,
-  kBackward,                 // the whole backward: input and weight gradients
-  kBackwardInput,            // split backward: the input gradient only (weight ones deferred)
-  kBackwardWeight,           // split backward: micro_batch's deferred weight gradients
-  kSendActivation,           // to the next stage
-  kRecvActivation,           // from the previous stage
-  kSendGrad,                 // to the previous stage
-  kRecvGrad,                 // from the next stage
-  kSendActivationRecvGrad,   // fused: send micro_batch's activation, receive other's gradient
-  kSendGradRecvActivation,   // fused: send micro_batch's gradient, receive other's activation
+  kBackward,                    // the whole backward: input and weight gradients
+  kBackwardInput,               // split backward: the input gradient only (weight ones deferred)
+  kBackwardWeight,              // split backward: micro_batch's deferred weight gradients
+  kSendActivation,              // to the next stage
+  kRecvActivation,              // from the previous stage
+  kSendGrad,                    // to the previous stage
+  kRecvGrad,                    // from the next stage
+  kSendActivationRecvGrad,      // fused: send micro_batch's activation, receive other's gradient
+  kSendGradRecvActivation,      // fused: send micro_batch's gradient, receive other's activation
   kPostSendActivationRecvGrad,  // start sending micro_batch's activation and receiving
                                 // other's gradient; kWaitPosted completes both
   kWaitPosted,
@@ -62,8 +62,7 @@ class PipelineSchedule {
   virtual int num_chunks() const { return 1; }
   // An error (before any work) when the schedule cannot run these counts.
   virtual absl::Status Check(int num_stages, int num_micro_batches) const;
-  virtual std::vector<Instruction> Instructions(int stage, int num_stages,
-                                                int num_micro_batches) const = 0;
+  virtual std::vector<Instruction> Instructions(int stage, int num_stages, int num_micro_batches) const = 0;
   // False for schedules whose last stage never recomputes activations (it
   // consumes them at once), whatever checkpointing the other stages use.
   virtual bool RecomputesOnLastStage() const { return true; }
@@ -85,10 +84,8 @@ class PipelineSchedule {
 // Schedules are registered by name (a user's own too: register a factory with
 // ScheduleRegistry() at static initialisation); a factory gets the number of
 // model chunks per rank and errors when it cannot run that many.
-absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name,
-                                                               int virtual_stages = 1);
-using ScheduleFactory =
-    std::function<absl::StatusOr<std::unique_ptr<PipelineSchedule>>(int virtual_stages)>;
+absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name, int virtual_stages = 1);
+using ScheduleFactory = std::function<absl::StatusOr<std::unique_ptr<PipelineSchedule>>(int virtual_stages)>;
 Registry<ScheduleFactory>& ScheduleRegistry();
 std::vector<std::string> ScheduleNames();
 
@@ -106,9 +103,9 @@ struct SimulationOptions {
   int num_micro_batches = 4;
   // Per stage (rank), or one value for all; a rank's chunk takes its share.
   std::vector<double> forward_seconds = {1.0};
-  std::vector<double> backward_seconds = {2.0};  // input and weight gradients together
-  double weight_grad_fraction = 0.5;  // of backward_seconds, for schedules that split it
-  double comm_seconds = 0.0;                     // a message's flight time
+  std::vector<double> backward_seconds = {2.0};   // input and weight gradients together
+  double weight_grad_fraction = 0.5;              // of backward_seconds, for schedules that split it
+  double comm_seconds = 0.0;                      // a message's flight time
   std::vector<double> recompute_seconds = {0.0};  // per stage, or one value for all
   // Measured compute instructions (a run's timeline: stage, op, micro-batch,
   // chunk, start, end) whose durations replace the per-stage values for the
@@ -126,8 +123,7 @@ struct SimulationResult {
 // Runs every stage's instruction list against the others: receives wait for
 // the matching send plus comm_seconds; sends do not block. Errors on a
 // schedule that deadlocks or leaves messages unmatched.
-absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
-                                          const SimulationOptions& options);
+absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule, const SimulationOptions& options);
 
 // The timeline as Chrome trace-event JSON (Perfetto, chrome://tracing): one
 // thread per stage (process 0), one complete event per instruction, and

@@ -90,16 +90,14 @@ std::vector<Shape> Shapes() {
   return shapes;
 }
 
-INSTANTIATE_TEST_SUITE_P(AllShapes, EveryScheduleTest, ::testing::ValuesIn(Shapes()),
-                         [](const auto& info) {
-                           std::string name = info.param.schedule;
-                           for (char& ch : name) {
-                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           }
-                           return "s" + name + "_" + std::to_string(info.param.stages) + "x" +
-                                  std::to_string(info.param.micro_batches) + "x" +
-                                  std::to_string(info.param.chunks);
-                         });
+INSTANTIATE_TEST_SUITE_P(AllShapes, EveryScheduleTest, ::testing::ValuesIn(Shapes()), [](const auto& info) {
+  std::string name = info.param.schedule;
+  for (char& ch : name) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return "s" + name + "_" + std::to_string(info.param.stages) + "x" + std::to_string(info.param.micro_batches) + "x" +
+         std::to_string(info.param.chunks);
+});
 
 TEST(SimulatorTest, OneFOneBBubbleIsStagesMinusOneOverMicroBatchesPlusStagesMinusOne) {
   auto schedule = MakeSchedule("1f1b");
@@ -152,10 +150,9 @@ TEST(ScheduleMemoryTest, OneFOneBBoundsLiveActivations) {
         if (IsBackward(inst.op)) --live;
       }
       // The shifted schedule holds one more on the stages before the last.
-      const int expected = name == "gpipe" ? micro
-                           : name == "shifted_critical_path" && s < stages - 1
-                               ? std::min(micro, stages - s + 1)
-                               : std::min(micro, stages - s);
+      const int expected = name == "gpipe"                                     ? micro
+                           : name == "shifted_critical_path" && s < stages - 1 ? std::min(micro, stages - s + 1)
+                                                                               : std::min(micro, stages - s);
       EXPECT_EQ(peak, expected) << name << " stage " << s;
       // Until its weight gradient runs, a micro-batch holds (part of) its
       // activations: ZB-H1 still never holds more than 1F1B's largest count, S.
@@ -187,8 +184,7 @@ TEST(SimulatorTest, InterleavingDividesTheBubbleByTheChunks) {
   for (int stages : {2, 4}) {
     for (int chunks : {2, 4}) {
       const int micro = 2 * stages;
-      EXPECT_NEAR(Makespan("interleaved_1f1b", stages, micro, chunks),
-                  micro * 3.0 + (stages - 1) * 3.0 / chunks, 1e-9)
+      EXPECT_NEAR(Makespan("interleaved_1f1b", stages, micro, chunks), micro * 3.0 + (stages - 1) * 3.0 / chunks, 1e-9)
           << stages << " stages, " << chunks << " chunks";
     }
   }
@@ -220,8 +216,7 @@ TEST(SimulatorTest, ShiftedCriticalPathBeatsPreRecomputeAndLastNoRecompute) {
       for (const char* other : {"pre_recompute_1f1b", "last_no_recompute_1f1b"}) {
         auto result = Simulate(**MakeSchedule(other), options);
         ASSERT_TRUE(result.ok());
-        EXPECT_LT(shifted->makespan, result->makespan)
-            << other << ", " << stages << " stages, comm " << comm;
+        EXPECT_LT(shifted->makespan, result->makespan) << other << ", " << stages << " stages, comm " << comm;
       }
     }
   }
@@ -235,16 +230,28 @@ TEST(ScheduleTest, OneFOneBFusesSendsWithTheNextReceive) {
     ops.push_back(std::string(OpName(inst.op)) + " " + std::to_string(inst.micro_batch) +
                   (inst.other >= 0 ? "/" + std::to_string(inst.other) : ""));
   }
-  EXPECT_EQ(ops, (std::vector<std::string>{
-                     "recv_activation 0", "forward 0", "send_activation 0",
-                     "recv_activation 1", "forward 1", "send_activation_recv_grad 1/0",
-                     "backward 0", "send_grad_recv_activation 0/2",
-                     "forward 2", "send_activation_recv_grad 2/1", "backward 1",
-                     "send_grad_recv_activation 1/3", "forward 3",
-                     "send_activation_recv_grad 3/2", "backward 2", "send_grad 2",
-                     "recv_grad 3", "backward 3", "send_grad 3",
-                     "reduce_tied_grads -1", "reduce_data_parallel_grads -1",
-                     "optimizer_step -1"}));
+  EXPECT_EQ(ops, (std::vector<std::string>{"recv_activation 0",
+                                           "forward 0",
+                                           "send_activation 0",
+                                           "recv_activation 1",
+                                           "forward 1",
+                                           "send_activation_recv_grad 1/0",
+                                           "backward 0",
+                                           "send_grad_recv_activation 0/2",
+                                           "forward 2",
+                                           "send_activation_recv_grad 2/1",
+                                           "backward 1",
+                                           "send_grad_recv_activation 1/3",
+                                           "forward 3",
+                                           "send_activation_recv_grad 3/2",
+                                           "backward 2",
+                                           "send_grad 2",
+                                           "recv_grad 3",
+                                           "backward 3",
+                                           "send_grad 3",
+                                           "reduce_tied_grads -1",
+                                           "reduce_data_parallel_grads -1",
+                                           "optimizer_step -1"}));
 }
 
 TEST(TimelineTest, ChromeTraceAndSvgShowEveryStage) {
@@ -283,8 +290,7 @@ TEST(ScheduleTest, UnknownNamesAndEmptyShapesAreClearErrors) {
               HasSubstr("needs at least one stage and one micro-batch"));
   options.num_micro_batches = 2;
   options.forward_seconds = {1, 2, 3};
-  EXPECT_THAT(std::string(Simulate(**schedule, options).status().message()),
-              HasSubstr("forward_seconds has 3 values"));
+  EXPECT_THAT(std::string(Simulate(**schedule, options).status().message()), HasSubstr("forward_seconds has 3 values"));
 }
 
 }  // namespace

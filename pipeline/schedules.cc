@@ -34,8 +34,7 @@ void AppendForward(std::vector<Instruction>* out, const Place& at, int m, bool r
 
 // Receive the gradient, run `backward` (kBackward or kBackwardInput), send the
 // input gradient of micro-batch m.
-void AppendBackward(std::vector<Instruction>* out, const Place& at, int m, Op backward,
-                    bool receive, bool send) {
+void AppendBackward(std::vector<Instruction>* out, const Place& at, int m, Op backward, bool receive, bool send) {
   if (receive && !at.last()) out->push_back({Op::kRecvGrad, m, -1, at.chunk});
   out->push_back({backward, m, -1, at.chunk});
   if (send && !at.first()) out->push_back({Op::kSendGrad, m, -1, at.chunk});
@@ -72,10 +71,9 @@ class OneFOneB : public PipelineSchedule {
   bool RecomputesOnLastStage() const override { return v_.last_recomputes; }
   absl::Status Check(int num_stages, int num_micro_batches) const override {
     if (num_micro_batches < v_.min_micro_batches && num_stages > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "schedule ", v_.name, " needs at least ", v_.min_micro_batches,
-          " micro-batches per step; got ", num_micro_batches,
-          " (raise grad_accumulation_steps by lowering micro_batch_size)"));
+      return absl::InvalidArgumentError(absl::StrCat("schedule ", v_.name, " needs at least ", v_.min_micro_batches,
+                                                     " micro-batches per step; got ", num_micro_batches,
+                                                     " (raise grad_accumulation_steps by lowering micro_batch_size)"));
     }
     return PipelineSchedule::Check(num_stages, num_micro_batches);
   }
@@ -85,7 +83,7 @@ class OneFOneB : public PipelineSchedule {
     const bool first = at.first(), last = at.last();
     const Op backward = v_.split_backward ? Op::kBackwardInput : Op::kBackward;
     const bool recomputes = !last || v_.last_recomputes;
-    std::deque<int> deferred;  // micro-batches whose weight gradients wait
+    std::deque<int> deferred;              // micro-batches whose weight gradients wait
     auto run_weights = [&](size_t keep) {  // until at most `keep` wait
       for (; deferred.size() > keep; deferred.pop_front()) {
         out.push_back({Op::kBackwardWeight, deferred.front()});
@@ -154,14 +152,15 @@ class Interleaved1F1B : public PipelineSchedule {
   int num_chunks() const override { return chunks_; }
   absl::Status Check(int num_stages, int num_micro_batches) const override {
     if (chunks_ < 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "schedule interleaved_1f1b needs virtual_stages >= 2 (model chunks per pipeline "
-          "rank); got ", chunks_, ". Use 1f1b for one chunk per rank"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("schedule interleaved_1f1b needs virtual_stages >= 2 (model chunks per pipeline "
+                       "rank); got ",
+                       chunks_, ". Use 1f1b for one chunk per rank"));
     }
     if (num_micro_batches % num_stages != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "schedule interleaved_1f1b needs the micro-batches per step (", num_micro_batches,
-          ") to be a multiple of the pipeline stages (", num_stages, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("schedule interleaved_1f1b needs the micro-batches per step (",
+                                                     num_micro_batches, ") to be a multiple of the pipeline stages (",
+                                                     num_stages, ")"));
     }
     return PipelineSchedule::Check(num_stages, num_micro_batches);
   }
@@ -172,14 +171,10 @@ class Interleaved1F1B : public PipelineSchedule {
       return Place{stage, stages, forward ? c : chunks_ - 1 - c, chunks_};
     };
     auto micro_batch = [&](int k) { return (k / (stages * chunks_)) * stages + k % stages; };
-    const int warmup = micro == stages
-                           ? total
-                           : std::min((stages - stage - 1) * 2 + (chunks_ - 1) * stages, total);
+    const int warmup = micro == stages ? total : std::min((stages - stage - 1) * 2 + (chunks_ - 1) * stages, total);
     std::vector<Instruction> out;
     auto forward = [&](int k) { AppendForward(&out, place(k, true), micro_batch(k), true, true); };
-    auto backward = [&](int k) {
-      AppendBackward(&out, place(k, false), micro_batch(k), Op::kBackward, true, true);
-    };
+    auto backward = [&](int k) { AppendBackward(&out, place(k, false), micro_batch(k), Op::kBackward, true, true); };
     for (int k = 0; k < warmup; ++k) forward(k);
     for (int i = 0; i < total - warmup; ++i) {
       forward(warmup + i);
@@ -198,33 +193,50 @@ class Interleaved1F1B : public PipelineSchedule {
 
 const char* OpName(Op op) {
   switch (op) {
-    case Op::kLoadMicroBatch: return "load";
-    case Op::kForward: return "forward";
-    case Op::kBackward: return "backward";
-    case Op::kBackwardInput: return "backward_input";
-    case Op::kBackwardWeight: return "backward_weight";
-    case Op::kSendActivation: return "send_activation";
-    case Op::kRecvActivation: return "recv_activation";
-    case Op::kSendGrad: return "send_grad";
-    case Op::kRecvGrad: return "recv_grad";
-    case Op::kSendActivationRecvGrad: return "send_activation_recv_grad";
-    case Op::kSendGradRecvActivation: return "send_grad_recv_activation";
-    case Op::kPostSendActivationRecvGrad: return "post_send_activation_recv_grad";
-    case Op::kWaitPosted: return "wait_posted";
-    case Op::kRecompute: return "recompute";
-    case Op::kReduceTiedGrads: return "reduce_tied_grads";
-    case Op::kReduceDataParallelGrads: return "reduce_data_parallel_grads";
-    case Op::kOptimizerStep: return "optimizer_step";
+    case Op::kLoadMicroBatch:
+      return "load";
+    case Op::kForward:
+      return "forward";
+    case Op::kBackward:
+      return "backward";
+    case Op::kBackwardInput:
+      return "backward_input";
+    case Op::kBackwardWeight:
+      return "backward_weight";
+    case Op::kSendActivation:
+      return "send_activation";
+    case Op::kRecvActivation:
+      return "recv_activation";
+    case Op::kSendGrad:
+      return "send_grad";
+    case Op::kRecvGrad:
+      return "recv_grad";
+    case Op::kSendActivationRecvGrad:
+      return "send_activation_recv_grad";
+    case Op::kSendGradRecvActivation:
+      return "send_grad_recv_activation";
+    case Op::kPostSendActivationRecvGrad:
+      return "post_send_activation_recv_grad";
+    case Op::kWaitPosted:
+      return "wait_posted";
+    case Op::kRecompute:
+      return "recompute";
+    case Op::kReduceTiedGrads:
+      return "reduce_tied_grads";
+    case Op::kReduceDataParallelGrads:
+      return "reduce_data_parallel_grads";
+    case Op::kOptimizerStep:
+      return "optimizer_step";
   }
   return "?";
 }
 
 absl::Status PipelineSchedule::Check(int num_stages, int num_micro_batches) const {
   if (num_stages < 1 || num_micro_batches < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("schedule ", name(), " needs at least one stage "
-                                                   "and one micro-batch; got ", num_stages,
-                                                   " stages and ", num_micro_batches,
-                                                   " micro-batches"));
+    return absl::InvalidArgumentError(absl::StrCat("schedule ", name(),
+                                                   " needs at least one stage "
+                                                   "and one micro-batch; got ",
+                                                   num_stages, " stages and ", num_micro_batches, " micro-batches"));
   }
   return absl::OkStatus();
 }
@@ -236,8 +248,7 @@ Registry<ScheduleFactory>& ScheduleRegistry() {
 
 std::vector<std::string> ScheduleNames() { return ScheduleRegistry().Names(); }
 
-absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name,
-                                                               int virtual_stages) {
+absl::StatusOr<std::unique_ptr<PipelineSchedule>> MakeSchedule(absl::string_view name, int virtual_stages) {
   TRIDENT_ASSIGN_OR_RETURN(ScheduleFactory make, ScheduleRegistry().Find(name));
   return make(virtual_stages);
 }
@@ -249,9 +260,9 @@ ScheduleFactory OneChunk(std::function<PipelineSchedule*()> make) {
   return [make](int virtual_stages) -> absl::StatusOr<std::unique_ptr<PipelineSchedule>> {
     std::unique_ptr<PipelineSchedule> schedule(make());
     if (virtual_stages != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "virtual_stages = ", virtual_stages, " needs schedule interleaved_1f1b; schedule ",
-          schedule->name(), " runs one model chunk per pipeline rank"));
+      return absl::InvalidArgumentError(absl::StrCat("virtual_stages = ", virtual_stages,
+                                                     " needs schedule interleaved_1f1b; schedule ", schedule->name(),
+                                                     " runs one model chunk per pipeline rank"));
     }
     return schedule;
   };

@@ -13,26 +13,21 @@ namespace {
 // A message between virtual stages: (is_gradient, from, to, micro-batch).
 using Message = std::tuple<bool, int, int, int>;
 
-absl::StatusOr<std::vector<double>> PerStage(const std::vector<double>& values, int stages,
-                                             const char* what) {
+absl::StatusOr<std::vector<double>> PerStage(const std::vector<double>& values, int stages, const char* what) {
   if (values.size() == 1) return std::vector<double>(stages, values[0]);
   if (static_cast<int>(values.size()) == stages) return values;
-  return absl::InvalidArgumentError(absl::StrCat(what, " has ", values.size(),
-                                                 " values; give one, or one per stage (", stages, ")"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, " has ", values.size(), " values; give one, or one per stage (", stages, ")"));
 }
 
 }  // namespace
 
-absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
-                                          const SimulationOptions& options) {
+absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule, const SimulationOptions& options) {
   const int S = options.num_stages, M = options.num_micro_batches;
   TRIDENT_RETURN_IF_ERROR(schedule.Check(S, M));
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> forward,
-                           PerStage(options.forward_seconds, S, "forward_seconds"));
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> backward,
-                           PerStage(options.backward_seconds, S, "backward_seconds"));
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> recompute,
-                           PerStage(options.recompute_seconds, S, "recompute_seconds"));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> forward, PerStage(options.forward_seconds, S, "forward_seconds"));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> backward, PerStage(options.backward_seconds, S, "backward_seconds"));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<double> recompute, PerStage(options.recompute_seconds, S, "recompute_seconds"));
   const int C = schedule.num_chunks();
   std::map<std::tuple<int, Op, int, int>, double> replayed;  // (stage, op, micro-batch, chunk) -> seconds
   for (const TimelineEvent& e : options.replay) replayed[{e.stage, e.op, e.micro_batch, e.chunk}] = e.end - e.start;
@@ -41,9 +36,8 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
   for (int s = 0; s < S; ++s) {
     programs.push_back(schedule.Instructions(s, S, M));
     // A schedule without explicit recomputation recomputes inside backward.
-    const bool explicit_recompute =
-        std::any_of(programs[s].begin(), programs[s].end(),
-                    [](const Instruction& inst) { return inst.op == Op::kRecompute; });
+    const bool explicit_recompute = std::any_of(programs[s].begin(), programs[s].end(),
+                                                [](const Instruction& inst) { return inst.op == Op::kRecompute; });
     if (!explicit_recompute && (s < S - 1 || schedule.RecomputesOnLastStage())) {
       backward[s] += recompute[s];
     }
@@ -58,8 +52,8 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
   auto send = [&](int s, const Instruction& inst, bool gradient) {
     const int from = inst.chunk * S + s, to = gradient ? from - 1 : from + 1;
     in_flight[{gradient, from, to, inst.micro_batch}] = clock[s] + options.comm_seconds;
-    result.events.push_back({s, gradient ? Op::kSendGrad : Op::kSendActivation, inst.micro_batch,
-                             inst.chunk, clock[s], clock[s] + options.comm_seconds});
+    result.events.push_back({s, gradient ? Op::kSendGrad : Op::kSendActivation, inst.micro_batch, inst.chunk, clock[s],
+                             clock[s] + options.comm_seconds});
   };
   // Receives micro-batch m if it was sent; false when the stage must wait.
   auto receive = [&](int s, const Instruction& inst, bool gradient, int m) {
@@ -82,8 +76,7 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
             posted[s] = inst;
             break;
           case Op::kWaitPosted:
-            done = posted[s].op != Op::kPostSendActivationRecvGrad ||
-                   receive(s, posted[s], true, posted[s].other);
+            done = posted[s].op != Op::kPostSendActivationRecvGrad || receive(s, posted[s], true, posted[s].other);
             if (done) posted[s] = Instruction{Op::kWaitPosted};
             break;
           case Op::kForward:
@@ -100,16 +93,23 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
             duration /= C;  // a chunk holds 1/C of the rank's layers
             auto measured = replayed.find({s, inst.op, inst.micro_batch, inst.chunk});
             if (measured != replayed.end()) duration = measured->second;
-            result.events.push_back(
-                {s, inst.op, inst.micro_batch, inst.chunk, clock[s], clock[s] + duration});
+            result.events.push_back({s, inst.op, inst.micro_batch, inst.chunk, clock[s], clock[s] + duration});
             clock[s] += duration;
             compute += duration;
             break;
           }
-          case Op::kSendActivation: send(s, inst, false); break;
-          case Op::kSendGrad: send(s, inst, true); break;
-          case Op::kRecvActivation: done = receive(s, inst, false, inst.micro_batch); break;
-          case Op::kRecvGrad: done = receive(s, inst, true, inst.micro_batch); break;
+          case Op::kSendActivation:
+            send(s, inst, false);
+            break;
+          case Op::kSendGrad:
+            send(s, inst, true);
+            break;
+          case Op::kRecvActivation:
+            done = receive(s, inst, false, inst.micro_batch);
+            break;
+          case Op::kRecvGrad:
+            done = receive(s, inst, true, inst.micro_batch);
+            break;
           case Op::kSendActivationRecvGrad:
           case Op::kSendGradRecvActivation: {
             const bool gradient_out = inst.op == Op::kSendGradRecvActivation;
@@ -135,20 +135,18 @@ absl::StatusOr<SimulationResult> Simulate(const PipelineSchedule& schedule,
     if (pc[s] < programs[s].size()) {
       const Instruction& inst = programs[s][pc[s]];
       blocked.push_back(absl::StrCat("stage ", s, " at ", OpName(inst.op), " of micro-batch ",
-                                     inst.op == Op::kSendActivationRecvGrad ||
-                                             inst.op == Op::kSendGradRecvActivation
+                                     inst.op == Op::kSendActivationRecvGrad || inst.op == Op::kSendGradRecvActivation
                                          ? inst.other
                                          : inst.micro_batch));
     }
   }
   if (!blocked.empty()) {
-    return absl::InternalError(absl::StrCat("schedule ", schedule.name(), " deadlocks with ", S,
-                                            " stages and ", M, " micro-batches: ",
-                                            absl::StrJoin(blocked, "; ")));
+    return absl::InternalError(absl::StrCat("schedule ", schedule.name(), " deadlocks with ", S, " stages and ", M,
+                                            " micro-batches: ", absl::StrJoin(blocked, "; ")));
   }
   if (!in_flight.empty()) {
-    return absl::InternalError(absl::StrCat("schedule ", schedule.name(), " sends ",
-                                            in_flight.size(), " message(s) nobody receives"));
+    return absl::InternalError(
+        absl::StrCat("schedule ", schedule.name(), " sends ", in_flight.size(), " message(s) nobody receives"));
   }
   for (double c : clock) result.makespan = std::max(result.makespan, c);
   result.bubble_fraction = result.makespan > 0 ? 1.0 - compute / (S * result.makespan) : 0.0;

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <optional>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -20,9 +20,7 @@
 namespace trident {
 namespace {
 
-at::Tensor Allocate(const TensorSpec& spec) {
-  return at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype));
-}
+at::Tensor Allocate(const TensorSpec& spec) { return at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype)); }
 
 // The input leaf a received tensor becomes (a gradient flows back where its spec says).
 at::Tensor AsInput(const at::Tensor& received, const TensorSpec& spec) {
@@ -43,8 +41,8 @@ class PipelineStageRunner::Impl {
         stages_(pipeline != nullptr ? pipeline->size() : 1),
         chunks_(static_cast<int>(options_.chunks.size())) {}
 
-  absl::StatusOr<std::vector<double>> Run(const std::vector<Batch>& batches,
-                                          const std::vector<double>& weights, bool train);
+  absl::StatusOr<std::vector<double>> Run(const std::vector<Batch>& batches, const std::vector<double>& weights,
+                                          bool train);
 
   std::vector<TimelineEvent> timeline;
   int peak_live = 0;
@@ -52,11 +50,11 @@ class PipelineStageRunner::Impl {
  private:
   // Everything one micro-batch of one chunk holds between its ops.
   struct Slot {
-    Values inputs;    // the chunk's inputs (leaves where a gradient goes back)
-    Values outputs;   // its outputs, or {the weighted, scaled loss} on the last virtual stage
-    Values grads;     // the received gradients of the outputs that need them
-    Values received;  // received activations, before their forward
-    std::function<void()> recompute_last;  // reruns the last checkpointed segment ahead of backward
+    Values inputs;                              // the chunk's inputs (leaves where a gradient goes back)
+    Values outputs;                             // its outputs, or {the weighted, scaled loss} on the last virtual stage
+    Values grads;                               // the received gradients of the outputs that need them
+    Values received;                            // received activations, before their forward
+    std::function<void()> recompute_last;       // reruns the last checkpointed segment ahead of backward
     internal::DeferredWeightGradients weights;  // split backward: weight gradients to run
   };
 
@@ -104,13 +102,12 @@ class PipelineStageRunner::Impl {
   // queued backward too (a GPU sync) and leave the GPU idle after it.
   std::vector<PendingScalar> losses_;
   std::vector<std::pair<PendingWork, at::Tensor>> sends_;  // in flight, with their tensors
-  std::vector<PendingWork> posted_;  // receives started by kPostSendActivationRecvGrad
+  std::vector<PendingWork> posted_;                        // receives started by kPostSendActivationRecvGrad
   internal::DeferredWeightGradients::Parameters parameters_;
   size_t backwards_left_ = 0;  // backward instructions still to run in this step
 };
 
-absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, const Values& inputs,
-                                                          const Batch& batch) {
+absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, const Values& inputs, const Batch& batch) {
   const StageChunk& c = options_.chunks[chunk];
   Values x = inputs;
   Slot& slot = slots_[chunk * micro_ + m];
@@ -141,8 +138,7 @@ absl::StatusOr<Values> PipelineStageRunner::Impl::Forward(int chunk, int m, cons
     }
     if (LastVirtual(chunk)) {
       at::Tensor loss = options_.loss ? options_.loss(x, batch) : layers_.Loss(x, batch);
-      TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                  "the loss must be a scalar; it has shape ", loss.sizes());
+      TORCH_CHECK(loss.defined() && loss.numel() == 1, "the loss must be a scalar; it has shape ", loss.sizes());
       losses_[m] = PendingScalar(loss);
       const double scale = options_.loss_scale ? options_.loss_scale() : 1.0;
       loss = loss * weights_[m];
@@ -160,8 +156,7 @@ absl::Status PipelineStageRunner::Impl::Recompute(int chunk, int m) {
   });
 }
 
-void PipelineStageRunner::Impl::BackwardFrom(Slot& slot, const Values& roots, const Values& grads,
-                                             bool split) {
+void PipelineStageRunner::Impl::BackwardFrom(Slot& slot, const Values& roots, const Values& grads, bool split) {
   Values from, with;
   for (size_t k = 0; k < roots.size(); ++k) {
     if (!roots[k].defined() || !roots[k].requires_grad()) continue;
@@ -219,8 +214,8 @@ absl::Status PipelineStageRunner::Impl::SendActivation(const Instruction& inst) 
   if (options_.dealloc_sent_outputs && chunks_ == 1) TRIDENT_RETURN_IF_ERROR(CompleteSends(/*all=*/true));
   Values& outputs = At(inst, inst.micro_batch).outputs;
   for (size_t k = 0; k < outputs.size(); ++k) {
-    TRIDENT_RETURN_IF_ERROR(Send(outputs[k].detach().contiguous(), Next(),
-                                 ActivationTag(VirtualStage(inst.chunk), inst.micro_batch, k)));
+    TRIDENT_RETURN_IF_ERROR(
+        Send(outputs[k].detach().contiguous(), Next(), ActivationTag(VirtualStage(inst.chunk), inst.micro_batch, k)));
     // The send holds the values until it completes; the slot keeps the node.
     // (A leaf passed through, or a view, keeps its values: its gradient lands there.)
     const at::Tensor& sent = outputs[k];
@@ -238,8 +233,8 @@ absl::Status PipelineStageRunner::Impl::SendGrad(const Instruction& inst) {
     if (!received[k].requires_grad) continue;
     at::Tensor grad = slot.inputs[k].grad();
     if (!grad.defined()) grad = at::zeros(received[k].shape, at::TensorOptions().dtype(received[k].dtype));
-    TRIDENT_RETURN_IF_ERROR(Send(grad.contiguous(), Previous(),
-                                 GradTag(VirtualStage(inst.chunk), inst.micro_batch, g++)));
+    TRIDENT_RETURN_IF_ERROR(
+        Send(grad.contiguous(), Previous(), GradTag(VirtualStage(inst.chunk), inst.micro_batch, g++)));
   }
   slot.inputs.clear();
   return absl::OkStatus();
@@ -251,8 +246,8 @@ absl::Status PipelineStageRunner::Impl::RecvActivation(const Instruction& inst, 
   slot.received.clear();
   for (size_t k = 0; k < received.size(); ++k) {
     slot.received.push_back(Allocate(received[k]));
-    TRIDENT_RETURN_IF_ERROR(pipeline_->Recv(slot.received.back(), Previous(),
-                                           ActivationTag(VirtualStage(inst.chunk) - 1, m, k)));
+    TRIDENT_RETURN_IF_ERROR(
+        pipeline_->Recv(slot.received.back(), Previous(), ActivationTag(VirtualStage(inst.chunk) - 1, m, k)));
   }
   return absl::OkStatus();
 }
@@ -289,8 +284,7 @@ absl::Status PipelineStageRunner::Impl::CompleteSends(bool all) {
   return absl::OkStatus();
 }
 
-absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
-                                                const std::vector<Batch>& batches) {
+absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst, const std::vector<Batch>& batches) {
   const int m = inst.micro_batch;
   static const Batch kNoBatch;
   const Batch& batch = m >= 0 && m < static_cast<int>(batches.size()) ? batches[m] : kNoBatch;
@@ -308,9 +302,8 @@ absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
       }
       slot.received.clear();
       TRIDENT_ASSIGN_OR_RETURN(slot.outputs, Forward(inst.chunk, m, slot.inputs, batch));
-      peak_live = std::max<int>(peak_live, std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) {
-                                  return !s.outputs.empty();
-                                }));
+      peak_live = std::max<int>(
+          peak_live, std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return !s.outputs.empty(); }));
       return absl::OkStatus();
     }
     case Op::kSendActivation:
@@ -322,8 +315,7 @@ absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
       return Backward(inst.chunk, m, inst.op == Op::kBackwardInput);
     case Op::kBackwardWeight:
       if (options_.before_backward) options_.before_backward(--backwards_left_ == 0);
-      return CatchExceptions(absl::StrCat("weight gradients of micro-batch ", m),
-                             [&] { At(inst, m).weights.Run(); });
+      return CatchExceptions(absl::StrCat("weight gradients of micro-batch ", m), [&] { At(inst, m).weights.Run(); });
     case Op::kSendGrad:
       return SendGrad(inst);
     case Op::kSendActivationRecvGrad:
@@ -345,8 +337,7 @@ absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
       TRIDENT_RETURN_IF_ERROR(CompleteSends(/*all=*/true));
       return options_.reduce_tied_grads ? options_.reduce_tied_grads() : absl::OkStatus();
     case Op::kReduceDataParallelGrads:
-      return options_.reduce_data_parallel_grads ? options_.reduce_data_parallel_grads()
-                                                 : absl::OkStatus();
+      return options_.reduce_data_parallel_grads ? options_.reduce_data_parallel_grads() : absl::OkStatus();
     case Op::kOptimizerStep:
       return options_.optimizer_step ? options_.optimizer_step() : absl::OkStatus();
   }
@@ -354,21 +345,18 @@ absl::Status PipelineStageRunner::Impl::Execute(const Instruction& inst,
 }
 
 absl::StatusOr<std::vector<double>> PipelineStageRunner::Impl::Run(const std::vector<Batch>& batches,
-                                                                   const std::vector<double>& weights,
-                                                                   bool train) {
+                                                                   const std::vector<double>& weights, bool train) {
   micro_ = static_cast<int>(batches.size());
   TRIDENT_RETURN_IF_ERROR(schedule_.Check(stages_, micro_));
   if (chunks_ != schedule_.num_chunks()) {
-    return absl::InvalidArgumentError(absl::StrCat("schedule ", schedule_.name(), " runs ",
-                                                   schedule_.num_chunks(),
-                                                   " model chunk(s) per rank; the runner got ",
-                                                   chunks_));
+    return absl::InvalidArgumentError(absl::StrCat("schedule ", schedule_.name(), " runs ", schedule_.num_chunks(),
+                                                   " model chunk(s) per rank; the runner got ", chunks_));
   }
   for (const StageChunk& c : options_.chunks) {
     if (c.received.size() > kMaxBoundaryTensors || c.sent.size() > kMaxBoundaryTensors) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a pipeline stage boundary carries more than ", kMaxBoundaryTensors,
-          " tensors; cut the model elsewhere (fewer, larger shards)"));
+      return absl::InvalidArgumentError(absl::StrCat("a pipeline stage boundary carries more than ",
+                                                     kMaxBoundaryTensors,
+                                                     " tensors; cut the model elsewhere (fewer, larger shards)"));
     }
   }
   if (parameters_.empty()) {
@@ -406,9 +394,7 @@ absl::StatusOr<std::vector<double>> PipelineStageRunner::Impl::Run(const std::ve
   });
   timeline.clear();
   const auto step_start = std::chrono::steady_clock::now();
-  auto seconds = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-  };
+  auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count(); };
   for (const Instruction& inst : program) {
     const double start = seconds();
     TRIDENT_RETURN_IF_ERROR(Execute(inst, batches));
@@ -427,14 +413,13 @@ absl::StatusOr<std::vector<double>> PipelineStageRunner::Impl::Run(const std::ve
 }
 
 PipelineStageRunner::PipelineStageRunner(LayerSequence& layers, const ProcessGroup* pipeline,
-                                         const PipelineSchedule& schedule,
-                                         StageRunnerOptions options)
+                                         const PipelineSchedule& schedule, StageRunnerOptions options)
     : impl_(std::make_unique<Impl>(layers, pipeline, schedule, std::move(options))) {}
 
 PipelineStageRunner::~PipelineStageRunner() = default;
 
-absl::StatusOr<std::vector<double>> PipelineStageRunner::RunStep(
-    const std::vector<Batch>& batches, const std::vector<double>& loss_weights) {
+absl::StatusOr<std::vector<double>> PipelineStageRunner::RunStep(const std::vector<Batch>& batches,
+                                                                 const std::vector<double>& loss_weights) {
   return impl_->Run(batches, loss_weights, /*train=*/true);
 }
 
@@ -452,13 +437,11 @@ namespace {
 // Specs travel as int64 tensors: a length message, then
 // [count, (dtype, requires_grad, rank, sizes...) per tensor]; the tensors follow.
 constexpr int kSpecTag = 1 << 30;
-int PassTensorTag(int virtual_stage, size_t k) {
-  return (1 << 29) + virtual_stage * 4096 + static_cast<int>(k);
-}
+int PassTensorTag(int virtual_stage, size_t k) { return (1 << 29) + virtual_stage * 4096 + static_cast<int>(k); }
 
 // nullopt: the sender failed (count -1).
-absl::Status SendSpecs(const std::optional<std::vector<TensorSpec>>& specs, const ProcessGroup& group,
-                       int peer, int tag) {
+absl::Status SendSpecs(const std::optional<std::vector<TensorSpec>>& specs, const ProcessGroup& group, int peer,
+                       int tag) {
   std::vector<int64_t> encoded = {specs ? static_cast<int64_t>(specs->size()) : -1};
   for (const TensorSpec& spec : specs ? *specs : std::vector<TensorSpec>()) {
     encoded.push_back(static_cast<int64_t>(spec.dtype));
@@ -471,8 +454,7 @@ absl::Status SendSpecs(const std::optional<std::vector<TensorSpec>>& specs, cons
   return group.Send(at::tensor(encoded, at::kLong), peer, tag + 1);
 }
 
-absl::StatusOr<std::optional<std::vector<TensorSpec>>> RecvSpecs(const ProcessGroup& group, int peer,
-                                                                 int tag) {
+absl::StatusOr<std::optional<std::vector<TensorSpec>>> RecvSpecs(const ProcessGroup& group, int peer, int tag) {
   at::Tensor length = at::empty({1}, at::kLong);
   TRIDENT_RETURN_IF_ERROR(group.Recv(length, peer, tag));
   at::Tensor encoded = at::empty({length.item<int64_t>()}, at::kLong);
@@ -519,8 +501,8 @@ absl::StatusOr<StagePass> ForwardThroughStages(LayerSequence& layers, std::vecto
       if (!specs.ok()) return specs.status();  // the link itself is broken
       if (!*specs) {
         if (failed.ok()) {
-          failed = absl::AbortedError(absl::StrCat("pipeline stage ", v - 1,
-                                                   " failed in its first forward (see its error)"));
+          failed = absl::AbortedError(
+              absl::StrCat("pipeline stage ", v - 1, " failed in its first forward (see its error)"));
         }
       } else {
         pass.received[c] = **specs;

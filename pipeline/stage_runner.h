@@ -85,8 +85,8 @@ class PipelineStageRunner {
  public:
   // `pipeline` is the pipeline group: its rank is this stage's index (nullptr:
   // one stage). `layers` holds (at least) the chunks' layers.
-  PipelineStageRunner(LayerSequence& layers, const ProcessGroup* pipeline,
-                      const PipelineSchedule& schedule, StageRunnerOptions options);
+  PipelineStageRunner(LayerSequence& layers, const ProcessGroup* pipeline, const PipelineSchedule& schedule,
+                      StageRunnerOptions options);
   ~PipelineStageRunner();
 
   // One training step over micro-batches `batches[m]` (ranks whose layers read
@@ -126,8 +126,7 @@ struct StagePass {
 // `chunks`' received and sent specs. For finding the boundary shapes before
 // training, and for inference whose shapes change from call to call. A stage
 // that fails tells the stages after it, so none waits: each returns an error.
-absl::StatusOr<StagePass> ForwardThroughStages(LayerSequence& layers,
-                                               std::vector<StageChunk>& chunks,
+absl::StatusOr<StagePass> ForwardThroughStages(LayerSequence& layers, std::vector<StageChunk>& chunks,
                                                const ProcessGroup* pipeline, const Batch& batch);
 
 // Sums the gradients of parameters that several pipeline stages hold (GPT's

@@ -76,15 +76,13 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
     const ProcessGroup& pipeline = **(*topology)->Group("pp");
     // Chunk k of this rank is virtual stage k * S + rank.
     const int virtual_stages = c.stages * c.chunks;
-    auto bounds =
-        *PartitionLayers("uniform", std::vector<double>(config.n_layer + 2, 1.0), virtual_stages);
+    auto bounds = *PartitionLayers("uniform", std::vector<double>(config.n_layer + 2, 1.0), virtual_stages);
     StageRunnerOptions options;
     LayerRanges ranges;
     for (int k = 0; k < c.chunks; ++k) {
       const int v = k * c.stages + rank;
       const int64_t layers = bounds[v + 1] - bounds[v];
-      options.chunks.push_back(
-          {bounds[v], bounds[v + 1], c.checkpointed_layers < 0 ? layers : c.checkpointed_layers});
+      options.chunks.push_back({bounds[v], bounds[v + 1], c.checkpointed_layers < 0 ? layers : c.checkpointed_layers});
       ranges.emplace_back(bounds[v], bounds[v + 1]);
     }
     auto part = std::make_shared<testing::TinyModel>(config, 3, ranges);
@@ -129,19 +127,13 @@ TEST_P(StageRunnerTest, PipelineStepEqualsOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(SchedulesAndStages, StageRunnerTest,
-                         ::testing::Values(Case{"gpipe", 2}, Case{"1f1b", 2}, Case{"gpipe", 4},
-                                           Case{"1f1b", 4}, Case{"gpipe", 2, -1},
-                                           Case{"1f1b", 2, -1}, Case{"1f1b", 2, 1},
-                                           Case{"pre_recompute_1f1b", 2, -1},
-                                           Case{"pre_recompute_1f1b", 4, 1},
-                                           Case{"last_no_recompute_1f1b", 2, -1},
-                                           Case{"shifted_critical_path", 2, -1},
-                                           Case{"shifted_critical_path", 4, 1},
-                                           Case{"zb_h1", 2}, Case{"zb_h1", 4},
-                                           Case{"zb_h1", 2, 1},
-                                           Case{"interleaved_1f1b", 2, 0, 2},
-                                           Case{"interleaved_1f1b", 4, 0, 2},
-                                           Case{"interleaved_1f1b", 2, 1, 3}),
+                         ::testing::Values(Case{"gpipe", 2}, Case{"1f1b", 2}, Case{"gpipe", 4}, Case{"1f1b", 4},
+                                           Case{"gpipe", 2, -1}, Case{"1f1b", 2, -1}, Case{"1f1b", 2, 1},
+                                           Case{"pre_recompute_1f1b", 2, -1}, Case{"pre_recompute_1f1b", 4, 1},
+                                           Case{"last_no_recompute_1f1b", 2, -1}, Case{"shifted_critical_path", 2, -1},
+                                           Case{"shifted_critical_path", 4, 1}, Case{"zb_h1", 2}, Case{"zb_h1", 4},
+                                           Case{"zb_h1", 2, 1}, Case{"interleaved_1f1b", 2, 0, 2},
+                                           Case{"interleaved_1f1b", 4, 0, 2}, Case{"interleaved_1f1b", 2, 1, 3}),
                          [](const auto& info) {
                            const int ckpt = info.param.checkpointed_layers;
                            std::string name = info.param.schedule;
@@ -150,7 +142,9 @@ INSTANTIATE_TEST_SUITE_P(SchedulesAndStages, StageRunnerTest,
                            }
                            return "s" + name + "_" + std::to_string(info.param.stages) + "x" +
                                   std::to_string(info.param.chunks) +
-                                  (ckpt == 0 ? "" : ckpt < 0 ? "_RecomputeAll" : "_RecomputeFirst");
+                                  (ckpt == 0  ? ""
+                                   : ckpt < 0 ? "_RecomputeAll"
+                                              : "_RecomputeFirst");
                          });
 
 // Recomputation replays the dropout masks of the forward: with dropout on, a

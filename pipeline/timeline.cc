@@ -8,25 +8,29 @@ namespace trident {
 namespace {
 
 bool IsCommunication(Op op) {
-  return op != Op::kForward && op != Op::kBackward && op != Op::kBackwardInput &&
-         op != Op::kBackwardWeight && op != Op::kRecompute;
+  return op != Op::kForward && op != Op::kBackward && op != Op::kBackwardInput && op != Op::kBackwardWeight &&
+         op != Op::kRecompute;
 }
 
 const char* Colour(Op op) {
   switch (op) {
-    case Op::kForward: return "#4e79a7";
+    case Op::kForward:
+      return "#4e79a7";
     case Op::kBackward:
-    case Op::kBackwardInput: return "#59a14f";
-    case Op::kBackwardWeight: return "#b07aa1";
-    case Op::kRecompute: return "#f28e2b";
-    default: return "#9c9c9c";
+    case Op::kBackwardInput:
+      return "#59a14f";
+    case Op::kBackwardWeight:
+      return "#b07aa1";
+    case Op::kRecompute:
+      return "#f28e2b";
+    default:
+      return "#9c9c9c";
   }
 }
 
 // "forward 3", or "forward 3 (chunk 1)" for a later model chunk.
 std::string Name(const TimelineEvent& e) {
-  return absl::StrCat(OpName(e.op), " ", e.micro_batch,
-                      e.chunk > 0 ? absl::StrCat(" (chunk ", e.chunk, ")") : "");
+  return absl::StrCat(OpName(e.op), " ", e.micro_batch, e.chunk > 0 ? absl::StrCat(" (chunk ", e.chunk, ")") : "");
 }
 
 }  // namespace
@@ -39,8 +43,8 @@ std::string ChromeTraceJson(const std::vector<TimelineEvent>& events, const std:
                     absl::StrFormat("{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":0,"
                                     "\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
                                     "\"args\":{\"micro_batch\":%d,\"chunk\":%d}}",
-                                    Name(e), OpName(e.op), e.stage, e.start * 1e6,
-                                    (e.end - e.start) * 1e6, e.micro_batch, e.chunk));
+                                    Name(e), OpName(e.op), e.stage, e.start * 1e6, (e.end - e.start) * 1e6,
+                                    e.micro_batch, e.chunk));
   }
   if (!more_events.empty()) absl::StrAppend(&json, events.empty() ? "\n" : ",\n", more_events);
   absl::StrAppend(&json, "\n],\"displayTimeUnit\":\"ms\"}\n");
@@ -62,8 +66,8 @@ std::string TimelineSvg(const std::vector<TimelineEvent>& events, const std::str
       "fill=\"white\"/>\n<text x=\"4\" y=\"18\" font-size=\"13\">%s</text>\n",
       left + width + 10, top + stages * row + 30, title);
   for (int s = 0; s < stages; ++s) {
-    absl::StrAppend(&svg, absl::StrFormat("<text x=\"4\" y=\"%.0f\">stage %d</text>\n",
-                                          top + s * row + row / 2 + 4, s));
+    absl::StrAppend(&svg,
+                    absl::StrFormat("<text x=\"4\" y=\"%.0f\">stage %d</text>\n", top + s * row + row / 2 + 4, s));
   }
   for (const TimelineEvent& e : events) {
     const double x = left + e.start * scale, w = std::max(1.0, (e.end - e.start) * scale);
@@ -74,22 +78,20 @@ std::string TimelineSvg(const std::vector<TimelineEvent>& events, const std::str
                                             x, y + row - 6, w, Colour(e.op), Name(e)));
       continue;
     }
-    absl::StrAppend(&svg, absl::StrFormat(
-                              "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.0f\" "
+    absl::StrAppend(
+        &svg, absl::StrFormat("<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.0f\" "
                               "fill=\"%s\" stroke=\"white\"><title>%s</title></rect>\n"
                               "<text x=\"%.1f\" y=\"%.1f\" fill=\"white\">%d</text>\n",
-                              x, y + 2, w, row - 10, Colour(e.op), Name(e), x + 3, y + row / 2 + 2,
-                              e.micro_batch));
+                              x, y + 2, w, row - 10, Colour(e.op), Name(e), x + 3, y + row / 2 + 2, e.micro_batch));
   }
-  absl::StrAppend(&svg, absl::StrFormat(
-                            "<text x=\"%.0f\" y=\"%.0f\" fill=\"#4e79a7\">forward</text>"
-                            "<text x=\"%.0f\" y=\"%.0f\" fill=\"#59a14f\">backward</text>"
-                            "<text x=\"%.0f\" y=\"%.0f\" fill=\"#b07aa1\">weight gradient</text>"
-                            "<text x=\"%.0f\" y=\"%.0f\" fill=\"#f28e2b\">recompute</text>"
-                            "<text x=\"%.0f\" y=\"%.0f\" fill=\"#9c9c9c\">communication</text>\n",
-                            left, top + stages * row + 18, left + 70, top + stages * row + 18,
-                            left + 150, top + stages * row + 18, left + 260,
-                            top + stages * row + 18, left + 340, top + stages * row + 18));
+  absl::StrAppend(&svg, absl::StrFormat("<text x=\"%.0f\" y=\"%.0f\" fill=\"#4e79a7\">forward</text>"
+                                        "<text x=\"%.0f\" y=\"%.0f\" fill=\"#59a14f\">backward</text>"
+                                        "<text x=\"%.0f\" y=\"%.0f\" fill=\"#b07aa1\">weight gradient</text>"
+                                        "<text x=\"%.0f\" y=\"%.0f\" fill=\"#f28e2b\">recompute</text>"
+                                        "<text x=\"%.0f\" y=\"%.0f\" fill=\"#9c9c9c\">communication</text>\n",
+                                        left, top + stages * row + 18, left + 70, top + stages * row + 18, left + 150,
+                                        top + stages * row + 18, left + 260, top + stages * row + 18, left + 340,
+                                        top + stages * row + 18));
   return svg + "</svg>\n";
 }
 

@@ -31,8 +31,7 @@ class CaptureIncoming : public torch::autograd::FunctionPreHook {
 // Whether every path out of `node` ends in a parameter's gradient accumulator.
 class ParameterOnly {
  public:
-  explicit ParameterOnly(const DeferredWeightGradients::Parameters& parameters)
-      : parameters_(parameters) {}
+  explicit ParameterOnly(const DeferredWeightGradients::Parameters& parameters) : parameters_(parameters) {}
   bool operator()(Node* node) {
     auto found = memo_.find(node);
     if (found != memo_.end()) return found->second;
@@ -58,8 +57,7 @@ class ParameterOnly {
 
 }  // namespace
 
-bool DeferredWeightGradients::Defer(const std::vector<at::Tensor>& roots,
-                                    const Parameters& parameters) {
+bool DeferredWeightGradients::Defer(const std::vector<at::Tensor>& roots, const Parameters& parameters) {
   ParameterOnly parameter_only(parameters);
   std::vector<std::shared_ptr<Node>> stack;
   std::unordered_set<Node*> seen;

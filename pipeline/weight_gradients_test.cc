@@ -52,7 +52,8 @@ TEST(DeferredWeightGradientsTest, InputGradientsFirstWeightGradientsLater) {
 TEST(DeferredWeightGradientsTest, AGraphOfParametersOnlyIsNotSplit) {
   testing::TinyModelOptions config;
   config.n_layer = 1;
-  auto model = std::make_shared<testing::TinyModel>(config, 4, LayerRanges{{0, 2}});  // fed token ids: no input gradient
+  auto model =
+      std::make_shared<testing::TinyModel>(config, 4, LayerRanges{{0, 2}});  // fed token ids: no input gradient
   internal::DeferredWeightGradients::Parameters parameters;
   for (const auto& p : model->parameters()) parameters.insert(p.unsafeGetTensorImpl());
   at::Tensor out = model->ForwardLayer(1, model->ForwardLayer(0, torch::zeros({1, 4}, torch::kLong)));

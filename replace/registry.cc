@@ -189,12 +189,13 @@ ReplacePair BuiltInPair(const std::string& name, std::vector<GraphRewrite> rewri
   return {kFloatingTypes, [name](torch::nn::Module& m) { return UseBuiltInPair(name, m); }, std::move(rewrites)};
 }
 
-TRIDENT_REGISTER(ReplacePairRegistry, "fused_attention",
-                 BuiltInPair("fused_attention",
-                             {{AttentionPattern("mul"), kAttentionReplacement,
-                               [](const auto& match, const auto& vmap) { return IsCausalAttention(match, vmap, false); }},
-                              {AttentionPattern("div"), kAttentionReplacement,
-                               [](const auto& match, const auto& vmap) { return IsCausalAttention(match, vmap, true); }}}));
+TRIDENT_REGISTER(
+    ReplacePairRegistry, "fused_attention",
+    BuiltInPair("fused_attention",
+                {{AttentionPattern("mul"), kAttentionReplacement,
+                  [](const auto& match, const auto& vmap) { return IsCausalAttention(match, vmap, false); }},
+                 {AttentionPattern("div"), kAttentionReplacement,
+                  [](const auto& match, const auto& vmap) { return IsCausalAttention(match, vmap, true); }}}));
 TRIDENT_REGISTER(ReplacePairRegistry, "fused_layer_norm",
                  BuiltInPair("fused_layer_norm", {{kAddLayerNormPattern, kAddLayerNormReplacement, IsResidualAdd}}));
 TRIDENT_REGISTER(ReplacePairRegistry, "fused_bias_gelu",
@@ -206,8 +207,7 @@ TRIDENT_REGISTER(ReplacePairRegistry, "fused_cross_entropy",
 // The registered pairs `names` asks for, each with its index in the report;
 // pairs that do not support `dtype` are reported and left out.
 absl::StatusOr<std::vector<std::pair<size_t, ReplacePair>>> ResolvePairs(const std::vector<std::string>& names,
-                                                                          at::ScalarType dtype,
-                                                                          ReplaceReport* report) {
+                                                                         at::ScalarType dtype, ReplaceReport* report) {
   std::vector<std::pair<size_t, ReplacePair>> pairs;
   for (const std::string& name : names) {
     TRIDENT_ASSIGN_OR_RETURN(ReplacePair pair, ReplacePairRegistry().Find(name));

@@ -48,7 +48,8 @@ void Run(benchmark::State& state, Make make, F f) {
 
 void BM_Attention(benchmark::State& state) {
   const bool fused = state.range(1) == 1;
-  Run(state,
+  Run(
+      state,
       [](const Shape& s) {
         const int64_t d = s.width / s.heads;
         return std::vector<at::Tensor>{at::randn({s.batch, s.heads, s.tokens, d}),
@@ -68,7 +69,8 @@ void BM_Attention(benchmark::State& state) {
 
 void BM_AddLayerNorm(benchmark::State& state) {
   const bool fused = state.range(1) == 1;
-  Run(state,
+  Run(
+      state,
       [](const Shape& s) {
         return std::vector<at::Tensor>{at::randn({s.batch, s.tokens, s.width}), at::randn({s.batch, s.tokens, s.width}),
                                        at::ones({s.width}), at::zeros({s.width})};
@@ -85,7 +87,8 @@ void BM_AddLayerNorm(benchmark::State& state) {
 
 void BM_BiasGelu(benchmark::State& state) {
   const bool fused = state.range(1) == 1;
-  Run(state,
+  Run(
+      state,
       [](const Shape& s) {
         return std::vector<at::Tensor>{at::randn({s.batch, s.tokens, 4 * s.width}), at::randn({4 * s.width})};
       },
@@ -98,8 +101,11 @@ void BM_CrossEntropy(benchmark::State& state) {
   const bool fused = state.range(1) == 1;
   const Shape& shape = kShapes[state.range(0)];
   const at::Tensor targets = at::randint(shape.vocab, {shape.batch * shape.tokens}, at::kLong);
-  Run(state,
-      [](const Shape& s) { return std::vector<at::Tensor>{at::randn({s.batch * s.tokens, s.vocab})}; },
+  Run(
+      state,
+      [](const Shape& s) {
+        return std::vector<at::Tensor>{at::randn({s.batch * s.tokens, s.vocab})};
+      },
       [fused, targets](const std::vector<at::Tensor>& in, const Shape&) {
         return fused ? FusedCrossEntropy(in[0], targets) : torch::nn::functional::cross_entropy(in[0], targets);
       });

@@ -94,8 +94,8 @@ TEST(FusedCausalAttentionTest, TakesHeadsThatAreViewsOfOneProjection) {
 TEST(FusedCausalAttentionTest, ShapesThatDoNotFitAreNamed) {
   const at::Tensor q = at::randn({2, 3, 8, 16});
   for (const auto& [k, v] : std::vector<std::pair<at::Tensor, at::Tensor>>{
-           {at::randn({1, 3, 8, 16}), at::randn({1, 3, 8, 16})},   // batch
-           {at::randn({2, 3, 4, 16}), at::randn({2, 3, 4, 16})},   // fewer keys than queries
+           {at::randn({1, 3, 8, 16}), at::randn({1, 3, 8, 16})},    // batch
+           {at::randn({2, 3, 4, 16}), at::randn({2, 3, 4, 16})},    // fewer keys than queries
            {at::randn({2, 3, 8, 16}), at::randn({2, 3, 8, 8})}}) {  // v's width
     try {
       FusedCausalAttention(q, k, v);
@@ -111,8 +111,8 @@ TEST(FusedAddLayerNormTest, MatchesAddThenLayerNormAndItsGradients) {
   torch::manual_seed(2);
   for (int64_t width : {64, 37}) {  // 37: the vector loops' scalar tails
     for (double alpha : {1.0, 0.5}) {
-      const std::vector<at::Tensor> in = {at::randn({3, 5, width}), at::randn({3, 5, width}),
-                                          at::randn({width}), at::randn({width})};
+      const std::vector<at::Tensor> in = {at::randn({3, 5, width}), at::randn({3, 5, width}), at::randn({width}),
+                                          at::randn({width})};
       ExpectSameFunction(
           [&](const auto& t) {
             auto [sum, out] = FusedAddLayerNorm(t[0], t[1], alpha, {width}, t[2], t[3], 1e-5);
@@ -132,8 +132,10 @@ TEST(FusedAddLayerNormTest, MatchesAddThenLayerNormAndItsGradients) {
         auto [sum, out] = FusedAddLayerNorm(t[0], t[1], 1.0, {4}, at::Tensor(), at::Tensor(), 1e-5);
         return std::vector<at::Tensor>{sum, out};
       },
-      [](const auto& t) { return std::vector<at::Tensor>{t[0] + t[1], at::layer_norm(t[0] + t[1], {4})}; }, in,
-      "add_layer_norm without weights");
+      [](const auto& t) {
+        return std::vector<at::Tensor>{t[0] + t[1], at::layer_norm(t[0] + t[1], {4})};
+      },
+      in, "add_layer_norm without weights");
 }
 
 TEST(FusedAddLayerNormTest, WithoutAResidualTheSumIsXAndItsGradientJoinsXs) {
@@ -144,19 +146,20 @@ TEST(FusedAddLayerNormTest, WithoutAResidualTheSumIsXAndItsGradientJoinsXs) {
         auto [sum, out] = FusedAddLayerNorm(t[0], at::Tensor(), 1.0, {48}, t[1], t[2], 1e-5);
         return std::vector<at::Tensor>{sum, out};
       },
-      [](const auto& t) { return std::vector<at::Tensor>{t[0], at::layer_norm(t[0], {48}, t[1], t[2], 1e-5)}; }, in,
-      "add_layer_norm without a residual");
+      [](const auto& t) {
+        return std::vector<at::Tensor>{t[0], at::layer_norm(t[0], {48}, t[1], t[2], 1e-5)};
+      },
+      in, "add_layer_norm without a residual");
 }
 
 TEST(FusedBiasGeluTest, MatchesGeluOfTheSumAndItsGradients) {
   torch::manual_seed(3);
   for (int64_t width : {256, 37}) {
     for (const char* approximate : {"none", "tanh"}) {
-      ExpectSameFunction(
-          [&](const auto& t) { return std::vector<at::Tensor>{FusedBiasGelu(t[0], t[1], approximate)}; },
-          [&](const auto& t) { return std::vector<at::Tensor>{at::gelu(t[0] + t[1], approximate)}; },
-          {at::randn({2, 9, width}) * 3, at::randn({width})},
-          std::string("bias_gelu ") + approximate + " width " + std::to_string(width));
+      ExpectSameFunction([&](const auto& t) { return std::vector<at::Tensor>{FusedBiasGelu(t[0], t[1], approximate)}; },
+                         [&](const auto& t) { return std::vector<at::Tensor>{at::gelu(t[0] + t[1], approximate)}; },
+                         {at::randn({2, 9, width}) * 3, at::randn({width})},
+                         std::string("bias_gelu ") + approximate + " width " + std::to_string(width));
     }
   }
 }
@@ -171,8 +174,8 @@ TEST(FusedCrossEntropyTest, MatchesCrossEntropyAndItsGradients) {
   targets.index_put_({at::arange(0, 37, 5)}, -100);
   auto loss_and_grad = [&](bool fused, at::ScalarType dtype) {
     at::Tensor leaf = logits.to(dtype).clone().requires_grad_(true);
-    at::Tensor loss = fused ? FusedCrossEntropy(leaf, targets)
-                            : torch::nn::functional::cross_entropy(leaf.to(at::kFloat), targets);
+    at::Tensor loss =
+        fused ? FusedCrossEntropy(leaf, targets) : torch::nn::functional::cross_entropy(leaf.to(at::kFloat), targets);
     (loss * 3).backward();
     return std::make_pair(loss.detach(), leaf.grad());
   };
@@ -201,11 +204,13 @@ struct Replaceable : torch::nn::Module, ReplaceableModule {
 };
 
 TEST(ReplaceModulesTest, OffersEveryModuleToEachPair) {
-  ASSERT_TRUE(ReplacePairRegistry().Register("test_user_norm", {{at::kFloat}, [](torch::nn::Module& m) {
-                                                 auto* norm = dynamic_cast<UserNormImpl*>(&m);
-                                                 if (norm != nullptr) norm->fast = true;
-                                                 return norm != nullptr;
-                                               }, {}}));
+  ASSERT_TRUE(ReplacePairRegistry().Register("test_user_norm", {{at::kFloat},
+                                                                [](torch::nn::Module& m) {
+                                                                  auto* norm = dynamic_cast<UserNormImpl*>(&m);
+                                                                  if (norm != nullptr) norm->fast = true;
+                                                                  return norm != nullptr;
+                                                                },
+                                                                {}}));
   auto root = std::make_shared<torch::nn::Module>();
   UserNorm a = root->register_module("a", UserNorm());
   UserNorm b = root->register_module("b", UserNorm());
@@ -227,8 +232,9 @@ TEST(ReplaceModulesTest, OffersEveryModuleToEachPair) {
 
   report = ReplaceModules(*root, {"fused_atention"}, at::kFloat);
   ASSERT_FALSE(report.ok());
-  EXPECT_NE(std::string(report.status().message()).find("unknown replacement pair (module_replace) 'fused_atention'; "
-                                                        "choose fused_attention, fused_bias_gelu, fused_cross_entropy, fused_layer_norm"),
+  EXPECT_NE(std::string(report.status().message())
+                .find("unknown replacement pair (module_replace) 'fused_atention'; "
+                      "choose fused_attention, fused_bias_gelu, fused_cross_entropy, fused_layer_norm"),
             std::string::npos)
       << report.status();
 }
@@ -268,7 +274,9 @@ TEST(ReplaceInGraphTest, RewritesTheTracedPatternsAndComputesTheSame) {
   torch::manual_seed(4);
   MinGptBlock block(16, 32, 4);
   const at::Tensor x = at::randn({2, 16, 32}), weights = at::randn({2, 16, 32});
-  auto forward = [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{(block(in[0]) * weights).sum()}; };
+  auto forward = [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{(block(in[0]) * weights).sum()};
+  };
   absl::StatusOr<std::unique_ptr<ModelGraph>> traced = ModelGraph::Trace(*block, {x}, forward);
   ASSERT_TRUE(traced.ok()) << traced.status();
   absl::StatusOr<ReplacedGraph> replaced =
@@ -276,7 +284,8 @@ TEST(ReplaceInGraphTest, RewritesTheTracedPatternsAndComputesTheSame) {
   ASSERT_TRUE(replaced.ok()) << replaced.status();
   // ln_2 after the attention's residual, ln_f after the MLP's; ln_1 reads the input.
   EXPECT_EQ(replaced->report.hits, (std::vector<int>{1, 2, 1})) << (*traced)->IrText();
-  absl::StatusOr<std::unique_ptr<ModelGraph>> retraced = ModelGraph::Trace(replaced->parameters, {x}, replaced->forward);
+  absl::StatusOr<std::unique_ptr<ModelGraph>> retraced =
+      ModelGraph::Trace(replaced->parameters, {x}, replaced->forward);
   ASSERT_TRUE(retraced.ok()) << retraced.status();
   std::multiset<std::string> kinds;
   for (const GraphNode& node : (*retraced)->nodes()) kinds.insert(node.kind);

@@ -46,9 +46,11 @@ class RandomTokens : public Dataset {
 SourceFactory SmallGpt() {
   return [](const ModelContext& context) -> absl::StatusOr<ModelSource> {
     TRIDENT_ASSIGN_OR_RETURN(ModelFactory factory, ModelRegistry().Find("gpt"));
-    return factory(ComponentArgs("model 'gpt'", {{"n_layer", "4"}, {"n_head", "4"}, {"n_embd", "32"},
-                                                  {"block_size", "16"}, {"vocab_size", "64"}}),
-                   context);
+    return factory(
+        ComponentArgs(
+            "model 'gpt'",
+            {{"n_layer", "4"}, {"n_head", "4"}, {"n_embd", "32"}, {"block_size", "16"}, {"vocab_size", "64"}}),
+        context);
   };
 }
 
@@ -154,7 +156,8 @@ TEST(AutoAccelerateTest, TrainsWithTheLossesOfOneProcess) {
   const std::vector<double> one = ReadLosses(TmpFile("one_process")), automatic = ReadLosses(TmpFile("auto"));
   ASSERT_EQ(one.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(automatic.size(), one.size()) << chosen;
-  for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(automatic[i], one[i], 1e-5 * std::abs(one[i])) << chosen << " step " << i;
+  for (size_t i = 0; i < one.size(); ++i)
+    EXPECT_NEAR(automatic[i], one[i], 1e-5 * std::abs(one[i])) << chosen << " step " << i;
 }
 
 }  // namespace

@@ -157,8 +157,12 @@ class PlanCosts {
     return scratch;
   }
   // Seconds per micro-batch on rank `s`.
-  double Forward(int s) const { return Sum(s, [](const LayerCost& l, bool) { return l.forward; }); }
-  double Backward(int s) const { return Sum(s, [](const LayerCost& l, bool) { return l.backward; }); }
+  double Forward(int s) const {
+    return Sum(s, [](const LayerCost& l, bool) { return l.forward; });
+  }
+  double Backward(int s) const {
+    return Sum(s, [](const LayerCost& l, bool) { return l.backward; });
+  }
   double Recompute(int s) const {
     return Sum(s, [](const LayerCost& l, bool recomputed) { return recomputed ? l.forward : 0.0; });
   }
@@ -248,8 +252,8 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
     for (const ProfiledParameter* p : costs.Parameters(s)) {
       if ((p->dim() >= 2 ? 0 : 1) != group) continue;
       index_of[p->name()] = static_cast<int>(planned->size());
-      planned->push_back({p->numel(), costs.ElementSize(*p), group,
-                          plan.zero_stage == 1 || elsewhere.count(p->name()) > 0});
+      planned->push_back(
+          {p->numel(), costs.ElementSize(*p), group, plan.zero_stage == 1 || elsewhere.count(p->name()) > 0});
     }
   }
   std::vector<std::pair<int64_t, std::vector<int>>> layer_reads;
@@ -426,7 +430,8 @@ absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, cons
       optimizer[s] = profile.optimizer_seconds_per_element() * static_cast<double>(costs.ParameterCount(s)) / dp;
     } else {
       for (int64_t left = parameter_bytes; left > 0; left -= plan.bucket_bytes) {
-        after[s] += CollectiveSeconds(profile, "all_reduce", dp, static_cast<double>(std::min(left, plan.bucket_bytes)));
+        after[s] +=
+            CollectiveSeconds(profile, "all_reduce", dp, static_cast<double>(std::min(left, plan.bucket_bytes)));
       }
       optimizer[s] = profile.optimizer_seconds_per_element() * static_cast<double>(costs.ParameterCount(s));
     }

@@ -110,16 +110,16 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
     if (plan.tp > 1) context.tp = {plan.tp, (*topology.Group("tensor"))->rank(), "tp", plan.sequence_parallel};
     auto source = request.make_source(context);
     ASSERT_TRUE(source.ok()) << source.status();
-    auto model = Parallelize(*source, plan, &topology, {tokens.narrow(0, 0, plan.micro_batch_size),
-                                                        tokens.narrow(0, 0, plan.micro_batch_size)},
+    auto model = Parallelize(*source, plan, &topology,
+                             {tokens.narrow(0, 0, plan.micro_batch_size), tokens.narrow(0, 0, plan.micro_batch_size)},
                              request.make_optimizer);
     ASSERT_TRUE(model.ok()) << model.status();
     auto memory = internal::PredictMemory(*profile, plan);
     ASSERT_TRUE(memory.ok()) << memory.status();
     const MemoryReport reported = (*model)->Memory();
     const MemoryReport& predicted = memory->state[(*model)->stage()];
-    const std::string what = absl::StrCat(preset, " ", layout.dp, "x", layout.tp, layout.sp ? "sp" : "", "x", layout.pp, " zero",
-                                          layout.zero, " ", layout.schedule, " ", layout.recompute);
+    const std::string what = absl::StrCat(preset, " ", layout.dp, "x", layout.tp, layout.sp ? "sp" : "", "x", layout.pp,
+                                          " zero", layout.zero, " ", layout.schedule, " ", layout.recompute);
     EXPECT_EQ(predicted.parameter_bytes, reported.parameter_bytes) << what;
     EXPECT_EQ(predicted.gradient_bytes, reported.gradient_bytes) << what;
     EXPECT_EQ(predicted.optimizer_bytes, reported.optimizer_bytes) << what;

@@ -2,16 +2,16 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <thread>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/autograd.h>
 
 #include "absl/strings/str_cat.h"
@@ -20,8 +20,8 @@
 #include "base/memory_counter.h"
 #include "base/rng.h"
 #include "base/status.h"
-#include "pipeline/weight_gradients.h"
 #include "google/protobuf/text_format.h"
+#include "pipeline/weight_gradients.h"
 #include "strategy/internal/profile.h"
 
 namespace trident {
@@ -54,7 +54,7 @@ struct LayerRun {
   double forward = 0, backward = 0;
   int64_t kept = 0, transient = 0, output = 0;
   int64_t split_held = 0;  // with `split`: held between the backward's input and weight halves
-  Values outputs;  // detached, floating ones requiring gradients (the next layer's input)
+  Values outputs;          // detached, floating ones requiring gradients (the next layer's input)
 };
 
 // One forward and backward of layer `i`, timed, and with `count` its bytes
@@ -62,8 +62,8 @@ struct LayerRun {
 // `split` the backward runs as a zero-bubble schedule runs it, input half
 // then weight half.
 absl::StatusOr<LayerRun> RunLayerOnce(LayerSequence& part, int64_t i, bool last, const Values& inputs,
-                                      const Batch& batch, const LossFunction& loss,
-                                      const PrecisionPolicy& precision, bool count, bool split = false) {
+                                      const Batch& batch, const LossFunction& loss, const PrecisionPolicy& precision,
+                                      bool count, bool split = false) {
   MemoryCounter& counter = MemoryCounter::Install();
   if (!count) MemoryCounter::Uninstall();
   LayerRun run;
@@ -122,8 +122,8 @@ absl::StatusOr<LayerRun> RunLayerOnce(LayerSequence& part, int64_t i, bool last,
 // ranks busy (where ranks share cores, a rank timed alone runs up to twice
 // as fast).
 absl::StatusOr<LayerRun> MeasureLayer(LayerSequence& part, int64_t i, bool last, const Values& inputs,
-                                      const Batch& batch, const LossFunction& loss,
-                                      const PrecisionPolicy& precision, const ProcessGroup& world) {
+                                      const Batch& batch, const LossFunction& loss, const PrecisionPolicy& precision,
+                                      const ProcessGroup& world) {
   TRIDENT_ASSIGN_OR_RETURN(LayerRun split, RunLayerOnce(part, i, last, inputs, batch, loss, precision, true, true));
   TRIDENT_ASSIGN_OR_RETURN(LayerRun result, RunLayerOnce(part, i, last, inputs, batch, loss, precision, true));
   result.split_held = split.split_held;
@@ -202,7 +202,8 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
     TRIDENT_ASSIGN_OR_RETURN(std::shared_ptr<LayerSequence> part, source.build({{i, i + 1}}));
     const bool last = i + 1 == source.num_layers;
     NamedTensors parameters;
-    TRIDENT_RETURN_IF_ERROR(CatchExceptions("listing the layer's parameters", [&] { parameters = part->LayerParameters(i); }));
+    TRIDENT_RETURN_IF_ERROR(
+        CatchExceptions("listing the layer's parameters", [&] { parameters = part->LayerParameters(i); }));
     const std::string flops = traced ? absl::StrCat(sources[0].forward_flops[i]) : "";
     const std::string signature = Signature(part->LayerName(i), parameters, inputs[0], flops);
     auto found = measured.find(signature);
@@ -213,7 +214,8 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
         if (k > 0 && traced) {
           TRIDENT_ASSIGN_OR_RETURN(sized, sources[k].layers.build({{i, i + 1}}));
         }
-        TRIDENT_ASSIGN_OR_RETURN(LayerRun run, MeasureLayer(*sized, i, last, inputs[k], batches[k], source.loss, fp32, world));
+        TRIDENT_ASSIGN_OR_RETURN(LayerRun run,
+                                 MeasureLayer(*sized, i, last, inputs[k], batches[k], source.loss, fp32, world));
         m.fp32.push_back(std::move(run));
         if (bf16) {
           TRIDENT_ASSIGN_OR_RETURN(LayerRun run16, MeasureLayer(*sized, i, last, inputs_bf16[k], batches[k],
@@ -238,8 +240,8 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
       if (traced) layer->set_partition_flops(sources[0].forward_flops[i]);
     }
     if (profile->layers(i).name() != part->LayerName(i)) {
-      return absl::InternalError(absl::StrCat("layer ", i, " is '", part->LayerName(i), "' at tp=", tp.size,
-                                              " but '", profile->layers(i).name(), "' at tp=1"));
+      return absl::InternalError(absl::StrCat("layer ", i, " is '", part->LayerName(i), "' at tp=", tp.size, " but '",
+                                              profile->layers(i).name(), "' at tp=1"));
     }
     LayerShard* shard = profile->mutable_layers(i)->add_shards();
     shard->set_tp(static_cast<int>(tp.size));
@@ -336,8 +338,7 @@ absl::Status ProfileOptimizer(const OptimizerFactory& make_optimizer, ModelProfi
     at::Tensor p = at::zeros({1024, n / 1024}).requires_grad_(true);
     p.mutable_grad() = at::full_like(p, 1e-3);
     std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer({{p}});
-    profile->set_optimizer_state_per_element(
-        static_cast<int>(OptimizerStateBytes(*optimizer, n * 4) / (n * 4)));
+    profile->set_optimizer_state_per_element(static_cast<int>(OptimizerStateBytes(*optimizer, n * 4) / (n * 4)));
     double best = 1e30;
     for (int r = 0; r < 3; ++r) {
       const auto start = Clock::now();
@@ -392,8 +393,9 @@ absl::StatusOr<ModelProfile> ProfileModel(const ProfileRequest& request, Topolog
   profile.set_has_bf16(request.bf16);
   profile.set_ranks_per_node(topology->env().local_world_size);
   cpu_set_t cores;
-  profile.set_cores_per_node(sched_getaffinity(0, sizeof(cores), &cores) == 0 ? CPU_COUNT(&cores)
-                                                                              : static_cast<int>(std::thread::hardware_concurrency()));
+  profile.set_cores_per_node(sched_getaffinity(0, sizeof(cores), &cores) == 0
+                                 ? CPU_COUNT(&cores)
+                                 : static_cast<int>(std::thread::hardware_concurrency()));
   for (int64_t b : request.micro_batch_sizes) profile.add_micro_batch_sizes(b);
   TRIDENT_RETURN_IF_ERROR(topology->Reshape({}));
   absl::Status layers = ProfileLayers(request, TensorParallelism{}, request.bf16, topology->world(), &profile);
@@ -418,8 +420,8 @@ absl::StatusOr<ModelProfile> ProfileModel(const ProfileRequest& request, Topolog
     }
   }
   TRIDENT_RETURN_IF_ERROR(ProfileCollectives(request, topology, &profile));
-  TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), ProfileOptimizer(request.make_optimizer, &profile),
-                                         "profiling the optimizer"));
+  TRIDENT_RETURN_IF_ERROR(
+      AgreeOnFailure(topology->world(), ProfileOptimizer(request.make_optimizer, &profile), "profiling the optimizer"));
   SetCpuRngState(rng);
   profile.set_profile_seconds(Since(start));
   return ShareRankZeros(topology->world(), profile);

@@ -16,8 +16,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
-#include "base/rng.h"
 #include "base/memory_counter.h"
+#include "base/rng.h"
 #include "base/status.h"
 #include "strategy/internal/cost_model.h"
 #include "strategy/internal/profile.h"
@@ -156,8 +156,7 @@ absl::StatusOr<bool> Agree(const ProcessGroup& world, bool decision) {
   return flag.item<int64_t>() == 1;
 }
 
-absl::StatusOr<ModelSource> SourceFor(const SourceFactory& make_source, const ParallelPlan& plan,
-                                      Topology* topology) {
+absl::StatusOr<ModelSource> SourceFor(const SourceFactory& make_source, const ParallelPlan& plan, Topology* topology) {
   ModelContext context;
   context.seed = plan.seed;
   if (plan.tp > 1) {
@@ -180,21 +179,22 @@ std::vector<Batch> MicroBatchesOf(const Batch& global, const ParallelPlan& plan,
 }
 
 struct Measurement {
-  double step_seconds = 0;  // the median step of the slowest rank
+  double step_seconds = 0;          // the median step of the slowest rank
   int64_t peak_resident_bytes = 0;  // of the fullest rank (0: unknown)
 };
 
 // Builds `plan` on the ranks and measures `steps` training steps (after one
 // warm-up).
-absl::StatusOr<Measurement> DryRun(const SourceFactory& make_source, const Batch& global, const OptimizerFactory& make_optimizer,
-                                   Topology* topology, const ParallelPlan& plan, int steps) {
+absl::StatusOr<Measurement> DryRun(const SourceFactory& make_source, const Batch& global,
+                                   const OptimizerFactory& make_optimizer, Topology* topology, const ParallelPlan& plan,
+                                   int steps) {
   const bool peak_known = StartResidentSection();
   TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
   absl::StatusOr<ModelSource> source = SourceFor(make_source, plan, topology);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ParallelModel> model,
-                           Parallelize(*std::move(source), plan, topology, internal::BatchRows(global, 0, plan.micro_batch_size),
-                                       make_optimizer));
+                           Parallelize(*std::move(source), plan, topology,
+                                       internal::BatchRows(global, 0, plan.micro_batch_size), make_optimizer));
   const std::vector<Batch> micro = MicroBatchesOf(global, plan, *model);
   std::vector<double> seconds;
   for (int s = 0; s <= steps; ++s) {
@@ -207,8 +207,8 @@ absl::StatusOr<Measurement> DryRun(const SourceFactory& make_source, const Batch
     if (s > 0) seconds.push_back(Since(start));
   }
   std::sort(seconds.begin(), seconds.end());
-  at::Tensor worst = at::tensor({seconds[seconds.size() / 2],
-                                 peak_known ? static_cast<double>(SectionPeakResidentBytes()) : 0.0}, at::kDouble);
+  at::Tensor worst = at::tensor(
+      {seconds[seconds.size() / 2], peak_known ? static_cast<double>(SectionPeakResidentBytes()) : 0.0}, at::kDouble);
   TRIDENT_RETURN_IF_ERROR(topology->world().AllReduce(worst, ReduceOp::kMax));
   return Measurement{worst[0].item<double>(), static_cast<int64_t>(worst[1].item<double>())};
 }
@@ -233,7 +233,8 @@ std::string ProfileKey(const AutoAccelerateOptions& options, int world, const Ba
 
 std::string StrategyFingerprint(const AutoAccelerateOptions& options, int world_size, const Batch& global_batch) {
   return absl::StrCat("model=", options.model_fingerprint, ";world=", world_size, ";batch=", BatchShapes(global_batch),
-                      ";memory_limit=", options.memory_limit_bytes, ";precision_change=", options.allow_precision_change,
+                      ";memory_limit=", options.memory_limit_bytes,
+                      ";precision_change=", options.allow_precision_change,
                       ";excluded=", absl::StrJoin(options.excluded, ","));
 }
 
@@ -247,25 +248,26 @@ SourceFactory FixedSource(ModelSource source) {
 }
 
 std::string SearchResult::Table(int rows) const {
-  std::string table = absl::StrFormat("%-3s %-48s %12s %13s %12s %12s\n", "#", "strategy", "memory MB",
-                                      "predicted ms", "measured MB", "measured ms");
+  std::string table = absl::StrFormat("%-3s %-48s %12s %13s %12s %12s\n", "#", "strategy", "memory MB", "predicted ms",
+                                      "measured MB", "measured ms");
   for (int i = 0; i < static_cast<int>(ranked.size()); ++i) {
     const CandidateReport& c = ranked[i];
     if (i >= rows && c.measured_step_s < 0 && c.dry_run_error.empty()) continue;  // beyond the rows, only dry runs
-    const std::string measured = c.measured_step_s >= 0       ? absl::StrFormat("%.1f", 1000 * c.measured_step_s)
+    const std::string measured = c.measured_step_s >= 0     ? absl::StrFormat("%.1f", 1000 * c.measured_step_s)
                                  : !c.dry_run_error.empty() ? "failed"
                                                             : "-";
     const bool chosen = DescribePlan(c.plan) == DescribePlan(plan) && c.plan.micro_batch_size == plan.micro_batch_size;
-    const std::string memory = c.measured_resident_bytes > 0 ? absl::StrFormat("%.1f", c.measured_resident_bytes / kMiB) : "-";
+    const std::string memory =
+        c.measured_resident_bytes > 0 ? absl::StrFormat("%.1f", c.measured_resident_bytes / kMiB) : "-";
     absl::StrAppend(&table, absl::StrFormat("%-3d %-48s %12.1f %13.1f %12s %12s%s\n", i + 1, DescribePlan(c.plan),
                                             c.predicted_resident_bytes / kMiB, 1000 * c.predicted_step_s, memory,
                                             measured, chosen ? "  <- chosen" : ""));
   }
-  absl::StrAppend(&table, absl::StrFormat(
-                              "%d candidates modelled, %d over the memory limit (%.0f MB per rank); search %.1f s "
-                              "(profile %.1f s%s)\n",
-                              considered, over_memory_limit, memory_limit_bytes / kMiB, search_s, profile_s,
-                              profile_cached ? ", cached" : ""));
+  absl::StrAppend(&table,
+                  absl::StrFormat("%d candidates modelled, %d over the memory limit (%.0f MB per rank); search %.1f s "
+                                  "(profile %.1f s%s)\n",
+                                  considered, over_memory_limit, memory_limit_bytes / kMiB, search_s, profile_s,
+                                  profile_cached ? ", cached" : ""));
   return table;
 }
 
@@ -298,8 +300,8 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
       CandidateReport report;
       report.plan = plan;
       if (!options.ignore_dryrun_on_load_strategy) {
-        TRIDENT_ASSIGN_OR_RETURN(Measurement measured, DryRun(make_source, global_batch, make_optimizer, topology,
-                                                              plan, options.dry_run_steps));
+        TRIDENT_ASSIGN_OR_RETURN(Measurement measured, DryRun(make_source, global_batch, make_optimizer, topology, plan,
+                                                              options.dry_run_steps));
         report.measured_step_s = measured.step_seconds;
         report.measured_resident_bytes = measured.peak_resident_bytes;
       }
@@ -311,7 +313,8 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     }
   }
   int local_ranks = std::max(1, topology->env().local_world_size);
-  result.memory_limit_bytes = options.memory_limit_bytes > 0 ? options.memory_limit_bytes : MemTotalBytes() / local_ranks;
+  result.memory_limit_bytes =
+      options.memory_limit_bytes > 0 ? options.memory_limit_bytes : MemTotalBytes() / local_ranks;
 
   // Profile: micro-batch sizes spanning the candidates', tensor-parallel degrees dividing the world.
   internal::ProfileRequest request;
@@ -330,11 +333,11 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   request.bf16 = options.allow_precision_change && Uses(options, "amp_native");
   // "v3": profiles since sequence parallelism is measured (older caches lack it).
   const ParallelPlan& base = options.base;
-  request.fingerprint = absl::StrCat(
-      "v3;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16, ";sizes=",
-      absl::StrJoin(request.micro_batch_sizes, ","), ";tp=", absl::StrJoin(request.tp_degrees, ","), ";trace=",
-      base.trace_method, ",", base.split_method, ",", base.shard_count, ",", absl::StrJoin(base.leaf_modules, "+"),
-      ",", absl::StrJoin(base.input_names, "+"));
+  request.fingerprint = absl::StrCat("v3;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16,
+                                     ";sizes=", absl::StrJoin(request.micro_batch_sizes, ","),
+                                     ";tp=", absl::StrJoin(request.tp_degrees, ","), ";trace=", base.trace_method, ",",
+                                     base.split_method, ",", base.shard_count, ",",
+                                     absl::StrJoin(base.leaf_modules, "+"), ",", absl::StrJoin(base.input_names, "+"));
   const std::string cache_dir = options.profile_cache_dir.empty() ? DefaultCacheDir() : options.profile_cache_dir;
   const auto profile_start = Clock::now();
   TRIDENT_ASSIGN_OR_RETURN(ModelProfile profile,
@@ -382,7 +385,8 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   // than between variants of one (finetuning keeps one layout: its best variants).
   std::vector<int> dry_run;
   std::set<std::tuple<int, int, int>> layouts;
-  for (int i = 0; i < static_cast<int>(result.ranked.size()) && static_cast<int>(dry_run.size()) < options.dry_runs; ++i) {
+  for (int i = 0; i < static_cast<int>(result.ranked.size()) && static_cast<int>(dry_run.size()) < options.dry_runs;
+       ++i) {
     const ParallelPlan& plan = result.ranked[i].plan;
     if (layouts.insert({plan.dp, plan.tp, plan.pp}).second || loaded) dry_run.push_back(i);
   }
@@ -391,21 +395,22 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     const double expected = Since(start) + 2 + (options.dry_run_steps + 1) * 2 * candidate.predicted_step_s;
     TRIDENT_ASSIGN_OR_RETURN(bool go, Agree(topology->world(), expected < options.time_limit_s));
     if (!go) break;
-    absl::StatusOr<Measurement> measured = DryRun(make_source, global_batch, make_optimizer, topology,
-                                                  candidate.plan, options.dry_run_steps);
+    absl::StatusOr<Measurement> measured =
+        DryRun(make_source, global_batch, make_optimizer, topology, candidate.plan, options.dry_run_steps);
     ReleaseFreedMemory();  // the dry run's model and optimizer stop counting as resident
     if (measured.ok() && measured->peak_resident_bytes > result.memory_limit_bytes) {
       candidate.measured_resident_bytes = measured->peak_resident_bytes;
-      measured = absl::ResourceExhaustedError(absl::StrFormat(
-          "it peaked at %.0f MB resident, over the limit of %.0f MB", measured->peak_resident_bytes / kMiB,
-          result.memory_limit_bytes / kMiB));
+      measured = absl::ResourceExhaustedError(
+          absl::StrFormat("it peaked at %.0f MB resident, over the limit of %.0f MB",
+                          measured->peak_resident_bytes / kMiB, result.memory_limit_bytes / kMiB));
     }
     if (measured.ok()) {
       candidate.measured_step_s = measured->step_seconds;
       candidate.measured_resident_bytes = measured->peak_resident_bytes;
     } else {
       candidate.dry_run_error = std::string(measured.status().message());
-      if (topology->rank() == 0) LOG(WARNING) << "dry run of " << DescribePlan(candidate.plan) << " failed: " << measured.status();
+      if (topology->rank() == 0)
+        LOG(WARNING) << "dry run of " << DescribePlan(candidate.plan) << " failed: " << measured.status();
     }
   }
   // The fastest measured; without a measurement, the best predicted that did not fail.
@@ -436,11 +441,12 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   return result;
 }
 
-absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source, std::shared_ptr<const Dataset> dataset,
-                                                int64_t global_batch_size, const OptimizerFactory& make_optimizer,
-                                                Topology* topology, const AutoAccelerateOptions& options,
-                                                LossFunction loss) {
-  if (dataset == nullptr || dataset->size() == 0) return absl::InvalidArgumentError("AutoAccelerate needs a dataset with samples");
+absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source,
+                                                std::shared_ptr<const Dataset> dataset, int64_t global_batch_size,
+                                                const OptimizerFactory& make_optimizer, Topology* topology,
+                                                const AutoAccelerateOptions& options, LossFunction loss) {
+  if (dataset == nullptr || dataset->size() == 0)
+    return absl::InvalidArgumentError("AutoAccelerate needs a dataset with samples");
   SourceFactory source_with_loss = make_source;
   if (loss) {
     source_with_loss = [make_source, loss](const ModelContext& context) -> absl::StatusOr<ModelSource> {
@@ -451,7 +457,8 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
   }
   AutoAccelerateOptions with_fields = options;
   if (with_fields.base.batch_fields.empty()) with_fields.base.batch_fields = dataset->field_names();
-  auto sampler = std::make_shared<BatchSampler>(dataset->size(), global_batch_size, options.base.seed, /*shuffle=*/true);
+  auto sampler =
+      std::make_shared<BatchSampler>(dataset->size(), global_batch_size, options.base.seed, /*shuffle=*/true);
   std::vector<int64_t> first;
   for (int64_t j = 0; j < global_batch_size; ++j) first.push_back(sampler->SampleIndex(0, j));
   TRIDENT_ASSIGN_OR_RETURN(Batch global, dataset->Get(first));
@@ -462,16 +469,19 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
   const ParallelPlan plan = accelerated.search.plan;
   absl::StatusOr<ModelSource> source = SourceFor(source_with_loss, plan, topology);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
-  TRIDENT_ASSIGN_OR_RETURN(accelerated.model, Parallelize(*std::move(source), plan, topology,
-                                                          internal::BatchRows(global, 0, plan.micro_batch_size), make_optimizer));
+  TRIDENT_ASSIGN_OR_RETURN(accelerated.model,
+                           Parallelize(*std::move(source), plan, topology,
+                                       internal::BatchRows(global, 0, plan.micro_batch_size), make_optimizer));
   const bool reads = accelerated.model->ReadsData();
   const ProcessGroup* dp = accelerated.model->data_parallel_group();
   const int dp_rank = dp ? dp->rank() : 0;
-  accelerated.micro_batches = [dataset, sampler, plan, reads, dp_rank](int64_t step) -> absl::StatusOr<std::vector<Batch>> {
+  accelerated.micro_batches = [dataset, sampler, plan, reads,
+                               dp_rank](int64_t step) -> absl::StatusOr<std::vector<Batch>> {
     std::vector<Batch> micro(plan.num_micro_batches);
     if (!reads) return micro;
     for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
-      TRIDENT_ASSIGN_OR_RETURN(micro[m], dataset->Get(sampler->MicroBatch(step, plan.dp, dp_rank, plan.micro_batch_size, m)));
+      TRIDENT_ASSIGN_OR_RETURN(micro[m],
+                               dataset->Get(sampler->MicroBatch(step, plan.dp, dp_rank, plan.micro_batch_size, m)));
     }
     return micro;
   };

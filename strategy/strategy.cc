@@ -23,8 +23,9 @@ absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentE
 const std::map<std::string, std::set<std::string>>& MethodFields() {
   static const auto* fields = new std::map<std::string, std::set<std::string>>{
       {"parallel_mode", {"parallel_mode", "rank_order"}},
-      {"amp_native", {"dtype", "skip_if_nonfinite", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                      "min_loss_scale"}},
+      {"amp_native",
+       {"dtype", "skip_if_nonfinite", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+        "min_loss_scale"}},
       {"half", {"dtype", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}},
       {"zero1", {}},
       {"zero2", {}},
@@ -32,8 +33,7 @@ const std::map<std::string, std::set<std::string>>& MethodFields() {
       {"checkpoint", {"layers", "activation_checkpoint_ratio", "checkpoint_num_layers", "modules", "all_layers"}},
       {"module_replace", {"pairs"}},
       {"tensor_parallel", {"sequence_parallel", "overlapping_level"}},
-      {"pipeline_parallel",
-       {"schedule", "micro_batches", "virtual_stages", "split_method", "partition_method"}},
+      {"pipeline_parallel", {"schedule", "micro_batches", "virtual_stages", "split_method", "partition_method"}},
       {"mixed_parallel", {}},
   };
   return *fields;
@@ -47,8 +47,8 @@ absl::Status CheckMethods(const Strategy& strategy) {
     if (allowed == MethodFields().end()) {
       std::vector<std::string> names;
       for (const auto& [name, fields] : MethodFields()) names.push_back(name);
-      return Invalid(absl::StrCat("strategy: unknown method '", method.name(), "'; choose ",
-                                  absl::StrJoin(names, ", ")));
+      return Invalid(
+          absl::StrCat("strategy: unknown method '", method.name(), "'; choose ", absl::StrJoin(names, ", ")));
     }
     if (!seen.insert(method.name()).second) {
       return Invalid(absl::StrCat("strategy: method '", method.name(), "' is given twice"));
@@ -97,8 +97,7 @@ const std::vector<std::string>& DefaultAxisOrder() {
 // The layout of parallel_mode: sizes by axis name, data adjusted to the world
 // size, the axes' order (empty where it lays the ranks out as the default
 // order does) and the rank order (empty for the identity).
-absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size, ParallelPlan* plan,
-                               bool* zero_axis) {
+absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size, ParallelPlan* plan, bool* zero_axis) {
   std::map<std::string, int> sizes;
   std::vector<std::string> order;
   for (const ParallelAxis& axis : method.parallel_mode()) {
@@ -106,7 +105,8 @@ absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size,
       return Invalid(absl::StrCat("strategy: parallel_mode axis '", axis.name(),
                                   "' is unknown; choose data, zero, tensor or pipeline"));
     }
-    if (axis.size() < 1) return Invalid(absl::StrCat("strategy: parallel_mode axis '", axis.name(), "' has size ", axis.size()));
+    if (axis.size() < 1)
+      return Invalid(absl::StrCat("strategy: parallel_mode axis '", axis.name(), "' has size ", axis.size()));
     if (!sizes.emplace(axis.name(), axis.size()).second) {
       return Invalid(absl::StrCat("strategy: parallel_mode names axis '", axis.name(), "' twice"));
     }
@@ -176,7 +176,8 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
   auto has = [&](const char* name) { return by_name.count(name) > 0; };
   for (const auto& [a, b] : std::vector<std::pair<const char*, const char*>>{
            {"amp_native", "half"}, {"zero1", "zero2"}, {"zero1", "fsdp"}, {"zero2", "fsdp"}}) {
-    if (has(a) && has(b)) return Invalid(absl::StrCat("strategy: methods '", a, "' and '", b, "' do not go together; keep one"));
+    if (has(a) && has(b))
+      return Invalid(absl::StrCat("strategy: methods '", a, "' and '", b, "' do not go together; keep one"));
   }
   // Without parallel_mode: data parallelism over every rank.
   bool zero_axis = false;
@@ -199,7 +200,8 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
   if (has("amp_native")) {
     const OptimizationMethod& amp = *by_name["amp_native"];
     const std::string dtype = amp.has_dtype() ? amp.dtype() : "fp16";
-    if (dtype != "bf16" && dtype != "fp16") return Invalid(absl::StrCat("strategy: amp_native dtype '", dtype, "'; choose bf16 or fp16"));
+    if (dtype != "bf16" && dtype != "fp16")
+      return Invalid(absl::StrCat("strategy: amp_native dtype '", dtype, "'; choose bf16 or fp16"));
     plan->precision = dtype;
     // fp16 always scales its loss; bf16 only to skip steps whose gradients
     // are not finite (a static scale of 1 unless the method gives one).
@@ -210,7 +212,8 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
   if (has("half")) {
     const OptimizationMethod& half = *by_name["half"];
     const std::string dtype = half.has_dtype() ? half.dtype() : "fp16";
-    if (dtype != "bf16" && dtype != "fp16") return Invalid(absl::StrCat("strategy: half dtype '", dtype, "'; choose bf16 or fp16"));
+    if (dtype != "bf16" && dtype != "fp16")
+      return Invalid(absl::StrCat("strategy: half dtype '", dtype, "'; choose bf16 or fp16"));
     plan->precision = "pure_" + dtype;
     if (dtype == "fp16") plan->loss_scaler = ScalerOf(half, /*static_one=*/false);
   }
@@ -223,13 +226,14 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
       return Invalid("strategy: checkpoint takes layers or activation_checkpoint_ratio, not both");
     }
     if (checkpoint.all_layers() && (checkpoint.has_activation_checkpoint_ratio() || !plan->checkpoint_layers.empty())) {
-      return Invalid("strategy: checkpoint's all_layers recomputes every layer; leave out layers and activation_checkpoint_ratio");
+      return Invalid(
+          "strategy: checkpoint's all_layers recomputes every layer; leave out layers and activation_checkpoint_ratio");
     }
     const bool modules_only = !plan->checkpoint_modules.empty() && !checkpoint.all_layers();
-    plan->activation_checkpointing = !plan->checkpoint_layers.empty()                 ? "selected"
+    plan->activation_checkpointing = !plan->checkpoint_layers.empty()               ? "selected"
                                      : checkpoint.has_activation_checkpoint_ratio() ? "stage_aware"
-                                     : modules_only                                  ? "none"
-                                                                                     : "full";
+                                     : modules_only                                 ? "none"
+                                                                                    : "full";
     if (checkpoint.has_activation_checkpoint_ratio()) {
       plan->activation_checkpoint_ratio = checkpoint.activation_checkpoint_ratio();
     }
@@ -243,12 +247,14 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
     plan->module_replace.assign(replace.pairs().begin(), replace.pairs().end());
   }
   if (has("tensor_parallel")) {
-    if (plan->tp == 1) return Invalid("strategy: tensor_parallel needs tensor ranks: add (\"tensor\", N) to parallel_mode");
+    if (plan->tp == 1)
+      return Invalid("strategy: tensor_parallel needs tensor ranks: add (\"tensor\", N) to parallel_mode");
     plan->sequence_parallel = by_name["tensor_parallel"]->sequence_parallel();
     plan->tp_overlapping_level = by_name["tensor_parallel"]->overlapping_level();
   }
   if (has("pipeline_parallel")) {
-    if (plan->pp == 1) return Invalid("strategy: pipeline_parallel needs pipeline ranks: add (\"pipeline\", N) to parallel_mode");
+    if (plan->pp == 1)
+      return Invalid("strategy: pipeline_parallel needs pipeline ranks: add (\"pipeline\", N) to parallel_mode");
     const OptimizationMethod& pipeline = *by_name["pipeline_parallel"];
     if (pipeline.has_schedule()) plan->schedule = pipeline.schedule();
     if (pipeline.has_micro_batches()) plan->num_micro_batches = pipeline.micro_batches();
@@ -256,13 +262,18 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
     if (pipeline.has_split_method()) plan->split_method = pipeline.split_method();
     if (pipeline.has_partition_method()) plan->partition_method = pipeline.partition_method();
     if (has("fsdp") && plan->schedule == "zb_h1") {
-      return Invalid("strategy: fsdp with pipeline_parallel schedule zb_h1 do not go together: zb_h1 runs "
-                     "weight gradients after ZeRO-3 released the layer; use zero2 or another schedule");
+      return Invalid(
+          "strategy: fsdp with pipeline_parallel schedule zb_h1 do not go together: zb_h1 runs "
+          "weight gradients after ZeRO-3 released the layer; use zero2 or another schedule");
     }
   }
   if (strategy.has_gradient_accumulation_steps()) {
-    if (plan->pp > 1) return Invalid("strategy: gradient_accumulation_steps is for layouts without pipeline ranks; give pipeline_parallel's micro_batches");
-    if (strategy.gradient_accumulation_steps() < 1) return Invalid("strategy: gradient_accumulation_steps must be at least 1");
+    if (plan->pp > 1)
+      return Invalid(
+          "strategy: gradient_accumulation_steps is for layouts without pipeline ranks; give pipeline_parallel's "
+          "micro_batches");
+    if (strategy.gradient_accumulation_steps() < 1)
+      return Invalid("strategy: gradient_accumulation_steps must be at least 1");
     plan->num_micro_batches = strategy.gradient_accumulation_steps();
   }
   if (has("mixed_parallel") && (plan->tp == 1) + (plan->pp == 1) + (plan->dp == 1) > 1) {
@@ -285,7 +296,8 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
     axis->set_size(sizes.at(name));
   }
   for (int rank : plan.rank_order) mode->add_rank_order(rank);
-  if (plan.zero_stage > 0) strategy.add_methods()->set_name(plan.zero_stage == 1 ? "zero1" : plan.zero_stage == 2 ? "zero2" : "fsdp");
+  if (plan.zero_stage > 0)
+    strategy.add_methods()->set_name(plan.zero_stage == 1 ? "zero1" : plan.zero_stage == 2 ? "zero2" : "fsdp");
   if (plan.precision == "bf16" || plan.precision == "fp16") {
     OptimizationMethod* amp = strategy.add_methods();
     amp->set_name("amp_native");
@@ -348,8 +360,8 @@ int StrategyWorldSize(const Strategy& strategy, int fallback) {
 
 std::string DescribePlan(const ParallelPlan& plan) {
   std::vector<std::string> parts;
-  for (const auto& [name, size] : std::vector<std::pair<const char*, int>>{
-           {"dp", plan.dp}, {"tp", plan.tp}, {"pp", plan.pp}}) {
+  for (const auto& [name, size] :
+       std::vector<std::pair<const char*, int>>{{"dp", plan.dp}, {"tp", plan.tp}, {"pp", plan.pp}}) {
     if (size > 1) parts.push_back(absl::StrCat(name, size));
   }
   std::string text = parts.empty() ? "1 rank" : absl::StrJoin(parts, " x ");

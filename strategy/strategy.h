@@ -92,7 +92,7 @@ struct AutoAccelerateOptions {
   // Candidates measured on the ranks: the best predicted of each of the
   // first `dry_runs` layouts (dp x tp x pp) in the ranking.
   int dry_runs = 3;
-  int dry_run_steps = 3;              // steps measured each, after one warm-up
+  int dry_run_steps = 3;                // steps measured each, after one warm-up
   bool allow_precision_change = false;  // bf16 candidates
   // Where profiles are cached ("": $XDG_CACHE_HOME or $HOME/.cache, under trident/profiles).
   std::string profile_cache_dir;
@@ -114,19 +114,19 @@ struct CandidateReport {
   int64_t predicted_resident_bytes = 0;  // the worst rank: the process and its tensors
   MemoryReport predicted_state;          // the worst rank's parameters, gradients, optimizer
   double predicted_step_s = 0;
-  double measured_step_s = -1;  // negative: not dry-run
+  double measured_step_s = -1;          // negative: not dry-run
   int64_t measured_resident_bytes = 0;  // the dry run's peak on the fullest rank (0: unknown)
-  std::string dry_run_error;      // a failure, or a measured peak over the memory limit
+  std::string dry_run_error;            // a failure, or a measured peak over the memory limit
 };
 
 struct SearchResult {
   Strategy strategy;  // the winner, its fingerprint set
   ParallelPlan plan;
   std::vector<CandidateReport> ranked;  // the candidates that fit, best predicted first
-  int64_t considered = 0;                // candidates modelled
+  int64_t considered = 0;               // candidates modelled
   int64_t over_memory_limit = 0;
   int64_t memory_limit_bytes = 0;
-  double profile_s = 0, search_s = 0;    // search_s includes profile_s
+  double profile_s = 0, search_s = 0;  // search_s includes profile_s
   bool profile_cached = false;
   // The first `rows` candidates and every one dry-run: strategy, predicted
   // memory and step time, measured step time where dry-run.
@@ -156,10 +156,10 @@ struct AcceleratedModel {
 // strategy), then Parallelize with it. `loss`, when set, replaces the
 // source's. Like Parallelize, it changes nothing process-wide (see
 // UseBestCpuKernels in kernels/kernels.h).
-absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source, std::shared_ptr<const Dataset> dataset,
-                                                int64_t global_batch_size, const OptimizerFactory& make_optimizer,
-                                                Topology* topology, const AutoAccelerateOptions& options,
-                                                LossFunction loss = nullptr);
+absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source,
+                                                std::shared_ptr<const Dataset> dataset, int64_t global_batch_size,
+                                                const OptimizerFactory& make_optimizer, Topology* topology,
+                                                const AutoAccelerateOptions& options, LossFunction loss = nullptr);
 
 }  // namespace trident
 

@@ -33,7 +33,8 @@ std::string Error(const std::string& text, int world_size) {
 TEST(StrategyTest, ParallelModeAdjustsDataToTheWorld) {
   auto plan = Apply(R"(methods { name: "parallel_mode" parallel_mode { name: "tensor" size: 2 }
                         parallel_mode { name: "pipeline" size: 2 } parallel_mode { name: "data" size: 1 } }
-                       methods { name: "mixed_parallel" })", 8);
+                       methods { name: "mixed_parallel" })",
+                    8);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->tp, 2);
   EXPECT_EQ(plan->pp, 2);
@@ -48,7 +49,8 @@ TEST(StrategyTest, MethodsSetPrecisionZeroRecomputationAndTheSchedule) {
                        methods { name: "amp_native" dtype: "bf16" skip_if_nonfinite: true }
                        methods { name: "zero2" }
                        methods { name: "checkpoint" layers: "transformer.h.1" checkpoint_num_layers: 2 }
-                       methods { name: "pipeline_parallel" schedule: "zb_h1" micro_batches: 8 })", 4);
+                       methods { name: "pipeline_parallel" schedule: "zb_h1" micro_batches: 8 })",
+                    4);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->dp, 2);
   EXPECT_EQ(plan->precision, "bf16");
@@ -62,7 +64,8 @@ TEST(StrategyTest, MethodsSetPrecisionZeroRecomputationAndTheSchedule) {
   EXPECT_EQ(plan->num_micro_batches, 8);
   EXPECT_EQ(DescribePlan(*plan), "dp2 x pp2 zb_h1 mb1x8 zero2 bf16 recompute=selected");
   auto half = Apply(R"(methods { name: "half" dtype: "bf16" } methods { name: "fsdp" }
-                       methods { name: "checkpoint" activation_checkpoint_ratio: 0.3 })", 2);
+                       methods { name: "checkpoint" activation_checkpoint_ratio: 0.3 })",
+                    2);
   ASSERT_TRUE(half.ok()) << half.status();
   EXPECT_EQ(half->precision, "pure_bf16");
   EXPECT_EQ(half->zero_stage, 3);
@@ -71,16 +74,17 @@ TEST(StrategyTest, MethodsSetPrecisionZeroRecomputationAndTheSchedule) {
 
 // Every field a strategy decides, for comparing plans.
 std::string DecidedFields(const ParallelPlan& p) {
-  return absl::StrCat(
-      "dp=", p.dp, " tp=", p.tp, " pp=", p.pp, " axes=", absl::StrJoin(p.axis_order, ","), " ranks=",
-      absl::StrJoin(p.rank_order, ","), " zero=", p.zero_stage, " precision=", p.precision, " table=",
-      p.precision_table, " scaling=", p.loss_scaling, "/", p.loss_scaler.loss_scale, "/", p.loss_scaler.initial_scale_power, "/",
-      p.loss_scaler.loss_scale_window, "/", p.loss_scaler.hysteresis, "/", p.loss_scaler.min_loss_scale, " recompute=",
-      p.activation_checkpointing, " layers=", absl::StrJoin(p.checkpoint_layers, ","), " ratio=",
-      p.activation_checkpoint_ratio, " segment=", p.checkpoint_num_layers, " modules=",
-      absl::StrJoin(p.checkpoint_modules, ","), " replace=", absl::StrJoin(p.module_replace, ","), " sp=",
-      p.sequence_parallel, " overlap=", p.tp_overlapping_level, " schedule=", p.schedule, " chunks=",
-      p.virtual_stages, " micro=", p.num_micro_batches, " split=", p.split_method, " partition=", p.partition_method);
+  return absl::StrCat("dp=", p.dp, " tp=", p.tp, " pp=", p.pp, " axes=", absl::StrJoin(p.axis_order, ","),
+                      " ranks=", absl::StrJoin(p.rank_order, ","), " zero=", p.zero_stage, " precision=", p.precision,
+                      " table=", p.precision_table, " scaling=", p.loss_scaling, "/", p.loss_scaler.loss_scale, "/",
+                      p.loss_scaler.initial_scale_power, "/", p.loss_scaler.loss_scale_window, "/",
+                      p.loss_scaler.hysteresis, "/", p.loss_scaler.min_loss_scale,
+                      " recompute=", p.activation_checkpointing, " layers=", absl::StrJoin(p.checkpoint_layers, ","),
+                      " ratio=", p.activation_checkpoint_ratio, " segment=", p.checkpoint_num_layers,
+                      " modules=", absl::StrJoin(p.checkpoint_modules, ","),
+                      " replace=", absl::StrJoin(p.module_replace, ","), " sp=", p.sequence_parallel,
+                      " overlap=", p.tp_overlapping_level, " schedule=", p.schedule, " chunks=", p.virtual_stages,
+                      " micro=", p.num_micro_batches, " split=", p.split_method, " partition=", p.partition_method);
 }
 
 std::vector<ParallelPlan> PlansUsingEveryMethod() {
@@ -196,7 +200,8 @@ TEST(StrategyTest, ASavedStrategyLoadsAndSavesByteForByte) {
 
 TEST(StrategyTest, ParallelModeOrderAndRankOrderLayTheRanksOut) {
   auto data_first = Apply(R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 2 }
-                              parallel_mode { name: "tensor" size: 2 } rank_order: [0, 2, 1, 3] })", 4);
+                              parallel_mode { name: "tensor" size: 2 } rank_order: [0, 2, 1, 3] })",
+                          4);
   ASSERT_TRUE(data_first.ok()) << data_first.status();
   EXPECT_EQ(data_first->axis_order, (std::vector<std::string>{"data", "tensor", "pipeline"}));
   EXPECT_EQ(data_first->rank_order, (std::vector<int>{0, 2, 1, 3}));
@@ -207,12 +212,14 @@ TEST(StrategyTest, ParallelModeOrderAndRankOrderLayTheRanksOut) {
   EXPECT_EQ(axes[1].name, "tensor");
   // The default order, and an identity rank order, are written as empty.
   auto usual = Apply(R"(methods { name: "parallel_mode" parallel_mode { name: "pipeline" size: 2 }
-                         parallel_mode { name: "data" size: 2 } rank_order: [0, 1, 2, 3] })", 4);
+                         parallel_mode { name: "data" size: 2 } rank_order: [0, 1, 2, 3] })",
+                     4);
   ASSERT_TRUE(usual.ok()) << usual.status();
   EXPECT_TRUE(usual->axis_order.empty());
   EXPECT_TRUE(usual->rank_order.empty());
-  EXPECT_THAT(Error(R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 2 } rank_order: [0, 0] })", 2),
-              HasSubstr("rank order 0,0 is not a permutation of the ranks 0 to 1"));
+  EXPECT_THAT(
+      Error(R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 2 } rank_order: [0, 0] })", 2),
+      HasSubstr("rank order 0,0 is not a permutation of the ranks 0 to 1"));
 }
 
 TEST(StrategyTest, BadStrategiesNameTheMethodOrThePair) {
@@ -225,7 +232,8 @@ TEST(StrategyTest, BadStrategiesNameTheMethodOrThePair) {
   EXPECT_THAT(Error(R"(methods { name: "zero1" } methods { name: "fsdp" })", 2),
               HasSubstr("'zero1' and 'fsdp' do not go together"));
   EXPECT_THAT(Error(R"(methods { name: "parallel_mode" parallel_mode { name: "pipeline" size: 2 } }
-                       methods { name: "fsdp" } methods { name: "pipeline_parallel" schedule: "zb_h1" })", 2),
+                       methods { name: "fsdp" } methods { name: "pipeline_parallel" schedule: "zb_h1" })",
+                    2),
               HasSubstr("fsdp with pipeline_parallel schedule zb_h1"));
   EXPECT_THAT(Error(R"(methods { name: "parallel_mode" parallel_mode { name: "tensor" size: 3 } })", 4),
               HasSubstr("tensor x pipeline = 3 x 1 does not divide the 4 ranks"));

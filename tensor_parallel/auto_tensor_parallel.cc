@@ -106,20 +106,20 @@ absl::Status Planner::Plan() {
       if (it == splits_.end()) continue;
       for (Node* origin : it->second.origins) {
         if (Pinned(origin) == Pin::kColumn) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "automatic tensor parallelism: the layer lists pin ", Describe(origin),
-              " column-parallel, but its split output would reach ", where,
-              ", which the pass cannot split; pin the product that should end the split region "
-              "row-parallel, or unpin this one"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("automatic tensor parallelism: the layer lists pin ", Describe(origin),
+                           " column-parallel, but its split output would reach ", where,
+                           ", which the pass cannot split; pin the product that should end the split region "
+                           "row-parallel, or unpin this one"));
         }
         kept_whole = true;
         whole_[origin] = absl::StrCat("its split output would reach ", where, ", which the pass cannot split");
       }
     }
     if (!kept_whole) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence parallelism: ", where, " cannot run on sequence shards of its input; turn "
-          "sequence_parallel off for this model"));
+      return absl::InvalidArgumentError(absl::StrCat("sequence parallelism: ", where,
+                                                     " cannot run on sequence shards of its input; turn "
+                                                     "sequence_parallel off for this model"));
     }
   }
 }
@@ -129,8 +129,8 @@ Planner::Pin Planner::Pinned(const Node* node) const {
   const std::string name = ParameterName(node->input(1));
   auto listed = [&](const std::vector<std::string>& patterns) {
     return !name.empty() && std::any_of(patterns.begin(), patterns.end(), [&](const std::string& pattern) {
-             return name.find(pattern) != std::string::npos;
-           });
+      return name.find(pattern) != std::string::npos;
+    });
   };
   if (listed(options_.layers.column)) return Pin::kColumn;
   if (listed(options_.layers.row)) return Pin::kRow;
@@ -145,10 +145,10 @@ Planner::Pin Planner::Pinned(const Node* node) const {
 absl::Status Planner::CheckPinnedRows() {
   for (Node* node : graph_->nodes()) {
     if (Pinned(node) != Pin::kRow || std::find(rows_.begin(), rows_.end(), node) != rows_.end()) continue;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "automatic tensor parallelism: the layer lists pin ", Describe(node),
-        " row-parallel, but its input is not split along its features (no column-parallel product "
-        "feeds it through operators the pass can split); pin its partner column-parallel, or unpin it"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("automatic tensor parallelism: the layer lists pin ", Describe(node),
+                     " row-parallel, but its input is not split along its features (no column-parallel product "
+                     "feeds it through operators the pass can split); pin its partner column-parallel, or unpin it"));
   }
   return absl::OkStatus();
 }
@@ -214,8 +214,8 @@ std::string AutoTensorParallelPlan::Report() const {
   }
   absl::StrAppend(&report, split, " of ", parameters.size(), " parameters split; collectives per micro-batch:\n");
   for (const std::string& c : collectives) absl::StrAppend(&report, "  ", c, "\n");
-  absl::StrAppend(&report, absl::StrFormat("bytes sent per micro-batch and rank (ring all-reduce): %d\n",
-                                           bytes_per_micro_batch));
+  absl::StrAppend(
+      &report, absl::StrFormat("bytes sent per micro-batch and rank (ring all-reduce): %d\n", bytes_per_micro_batch));
   return report;
 }
 
@@ -247,12 +247,12 @@ absl::StatusOr<TensorParallelGraph> AutoTensorParallel(const ModelGraph& model, 
     result.shards[layout.name] = layout.shard;
   }
   if (!any) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "automatic tensor parallelism found no matrix product it can split, or whose split pays for "
-        "its communication, in this model:\n",
-        result.plan.Report(),
-        "use tp=1, set tp_split_all to split regardless of the cost model, or build the model's layers "
-        "tensor-parallel"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("automatic tensor parallelism found no matrix product it can split, or whose split pays for "
+                     "its communication, in this model:\n",
+                     result.plan.Report(),
+                     "use tp=1, set tp_split_all to split regardless of the cost model, or build the model's layers "
+                     "tensor-parallel"));
   }
   std::vector<at::Tensor> parameters;
   for (const auto& [name, p] : result.parameters) parameters.push_back(p);

@@ -89,10 +89,10 @@ struct LlamaBlockImpl : torch::nn::Module {
   explicit LlamaBlockImpl(const Sizes& s) : heads(s.heads), kv_heads(s.kv_heads), head_dim(s.embd / s.heads) {
     attention_norm = register_parameter("attention_norm", torch::ones({s.embd}));
     q_proj = register_module("q_proj", torch::nn::Linear(torch::nn::LinearOptions(s.embd, s.embd).bias(false)));
-    k_proj = register_module("k_proj",
-                             torch::nn::Linear(torch::nn::LinearOptions(s.embd, kv_heads * head_dim).bias(false)));
-    v_proj = register_module("v_proj",
-                             torch::nn::Linear(torch::nn::LinearOptions(s.embd, kv_heads * head_dim).bias(false)));
+    k_proj =
+        register_module("k_proj", torch::nn::Linear(torch::nn::LinearOptions(s.embd, kv_heads * head_dim).bias(false)));
+    v_proj =
+        register_module("v_proj", torch::nn::Linear(torch::nn::LinearOptions(s.embd, kv_heads * head_dim).bias(false)));
     o_proj = register_module("o_proj", torch::nn::Linear(torch::nn::LinearOptions(s.embd, s.embd).bias(false)));
     ffn_norm = register_parameter("ffn_norm", torch::ones({s.embd}));
     gate = register_module("gate", torch::nn::Linear(torch::nn::LinearOptions(s.embd, 3 * s.embd).bias(false)));
@@ -270,11 +270,14 @@ INSTANTIATE_TEST_SUITE_P(Ranks, AutoTensorParallelTest, ::testing::Values(2, 4))
 // product, reduce-scattered after each row product).
 TEST(AutoSequenceParallelTest, GptEqualsOneProcess) {
   testing::RunOnRanks(2, [](int r) {
-    ExpectParity<Gpt>(2, r, Sizes{}, [](const AutoTensorParallelPlan& plan) {
-      EXPECT_THAT(plan.Report(), HasSubstr("gather_from_sequence_region"));
-      EXPECT_THAT(plan.Report(), HasSubstr("reduce_scatter_to_sequence_region"));
-      EXPECT_THAT(plan.Report(), Not(HasSubstr("copy_to_tp_region")));
-    }, /*sequence_parallel=*/true);
+    ExpectParity<Gpt>(
+        2, r, Sizes{},
+        [](const AutoTensorParallelPlan& plan) {
+          EXPECT_THAT(plan.Report(), HasSubstr("gather_from_sequence_region"));
+          EXPECT_THAT(plan.Report(), HasSubstr("reduce_scatter_to_sequence_region"));
+          EXPECT_THAT(plan.Report(), Not(HasSubstr("copy_to_tp_region")));
+        },
+        /*sequence_parallel=*/true);
   });
 }
 
@@ -282,7 +285,8 @@ TEST(AutoSequenceParallelTest, LlamaEqualsOneProcess) {
   testing::RunOnRanks(2, [](int r) {
     Sizes sizes;
     sizes.kv_heads = 2;
-    ExpectParity<Llama>(2, r, sizes, [](const AutoTensorParallelPlan&) {}, /*sequence_parallel=*/true);
+    ExpectParity<Llama>(
+        2, r, sizes, [](const AutoTensorParallelPlan&) {}, /*sequence_parallel=*/true);
   });
 }
 
@@ -297,15 +301,18 @@ TEST(AutoSequenceParallelTest, AReplicatedInputEntersAtTheFirstColumnProduct) {
   testing::RunOnRanks(2, [](int r) {
     Sizes sizes;
     sizes.computed_ids = true;
-    ExpectParity<Gpt>(2, r, sizes, [](const AutoTensorParallelPlan& plan) {
-      EXPECT_EQ(ByName(plan)["wte.weight"].role, ParameterLayout::Role::kReplicated);
-      EXPECT_THAT(plan.Report(), Not(HasSubstr("copy_to_tp_region")));
-    }, /*sequence_parallel=*/true);
+    ExpectParity<Gpt>(
+        2, r, sizes,
+        [](const AutoTensorParallelPlan& plan) {
+          EXPECT_EQ(ByName(plan)["wte.weight"].role, ParameterLayout::Role::kReplicated);
+          EXPECT_THAT(plan.Report(), Not(HasSubstr("copy_to_tp_region")));
+        },
+        /*sequence_parallel=*/true);
   });
 }
 
 std::function<void(const AutoTensorParallelPlan&)> WholeVocabularyPlan(const std::string& embedding,
-                                                                        const std::string& head) {
+                                                                       const std::string& head) {
   return [=](const AutoTensorParallelPlan& plan) {
     auto layouts = ByName(plan);
     EXPECT_EQ(layouts[embedding].role, ParameterLayout::Role::kReplicated);
@@ -444,9 +451,8 @@ TEST(AutoTensorParallelErrorsTest, HeadsThatDoNotDivideAreNamed) {
 TEST(AutoTensorParallelErrorsTest, AModelWithNothingToSplitIsRefused) {
   torch::nn::Linear head(8, 4);
   const at::Tensor x = at::randn({2, 8});
-  auto graph = ModelGraph::Trace(*head, {x}, [&](const std::vector<at::Tensor>& in) {
-    return std::vector<at::Tensor>{head->forward(in[0])};
-  });
+  auto graph = ModelGraph::Trace(
+      *head, {x}, [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{head->forward(in[0])}; });
   ASSERT_TRUE(graph.ok()) << graph.status();
   absl::StatusOr<TensorParallelGraph> sharded = AutoTensorParallel(**graph, {2, 0, "tp"});
   ASSERT_FALSE(sharded.ok());

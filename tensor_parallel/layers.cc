@@ -1,8 +1,8 @@
 // Tensor-parallel layers, shard specifications and the user-model mapping.
 #include <algorithm>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/nn/functional/linear.h>
 
 #include "absl/strings/str_cat.h"
@@ -19,8 +19,7 @@ namespace {
 // Throws std::invalid_argument naming `what` when `size` does not divide by `parts`.
 int64_t Divide(int64_t size, int64_t parts, const std::string& what) {
   if (parts < 1 || size % parts != 0) {
-    throw std::invalid_argument(absl::StrCat(what, " (", size, ") is not divisible by tp (",
-                                             parts, ")"));
+    throw std::invalid_argument(absl::StrCat(what, " (", size, ") is not divisible by tp (", parts, ")"));
   }
   return size / parts;
 }
@@ -109,11 +108,10 @@ at::Tensor ShardSpec::Unslice(const std::vector<at::Tensor>& shards) const {
 }
 
 absl::StatusOr<std::vector<int64_t>> ShardSpec::ShardShape(const std::vector<int64_t>& full) const {
-  if (dim < 0 || dim >= static_cast<int64_t>(full.size()) ||
-      full[dim] % (blocks * parts) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a tensor of shape [", absl::StrJoin(full, ", "), "] cannot be split into ", parts,
-        " parts along dimension ", dim, blocks > 1 ? absl::StrCat(" (in ", blocks, " blocks)") : ""));
+  if (dim < 0 || dim >= static_cast<int64_t>(full.size()) || full[dim] % (blocks * parts) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("a tensor of shape [", absl::StrJoin(full, ", "),
+                                                   "] cannot be split into ", parts, " parts along dimension ", dim,
+                                                   blocks > 1 ? absl::StrCat(" (in ", blocks, " blocks)") : ""));
   }
   std::vector<int64_t> shape = full;
   shape[dim] /= parts;
@@ -121,8 +119,7 @@ absl::StatusOr<std::vector<int64_t>> ShardSpec::ShardShape(const std::vector<int
 }
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const TensorParallelism& tp, int64_t in_features,
-                                                   int64_t out_features, bool bias,
-                                                   bool gather_output, int64_t blocks)
+                                                   int64_t out_features, bool bias, bool gather_output, int64_t blocks)
     : tp_(tp), gather_output_(gather_output), blocks_(blocks) {
   const int64_t local = Divide(out_features, tp.size * blocks, "output features") * blocks;
   weight = register_parameter("weight", at::empty({local, in_features}));
@@ -151,18 +148,15 @@ at::Tensor ColumnParallelLinearImpl::LocalProduct(const at::Tensor& x, const at:
   return ColumnParallelProduct(x, weight, b, adapter, tp_, is_training());
 }
 
-RowParallelLinearImpl::RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features,
-                                             int64_t out_features, bool bias,
-                                             bool input_is_parallel)
+RowParallelLinearImpl::RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features,
+                                             bool bias, bool input_is_parallel)
     : tp_(tp), input_is_parallel_(input_is_parallel) {
-  weight = register_parameter(
-      "weight", at::empty({out_features, Divide(in_features, tp.size, "input features")}));
+  weight = register_parameter("weight", at::empty({out_features, Divide(in_features, tp.size, "input features")}));
   if (bias) this->bias = register_parameter("bias", at::zeros({out_features}));
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor input =
-      input_is_parallel_ || tp_.size == 1 ? x : ScatterToTensorParallelRegion(x, tp_.group);
+  at::Tensor input = input_is_parallel_ || tp_.size == 1 ? x : ScatterToTensorParallelRegion(x, tp_.group);
   return RowParallelProduct(input, weight, bias, adapter, tp_, is_training());
 }
 
@@ -172,8 +166,7 @@ at::Tensor RowParallelLinearImpl::PartialForward(const at::Tensor& x) {
   return at::linear(x, weight);
 }
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const TensorParallelism& tp,
-                                                       int64_t vocab_size, int64_t dim)
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const TensorParallelism& tp, int64_t vocab_size, int64_t dim)
     : tp_(tp) {
   const int64_t rows = Divide(vocab_size, tp.size, "vocab_size");
   vocab_start_ = rows * tp.rank;
@@ -192,8 +185,7 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   return RowParallelOutput(LocalLookup(ids), tp_);
 }
 
-absl::Status SequenceParallelGradients(const std::vector<at::Tensor>& parameters,
-                                       const std::string& group) {
+absl::Status SequenceParallelGradients(const std::vector<at::Tensor>& parameters, const std::string& group) {
   std::vector<at::Tensor> grads;
   for (const at::Tensor& p : parameters) {
     if (p.grad().defined()) grads.push_back(p.grad());
@@ -296,8 +288,7 @@ std::optional<std::pair<int64_t, int64_t>> LinearFeatures(const torch::nn::Modul
   return std::make_pair(full[0], full[1]);
 }
 
-absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Module& module,
-                                                                   const std::string& name,
+absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Module& module, const std::string& name,
                                                                    const at::Tensor& full_a, double scale,
                                                                    double dropout) {
   std::optional<AdaptableLinear> linear = Adaptable(module);
@@ -308,8 +299,8 @@ absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Mo
   }
   const auto [out_features, in_features] = *LinearFeatures(module);
   if (full_a.dim() != 2 || full_a.size(1) != in_features) {
-    return absl::InvalidArgumentError(absl::StrCat("LoRA A must be [r, ", in_features, "]; it is ",
-                                                   c10::str(full_a.sizes())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoRA A must be [r, ", in_features, "]; it is ", c10::str(full_a.sizes())));
   }
   const int64_t r = full_a.size(0);
   const ShardSpec a_shard{1, linear->shard.parts, linear->shard.index, 1};
@@ -336,12 +327,12 @@ absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Mo
 absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelLayers& layers,
                                  const TensorParallelism& tp) {
   // An error for the first name that matched nothing.
-  auto unused = [](const std::vector<std::string>& patterns, const std::vector<int>& hits,
-                   const char* what, const char* kind) -> absl::Status {
+  auto unused = [](const std::vector<std::string>& patterns, const std::vector<int>& hits, const char* what,
+                   const char* kind) -> absl::Status {
     for (size_t i = 0; i < patterns.size(); ++i) {
       if (hits[i] == 0) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor-parallel ", what, " '", patterns[i],
-                                                       "' matches no ", kind, " of the model"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor-parallel ", what, " '", patterns[i], "' matches no ", kind, " of the model"));
       }
     }
     return absl::OkStatus();
@@ -362,18 +353,18 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
     if (!column && !row) continue;
     auto* linear = dynamic_cast<ParallelLinearImpl*>(item.value().get());
     if (linear == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor-parallel layer '", name, "' is not a ParallelLinear; build it with "
-          "trident::ParallelLinear to let ApplyTensorParallel shard it"));
+      return absl::InvalidArgumentError(absl::StrCat("tensor-parallel layer '", name,
+                                                     "' is not a ParallelLinear; build it with "
+                                                     "trident::ParallelLinear to let ApplyTensorParallel shard it"));
     }
     if (column && row) {
       return absl::InvalidArgumentError(absl::StrCat("layer '", name, "' is named both column- and row-parallel"));
     }
     const ShardSpec spec{column ? 0 : 1, tp.size, tp.rank, 1};
     if (linear->weight.size(spec.dim) % tp.size != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer '", name, "': ", column ? "output" : "input", " features (",
-          linear->weight.size(spec.dim), ") are not divisible by tp (", tp.size, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("layer '", name, "': ", column ? "output" : "input", " features (",
+                                                     linear->weight.size(spec.dim), ") are not divisible by tp (",
+                                                     tp.size, ")"));
     }
     linear->weight.set_data(spec.Slice(linear->weight));
     if (column && linear->bias.defined()) linear->bias.set_data(spec.Slice(linear->bias));
@@ -387,8 +378,8 @@ absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelL
       at::Tensor& value = item.value();
       const int64_t v = value.item<int64_t>();
       if (v % tp.size != 0) {
-        return absl::InvalidArgumentError(absl::StrCat("attribute '", item.key(), "' (", v,
-                                                       ") is not divisible by tp (", tp.size, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("attribute '", item.key(), "' (", v, ") is not divisible by tp (", tp.size, ")"));
       }
       value.fill_(v / tp.size);
     }

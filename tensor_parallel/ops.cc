@@ -6,8 +6,8 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
@@ -60,9 +60,8 @@ at::Tensor AllGather(const at::Tensor& x, c10::string_view name, int64_t dim) {
 at::Tensor ReduceScatter(const at::Tensor& x, c10::string_view name, int64_t dim) {
   const ProcessGroup& group = GroupNamed(name);
   if (group.size() == 1) return x.clone();
-  TORCH_CHECK(x.size(Dim(x, dim)) % group.size() == 0, "reduce-scatter on group '",
-              std::string(name), "': dimension ", dim, " of size ", x.size(Dim(x, dim)),
-              " does not divide into ", group.size(), " parts");
+  TORCH_CHECK(x.size(Dim(x, dim)) % group.size() == 0, "reduce-scatter on group '", std::string(name), "': dimension ",
+              dim, " of size ", x.size(Dim(x, dim)), " does not divide into ", group.size(), " parts");
   auto out = group.ReduceScatter(x.contiguous(), Dim(x, dim));
   Check(out.status());
   bytes_communicated += Bytes(x) * (group.size() - 1) / group.size();
@@ -72,9 +71,8 @@ at::Tensor ReduceScatter(const at::Tensor& x, c10::string_view name, int64_t dim
 at::Tensor OwnSlice(const at::Tensor& x, c10::string_view name, int64_t dim) {
   const ProcessGroup& group = GroupNamed(name);
   const int64_t d = Dim(x, dim);
-  TORCH_CHECK(x.size(d) % group.size() == 0, "splitting over group '", std::string(name),
-              "': dimension ", dim, " of size ", x.size(d), " does not divide into ",
-              group.size(), " parts");
+  TORCH_CHECK(x.size(d) % group.size() == 0, "splitting over group '", std::string(name), "': dimension ", dim,
+              " of size ", x.size(d), " does not divide into ", group.size(), " parts");
   return x.chunk(group.size(), d)[group.rank()].contiguous();
 }
 
@@ -83,9 +81,7 @@ at::Tensor CopyToKernel(const at::Tensor& x, c10::string_view) { return x.clone(
 at::Tensor ReduceFromKernel(const at::Tensor& x, c10::string_view g) { return AllReduceSum(x, g); }
 at::Tensor GatherKernel(const at::Tensor& x, c10::string_view g) { return AllGather(x, g, -1); }
 at::Tensor ScatterKernel(const at::Tensor& x, c10::string_view g) { return OwnSlice(x, g, -1); }
-at::Tensor SequenceGatherKernel(const at::Tensor& x, c10::string_view g, int64_t dim) {
-  return AllGather(x, g, dim);
-}
+at::Tensor SequenceGatherKernel(const at::Tensor& x, c10::string_view g, int64_t dim) { return AllGather(x, g, dim); }
 at::Tensor SequenceReduceScatterKernel(const at::Tensor& x, c10::string_view g, int64_t dim) {
   return ReduceScatter(x, g, dim);
 }
@@ -95,12 +91,11 @@ struct CrossEntropyParts {
   at::Tensor loss, softmax, local_targets, outside;
 };
 
-CrossEntropyParts CrossEntropyForward(const at::Tensor& logits, const at::Tensor& targets,
-                                      c10::string_view name) {
+CrossEntropyParts CrossEntropyForward(const at::Tensor& logits, const at::Tensor& targets, c10::string_view name) {
   const ProcessGroup& group = GroupNamed(name);
   TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && logits.size(0) == targets.size(0),
-              "vocab_parallel_cross_entropy takes logits [N, V / tp] and targets [N]; got ",
-              logits.sizes(), " and ", targets.sizes());
+              "vocab_parallel_cross_entropy takes logits [N, V / tp] and targets [N]; got ", logits.sizes(), " and ",
+              targets.sizes());
   const int64_t local_vocab = logits.size(1), start = local_vocab * group.rank();
   at::Tensor logits32 = logits.to(at::kFloat);
   at::Tensor max = std::get<0>(logits32.max(-1));
@@ -112,8 +107,7 @@ CrossEntropyParts CrossEntropyForward(const at::Tensor& logits, const at::Tensor
   CrossEntropyParts parts;
   parts.outside = (targets < start).logical_or(targets >= start + local_vocab);
   parts.local_targets = (targets - start).masked_fill(parts.outside, 0);
-  at::Tensor predicted =
-      shifted.gather(1, parts.local_targets.unsqueeze(1)).squeeze(1).masked_fill(parts.outside, 0);
+  at::Tensor predicted = shifted.gather(1, parts.local_targets.unsqueeze(1)).squeeze(1).masked_fill(parts.outside, 0);
   at::Tensor exp = shifted.exp();
   at::Tensor sums = at::stack({predicted, exp.sum(-1)});  // one message for both
   sums = AllReduceSum(sums, name);
@@ -122,8 +116,7 @@ CrossEntropyParts CrossEntropyForward(const at::Tensor& logits, const at::Tensor
   return parts;
 }
 
-at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& targets,
-                              c10::string_view group) {
+at::Tensor CrossEntropyKernel(const at::Tensor& logits, const at::Tensor& targets, c10::string_view group) {
   return CrossEntropyForward(logits, targets, group).loss;
 }
 
@@ -139,12 +132,8 @@ struct CopyTo : torch::autograd::Function<CopyTo> {
 };
 
 struct ReduceFrom : torch::autograd::Function<ReduceFrom> {
-  static at::Tensor forward(AutogradContext*, const at::Tensor& x, std::string group) {
-    return AllReduceSum(x, group);
-  }
-  static variable_list backward(AutogradContext*, variable_list grads) {
-    return {grads[0], at::Tensor()};
-  }
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, std::string group) { return AllReduceSum(x, group); }
+  static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
 };
 
 struct Gather : torch::autograd::Function<Gather> {
@@ -168,36 +157,32 @@ struct Scatter : torch::autograd::Function<Scatter> {
 };
 
 struct SequenceGather : torch::autograd::Function<SequenceGather> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group,
-                            int64_t dim) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group, int64_t dim) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["dim"] = dim;
     return AllGather(x, group, dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {ReduceScatter(grads[0], ctx->saved_data["group"].toStringRef(),
-                          ctx->saved_data["dim"].toInt()),
+    return {ReduceScatter(grads[0], ctx->saved_data["group"].toStringRef(), ctx->saved_data["dim"].toInt()),
             at::Tensor(), at::Tensor()};
   }
 };
 
 struct SequenceReduceScatter : torch::autograd::Function<SequenceReduceScatter> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group,
-                            int64_t dim) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::string group, int64_t dim) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["dim"] = dim;
     return ReduceScatter(x, group, dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {AllGather(grads[0], ctx->saved_data["group"].toStringRef(),
-                      ctx->saved_data["dim"].toInt()),
-            at::Tensor(), at::Tensor()};
+    return {AllGather(grads[0], ctx->saved_data["group"].toStringRef(), ctx->saved_data["dim"].toInt()), at::Tensor(),
+            at::Tensor()};
   }
 };
 
 struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
-                            const at::Tensor& targets, std::string group) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
+                            std::string group) {
     CrossEntropyParts parts = CrossEntropyForward(logits, targets, group);
     ctx->save_for_backward({parts.softmax, parts.local_targets, parts.outside});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
@@ -206,34 +191,23 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     at::Tensor grad = saved[0].clone();  // softmax - one_hot(target), on this rank's slice
-    grad.scatter_add_(1, saved[1].unsqueeze(1),
-                      saved[2].logical_not().to(grad.scalar_type()).neg().unsqueeze(1));
+    grad.scatter_add_(1, saved[1].unsqueeze(1), saved[2].logical_not().to(grad.scalar_type()).neg().unsqueeze(1));
     grad.mul_(grads[0].to(grad.scalar_type()).unsqueeze(1));
-    return {grad.to(static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt())), at::Tensor(),
-            at::Tensor()};
+    return {grad.to(static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt())), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor CopyToAutograd(const at::Tensor& x, c10::string_view g) {
-  return CopyTo::apply(x, std::string(g));
-}
-at::Tensor ReduceFromAutograd(const at::Tensor& x, c10::string_view g) {
-  return ReduceFrom::apply(x, std::string(g));
-}
-at::Tensor GatherAutograd(const at::Tensor& x, c10::string_view g) {
-  return Gather::apply(x, std::string(g));
-}
-at::Tensor ScatterAutograd(const at::Tensor& x, c10::string_view g) {
-  return Scatter::apply(x, std::string(g));
-}
+at::Tensor CopyToAutograd(const at::Tensor& x, c10::string_view g) { return CopyTo::apply(x, std::string(g)); }
+at::Tensor ReduceFromAutograd(const at::Tensor& x, c10::string_view g) { return ReduceFrom::apply(x, std::string(g)); }
+at::Tensor GatherAutograd(const at::Tensor& x, c10::string_view g) { return Gather::apply(x, std::string(g)); }
+at::Tensor ScatterAutograd(const at::Tensor& x, c10::string_view g) { return Scatter::apply(x, std::string(g)); }
 at::Tensor SequenceGatherAutograd(const at::Tensor& x, c10::string_view g, int64_t dim) {
   return SequenceGather::apply(x, std::string(g), dim);
 }
 at::Tensor SequenceReduceScatterAutograd(const at::Tensor& x, c10::string_view g, int64_t dim) {
   return SequenceReduceScatter::apply(x, std::string(g), dim);
 }
-at::Tensor CrossEntropyAutograd(const at::Tensor& logits, const at::Tensor& targets,
-                                c10::string_view g) {
+at::Tensor CrossEntropyAutograd(const at::Tensor& logits, const at::Tensor& targets, c10::string_view g) {
   return CrossEntropy::apply(logits, targets, std::string(g));
 }
 
@@ -294,8 +268,8 @@ std::vector<int64_t> WithLastSize(at::IntArrayRef sizes, int64_t last) {
 // blocks travelling while the weight's gradient is computed.
 struct SubPipelinedColumn : torch::autograd::Function<SubPipelinedColumn> {
   // `bias` is empty for a layer without one (a custom function takes no undefined inputs).
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias, std::string group) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            std::string group) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["group"] = group;
     ctx->saved_data["bias"] = bias.numel() > 0;
@@ -462,13 +436,13 @@ TORCH_LIBRARY(trident, m) {
   m.def("vocab_parallel_cross_entropy(Tensor logits, Tensor targets, str group) -> Tensor");
 }
 
-#define TRIDENT_TP_KERNELS(m)                                                     \
-  m.impl("copy_to_tp_region", CopyToKernel);                                      \
-  m.impl("reduce_from_tp_region", ReduceFromKernel);                              \
-  m.impl("gather_from_tp_region", GatherKernel);                                  \
-  m.impl("scatter_to_tp_region", ScatterKernel);                                  \
-  m.impl("gather_from_sequence_region", SequenceGatherKernel);                    \
-  m.impl("reduce_scatter_to_sequence_region", SequenceReduceScatterKernel);       \
+#define TRIDENT_TP_KERNELS(m)                                               \
+  m.impl("copy_to_tp_region", CopyToKernel);                                \
+  m.impl("reduce_from_tp_region", ReduceFromKernel);                        \
+  m.impl("gather_from_tp_region", GatherKernel);                            \
+  m.impl("scatter_to_tp_region", ScatterKernel);                            \
+  m.impl("gather_from_sequence_region", SequenceGatherKernel);              \
+  m.impl("reduce_scatter_to_sequence_region", SequenceReduceScatterKernel); \
   m.impl("vocab_parallel_cross_entropy", CrossEntropyKernel)
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) { TRIDENT_TP_KERNELS(m); }
@@ -504,23 +478,19 @@ at::Tensor ScatterToTensorParallelRegion(const at::Tensor& x, const std::string&
   return op.call(x, group);
 }
 
-at::Tensor GatherFromSequenceParallelRegion(const at::Tensor& x, const std::string& group,
-                                            int64_t dim) {
+at::Tensor GatherFromSequenceParallelRegion(const at::Tensor& x, const std::string& group, int64_t dim) {
   static const auto op = Op<Sequence>("trident::gather_from_sequence_region");
   return op.call(x, group, dim);
 }
 
-at::Tensor ReduceScatterToSequenceParallelRegion(const at::Tensor& x, const std::string& group,
-                                                 int64_t dim) {
+at::Tensor ReduceScatterToSequenceParallelRegion(const at::Tensor& x, const std::string& group, int64_t dim) {
   static const auto op = Op<Sequence>("trident::reduce_scatter_to_sequence_region");
   return op.call(x, group, dim);
 }
 
-at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
-                                     const std::string& group) {
+at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets, const std::string& group) {
   static const auto op =
-      Op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>(
-          "trident::vocab_parallel_cross_entropy");
+      Op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("trident::vocab_parallel_cross_entropy");
   return op.call(logits, targets, group);
 }
 

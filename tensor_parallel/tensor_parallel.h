@@ -68,16 +68,13 @@ at::Tensor CopyToTensorParallelRegion(const at::Tensor& x, const std::string& gr
 at::Tensor ReduceFromTensorParallelRegion(const at::Tensor& x, const std::string& group);
 at::Tensor GatherFromTensorParallelRegion(const at::Tensor& x, const std::string& group);
 at::Tensor ScatterToTensorParallelRegion(const at::Tensor& x, const std::string& group);
-at::Tensor GatherFromSequenceParallelRegion(const at::Tensor& x, const std::string& group,
-                                            int64_t dim);
-at::Tensor ReduceScatterToSequenceParallelRegion(const at::Tensor& x, const std::string& group,
-                                                 int64_t dim);
+at::Tensor GatherFromSequenceParallelRegion(const at::Tensor& x, const std::string& group, int64_t dim);
+at::Tensor ReduceScatterToSequenceParallelRegion(const at::Tensor& x, const std::string& group, int64_t dim);
 // Cross-entropy of logits [N, V / size] (this rank's vocabulary slice) against
 // global target ids [N]: the per-token losses [N] in fp32 (as autocast runs
 // cross-entropy; bf16 logits too), equal on every rank. The full logits are
 // never gathered.
-at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets,
-                                     const std::string& group);
+at::Tensor VocabParallelCrossEntropy(const at::Tensor& logits, const at::Tensor& targets, const std::string& group);
 
 // The input of a column-parallel product: `x` copied into the region
 // (replicated input), or gathered from sequence shards; `x` itself at tp = 1.
@@ -124,8 +121,7 @@ bool SubPipelinesBlock(const TensorParallelism& tp, const at::Tensor& x);
 // backward starts each half's input-gradient sum as soon as it is computed
 // and awaits it only once the rest of the block's ready backward has run.
 // Dropout inside the regions draws per half (other masks than a whole batch's).
-at::Tensor RunSubPipelinedBlock(const at::Tensor& x, const std::vector<BlockRegion>& regions,
-                                const std::string& group);
+at::Tensor RunSubPipelinedBlock(const at::Tensor& x, const std::vector<BlockRegion>& regions, const std::string& group);
 // How many of this process's backward gradient sums of RunSubPipelinedBlock
 // were still travelling when the next one started: the overlap it achieved.
 int64_t SubPipelinedGradientSumsOverlapped();
@@ -175,8 +171,8 @@ struct LowRankAdapter {
 // `gather_output`.
 class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
-  ColumnParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features,
-                           bool bias = true, bool gather_output = false, int64_t blocks = 1);
+  ColumnParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features, bool bias = true,
+                           bool gather_output = false, int64_t blocks = 1);
   at::Tensor forward(const at::Tensor& x);
   // This rank's output without the bias (Megatron's skip_bias_add), for a
   // caller that adds it fused with what follows (fused_bias_gelu).
@@ -206,8 +202,8 @@ TORCH_MODULE(ColumnParallelLinear);
 // replicated and added after the reduction.
 class RowParallelLinearImpl : public torch::nn::Module {
  public:
-  RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features,
-                        bool bias = true, bool input_is_parallel = true);
+  RowParallelLinearImpl(const TensorParallelism& tp, int64_t in_features, int64_t out_features, bool bias = true,
+                        bool input_is_parallel = true);
   at::Tensor forward(const at::Tensor& x);
   // This rank's product, neither summed over the group nor with the bias
   // (RunSubPipelinedBlock's partial output). Without an adapter.
@@ -248,8 +244,7 @@ TORCH_MODULE(VocabParallelEmbedding);
 // (zeros), replacing an adapter it had. Returns the specs of the adapter
 // parameters split over the group, by their names relative to `linear`.
 // Errors when `linear` is another kind of module or `full_a` does not fit.
-absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Module& linear,
-                                                                   const std::string& name,
+absl::StatusOr<std::map<std::string, ShardSpec>> AddLowRankAdapter(torch::nn::Module& linear, const std::string& name,
                                                                    const at::Tensor& full_a, double scale,
                                                                    double dropout);
 // The whole layer's [out, in] features of a linear module AddLowRankAdapter
@@ -259,8 +254,7 @@ std::optional<std::pair<int64_t, int64_t>> LinearFeatures(const torch::nn::Modul
 // Sums the gradients of `parameters` over the tensor-parallel group in one
 // message (sequence-parallel norms and biases, whose gradients each rank holds
 // for its sequence shard only).
-absl::Status SequenceParallelGradients(const std::vector<at::Tensor>& parameters,
-                                       const std::string& group);
+absl::Status SequenceParallelGradients(const std::vector<at::Tensor>& parameters, const std::string& group);
 
 // A user model opts into tensor parallelism by building its linear layers as
 // ParallelLinear and naming them, in the spirit of the reference design's
@@ -290,8 +284,7 @@ class ParallelLinearImpl : public torch::nn::Module {
   LowRankAdapter adapter;
 
  private:
-  friend absl::Status ApplyTensorParallel(torch::nn::Module& model,
-                                          const TensorParallelLayers& layers,
+  friend absl::Status ApplyTensorParallel(torch::nn::Module& model, const TensorParallelLayers& layers,
                                           const TensorParallelism& tp);
   Mode mode_ = Mode::kPlain;
   TensorParallelism tp_;

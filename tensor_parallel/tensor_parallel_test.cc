@@ -2,9 +2,9 @@
 // computation, forward and backward.
 #include "tensor_parallel/tensor_parallel.h"
 
+#include <c10/core/GradMode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <c10/core/GradMode.h>
 #include <torch/torch.h>
 
 #include "graph/model_graph.h"
@@ -136,8 +136,7 @@ TEST_P(TensorParallelLayersTest, LayersEqualTheirUnshardedForm) {
     for (auto& t : full) t.requires_grad_(true);
     at::Tensor x_full = X.clone().requires_grad_(true);
     at::Tensor expected =
-        at::linear(at::gelu(at::linear(x_full, full[0], full[1])), full[2], full[3]) +
-        at::embedding(full[4], ids);
+        at::linear(at::gelu(at::linear(x_full, full[0], full[1])), full[2], full[3]) + at::embedding(full[4], ids);
     (expected * expected).sum().backward();
 
     // Column with 3 blocks (a fused q, k, v layout), so the row layer's input
@@ -199,7 +198,7 @@ TEST_P(SubPipelinedBlockTest, EqualsTheUnshardedBlockAndOverlapsBackwardSums) {
     const TensorParallelism tp{p, r, "tp", false, /*parallel_vocab=*/true, /*overlapping_level=*/2};
     const int64_t C = 8, H = 16, regions = 2;
     const at::Tensor X = Shared({3, 4, C}, 20);  // an odd batch: halves of 2 and 1
-    std::vector<at::Tensor> full;  // per region: norm scale, W1, b1, W2, b2
+    std::vector<at::Tensor> full;                // per region: norm scale, W1, b1, W2, b2
     for (int64_t i = 0; i < regions; ++i) {
       for (auto shape : std::vector<std::vector<int64_t>>{{C}, {H, C}, {H}, {C, H}, {C}}) {
         full.push_back(Shared(shape, 21 + full.size()).requires_grad_(true));
@@ -229,11 +228,10 @@ TEST_P(SubPipelinedBlockTest, EqualsTheUnshardedBlockAndOverlapsBackwardSums) {
         rows[i]->weight.copy_(rows[i]->weight_shard().Slice(w[3]));
         rows[i]->bias.copy_(w[4]);
       }
-      block.push_back({[&, i](const at::Tensor& x) { return norm(x, scales[i]); },
-                       [&, i](const at::Tensor& h) {
-                         return rows[i]->PartialForward(at::gelu(columns[i]->ForwardInRegion(h)));
-                       },
-                       [&, i](const at::Tensor& x, const at::Tensor& y) { return x + y + rows[i]->bias; }});
+      block.push_back(
+          {[&, i](const at::Tensor& x) { return norm(x, scales[i]); },
+           [&, i](const at::Tensor& h) { return rows[i]->PartialForward(at::gelu(columns[i]->ForwardInRegion(h))); },
+           [&, i](const at::Tensor& x, const at::Tensor& y) { return x + y + rows[i]->bias; }});
     }
     ASSERT_TRUE(SubPipelinesBlock(tp, X));
     at::Tensor x = X.clone().requires_grad_(true);

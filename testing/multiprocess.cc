@@ -66,8 +66,7 @@ MultiProcessResult SpawnRanks(int world_size, const std::function<void(int rank)
   const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
   LaunchOptions launch;
   launch.nproc_per_node = world_size;
-  launch.command = {"/proc/self/exe",
-                    absl::StrCat("--gtest_filter=", test->test_suite_name(), ".", test->name()),
+  launch.command = {"/proc/self/exe", absl::StrCat("--gtest_filter=", test->test_suite_name(), ".", test->name()),
                     "--gtest_color=no"};
   launch.env = options.env;
   launch.env[kInvocationVar] = absl::StrCat(invocation);
@@ -96,19 +95,16 @@ MultiProcessResult SpawnRanks(int world_size, const std::function<void(int rank)
   return result;
 }
 
-void RunOnRanks(int world_size, const std::function<void(int rank)>& body,
-                const MultiProcessOptions& options) {
+void RunOnRanks(int world_size, const std::function<void(int rank)>& body, const MultiProcessOptions& options) {
   MultiProcessResult result = SpawnRanks(world_size, body, options);
   if (result.status.ok()) return;
-  ADD_FAILURE() << "multi-process run on " << world_size << " ranks failed: "
-                << result.status.message();
+  ADD_FAILURE() << "multi-process run on " << world_size << " ranks failed: " << result.status.message();
   for (const RankOutcome& outcome : result.ranks) {
     if (outcome.exit_code == 0) continue;
     ADD_FAILURE() << "rank " << outcome.rank
                   << (outcome.stopped_by_harness
                           ? " was stopped by the harness"
-                          : absl::StrCat(" exited with code ", outcome.exit_code, " signal ",
-                                         outcome.signal))
+                          : absl::StrCat(" exited with code ", outcome.exit_code, " signal ", outcome.signal))
                   << "; its output:\n"
                   << outcome.output;
   }

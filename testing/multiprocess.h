@@ -53,8 +53,8 @@ struct RankOutcome {
 };
 
 struct MultiProcessResult {
-  absl::Status status;              // OK when every rank exited 0
-  std::vector<RankOutcome> ranks;   // by rank
+  absl::Status status;             // OK when every rank exited 0
+  std::vector<RankOutcome> ranks;  // by rank
 };
 
 // Runs `body(rank)` on `world_size` ranks and returns how each ended. Use it
@@ -63,8 +63,7 @@ MultiProcessResult SpawnRanks(int world_size, const std::function<void(int rank)
                               const MultiProcessOptions& options = {});
 
 // SpawnRanks, plus a test failure for every rank that did not exit 0.
-void RunOnRanks(int world_size, const std::function<void(int rank)>& body,
-                const MultiProcessOptions& options = {});
+void RunOnRanks(int world_size, const std::function<void(int rank)>& body, const MultiProcessOptions& options = {});
 
 // True inside a rank process started by the harness.
 bool IsRankProcess();

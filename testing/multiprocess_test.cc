@@ -27,9 +27,7 @@ TEST(MultiProcessTest, EachRankRunsTheBodyWithItsOwnRank) {
 }
 
 TEST(MultiProcessTest, AFailedExpectationInOneRankFailsThatRankWithItsMessage) {
-  MultiProcessResult result = SpawnRanks(2, [](int rank) {
-    EXPECT_NE(rank, 1) << "rank one objects";
-  });
+  MultiProcessResult result = SpawnRanks(2, [](int rank) { EXPECT_NE(rank, 1) << "rank one objects"; });
   EXPECT_FALSE(result.status.ok());
   EXPECT_EQ(result.ranks[0].exit_code, 0);
   EXPECT_EQ(result.ranks[1].exit_code, 1);
@@ -49,10 +47,13 @@ TEST(MultiProcessTest, SeveralRunsInOneTestEachRunTheirOwnBody) {
 TEST(MultiProcessTest, ExceptionsAndHangsBecomeFailuresNotHangs) {
   MultiProcessOptions options;
   options.timeout = absl::Seconds(3);
-  MultiProcessResult result = SpawnRanks(2, [](int rank) {
-    if (rank == 0) throw std::runtime_error("boom");
-    absl::SleepFor(absl::Seconds(60));
-  }, options);
+  MultiProcessResult result = SpawnRanks(
+      2,
+      [](int rank) {
+        if (rank == 0) throw std::runtime_error("boom");
+        absl::SleepFor(absl::Seconds(60));
+      },
+      options);
   EXPECT_EQ(result.ranks[0].exit_code, 1);
   EXPECT_THAT(result.ranks[0].output, HasSubstr("rank 0 threw: boom"));
   EXPECT_TRUE(result.ranks[1].stopped_by_harness);

@@ -43,7 +43,8 @@ std::string Where(const TensorSlice& slice) {
   std::vector<std::string> boxes;
   for (const SliceSegment& s : slice.segments) {
     std::vector<std::string> ranges;
-    for (size_t d = 0; d < s.offsets.size(); ++d) ranges.push_back(absl::StrCat(s.offsets[d], ":", s.offsets[d] + s.lengths[d]));
+    for (size_t d = 0; d < s.offsets.size(); ++d)
+      ranges.push_back(absl::StrCat(s.offsets[d], ":", s.offsets[d] + s.lengths[d]));
     boxes.push_back(absl::StrCat("[", absl::StrJoin(ranges, ","), "]"));
   }
   if (boxes.size() > 4) {
@@ -139,8 +140,8 @@ absl::Status Compare(const std::string& a, const std::string& b, double toleranc
     TRIDENT_ASSIGN_OR_RETURN(at::Tensor x, first->ReadWhole(name));
     TRIDENT_ASSIGN_OR_RETURN(at::Tensor y, second->ReadWhole(name));
     if (!x.sizes().equals(y.sizes())) {
-      return absl::FailedPreconditionError(absl::StrCat("tensor '", name, "' has shape ", c10::str(x.sizes()),
-                                                        " in ", a, " but ", c10::str(y.sizes()), " in ", b));
+      return absl::FailedPreconditionError(absl::StrCat("tensor '", name, "' has shape ", c10::str(x.sizes()), " in ",
+                                                        a, " but ", c10::str(y.sizes()), " in ", b));
     }
     const double scale = std::max(1e-12, x.to(at::kDouble).abs().max().item<double>());
     const double difference = (x.to(at::kDouble) - y.to(at::kDouble)).abs().max().item<double>() / scale;
@@ -151,8 +152,8 @@ absl::Status Compare(const std::string& a, const std::string& b, double toleranc
     ++compared;
   }
   if (compared == 0) return absl::NotFoundError(absl::StrCat(a, " and ", b, " share no tensor"));
-  std::printf("%d tensors compared; largest difference %.3g (relative to the tensor's largest value) in %s\n",
-              compared, worst, worst_name.c_str());
+  std::printf("%d tensors compared; largest difference %.3g (relative to the tensor's largest value) in %s\n", compared,
+              worst, worst_name.c_str());
   if (worst > tolerance) {
     return absl::OutOfRangeError(absl::StrCat("tensor '", worst_name, "' differs by ", worst, " > ", tolerance));
   }
@@ -174,7 +175,8 @@ absl::Status Run(int argc, char** argv) {
   }
   if (argc == 4 && command == "merge") return Merge(argv[2], argv[3]);
   if (argc == 4 && command == "export") return Export(argv[2], argv[3]);
-  if ((argc == 4 || argc == 5) && command == "compare") return Compare(argv[2], argv[3], argc == 5 ? std::atof(argv[4]) : 0);
+  if ((argc == 4 || argc == 5) && command == "compare")
+    return Compare(argv[2], argv[3], argc == 5 ? std::atof(argv[4]) : 0);
   return absl::InvalidArgumentError(kUsage);
 }
 

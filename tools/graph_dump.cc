@@ -57,10 +57,10 @@ absl::Status Run(const std::string& model_name) {
   const int64_t seq = FLAGS_seq > 0 ? FLAGS_seq : config.block_size;
   auto tokens = torch::randint(config.vocab_size, {FLAGS_batch, seq}, torch::kLong);
   auto targets = torch::randint(config.vocab_size, {FLAGS_batch, seq}, torch::kLong);
-  TRIDENT_ASSIGN_OR_RETURN(
-      auto graph, ModelGraph::Trace(*model, {tokens, targets}, [&](const std::vector<at::Tensor>& in) {
-        return std::vector<at::Tensor>{model->Loss(in[0], in[1])};
-      }));
+  TRIDENT_ASSIGN_OR_RETURN(auto graph,
+                           ModelGraph::Trace(*model, {tokens, targets}, [&](const std::vector<at::Tensor>& in) {
+                             return std::vector<at::Tensor>{model->Loss(in[0], in[1])};
+                           }));
   return Print(absl::StrCat(model_name, " ", preset, ", input [", FLAGS_batch, ", ", seq, "]"), *graph);
 }
 

@@ -27,8 +27,7 @@ namespace {
 absl::Status Run() {
   TopologyOptions options;
   options.mesh_axes = {{"tensor", FLAGS_tp}, {"data", DeviceMesh::kInferSize}};
-  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology,
-                           Topology::CreateFromEnvironment(options));
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::CreateFromEnvironment(options));
   std::string report = absl::StrCat("rank ", topology->rank(), ":");
   for (const char* name : {"world", "tp", "dp"}) {
     TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * group, topology->Group(name));
@@ -37,11 +36,10 @@ absl::Status Run() {
     double expected = 0;
     for (int member : group->global_ranks()) expected += member;
     if (value.item<double>() != expected) {
-      return absl::InternalError(absl::StrCat("all-reduce over ", name, " gave ",
-                                              value.item<double>(), ", expected ", expected));
+      return absl::InternalError(
+          absl::StrCat("all-reduce over ", name, " gave ", value.item<double>(), ", expected ", expected));
     }
-    absl::StrAppend(&report, " ", name, "[", absl::StrJoin(group->global_ranks(), ","),
-                    "] sum=", value.item<double>());
+    absl::StrAppend(&report, " ", name, "[", absl::StrJoin(group->global_ranks(), ","), "] sum=", value.item<double>());
   }
   std::printf("%s\n", report.c_str());
   std::fflush(stdout);

@@ -36,8 +36,7 @@ absl::StatusOr<std::vector<double>> Seconds(const std::string& flag, const char*
   for (absl::string_view part : absl::StrSplit(flag, ',')) {
     double ms;
     if (!absl::SimpleAtod(part, &ms) || ms < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", flag,
-                                                     " is not a list of non-negative numbers"));
+      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", flag, " is not a list of non-negative numbers"));
     }
     values.push_back(ms / 1000);
   }
@@ -53,8 +52,8 @@ absl::Status Run() {
   TRIDENT_ASSIGN_OR_RETURN(options.recompute_seconds, Seconds(FLAGS_recompute_ms, "recompute_ms"));
   options.comm_seconds = FLAGS_comm_ms / 1000;
   options.weight_grad_fraction = FLAGS_weight_grad_fraction;
-  std::printf("%d stages, %d micro-batches\n%-22s %14s %10s\n", FLAGS_stages,
-              FLAGS_micro_batches, "schedule", "step_time_ms", "bubble");
+  std::printf("%d stages, %d micro-batches\n%-22s %14s %10s\n", FLAGS_stages, FLAGS_micro_batches, "schedule",
+              "step_time_ms", "bubble");
   for (const std::string& name : ScheduleNames()) {
     const int chunks = name == "interleaved_1f1b" ? FLAGS_virtual_stages : 1;
     TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(name, chunks));
@@ -65,13 +64,11 @@ absl::Status Run() {
       continue;
     }
     const SimulationResult& result = *simulated;
-    std::printf("%-22s %14.3f %9.1f%%\n", label.c_str(), result.makespan * 1000,
-                100 * result.bubble_fraction);
+    std::printf("%-22s %14.3f %9.1f%%\n", label.c_str(), result.makespan * 1000, 100 * result.bubble_fraction);
     if (!FLAGS_out_dir.empty()) {
       std::filesystem::create_directories(FLAGS_out_dir);
-      std::ofstream(FLAGS_out_dir + "/" + name + ".svg")
-          << TimelineSvg(result.events, absl::StrCat(name, ": ", FLAGS_stages, " stages, ",
-                                                     FLAGS_micro_batches, " micro-batches"));
+      std::ofstream(FLAGS_out_dir + "/" + name + ".svg") << TimelineSvg(
+          result.events, absl::StrCat(name, ": ", FLAGS_stages, " stages, ", FLAGS_micro_batches, " micro-batches"));
       std::ofstream(FLAGS_out_dir + "/" + name + ".json") << ChromeTraceJson(result.events);
     }
   }

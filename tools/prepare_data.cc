@@ -30,10 +30,9 @@ absl::Status Run() {
   options.vocab_size = FLAGS_vocab_size;
   options.val_fraction = FLAGS_val_fraction;
   TRIDENT_ASSIGN_OR_RETURN(PreparedData prepared, PrepareTextCorpus(options));
-  std::printf("wrote %s (%lld tokens) and %s (%lld tokens), vocab %d, tokenizer %s\n",
-              prepared.train_path.c_str(), static_cast<long long>(prepared.train_tokens),
-              prepared.val_path.c_str(), static_cast<long long>(prepared.val_tokens),
-              prepared.vocab_size, prepared.tokenizer_path.c_str());
+  std::printf("wrote %s (%lld tokens) and %s (%lld tokens), vocab %d, tokenizer %s\n", prepared.train_path.c_str(),
+              static_cast<long long>(prepared.train_tokens), prepared.val_path.c_str(),
+              static_cast<long long>(prepared.val_tokens), prepared.vocab_size, prepared.tokenizer_path.c_str());
   return absl::OkStatus();
 }
 

@@ -21,12 +21,14 @@ packages=(
   fortunes                 # default training corpus (real English text)
   fortunes-min
   python3-torch            # the PyTorch eager peer in benchmarks/peer (same LibTorch build)
+  clang-format             # tools/format.sh (.clang-format; .ci/run checks the tree is formatted)
 )
 
-# On a machine with a GPU, `bazel test` runs the `gpu`-tagged tests too (see .bazelrc).
+# On a machine with a GPU, `bazel test` builds with CUDA and runs the `gpu`-tagged
+# tests too (--config=cuda, see .bazelrc and bazel/cuda.bzl).
 repo_root="$(cd "$(dirname "$0")/.." && pwd)"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo 'test --test_tag_filters=-benchmark' >"$repo_root/gpu.bazelrc"
+  echo 'build --config=cuda' >"$repo_root/gpu.bazelrc"
 fi
 
 missing=()

@@ -10,11 +10,9 @@
 
 namespace trident {
 
-absl::StatusOr<DeviceMesh> DeviceMesh::Create(std::vector<MeshAxis> axes, int world_size,
-                                              std::vector<int> rank_order) {
+absl::StatusOr<DeviceMesh> DeviceMesh::Create(std::vector<MeshAxis> axes, int world_size, std::vector<int> rank_order) {
   if (world_size <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("world size must be positive, got ", world_size));
+    return absl::InvalidArgumentError(absl::StrCat("world size must be positive, got ", world_size));
   }
   std::set<std::string> names;
   int infer_position = -1;
@@ -30,14 +28,13 @@ absl::StatusOr<DeviceMesh> DeviceMesh::Create(std::vector<MeshAxis> axes, int wo
     }
     if (axis.size == kInferSize) {
       if (infer_position >= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "mesh axes '", axes[infer_position].name, "' and '", axis.name,
-            "' both ask to be inferred; give all but one of them a size"));
+        return absl::InvalidArgumentError(absl::StrCat("mesh axes '", axes[infer_position].name, "' and '", axis.name,
+                                                       "' both ask to be inferred; give all but one of them a size"));
       }
       infer_position = i;
     } else if (axis.size <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "mesh axis '", axis.name, "' has size ", axis.size, "; sizes must be positive"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("mesh axis '", axis.name, "' has size ", axis.size, "; sizes must be positive"));
     } else {
       known_product *= axis.size;
     }
@@ -51,25 +48,25 @@ absl::StatusOr<DeviceMesh> DeviceMesh::Create(std::vector<MeshAxis> axes, int wo
   };
   if (infer_position >= 0) {
     if (world_size % known_product != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cannot infer mesh axis '", axes[infer_position].name, "': world size ", world_size,
-          " is not divisible by the product ", known_product, " of the other axes (",
-          describe(), "); change the axis sizes or the number of ranks"));
+      return absl::InvalidArgumentError(absl::StrCat("cannot infer mesh axis '", axes[infer_position].name,
+                                                     "': world size ", world_size, " is not divisible by the product ",
+                                                     known_product, " of the other axes (", describe(),
+                                                     "); change the axis sizes or the number of ranks"));
     }
     axes[infer_position].size = world_size / known_product;
   } else if (known_product != world_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mesh ", describe(), " has ", known_product, " ranks but the world size is ", world_size,
-        "; make the axis sizes multiply to the number of ranks or leave one to be inferred"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("mesh ", describe(), " has ", known_product, " ranks but the world size is ", world_size,
+                     "; make the axis sizes multiply to the number of ranks or leave one to be inferred"));
   }
   if (!rank_order.empty()) {
     std::vector<int> sorted = rank_order;
     std::sort(sorted.begin(), sorted.end());
     for (int i = 0; i < static_cast<int>(sorted.size()); ++i) {
       if (sorted[i] != i || static_cast<int>(sorted.size()) != world_size) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "rank order ", absl::StrJoin(rank_order, ","), " is not a permutation of the ranks 0 to ",
-            world_size - 1, "; list every rank once, in the order of the mesh positions"));
+        return absl::InvalidArgumentError(absl::StrCat("rank order ", absl::StrJoin(rank_order, ","),
+                                                       " is not a permutation of the ranks 0 to ", world_size - 1,
+                                                       "; list every rank once, in the order of the mesh positions"));
       }
     }
     bool identity = true;
@@ -131,8 +128,7 @@ int DeviceMesh::AxisIndex(absl::string_view axis, int rank) const {
   return position < 0 ? 0 : Coordinates(rank)[position];
 }
 
-std::vector<int> DeviceMesh::GroupRanks(const std::vector<std::string>& group_axes,
-                                        int rank) const {
+std::vector<int> DeviceMesh::GroupRanks(const std::vector<std::string>& group_axes, int rank) const {
   std::vector<int> base = Coordinates(rank);
   std::vector<int> positions;
   for (const std::string& axis : group_axes) {
@@ -163,8 +159,7 @@ std::vector<int> DeviceMesh::GroupRanks(absl::string_view axis, int rank) const 
   return GroupRanks(std::vector<std::string>{std::string(axis)}, rank);
 }
 
-std::vector<std::vector<int>> DeviceMesh::AllGroups(
-    const std::vector<std::string>& group_axes) const {
+std::vector<std::vector<int>> DeviceMesh::AllGroups(const std::vector<std::string>& group_axes) const {
   std::vector<std::vector<int>> groups;
   std::vector<bool> covered(world_size_, false);
   for (int position = 0; position < world_size_; ++position) {
@@ -180,8 +175,7 @@ std::string DeviceMesh::ToString() const {
   std::vector<std::string> parts;
   for (const MeshAxis& axis : axes_) parts.push_back(absl::StrCat(axis.name, "=", axis.size));
   return absl::StrCat(parts.empty() ? "(no axes)" : absl::StrJoin(parts, " x "), " (", world_size_, " ranks",
-                      rank_order_.empty() ? "" : absl::StrCat(", rank order ", absl::StrJoin(rank_order_, ",")),
-                      ")");
+                      rank_order_.empty() ? "" : absl::StrCat(", rank order ", absl::StrJoin(rank_order_, ",")), ")");
 }
 
 }  // namespace trident

@@ -75,8 +75,8 @@ class DeviceMesh {
   int AxisPosition(absl::string_view axis) const;  // -1 when absent
 
   std::vector<MeshAxis> axes_;
-  std::vector<int> rank_order_;     // position -> rank (empty: identity)
-  std::vector<int> position_of_;    // rank -> position (empty: identity)
+  std::vector<int> rank_order_;   // position -> rank (empty: identity)
+  std::vector<int> position_of_;  // rank -> position (empty: identity)
   std::vector<int> strides_;
   int world_size_;
 };

@@ -14,12 +14,10 @@ using Groups = std::vector<std::vector<int>>;
 TEST(DeviceMeshTest, TensorPipelineDataOverSixteenRanksGivesTheReferenceTable) {
   auto mesh = DeviceMesh::Create({{"tensor", 4}, {"pipeline", 2}, {"data", 2}}, 16);
   ASSERT_TRUE(mesh.ok()) << mesh.status();
-  EXPECT_EQ(mesh->AllGroups({"tensor"}),
-            (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}));
-  EXPECT_EQ(mesh->AllGroups({"pipeline"}), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7},
-                                                   {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
-  EXPECT_EQ(mesh->AllGroups({"data"}), (Groups{{0, 8}, {1, 9}, {2, 10}, {3, 11},
-                                               {4, 12}, {5, 13}, {6, 14}, {7, 15}}));
+  EXPECT_EQ(mesh->AllGroups({"tensor"}), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}));
+  EXPECT_EQ(mesh->AllGroups({"pipeline"}),
+            (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}}));
+  EXPECT_EQ(mesh->AllGroups({"data"}), (Groups{{0, 8}, {1, 9}, {2, 10}, {3, 11}, {4, 12}, {5, 13}, {6, 14}, {7, 15}}));
   EXPECT_THAT(mesh->GroupRanks("data", 13), ElementsAre(5, 13));
   EXPECT_THAT(mesh->Coordinates(13), ElementsAre(1, 1, 1));
   EXPECT_EQ(mesh->RankAt({3, 0, 1}), 11);
@@ -31,8 +29,7 @@ TEST(DeviceMeshTest, GroupsSpanningSeveralAxes) {
   auto mesh = DeviceMesh::Create({{"tensor", 2}, {"pipeline", 2}, {"data", 2}}, 8);
   ASSERT_TRUE(mesh.ok());
   EXPECT_THAT(mesh->GroupRanks({"tensor", "data"}, 2), ElementsAre(2, 3, 6, 7));
-  EXPECT_THAT(mesh->GroupRanks({"tensor", "pipeline", "data"}, 5),
-              ElementsAre(0, 1, 2, 3, 4, 5, 6, 7));
+  EXPECT_THAT(mesh->GroupRanks({"tensor", "pipeline", "data"}, 5), ElementsAre(0, 1, 2, 3, 4, 5, 6, 7));
   EXPECT_EQ(mesh->AllGroups({"pipeline", "data"}), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
 }
 
@@ -62,8 +59,7 @@ TEST(DeviceMeshTest, ARankOrderThatIsNotAPermutationIsAClearError) {
 }
 
 TEST(DeviceMeshTest, InfersTheOneAxisLeftOpen) {
-  auto mesh = DeviceMesh::Create({{"tensor", 2}, {"pipeline", 2}, {"data", DeviceMesh::kInferSize}},
-                                 12);
+  auto mesh = DeviceMesh::Create({{"tensor", 2}, {"pipeline", 2}, {"data", DeviceMesh::kInferSize}}, 12);
   ASSERT_TRUE(mesh.ok()) << mesh.status();
   EXPECT_EQ(mesh->AxisSize("data"), 3);
   EXPECT_EQ(mesh->AxisSize("expert"), 1);  // an axis the mesh lacks is not split
@@ -72,8 +68,7 @@ TEST(DeviceMeshTest, InfersTheOneAxisLeftOpen) {
 }
 
 TEST(DeviceMeshTest, ExtraAxesNeedNoSpecialCase) {
-  auto mesh = DeviceMesh::Create(
-      {{"tensor", 2}, {"sequence", 2}, {"expert", 2}, {"pipeline", 1}, {"data", 2}}, 16);
+  auto mesh = DeviceMesh::Create({{"tensor", 2}, {"sequence", 2}, {"expert", 2}, {"pipeline", 1}, {"data", 2}}, 16);
   ASSERT_TRUE(mesh.ok());
   EXPECT_THAT(mesh->GroupRanks("expert", 1), ElementsAre(1, 5));
   EXPECT_THAT(mesh->GroupRanks("data", 1), ElementsAre(1, 9));
@@ -87,8 +82,7 @@ TEST(DeviceMeshTest, SizesThatDoNotMultiplyToTheWorldAreAClearError) {
   EXPECT_THAT(std::string(mesh.status().message()),
               HasSubstr("tensor=4 x pipeline=2 x data=2 has 16 ranks but the world size is 12"));
 
-  auto uninferable =
-      DeviceMesh::Create({{"tensor", 4}, {"data", DeviceMesh::kInferSize}}, 6);
+  auto uninferable = DeviceMesh::Create({{"tensor", 4}, {"data", DeviceMesh::kInferSize}}, 6);
   ASSERT_FALSE(uninferable.ok());
   EXPECT_THAT(std::string(uninferable.status().message()),
               HasSubstr("cannot infer mesh axis 'data': world size 6 is not divisible by"));
@@ -97,11 +91,8 @@ TEST(DeviceMeshTest, SizesThatDoNotMultiplyToTheWorldAreAClearError) {
 TEST(DeviceMeshTest, RejectsRepeatedEmptyOrDoublyInferredAxes) {
   EXPECT_THAT(std::string(DeviceMesh::Create({{"data", 2}, {"data", 2}}, 4).status().message()),
               HasSubstr("'data' appears twice"));
-  EXPECT_THAT(std::string(DeviceMesh::Create({{"", 2}}, 2).status().message()),
-              HasSubstr("has no name"));
-  EXPECT_THAT(std::string(DeviceMesh::Create({{"tensor", DeviceMesh::kInferSize},
-                                              {"data", DeviceMesh::kInferSize}},
-                                             4)
+  EXPECT_THAT(std::string(DeviceMesh::Create({{"", 2}}, 2).status().message()), HasSubstr("has no name"));
+  EXPECT_THAT(std::string(DeviceMesh::Create({{"tensor", DeviceMesh::kInferSize}, {"data", DeviceMesh::kInferSize}}, 4)
                               .status()
                               .message()),
               HasSubstr("both ask to be inferred"));

@@ -18,14 +18,15 @@ absl::StatusOr<int> ReadInt(const EnvLookup& lookup, const char* name, int fallb
   const char* value = lookup(name);
   if (value == nullptr) {
     if (fallback >= 0) return fallback;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "environment variable ", name, " is not set; start the program with tools/launch, "
-        "mpirun or srun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", name,
+                     " is not set; start the program with tools/launch, "
+                     "mpirun or srun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"));
   }
   int parsed;
   if (!absl::SimpleAtoi(value, &parsed) || parsed < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, "='", value,
-                                                   "' is not a non-negative integer"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", name, "='", value, "' is not a non-negative integer"));
   }
   return parsed;
 }
@@ -46,8 +47,7 @@ std::string FirstSlurmHost(const std::string& nodelist) {
     if (c == '[') {
       // Take the first number (with its zero padding) of the first range.
       size_t j = i + 1;
-      while (j < nodelist.size() && nodelist[j] != '-' && nodelist[j] != ',' &&
-             nodelist[j] != ']') {
+      while (j < nodelist.size() && nodelist[j] != '-' && nodelist[j] != ',' && nodelist[j] != ']') {
         host += nodelist[j++];
       }
       break;
@@ -102,8 +102,8 @@ absl::StatusOr<DistributedEnv> DistributedEnvFrom(const EnvLookup& lookup) {
   env.rank = *rank;
   env.world_size = *world_size;
   if (env.world_size == 0 || env.rank >= env.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat(rank_var, "=", env.rank, " must be below ",
-                                                   size_var, "=", env.world_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat(rank_var, "=", env.rank, " must be below ", size_var, "=", env.world_size));
   }
   // Without local information every process is assumed to be on its own node.
   auto local_rank = ReadInt(lookup, local_rank_var, 0);
@@ -116,25 +116,21 @@ absl::StatusOr<DistributedEnv> DistributedEnvFrom(const EnvLookup& lookup) {
   if (const char* addr = lookup("MASTER_ADDR")) {
     env.master_addr = addr;
   } else if (env.launcher == "env") {
-    return absl::InvalidArgumentError(
-        "environment variable MASTER_ADDR is not set; set it to the host of rank 0");
-  } else if (const char* nodes = lookup("SLURM_STEP_NODELIST") ? lookup("SLURM_STEP_NODELIST")
-                                                              : lookup("SLURM_JOB_NODELIST")) {
+    return absl::InvalidArgumentError("environment variable MASTER_ADDR is not set; set it to the host of rank 0");
+  } else if (const char* nodes =
+                 lookup("SLURM_STEP_NODELIST") ? lookup("SLURM_STEP_NODELIST") : lookup("SLURM_JOB_NODELIST")) {
     env.master_addr = FirstSlurmHost(nodes);
   }
   const bool port_required = env.launcher == "env";
   auto port = ReadInt(lookup, "MASTER_PORT", port_required ? -1 : 29500);
   if (!port.ok()) return port.status();
   if (*port == 0 || *port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("MASTER_PORT=", *port, " is not a TCP port (1..65535)"));
+    return absl::InvalidArgumentError(absl::StrCat("MASTER_PORT=", *port, " is not a TCP port (1..65535)"));
   }
   env.master_port = *port;
   return env;
 }
 
-absl::StatusOr<DistributedEnv> DistributedEnvFromEnvironment() {
-  return DistributedEnvFrom(ProcessEnvironment());
-}
+absl::StatusOr<DistributedEnv> DistributedEnvFromEnvironment() { return DistributedEnvFrom(ProcessEnvironment()); }
 
 }  // namespace trident

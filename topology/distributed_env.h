@@ -17,13 +17,13 @@
 namespace trident {
 
 struct DistributedEnv {
-  int rank = 0;                  // global rank, 0 <= rank < world_size
-  int world_size = 1;            // number of processes in the job
-  int local_rank = 0;            // rank among the processes on this node
-  int local_world_size = 1;      // processes on this node
+  int rank = 0;                           // global rank, 0 <= rank < world_size
+  int world_size = 1;                     // number of processes in the job
+  int local_rank = 0;                     // rank among the processes on this node
+  int local_world_size = 1;               // processes on this node
   std::string master_addr = "127.0.0.1";  // host of rank 0's rendezvous store
-  int master_port = 29500;       // port of the rendezvous store
-  std::string launcher;          // "env", "mpirun" or "slurm": where the values came from
+  int master_port = 29500;                // port of the rendezvous store
+  std::string launcher;                   // "env", "mpirun" or "slurm": where the values came from
 };
 
 // Looks a variable up; returns nullptr when it is not set.

@@ -20,8 +20,11 @@ EnvLookup FakeEnv(std::map<std::string, std::string> vars) {
 }
 
 TEST(DistributedEnvTest, ReadsTorchrunStyleVariables) {
-  auto env = DistributedEnvFrom(FakeEnv({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                                         {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.0.0.1"},
+  auto env = DistributedEnvFrom(FakeEnv({{"RANK", "5"},
+                                         {"WORLD_SIZE", "8"},
+                                         {"LOCAL_RANK", "1"},
+                                         {"LOCAL_WORLD_SIZE", "4"},
+                                         {"MASTER_ADDR", "10.0.0.1"},
                                          {"MASTER_PORT", "1234"}}));
   ASSERT_TRUE(env.ok()) << env.status();
   EXPECT_EQ(env->rank, 5);
@@ -71,8 +74,10 @@ TEST(DistributedEnvTest, FirstSlurmHostHandlesListsAndRanges) {
 }
 
 TEST(DistributedEnvTest, TorchrunVariablesTakePrecedenceOverMpi) {
-  auto env = DistributedEnvFrom(FakeEnv({{"RANK", "1"}, {"WORLD_SIZE", "2"},
-                                         {"MASTER_ADDR", "x"}, {"MASTER_PORT", "5"},
+  auto env = DistributedEnvFrom(FakeEnv({{"RANK", "1"},
+                                         {"WORLD_SIZE", "2"},
+                                         {"MASTER_ADDR", "x"},
+                                         {"MASTER_PORT", "5"},
                                          {"OMPI_COMM_WORLD_RANK", "0"},
                                          {"OMPI_COMM_WORLD_SIZE", "2"}}));
   ASSERT_TRUE(env.ok());
@@ -86,25 +91,20 @@ TEST(DistributedEnvTest, ErrorsNameTheVariableAtFault) {
               HasSubstr("start the program with tools/launch, mpirun or srun"));
   EXPECT_THAT(std::string(DistributedEnvFrom(FakeEnv({{"RANK", "0"}})).status().message()),
               HasSubstr("WORLD_SIZE is not set"));
-  EXPECT_THAT(std::string(DistributedEnvFrom(FakeEnv({{"RANK", "x"}, {"WORLD_SIZE", "2"}}))
-                              .status()
-                              .message()),
+  EXPECT_THAT(std::string(DistributedEnvFrom(FakeEnv({{"RANK", "x"}, {"WORLD_SIZE", "2"}})).status().message()),
               HasSubstr("RANK='x' is not a non-negative integer"));
-  EXPECT_THAT(std::string(DistributedEnvFrom(FakeEnv({{"RANK", "2"}, {"WORLD_SIZE", "2"}}))
-                              .status()
-                              .message()),
+  EXPECT_THAT(std::string(DistributedEnvFrom(FakeEnv({{"RANK", "2"}, {"WORLD_SIZE", "2"}})).status().message()),
               HasSubstr("RANK=2 must be below WORLD_SIZE=2"));
-  EXPECT_THAT(std::string(DistributedEnvFrom(FakeEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"},
-                                                      {"MASTER_PORT", "1"}}))
-                              .status()
-                              .message()),
-              HasSubstr("MASTER_ADDR is not set"));
-  EXPECT_THAT(std::string(DistributedEnvFrom(FakeEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"},
-                                                      {"MASTER_ADDR", "h"},
-                                                      {"MASTER_PORT", "70000"}}))
-                              .status()
-                              .message()),
-              HasSubstr("MASTER_PORT=70000 is not a TCP port"));
+  EXPECT_THAT(
+      std::string(
+          DistributedEnvFrom(FakeEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}})).status().message()),
+      HasSubstr("MASTER_ADDR is not set"));
+  EXPECT_THAT(
+      std::string(DistributedEnvFrom(
+                      FakeEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}))
+                      .status()
+                      .message()),
+      HasSubstr("MASTER_PORT=70000 is not a TCP port"));
 }
 
 }  // namespace

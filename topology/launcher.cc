@@ -85,8 +85,7 @@ struct Child {
 
 std::string DescribeExit(const RankExit& e) {
   if (e.signal != 0) {
-    return absl::StrCat("rank ", e.rank, " was killed by signal ", e.signal, " (",
-                        strsignal(e.signal), ")");
+    return absl::StrCat("rank ", e.rank, " was killed by signal ", e.signal, " (", strsignal(e.signal), ")");
   }
   return absl::StrCat("rank ", e.rank, " exited with code ", e.exit_code);
 }
@@ -101,12 +100,11 @@ void DefaultOutput(int rank, bool is_stderr, absl::string_view line) {
 
 absl::Status Validate(const LaunchOptions& o) {
   if (o.nproc_per_node < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--nproc_per_node=", o.nproc_per_node, " must be at least 1"));
+    return absl::InvalidArgumentError(absl::StrCat("--nproc_per_node=", o.nproc_per_node, " must be at least 1"));
   }
   if (o.nnodes < 1 || o.node_rank < 0 || o.node_rank >= o.nnodes) {
-    return absl::InvalidArgumentError(absl::StrCat("--node_rank=", o.node_rank,
-                                                   " must be in [0, --nnodes=", o.nnodes, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--node_rank=", o.node_rank, " must be in [0, --nnodes=", o.nnodes, ")"));
   }
   if (o.command.empty()) {
     return absl::InvalidArgumentError("no program to launch; pass it after '--'");
@@ -116,15 +114,13 @@ absl::Status Validate(const LaunchOptions& o) {
         "--master_port is required with --nnodes > 1 so that all nodes meet at the same port");
   }
   if (o.master_port < 0 || o.master_port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--master_port=", o.master_port, " is not a TCP port"));
+    return absl::InvalidArgumentError(absl::StrCat("--master_port=", o.master_port, " is not a TCP port"));
   }
   return absl::OkStatus();
 }
 
 // The environment of local rank `local_rank`: this process's, with the job layout on top.
-std::vector<std::string> RankEnvironment(const LaunchOptions& o, int local_rank, int port,
-                                         int restart) {
+std::vector<std::string> RankEnvironment(const LaunchOptions& o, int local_rank, int port, int restart) {
   std::map<std::string, std::string> vars;
   for (char** e = environ; *e != nullptr; ++e) {
     std::string entry(*e);
@@ -207,14 +203,12 @@ class Attempt {
     for (const Child& child : children_) {
       if (child.exit.stopped_by_launcher) stopped.push_back(child.exit.rank);
     }
-    std::string stopped_text =
-        stopped.empty() ? "" : absl::StrCat("; stopped rank(s) ", absl::StrJoin(stopped, ", "));
+    std::string stopped_text = stopped.empty() ? "" : absl::StrCat("; stopped rank(s) ", absl::StrJoin(stopped, ", "));
     if (const RankExit* failure = FirstFailure()) {
       return absl::AbortedError(absl::StrCat(DescribeExit(*failure), stopped_text));
     }
-    const bool all_exited_cleanly = std::all_of(children_.begin(), children_.end(), [](const Child& c) {
-      return c.exit.exit_code == 0;
-    });
+    const bool all_exited_cleanly =
+        std::all_of(children_.begin(), children_.end(), [](const Child& c) { return c.exit.exit_code == 0; });
     if (received_signal != 0 && all_exited_cleanly) return absl::OkStatus();  // the ranks ended on their own terms
     if (!stop_reason.empty()) {
       return received_signal != 0 ? absl::CancelledError(stop_reason + stopped_text)
@@ -413,14 +407,13 @@ LaunchResult RunLocalGroup(const LaunchOptions& options) {
     result.restarts = attempt;
     if (result.status.ok() || interrupted || attempt >= options.max_restarts) break;
     const std::string note =
-        absl::StrCat("launcher: ", result.status.message(), "; restarting the local group (restart ",
-                     attempt + 1, " of ", options.max_restarts, ")\n");
+        absl::StrCat("launcher: ", result.status.message(), "; restarting the local group (restart ", attempt + 1,
+                     " of ", options.max_restarts, ")\n");
     fwrite(note.data(), 1, note.size(), stderr);
   }
   if (!result.status.ok() && result.restarts > 0) {
-    result.status = absl::Status(
-        result.status.code(),
-        absl::StrCat(result.status.message(), " (after ", result.restarts, " restart(s))"));
+    result.status = absl::Status(result.status.code(),
+                                 absl::StrCat(result.status.message(), " (after ", result.restarts, " restart(s))"));
   }
   return result;
 }

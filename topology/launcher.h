@@ -29,14 +29,14 @@
 namespace trident {
 
 struct LaunchOptions {
-  int nproc_per_node = 1;  // ranks started on this node
-  int nnodes = 1;          // nodes in the job
-  int node_rank = 0;       // this node's index; its ranks are node_rank * nproc_per_node + i
-  std::string master_addr = "127.0.0.1";  // host of global rank 0
-  int master_port = 0;     // 0: a free local port (only with nnodes == 1)
-  int max_restarts = 0;    // times the whole local group is restarted after a failure
-  std::vector<std::string> command;        // program and its arguments
-  std::map<std::string, std::string> env;  // extra environment for every rank
+  int nproc_per_node = 1;                           // ranks started on this node
+  int nnodes = 1;                                   // nodes in the job
+  int node_rank = 0;                                // this node's index; its ranks are node_rank * nproc_per_node + i
+  std::string master_addr = "127.0.0.1";            // host of global rank 0
+  int master_port = 0;                              // 0: a free local port (only with nnodes == 1)
+  int max_restarts = 0;                             // times the whole local group is restarted after a failure
+  std::vector<std::string> command;                 // program and its arguments
+  std::map<std::string, std::string> env;           // extra environment for every rank
   absl::Duration failure_grace = absl::Seconds(3);  // others' time to exit after a failure
   absl::Duration kill_grace = absl::Seconds(5);     // SIGTERM to SIGKILL
   // After a SIGINT or SIGTERM forwarded to the ranks, their time to finish
@@ -52,9 +52,9 @@ struct LaunchOptions {
 
 // How a rank's process ended.
 struct RankExit {
-  int rank = -1;       // global rank
-  int exit_code = -1;  // exit status, or -1 when killed by a signal
-  int signal = 0;      // terminating signal, 0 when it exited
+  int rank = -1;                     // global rank
+  int exit_code = -1;                // exit status, or -1 when killed by a signal
+  int signal = 0;                    // terminating signal, 0 when it exited
   bool stopped_by_launcher = false;  // killed because another rank failed, a signal or the timeout
 };
 

@@ -54,10 +54,9 @@ TEST(LauncherTest, GivesEachRankItsEnvironmentAndCapturesItsLines) {
   ASSERT_TRUE(result.status.ok()) << result.status;
   ASSERT_EQ(result.exits.size(), 3u);
   for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_EQ(captured.out[rank],
-              absl::StrCat("rank=", rank, " world=3 local=", rank,
-                           " local_world=3 addr=127.0.0.1 port=23456 restart=0\n"
-                           "no newline at the end\n"));
+    EXPECT_EQ(captured.out[rank], absl::StrCat("rank=", rank, " world=3 local=", rank,
+                                               " local_world=3 addr=127.0.0.1 port=23456 restart=0\n"
+                                               "no newline at the end\n"));
     EXPECT_EQ(captured.err[rank], absl::StrCat("stderr line of rank ", rank, "\n"));
     EXPECT_EQ(result.exits[rank].exit_code, 0);
   }
@@ -83,8 +82,7 @@ TEST(LauncherTest, OneFailingRankStopsTheOthersWithinSeconds) {
   LaunchResult result = RunLocalGroup(options);
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   ASSERT_FALSE(result.status.ok());
-  EXPECT_THAT(std::string(result.status.message()),
-              HasSubstr("rank 2 exited with code 7; stopped rank(s) 0, 1, 3"));
+  EXPECT_THAT(std::string(result.status.message()), HasSubstr("rank 2 exited with code 7; stopped rank(s) 0, 1, 3"));
   EXPECT_EQ(result.exits[2].exit_code, 7);
   EXPECT_FALSE(result.exits[2].stopped_by_launcher);
   for (int rank : {0, 1, 3}) {
@@ -145,16 +143,13 @@ TEST(LauncherTest, TimeoutKillsEveryRank) {
 
 TEST(LauncherTest, BadOptionsAreRejectedBeforeAnythingStarts) {
   LaunchOptions options;
-  EXPECT_THAT(std::string(RunLocalGroup(options).status.message()),
-              HasSubstr("no program to launch"));
+  EXPECT_THAT(std::string(RunLocalGroup(options).status.message()), HasSubstr("no program to launch"));
   options.command = {"true"};
   options.nproc_per_node = 0;
-  EXPECT_THAT(std::string(RunLocalGroup(options).status.message()),
-              HasSubstr("--nproc_per_node=0 must be at least 1"));
+  EXPECT_THAT(std::string(RunLocalGroup(options).status.message()), HasSubstr("--nproc_per_node=0 must be at least 1"));
   options.nproc_per_node = 1;
   options.nnodes = 2;
-  EXPECT_THAT(std::string(RunLocalGroup(options).status.message()),
-              HasSubstr("--master_port is required"));
+  EXPECT_THAT(std::string(RunLocalGroup(options).status.message()), HasSubstr("--master_port is required"));
 }
 
 TEST(LauncherTest, MissingProgramIsReportedByItsRank) {

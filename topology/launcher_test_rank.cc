@@ -23,9 +23,9 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   const int rank = EnvInt("RANK");
   if (mode == "print") {
-    std::printf("rank=%d world=%d local=%d local_world=%d addr=%s port=%d restart=%d\n", rank,
-                EnvInt("WORLD_SIZE"), EnvInt("LOCAL_RANK"), EnvInt("LOCAL_WORLD_SIZE"),
-                std::getenv("MASTER_ADDR"), EnvInt("MASTER_PORT"), EnvInt("TRIDENT_RESTART_COUNT"));
+    std::printf("rank=%d world=%d local=%d local_world=%d addr=%s port=%d restart=%d\n", rank, EnvInt("WORLD_SIZE"),
+                EnvInt("LOCAL_RANK"), EnvInt("LOCAL_WORLD_SIZE"), std::getenv("MASTER_ADDR"), EnvInt("MASTER_PORT"),
+                EnvInt("TRIDENT_RESTART_COUNT"));
     std::fprintf(stderr, "stderr line of rank %d\n", rank);
     std::printf("no newline at the end");
     return 0;

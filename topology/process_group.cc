@@ -1,11 +1,11 @@
 #include "topology/process_group.h"
 
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <unistd.h>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -57,9 +57,9 @@ at::Tensor ReduceLocally(const at::Tensor& stacked, ReduceOp op) {
 
 absl::Status CheckAverageable(const at::Tensor& tensor, ReduceOp op) {
   if (op == ReduceOp::kAvg && !at::isFloatingType(tensor.scalar_type())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ReduceOp::kAvg needs a floating-point tensor, got ", c10::toString(tensor.scalar_type()),
-        "; reduce with kSum and divide instead"));
+    return absl::InvalidArgumentError(absl::StrCat("ReduceOp::kAvg needs a floating-point tensor, got ",
+                                                   c10::toString(tensor.scalar_type()),
+                                                   "; reduce with kSum and divide instead"));
   }
   return absl::OkStatus();
 }
@@ -151,8 +151,7 @@ ProcessGroup::ProcessGroup(std::string name, std::vector<int> global_ranks, int 
       device_(device),
       timeout_(timeout),
       diagnosis_(std::move(diagnosis)) {
-  TORCH_CHECK(backend_ || global_ranks_.size() == 1, "process group '", name_,
-              "' of several ranks needs a backend");
+  TORCH_CHECK(backend_ || global_ranks_.size() == 1, "process group '", name_, "' of several ranks needs a backend");
 }
 
 ProcessGroup::~ProcessGroup() = default;
@@ -171,8 +170,7 @@ absl::Status ProcessGroup::Failure(const char* operation, const char* cause) con
                                            absl::StrJoin(global_ranks_, ","), ") failed");
   std::string message = cause != nullptr ? absl::StrCat(context, ": ", cause)
                                          : std::string(StatusFromCurrentException(context).message());
-  const bool timed_out = absl::StrContains(message, "imed out") ||
-                         absl::StrContains(message, "imeout");
+  const bool timed_out = absl::StrContains(message, "imed out") || absl::StrContains(message, "imeout");
   if (diagnosis_) {
     std::vector<int> peers;
     for (int r : global_ranks_) {
@@ -184,8 +182,8 @@ absl::Status ProcessGroup::Failure(const char* operation, const char* cause) con
   return timed_out ? absl::DeadlineExceededError(message) : absl::UnavailableError(message);
 }
 
-absl::StatusOr<PendingWork> ProcessGroup::Start(
-    const char* operation, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const {
+absl::StatusOr<PendingWork> ProcessGroup::Start(const char* operation,
+                                                const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const {
   PendingWork pending;
   pending.group_ = this;
   pending.operation_ = operation;
@@ -200,8 +198,7 @@ absl::StatusOr<PendingWork> ProcessGroup::Start(
   return pending;
 }
 
-absl::Status ProcessGroup::RunOnSharedMemory(const char* operation,
-                                             const std::function<absl::Status()>& run) const {
+absl::Status ProcessGroup::RunOnSharedMemory(const char* operation, const std::function<absl::Status()>& run) const {
   ++collectives_started_;
   const auto start = std::chrono::steady_clock::now();
   const absl::Status status = shared_memory_->Run(run);
@@ -232,13 +229,13 @@ absl::Status ProcessGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   if (local()) return absl::OkStatus();
   std::vector<at::Tensor> tensors = {Staged(tensor.is_contiguous() ? tensor : tensor.contiguous())};
   if (internal::SharedMemoryChannel* channel = SharedMemoryFor(tensors[0])) {
-    TRIDENT_RETURN_IF_ERROR(RunOnSharedMemory("all_reduce", [&] { return channel->AllReduce(tensors[0], op, timeout_); }));
+    TRIDENT_RETURN_IF_ERROR(
+        RunOnSharedMemory("all_reduce", [&] { return channel->AllReduce(tensors[0], op, timeout_); }));
   } else {
     c10d::AllreduceOptions options;
     options.reduceOp = ToC10d(op);
     options.timeout = timeout_;
-    TRIDENT_RETURN_IF_ERROR(
-        Run("all_reduce", [&] { return backend_->allreduce(tensors, options); }));
+    TRIDENT_RETURN_IF_ERROR(Run("all_reduce", [&] { return backend_->allreduce(tensors, options); }));
   }
   if (op == ReduceOp::kAvg) tensors[0].div_(size());
   if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
@@ -255,20 +252,24 @@ absl::StatusOr<std::string> ProcessGroup::ConnectSharedMemory() {
   std::string failure;  // this rank's
   if (rank_ == 0) {
     auto created = internal::SharedMemoryChannel::Create(size());
-    if (created.ok()) channel = *std::move(created);
-    else failure = std::string(created.status().message());
+    if (created.ok())
+      channel = *std::move(created);
+    else
+      failure = std::string(created.status().message());
   }
-  TRIDENT_ASSIGN_OR_RETURN(
-      auto offers, AllGatherStrings(*this, {host, channel ? channel->name() : "",
-                                            channel ? std::to_string(channel->nonce()) : "", failure}));
+  TRIDENT_ASSIGN_OR_RETURN(auto offers,
+                           AllGatherStrings(*this, {host, channel ? channel->name() : "",
+                                                    channel ? std::to_string(channel->nonce()) : "", failure}));
   for (const auto& offer : offers) {
     if (offer[0] != offers[0][0]) return "";  // ranks on several hosts: sockets it is
   }
   if (offers[0][1].empty()) return absl::StrCat("rank ", global_ranks_[0], ": ", offers[0][3]);
   if (rank_ != 0) {
     auto opened = internal::SharedMemoryChannel::Open(offers[0][1], std::stoull(offers[0][2]), rank_, size());
-    if (opened.ok()) channel = *std::move(opened);
-    else failure = std::string(opened.status().message());
+    if (opened.ok())
+      channel = *std::move(opened);
+    else
+      failure = std::string(opened.status().message());
   }
   TRIDENT_ASSIGN_OR_RETURN(auto outcomes, AllGatherStrings(*this, {failure}));
   for (size_t r = 0; r < outcomes.size(); ++r) {
@@ -281,8 +282,8 @@ absl::StatusOr<std::string> ProcessGroup::ConnectSharedMemory() {
 
 absl::StatusOr<PendingWork> ProcessGroup::IAllReduce(at::Tensor& tensor) const {
   if (!tensor.is_contiguous()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "all_reduce on process group '", name_, "': IAllReduce needs a contiguous tensor"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("all_reduce on process group '", name_, "': IAllReduce needs a contiguous tensor"));
   }
   if (local()) return PendingWork::Done();
   std::vector<at::Tensor> tensors = {Staged(tensor)};
@@ -307,8 +308,7 @@ absl::Status ProcessGroup::Broadcast(at::Tensor& tensor, int root) const {
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.timeout = timeout_;
-  TRIDENT_RETURN_IF_ERROR(
-      Run("broadcast", [&] { return backend_->broadcast(tensors, options); }));
+  TRIDENT_RETURN_IF_ERROR(Run("broadcast", [&] { return backend_->broadcast(tensors, options); }));
   if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
   return absl::OkStatus();
 }
@@ -328,34 +328,32 @@ absl::StatusOr<at::Tensor> ProcessGroup::AllGather(const at::Tensor& input, int6
   for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
-  TRIDENT_RETURN_IF_ERROR(
-      Run("all_gather", [&] { return backend_->allgather(outputs, inputs, options); }));
+  TRIDENT_RETURN_IF_ERROR(Run("all_gather", [&] { return backend_->allgather(outputs, inputs, options); }));
   return at::cat(outputs[0], dim).to(input.device(), input.scalar_type());
 }
 
-absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
-                                                     at::Tensor& output) const {
+absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input, at::Tensor& output) const {
   if (!output.is_contiguous() || output.numel() != input.numel() * size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "all_gather on process group '", name_, "': IAllGather needs a contiguous output of "
-        "size() times the input's elements"));
+    return absl::InvalidArgumentError(absl::StrCat("all_gather on process group '", name_,
+                                                   "': IAllGather needs a contiguous output of "
+                                                   "size() times the input's elements"));
   }
   std::vector<at::Tensor> rows;
   for (const at::Tensor& row : output.view({size(), -1}).unbind(0)) rows.push_back(row.view(input.sizes()));
   return IAllGather(input, std::move(rows));
 }
 
-absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
-                                                     std::vector<at::Tensor> outputs) const {
-  const bool fits = static_cast<int>(outputs.size()) == size() &&
-                    std::all_of(outputs.begin(), outputs.end(), [&](const at::Tensor& output) {
-                      return output.is_contiguous() && output.sizes() == input.sizes() &&
-                             output.scalar_type() == input.scalar_type();
-                    });
+absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input, std::vector<at::Tensor> outputs) const {
+  const bool fits =
+      static_cast<int>(outputs.size()) == size() &&
+      std::all_of(outputs.begin(), outputs.end(), [&](const at::Tensor& output) {
+        return output.is_contiguous() && output.sizes() == input.sizes() && output.scalar_type() == input.scalar_type();
+      });
   if (!input.is_contiguous() || !fits) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "all_gather on process group '", name_, "': IAllGather needs a contiguous input and one "
-        "contiguous output of its shape and type per rank (", size(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("all_gather on process group '", name_,
+                                                   "': IAllGather needs a contiguous input and one "
+                                                   "contiguous output of its shape and type per rank (",
+                                                   size(), ")"));
   }
   if (local()) {
     outputs[0].copy_(input);
@@ -382,21 +380,18 @@ absl::StatusOr<PendingWork> ProcessGroup::IAllGather(const at::Tensor& input,
   return pending;
 }
 
-absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, int64_t dim,
-                                                       ReduceOp op) const {
+absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, int64_t dim, ReduceOp op) const {
   TRIDENT_RETURN_IF_ERROR(CheckAverageable(input, op));
   const int64_t dims = input.dim();
   if (dims == 0 || dim < -dims || dim >= dims) {
-    return absl::InvalidArgumentError(absl::StrCat("reduce_scatter on process group '", name_,
-                                                   "': dim ", dim, " is out of range for a ",
-                                                   dims, "-d tensor"));
+    return absl::InvalidArgumentError(absl::StrCat("reduce_scatter on process group '", name_, "': dim ", dim,
+                                                   " is out of range for a ", dims, "-d tensor"));
   }
   if (dim < 0) dim += dims;
   if (input.size(dim) % size() != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reduce_scatter on process group '", name_, "': dimension ", dim, " of size ",
-        input.size(dim), " is not divisible by the group size ", size(),
-        "; pad the tensor or choose a size that divides"));
+    return absl::InvalidArgumentError(absl::StrCat("reduce_scatter on process group '", name_, "': dimension ", dim,
+                                                   " of size ", input.size(dim), " is not divisible by the group size ",
+                                                   size(), "; pad the tensor or choose a size that divides"));
   }
   if (local()) return input.clone(at::MemoryFormat::Contiguous);
   at::Tensor chunks = Staged(input.movedim(dim, 0).contiguous());
@@ -405,17 +400,16 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
   at::Tensor reduced;
   if (internal::SharedMemoryChannel* channel = SharedMemoryFor(chunks)) {
     reduced = at::empty(shape, chunks.options());
-    TRIDENT_RETURN_IF_ERROR(RunOnSharedMemory(
-        "reduce_scatter", [&] { return channel->ReduceScatter(chunks, reduced, op, timeout_); }));
+    TRIDENT_RETURN_IF_ERROR(
+        RunOnSharedMemory("reduce_scatter", [&] { return channel->ReduceScatter(chunks, reduced, op, timeout_); }));
     if (op == ReduceOp::kAvg) reduced.div_(size());
   } else if (NativeReduceScatter()) {
     reduced = at::empty(shape, chunks.options());
     c10d::ReduceScatterOptions options;
     options.reduceOp = ToC10d(op);
     options.timeout = timeout_;
-    TRIDENT_RETURN_IF_ERROR(Run("reduce_scatter", [&] {
-      return backend_->_reduce_scatter_base(reduced, chunks, options);
-    }));
+    TRIDENT_RETURN_IF_ERROR(
+        Run("reduce_scatter", [&] { return backend_->_reduce_scatter_base(reduced, chunks, options); }));
     if (op == ReduceOp::kAvg) reduced.div_(size());
   } else {
     // NOTE: Gloo has no reduce-scatter; an all-to-all of the chunks followed
@@ -436,9 +430,9 @@ absl::StatusOr<at::Tensor> ProcessGroup::ReduceScatter(const at::Tensor& input, 
 
 absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input, at::Tensor& output) const {
   if (!input.is_contiguous() || !output.is_contiguous() || input.numel() != output.numel() * size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reduce_scatter on process group '", name_, "': IReduceScatter needs contiguous tensors and an "
-        "input of size() times the output's elements"));
+    return absl::InvalidArgumentError(absl::StrCat("reduce_scatter on process group '", name_,
+                                                   "': IReduceScatter needs contiguous tensors and an "
+                                                   "input of size() times the output's elements"));
   }
   if (local()) {
     output.copy_(input.view(output.sizes()));
@@ -448,9 +442,10 @@ absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input
   if (internal::SharedMemoryChannel* channel = SharedMemoryFor(staged)) {
     const bool in_place = output.is_cpu() && output.scalar_type() == staged.scalar_type();
     at::Tensor reduced = in_place ? output : at::empty(output.sizes(), staged.options());
-    PendingWork pending = StartOnSharedMemory("reduce_scatter", [channel, staged, reduced, timeout = timeout_]() mutable {
-      return channel->ReduceScatter(staged, reduced, ReduceOp::kSum, timeout);
-    });
+    PendingWork pending =
+        StartOnSharedMemory("reduce_scatter", [channel, staged, reduced, timeout = timeout_]() mutable {
+          return channel->ReduceScatter(staged, reduced, ReduceOp::kSum, timeout);
+        });
     if (!in_place) pending.after_ = [output, reduced]() mutable { output.copy_(reduced); };
     return pending;
   }
@@ -461,8 +456,8 @@ absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input
     c10d::ReduceScatterOptions options;
     options.timeout = timeout_;
     TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, Start("reduce_scatter", [&] {
-      return backend_->_reduce_scatter_base(reduced, chunks, options);
-    }));
+                               return backend_->_reduce_scatter_base(reduced, chunks, options);
+                             }));
     if (!in_place) pending.after_ = [output, reduced]() mutable { output.copy_(reduced.view(output.sizes())); };
     return pending;
   }
@@ -473,8 +468,8 @@ absl::StatusOr<PendingWork> ProcessGroup::IReduceScatter(const at::Tensor& input
   options.timeout = timeout_;
   std::vector<int64_t> equal_splits;
   TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, Start("reduce_scatter", [&] {
-    return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
-  }));
+                             return backend_->alltoall_base(received, chunks, equal_splits, equal_splits, options);
+                           }));
   pending.after_ = [output, received, chunks]() mutable {
     if (output.scalar_type() == received.scalar_type()) {  // summed into place, as ReduceLocally sums
       at::Tensor flat = output.view({-1});
@@ -495,8 +490,7 @@ absl::Status ProcessGroup::Barrier() const {
 
 absl::Status ProcessGroup::CheckPeer(int peer, const char* operation) const {
   if (peer < 0 || peer >= size()) {
-    return absl::InvalidArgumentError(absl::StrCat(operation, " on process group '", name_,
-                                                   "': peer rank ", peer,
+    return absl::InvalidArgumentError(absl::StrCat(operation, " on process group '", name_, "': peer rank ", peer,
                                                    " is outside the group of size ", size()));
   }
   return absl::OkStatus();
@@ -504,15 +498,15 @@ absl::Status ProcessGroup::CheckPeer(int peer, const char* operation) const {
 
 absl::Status ProcessGroup::CheckMessagePeer(int peer, const char* operation) const {
   if (size() == 1) {
-    return absl::InvalidArgumentError(absl::StrCat(operation, " on process group '", name_,
-                                                   "': a group of one rank has no peer"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(operation, " on process group '", name_, "': a group of one rank has no peer"));
   }
   return CheckPeer(peer, operation);
 }
 
 internal::SharedMemoryChannel* ProcessGroup::MailboxFor(const at::Tensor& tensor, int peer) const {
-  const bool fits = tensor.numel() * static_cast<int64_t>(tensor.element_size()) <=
-                    internal::SharedMemoryChannel::kMaxMessageBytes;
+  const bool fits =
+      tensor.numel() * static_cast<int64_t>(tensor.element_size()) <= internal::SharedMemoryChannel::kMaxMessageBytes;
   return fits && peer != rank_ ? SharedMemoryFor(tensor) : nullptr;
 }
 
@@ -535,9 +529,9 @@ absl::StatusOr<PendingWork> ProcessGroup::ISend(const at::Tensor& tensor, int ds
 absl::StatusOr<PendingWork> ProcessGroup::IRecv(at::Tensor& tensor, int src, int tag) const {
   TRIDENT_RETURN_IF_ERROR(CheckMessagePeer(src, "recv"));
   if (!tensor.is_contiguous()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "recv on process group '", name_, "' needs a contiguous tensor; pass tensor.contiguous()"
-        " and copy the result"));
+    return absl::InvalidArgumentError(absl::StrCat("recv on process group '", name_,
+                                                   "' needs a contiguous tensor; pass tensor.contiguous()"
+                                                   " and copy the result"));
   }
   if (internal::SharedMemoryChannel* channel = MailboxFor(tensor, src)) {
     PendingWork pending;
@@ -548,8 +542,7 @@ absl::StatusOr<PendingWork> ProcessGroup::IRecv(at::Tensor& tensor, int src, int
     return pending;
   }
   std::vector<at::Tensor> tensors = {OnDevice(tensor)};
-  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending,
-                           Start("recv", [&] { return backend_->recv(tensors, src, tag); }));
+  TRIDENT_ASSIGN_OR_RETURN(PendingWork pending, Start("recv", [&] { return backend_->recv(tensors, src, tag); }));
   if (!tensors[0].is_same(tensor)) pending.after_ = [tensor, staged = tensors[0]]() mutable { tensor.copy_(staged); };
   return pending;
 }
@@ -572,15 +565,17 @@ std::string Text(const at::Tensor& bytes) {
 
 }  // namespace
 
-absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
-    const ProcessGroup& group, const std::vector<std::string>& strings) {
+absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(const ProcessGroup& group,
+                                                                       const std::vector<std::string>& strings) {
   std::string joined;  // each string as "<length>:<bytes>", so any bytes survive
   for (const std::string& text : strings) absl::StrAppend(&joined, text.size(), ":", text);
   at::Tensor length = at::full({1}, static_cast<int64_t>(joined.size()), at::kLong);
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor lengths, group.AllGather(length, 0));
   const int64_t longest = lengths.max().item<int64_t>();
   at::Tensor padded = at::zeros({longest}, at::kByte);
-  if (!joined.empty()) padded.narrow(0, 0, joined.size()).copy_(at::from_blob(const_cast<char*>(joined.data()), {static_cast<int64_t>(joined.size())}, at::kByte));
+  if (!joined.empty())
+    padded.narrow(0, 0, joined.size())
+        .copy_(at::from_blob(const_cast<char*>(joined.data()), {static_cast<int64_t>(joined.size())}, at::kByte));
   TRIDENT_ASSIGN_OR_RETURN(at::Tensor all, group.AllGather(padded.view({1, longest}), 0));
   std::vector<std::vector<std::string>> gathered;
   for (int r = 0; r < group.size(); ++r) {
@@ -598,13 +593,12 @@ absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
 }
 
 absl::Status AgreeOnFailure(const ProcessGroup& group, const absl::Status& local, const char* what) {
-  TRIDENT_ASSIGN_OR_RETURN(auto messages,
-                           AllGatherStrings(group, {local.ok() ? "" : std::string(local.message())}));
+  TRIDENT_ASSIGN_OR_RETURN(auto messages, AllGatherStrings(group, {local.ok() ? "" : std::string(local.message())}));
   if (!local.ok()) return local;
   for (size_t r = 0; r < messages.size(); ++r) {
     if (!messages[r][0].empty()) {
-      return absl::AbortedError(absl::StrCat("rank ", group.global_ranks()[r], " failed while ", what, ": ",
-                                             messages[r][0]));
+      return absl::AbortedError(
+          absl::StrCat("rank ", group.global_ranks()[r], " failed while ", what, ": ", messages[r][0]));
     }
   }
   return absl::OkStatus();

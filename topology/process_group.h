@@ -12,8 +12,8 @@
 #ifndef TRIDENT_TOPOLOGY_PROCESS_GROUP_H_
 #define TRIDENT_TOPOLOGY_PROCESS_GROUP_H_
 
-#include <chrono>
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <future>
 #include <map>
@@ -83,9 +83,9 @@ class PendingWork {
   const class ProcessGroup* group_ = nullptr;
   const char* operation_ = "";
   c10::intrusive_ptr<c10d::Work> work_;
-  std::future<absl::Status> shared_memory_work_;  // or this, started on shared memory
+  std::future<absl::Status> shared_memory_work_;                    // or this, started on shared memory
   std::shared_ptr<internal::PostedReceive> shared_memory_receive_;  // or this
-  std::function<void()> after_;  // copies a result back from the backend's device
+  std::function<void()> after_;                                     // copies a result back from the backend's device
 };
 
 class ProcessGroup {
@@ -93,15 +93,14 @@ class ProcessGroup {
   // Returns a description of which of `peers` (global ranks) of `group` is at
   // fault ("rank 3 stopped ...", "rank 3 has not arrived ..."), or "" when it
   // cannot tell. Called after an operation of `group` failed.
-  using FailureDiagnosis =
-      std::function<std::string(const ProcessGroup& group, const std::vector<int>& peers)>;
+  using FailureDiagnosis = std::function<std::string(const ProcessGroup& group, const std::vector<int>& peers)>;
 
   // Wraps `backend`, whose tensors live on `device`. `global_ranks[i]` is the
   // global rank of group rank i. A group of one rank may have no backend (null):
   // its collectives are then local copies, or nothing.
   ProcessGroup(std::string name, std::vector<int> global_ranks, int rank,
-               c10::intrusive_ptr<internal::C10dBackend> backend, at::Device device,
-               std::chrono::milliseconds timeout, FailureDiagnosis diagnosis);
+               c10::intrusive_ptr<internal::C10dBackend> backend, at::Device device, std::chrono::milliseconds timeout,
+               FailureDiagnosis diagnosis);
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
@@ -181,10 +180,9 @@ class ProcessGroup {
   absl::Status RunOnSharedMemory(const char* operation, const std::function<absl::Status()>& run) const;
   PendingWork StartOnSharedMemory(const char* operation, std::function<absl::Status()> run) const;
   // Runs `start` (which issues a c10d operation) and waits for it.
-  absl::Status Run(const char* operation,
-                   const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
-  absl::StatusOr<PendingWork> Start(
-      const char* operation, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
+  absl::Status Run(const char* operation, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
+  absl::StatusOr<PendingWork> Start(const char* operation,
+                                    const std::function<c10::intrusive_ptr<c10d::Work>()>& start) const;
   // The one place c10d failures become statuses: the current exception, or
   // `cause` when given, with the diagnosis of which peer is at fault.
   absl::Status Failure(const char* operation, const char* cause = nullptr) const;
@@ -215,8 +213,8 @@ class ProcessGroup {
 };
 
 // Every rank's `strings`, by group rank (any bytes, empty strings included).
-absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(
-    const ProcessGroup& group, const std::vector<std::string>& strings);
+absl::StatusOr<std::vector<std::vector<std::string>>> AllGatherStrings(const ProcessGroup& group,
+                                                                       const std::vector<std::string>& strings);
 
 // Whether any rank of `group` failed: every rank gets `local` back when it
 // failed itself, otherwise an error naming the lowest failed rank, with its

@@ -35,7 +35,7 @@ struct Header {
   uint64_t nonce;
   int32_t ranks;
   std::atomic<int32_t> pids[SharedMemoryChannel::kMaxRanks];
-  alignas(64) SharedWord arrivals;                     // notified by every arrival
+  alignas(64) SharedWord arrivals;                         // notified by every arrival
   ArrivalCounter arrived[SharedMemoryChannel::kMaxRanks];  // the last phase each rank reached
 };
 
@@ -152,7 +152,8 @@ absl::StatusOr<void*> CreateSegment(const std::string& name, size_t bytes) {
   if (fd < 0) return absl::UnavailableError(Errno(absl::StrCat("shm_open(", name, ")").c_str()));
   // posix_fallocate reserves the pages: without it a full /dev/shm would
   // surface as SIGBUS at the first write.
-  const int reserved = ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  const int reserved =
+      ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   void* base = reserved == 0 ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
   const int mapped = base == MAP_FAILED ? (reserved != 0 ? reserved : errno) : 0;
   close(fd);
@@ -206,7 +207,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> SharedMemoryChannel::Open(c
   auto channel = std::unique_ptr<SharedMemoryChannel>(new SharedMemoryChannel(name, rank, ranks, base, bytes, false));
   const Header* header = static_cast<const Header*>(base);
   if (header->nonce != nonce || header->ranks != ranks) {
-    return absl::UnavailableError(absl::StrCat(name, " here is not the segment rank 0 created (another host's "
+    return absl::UnavailableError(absl::StrCat(name,
+                                               " here is not the segment rank 0 created (another host's "
                                                "/dev/shm or another job's)"));
   }
   static_cast<Header*>(base)->pids[rank].store(getpid());
@@ -230,14 +232,17 @@ char* SharedMemoryChannel::Slot(int set, int rank) const {
   return static_cast<char*>(base_) + kHeaderBytes + static_cast<size_t>(set * ranks_ + rank) * kSlotBytes;
 }
 
-char* SharedMemoryChannel::Result(int set) const { return Slot(0, 0) + static_cast<size_t>(2 * ranks_ + set) * kSlotBytes; }
+char* SharedMemoryChannel::Result(int set) const {
+  return Slot(0, 0) + static_cast<size_t>(2 * ranks_ + set) * kSlotBytes;
+}
 
 bool SharedMemoryChannel::PeerExited(int rank) const {
   return watch_peers_ && ProcessExited(static_cast<const Header*>(base_)->pids[rank].load());
 }
 
 std::string SharedMemoryChannel::Describe(int rank) const {
-  return absl::StrCat("rank ", global_ranks_[rank], " (pid ", static_cast<const Header*>(base_)->pids[rank].load(), ")");
+  return absl::StrCat("rank ", global_ranks_[rank], " (pid ", static_cast<const Header*>(base_)->pids[rank].load(),
+                      ")");
 }
 
 absl::Status SharedMemoryChannel::Arrive(std::chrono::milliseconds timeout) {
@@ -321,7 +326,8 @@ absl::Status SharedMemoryChannel::AllGather(const at::Tensor& input, const std::
     if (absl::Status arrived = Arrive(timeout); !arrived.ok()) return arrived;
     // A slot is rewritten two rounds later, after every rank arrived at the
     // next round, so once all copied: one wait per round.
-    for (int r = 0; r < ranks_; ++r) std::memcpy(static_cast<char*>(outputs[r].data_ptr()) + begin, Slot(set, r), count);
+    for (int r = 0; r < ranks_; ++r)
+      std::memcpy(static_cast<char*>(outputs[r].data_ptr()) + begin, Slot(set, r), count);
   }
   return absl::OkStatus();
 }

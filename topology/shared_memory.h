@@ -83,8 +83,8 @@ class SharedMemoryChannel {
   static absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> Create(int ranks);
   // The other ranks: maps the segment `name` that rank 0 created, checking
   // that it is the one with `nonce` (not another host's or job's).
-  static absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> Open(const std::string& name, uint64_t nonce,
-                                                                   int rank, int ranks);
+  static absl::StatusOr<std::unique_ptr<SharedMemoryChannel>> Open(const std::string& name, uint64_t nonce, int rank,
+                                                                   int ranks);
   ~SharedMemoryChannel();
   SharedMemoryChannel(const SharedMemoryChannel&) = delete;
   SharedMemoryChannel& operator=(const SharedMemoryChannel&) = delete;
@@ -142,7 +142,7 @@ class SharedMemoryChannel {
  private:
   // The sending side of the mailbox to one peer.
   struct Outbox {
-    ~Outbox();  // stops the sending thread, failing what it still holds, and unmaps
+    ~Outbox();             // stops the sending thread, failing what it still holds, and unmaps
     int peer = 0;          // the receiving rank
     std::string name;      // of the mailbox's segment
     char* base = nullptr;  // the mapped segment; null until the first message
@@ -157,13 +157,13 @@ class SharedMemoryChannel {
     std::deque<Queued> queue;  // waiting for room, oldest first; the front is being sent
     absl::Status failure;      // once a queued message failed, every later one fails with it
     std::atomic<bool> stopping{false};
-    std::thread sender;  // started with the first queued message
+    std::thread sender;            // started with the first queued message
     bool receiver_exited = false;  // set by the channel as it goes, before this
   };
   // The receiving side of the mailbox from one peer.
   struct Inbox {
-    ~Inbox();  // unmaps
-    int peer = 0;          // the sending rank
+    ~Inbox();      // unmaps
+    int peer = 0;  // the sending rank
     std::string name;
     char* base = nullptr;  // null until the sender created the segment and this rank mapped it
     std::mutex mutex;      // guards the fields below and the ring's reading end
@@ -207,9 +207,9 @@ class SharedMemoryChannel {
   int ranks_;
   void* base_;
   size_t bytes_;
-  bool owner_;       // created the segment and has not unlinked its name yet
+  bool owner_;  // created the segment and has not unlinked its name yet
   bool watch_peers_ = false;
-  bool spin_;        // ranks fit on the cores: spin briefly before sleeping
+  bool spin_;  // ranks fit on the cores: spin briefly before sleeping
   bool broken_ = false;
   uint64_t phase_ = 0;
   uint64_t round_ = 0;
@@ -221,7 +221,7 @@ class SharedMemoryChannel {
   bool stopping_ = false;
   std::thread worker_;  // started with the first Start
 
-  std::mutex mailboxes_mutex_;  // guards the two vectors (not the boxes)
+  std::mutex mailboxes_mutex_;                     // guards the two vectors (not the boxes)
   std::vector<std::unique_ptr<Outbox>> outboxes_;  // by destination; null until used
   std::vector<std::unique_ptr<Inbox>> inboxes_;    // by source
 };

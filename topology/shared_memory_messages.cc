@@ -19,13 +19,13 @@ namespace {
 
 // The start of a mailbox's segment; its ring follows at kMailboxHeaderBytes.
 struct MailboxHeader {
-  uint64_t nonce;                   // the group segment's
-  std::atomic<uint32_t> ready;      // set by the sender once the header is written
-  std::atomic<uint32_t> opened;     // set by the receiver once it mapped the segment and removed its name
+  uint64_t nonce;                             // the group segment's
+  std::atomic<uint32_t> ready;                // set by the sender once the header is written
+  std::atomic<uint32_t> opened;               // set by the receiver once it mapped the segment and removed its name
   alignas(64) std::atomic<uint64_t> written;  // bytes ever written to the ring: the sender's end
   alignas(64) std::atomic<uint64_t> taken;    // bytes ever taken from it: the receiver's end
-  alignas(64) SharedWord wrote;     // notified after every message written
-  alignas(64) SharedWord took;      // notified after messages were taken
+  alignas(64) SharedWord wrote;               // notified after every message written
+  alignas(64) SharedWord took;                // notified after messages were taken
 };
 
 constexpr size_t kMailboxHeaderBytes = 4096;
@@ -61,9 +61,9 @@ struct PostedReceive {
   void Deliver(const char* data, int64_t bytes) {
     done = true;
     if (bytes != Bytes(tensor)) {
-      status = absl::InvalidArgumentError(absl::StrCat(
-          "the message with tag ", tag, " has ", bytes, " bytes where the receive expected ", Bytes(tensor),
-          " (receive into a tensor of the sender's shape and dtype)"));
+      status = absl::InvalidArgumentError(absl::StrCat("the message with tag ", tag, " has ", bytes,
+                                                       " bytes where the receive expected ", Bytes(tensor),
+                                                       " (receive into a tensor of the sender's shape and dtype)"));
       return;
     }
     std::memcpy(tensor.data_ptr(), data, bytes);
@@ -181,16 +181,17 @@ void SharedMemoryChannel::SendQueued(Outbox& outbox) {
     Outbox::Queued& front = outbox.queue.front();
     lock.unlock();
     bool written = false;
-    WaitOn(header.took, spin_, std::chrono::steady_clock::now() + front.timeout,
-           [&] { return written || (written = TryWrite(outbox, front.tensor, front.tag)); },
-           [&] { return outbox.stopping || PeerExited(outbox.peer); });
+    WaitOn(
+        header.took, spin_, std::chrono::steady_clock::now() + front.timeout,
+        [&] { return written || (written = TryWrite(outbox, front.tensor, front.tag)); },
+        [&] { return outbox.stopping || PeerExited(outbox.peer); });
     absl::Status status;
     if (!written) {
       status = PeerExited(outbox.peer) ? absl::UnavailableError(absl::StrCat(Describe(outbox.peer), " exited"))
-               : outbox.stopping      ? absl::CancelledError("the process group was destroyed before the send")
-                                      : absl::DeadlineExceededError(absl::StrCat(
-                                       "timed out after ", front.timeout.count(), " ms waiting for ",
-                                       Describe(outbox.peer), " to take messages from shared memory"));
+               : outbox.stopping       ? absl::CancelledError("the process group was destroyed before the send")
+                                 : absl::DeadlineExceededError(absl::StrCat("timed out after ", front.timeout.count(),
+                                                                            " ms waiting for ", Describe(outbox.peer),
+                                                                            " to take messages from shared memory"));
     }
     lock.lock();
     outbox.queue.front().sent.set_value(status);

@@ -14,9 +14,9 @@
 #define TRIDENT_GLOO 1
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 #include <torch/version.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_NCCL
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -31,9 +31,7 @@
 namespace trident {
 namespace {
 
-std::chrono::milliseconds ToChrono(absl::Duration d) {
-  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
-}
+std::chrono::milliseconds ToChrono(absl::Duration d) { return std::chrono::milliseconds(absl::ToInt64Milliseconds(d)); }
 
 std::string HeartbeatKey(int rank) { return absl::StrCat("trident/heartbeat/", rank); }
 std::string ArrivalKey(int rank) { return absl::StrCat("trident/arrived/", rank); }
@@ -43,8 +41,7 @@ bool IsLoopback(const std::string& host) {
 }
 
 // Connects to (rank 0: serves) the rendezvous store.
-absl::StatusOr<c10::intrusive_ptr<c10d::TCPStore>> ConnectStore(const DistributedEnv& env,
-                                                                bool serve,
+absl::StatusOr<c10::intrusive_ptr<c10d::TCPStore>> ConnectStore(const DistributedEnv& env, bool serve,
                                                                 absl::Duration timeout) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
@@ -52,15 +49,14 @@ absl::StatusOr<c10::intrusive_ptr<c10d::TCPStore>> ConnectStore(const Distribute
   options.waitWorkers = false;
   options.timeout = ToChrono(timeout);
   c10::intrusive_ptr<c10d::TCPStore> store;
-  absl::Status status = CatchExceptions(
-      absl::StrCat(serve ? "rank 0 could not serve" : "could not reach",
-                   " the rendezvous store at ", env.master_addr, ":", env.master_port),
-      [&] { store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options); });
+  absl::Status status =
+      CatchExceptions(absl::StrCat(serve ? "rank 0 could not serve" : "could not reach", " the rendezvous store at ",
+                                   env.master_addr, ":", env.master_port),
+                      [&] { store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options); });
   if (!status.ok()) {
     return absl::UnavailableError(absl::StrCat(
-        status.message(),
-        serve ? "; the port may be in use: choose another MASTER_PORT"
-              : "; check that rank 0 is running and MASTER_ADDR/MASTER_PORT point at it"));
+        status.message(), serve ? "; the port may be in use: choose another MASTER_PORT"
+                                : "; check that rank 0 is running and MASTER_ADDR/MASTER_PORT point at it"));
   }
   return store;
 }
@@ -104,8 +100,7 @@ class TcpStoreClient : public StoreClient {
 // elsewhere, that never arrived.
 class HeartbeatMonitor {
  public:
-  HeartbeatMonitor(const DistributedEnv& env, c10::intrusive_ptr<c10d::Store> store,
-                   absl::Duration interval)
+  HeartbeatMonitor(const DistributedEnv& env, c10::intrusive_ptr<c10d::Store> store, absl::Duration interval)
       : env_(env), store_(std::move(store)), interval_(interval) {
     thread_ = std::thread([this] { Beat(); });
   }
@@ -143,8 +138,7 @@ class HeartbeatMonitor {
       }
     });
     if (!status.ok()) {
-      return absl::StrCat("rank 0, which serves the rendezvous store at ", env_.master_addr, ":",
-                          env_.master_port,
+      return absl::StrCat("rank 0, which serves the rendezvous store at ", env_.master_addr, ":", env_.master_port,
                           ", is unreachable: it exited or crashed; see its output");
     }
     if (!silent.empty()) {
@@ -178,13 +172,13 @@ class HeartbeatMonitor {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       lock.unlock();
-      absl::Status status =
-          CatchExceptions("heartbeat", [&] { store_->add(HeartbeatKey(env_.rank), 1); });
+      absl::Status status = CatchExceptions("heartbeat", [&] { store_->add(HeartbeatKey(env_.rank), 1); });
       lock.lock();
       for (Tracked& t : tracked_) {
         const int64_t started = t.group->collectives_started();
         if (!status.ok() || started == t.published) continue;
-        status = CatchExceptions("progress", [&] { store_->add(ProgressKey(env_.rank, t.key), started - t.published); });
+        status =
+            CatchExceptions("progress", [&] { store_->add(ProgressKey(env_.rank, t.key), started - t.published); });
         t.published = started;
       }
       if (!status.ok()) return;  // the store is gone; peers diagnose that themselves
@@ -217,9 +211,8 @@ class HeartbeatMonitor {
 absl::Status AwaitAllRanks(c10d::Store& store, const DistributedEnv& env, absl::Duration timeout) {
   constexpr char kFailureKey[] = "trident/rendezvous_failure";
   const absl::Time deadline = absl::Now() + timeout;
-  const std::string lost_store = absl::StrCat(
-      "lost the rendezvous store at ", env.master_addr, ":", env.master_port,
-      " while waiting for all ranks: rank 0 exited; see its output");
+  const std::string lost_store = absl::StrCat("lost the rendezvous store at ", env.master_addr, ":", env.master_port,
+                                              " while waiting for all ranks: rank 0 exited; see its output");
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("announcing this rank to the rendezvous store", [&] {
     store.set(ArrivalKey(env.rank), std::vector<uint8_t>{1});
     store.add("trident/arrivals", 1);
@@ -246,15 +239,13 @@ absl::Status AwaitAllRanks(c10d::Store& store, const DistributedEnv& env, absl::
       });
       if (!listed.ok()) return absl::UnavailableError(lost_store);
       const std::string failure = absl::StrCat(
-          "rendezvous at ", env.master_addr, ":", env.master_port, " timed out after ",
-          absl::FormatDuration(timeout), ": rank", missing.size() == 1 ? " " : "s ",
-          absl::StrJoin(missing, ", "), " of ", env.world_size,
+          "rendezvous at ", env.master_addr, ":", env.master_port, " timed out after ", absl::FormatDuration(timeout),
+          ": rank", missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "), " of ", env.world_size,
           " never arrived; start every rank with the same MASTER_ADDR, MASTER_PORT and "
           "WORLD_SIZE, or raise the rendezvous timeout");
       if (env.rank == 0) {
-        (void)CatchExceptions("", [&] {
-          store.set(kFailureKey, std::vector<uint8_t>(failure.begin(), failure.end()));
-        });
+        (void)CatchExceptions("",
+                              [&] { store.set(kFailureKey, std::vector<uint8_t>(failure.begin(), failure.end())); });
         absl::SleepFor(absl::Seconds(1));  // keep serving while the others read it
       }
       return absl::DeadlineExceededError(failure);
@@ -285,8 +276,7 @@ class Topology::Impl {
 
 std::string AxisAlias(absl::string_view axis) {
   static const auto* aliases = new std::map<std::string, std::string, std::less<>>{
-      {"tensor", "tp"},  {"pipeline", "pp"}, {"data", "dp"},
-      {"sequence", "sp"}, {"context", "cp"}, {"expert", "ep"}};
+      {"tensor", "tp"}, {"pipeline", "pp"}, {"data", "dp"}, {"sequence", "sp"}, {"context", "cp"}, {"expert", "ep"}};
   auto it = aliases->find(axis);
   return it == aliases->end() ? "" : it->second;
 }
@@ -308,8 +298,7 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::CreateFromEnvironment(Topolo
   return Create(env, std::move(options));
 }
 
-absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv& env,
-                                                           TopologyOptions options) {
+absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv& env, TopologyOptions options) {
   std::vector<MeshAxis> axes = options.mesh_axes;
   if (axes.empty()) axes = {{"data", env.world_size}};
   TRIDENT_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(axes, env.world_size, options.rank_order));
@@ -337,14 +326,11 @@ absl::StatusOr<std::unique_ptr<Topology>> Topology::Create(const DistributedEnv&
 #endif
   topology->backend_name_ = use_nccl ? "nccl" : "gloo";
 
-  TRIDENT_ASSIGN_OR_RETURN(auto store,
-                           ConnectStore(env, /*serve=*/env.rank == 0, options.rendezvous_timeout));
+  TRIDENT_ASSIGN_OR_RETURN(auto store, ConnectStore(env, /*serve=*/env.rank == 0, options.rendezvous_timeout));
   impl.store = store;
   TRIDENT_RETURN_IF_ERROR(AwaitAllRanks(*store, env, options.rendezvous_timeout));
-  TRIDENT_ASSIGN_OR_RETURN(auto heartbeat_store,
-                           ConnectStore(env, /*serve=*/false, absl::Seconds(10)));
-  impl.heartbeat =
-      std::make_unique<HeartbeatMonitor>(env, heartbeat_store, options.heartbeat_interval);
+  TRIDENT_ASSIGN_OR_RETURN(auto heartbeat_store, ConnectStore(env, /*serve=*/false, absl::Seconds(10)));
+  impl.heartbeat = std::make_unique<HeartbeatMonitor>(env, heartbeat_store, options.heartbeat_interval);
 
 #ifdef TRIDENT_GLOO
   if (!use_nccl && (env.world_size > 1 || options.connect_one_rank_groups)) {
@@ -410,8 +396,7 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
   const std::string name = absl::StrJoin(axes, "+");
   std::vector<int> ranks = mesh_.GroupRanks(axes, env_.rank);
   if (by_global_rank) std::sort(ranks.begin(), ranks.end());
-  const int group_rank =
-      static_cast<int>(std::find(ranks.begin(), ranks.end(), env_.rank) - ranks.begin());
+  const int group_rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), env_.rank) - ranks.begin());
   Impl& impl = *impl_;
   const std::chrono::milliseconds timeout = ToChrono(impl.options.timeout);
   const std::string group_key = absl::StrCat(impl.generation, "/", name, "/", absl::StrJoin(ranks, ","));
@@ -420,36 +405,36 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
   // here (TopologyOptions::connect_one_rank_groups).
   c10::intrusive_ptr<internal::C10dBackend> backend;
   const bool local = ranks.size() == 1 && !impl.options.connect_one_rank_groups;
-  absl::Status connected = local ? absl::OkStatus() : CatchExceptions(
-      absl::StrCat("connecting process group '", name, "' (global ranks ",
-                   absl::StrJoin(ranks, ","), ")"),
-      [&] {
-        if (backend_name_ == "gloo") {
+  absl::Status connected =
+      local ? absl::OkStatus()
+            : CatchExceptions(
+                  absl::StrCat("connecting process group '", name, "' (global ranks ", absl::StrJoin(ranks, ","), ")"),
+                  [&] {
+                    if (backend_name_ == "gloo") {
 #ifdef TRIDENT_GLOO
-          auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-          options->devices = {impl.gloo_device};
-          backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank,
-                                                                static_cast<int>(ranks.size()),
-                                                                options);
+                      auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+                      options->devices = {impl.gloo_device};
+                      backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank,
+                                                                            static_cast<int>(ranks.size()), options);
 #else
-          throw std::runtime_error(
-              "this LibTorch ships without Gloo's headers (PyTorch's wheels), so CPU process groups "
-              "can have one rank only; train on GPUs (device=cuda, NCCL) or build against a "
-              "LibTorch with Gloo (Debian's, or PyTorch built from source)");
+                      throw std::runtime_error(
+                          "this LibTorch ships without Gloo's headers (PyTorch's wheels), so CPU process groups "
+                          "can have one rank only; train on GPUs (device=cuda, NCCL) or build against a "
+                          "LibTorch with Gloo (Debian's, or PyTorch built from source)");
 #endif
-        } else {
+                    } else {
 #ifdef USE_C10D_NCCL
-          auto options = c10d::ProcessGroupNCCL::Options::create();
-          options->timeout = timeout;
-          backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(
-              store, group_rank, static_cast<int>(ranks.size()), options);
+                      auto options = c10d::ProcessGroupNCCL::Options::create();
+                      options->timeout = timeout;
+                      backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank,
+                                                                            static_cast<int>(ranks.size()), options);
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-          // The group's GPU, so that NCCL need not guess it from the global rank.
-          backend->setBoundDeviceId(at::Device(at::kCUDA, c10::cuda::current_device()));
+                      // The group's GPU, so that NCCL need not guess it from the global rank.
+                      backend->setBoundDeviceId(at::Device(at::kCUDA, c10::cuda::current_device()));
 #endif
 #endif
-        }
-      });
+                    }
+                  });
   HeartbeatMonitor* heartbeat = impl.heartbeat.get();
   if (!connected.ok()) {
     std::vector<int> peers;
@@ -457,18 +442,19 @@ absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>&
       if (r != env_.rank) peers.push_back(r);
     }
     const std::string diagnosis = heartbeat->Diagnose(peers);
-    return absl::UnavailableError(
-        diagnosis.empty() ? connected.message() : absl::StrCat(connected.message(), "; ", diagnosis));
+    return absl::UnavailableError(diagnosis.empty() ? connected.message()
+                                                    : absl::StrCat(connected.message(), "; ", diagnosis));
   }
-  const at::Device device = backend_name_ == "nccl"
-                                ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(
-                                                            env_.local_rank % std::max<int64_t>(1, torch::cuda::device_count())))
-                                : at::Device(at::kCPU);
-  impl.groups.push_back(std::make_unique<ProcessGroup>(
-      name, ranks, group_rank, backend, device, timeout,
-      [heartbeat](const ProcessGroup& failed, const std::vector<int>& peers) {
-        return heartbeat->Diagnose(peers, &failed);
-      }));
+  const at::Device device =
+      backend_name_ == "nccl"
+          ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env_.local_rank %
+                                                                std::max<int64_t>(1, torch::cuda::device_count())))
+          : at::Device(at::kCPU);
+  impl.groups.push_back(
+      std::make_unique<ProcessGroup>(name, ranks, group_rank, backend, device, timeout,
+                                     [heartbeat](const ProcessGroup& failed, const std::vector<int>& peers) {
+                                       return heartbeat->Diagnose(peers, &failed);
+                                     }));
   ProcessGroup* group = impl.groups.back().get();
   if (!local) {
     TRIDENT_ASSIGN_OR_RETURN(std::string unshared, group->ConnectSharedMemory());
@@ -488,15 +474,14 @@ absl::StatusOr<ProcessGroup*> Topology::Group(absl::string_view name) const {
   if (it != groups_by_name_.end()) return it->second;
   std::vector<std::string> names;
   for (const auto& entry : groups_by_name_) names.push_back(entry.first);
-  return absl::NotFoundError(absl::StrCat("no process group named '", name, "'; this topology (",
-                                          mesh_.ToString(), ") has ", absl::StrJoin(names, ", ")));
+  return absl::NotFoundError(absl::StrCat("no process group named '", name, "'; this topology (", mesh_.ToString(),
+                                          ") has ", absl::StrJoin(names, ", ")));
 }
 
 absl::StatusOr<ProcessGroup*> Topology::GroupSpanning(const std::vector<std::string>& axes) {
   for (const std::string& axis : axes) {
     if (!mesh_.HasAxis(axis)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("mesh ", mesh_.ToString(), " has no axis '", axis, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("mesh ", mesh_.ToString(), " has no axis '", axis, "'"));
     }
   }
   auto existing = groups_by_name_.find(absl::StrJoin(axes, "+"));
@@ -507,9 +492,10 @@ absl::StatusOr<ProcessGroup*> Topology::GroupSpanning(const std::vector<std::str
 absl::StatusOr<ProcessGroup*> FindProcessGroup(absl::string_view name) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   if (live_topology == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "process group '", name, "' was requested but this process has no Topology; create "
-        "one with Topology::Create before running distributed operators"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("process group '", name,
+                     "' was requested but this process has no Topology; create "
+                     "one with Topology::Create before running distributed operators"));
   }
   return live_topology->Group(name);
 }

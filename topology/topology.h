@@ -87,8 +87,7 @@ class Topology {
   // Joins the job described by `env`. Blocks until all env.world_size ranks
   // arrived (or errors naming the missing ranks after options.rendezvous_timeout)
   // and the process groups are connected. At most one Topology per process.
-  static absl::StatusOr<std::unique_ptr<Topology>> Create(const DistributedEnv& env,
-                                                          TopologyOptions options);
+  static absl::StatusOr<std::unique_ptr<Topology>> Create(const DistributedEnv& env, TopologyOptions options);
   // Create() with DistributedEnvFromEnvironment().
   static absl::StatusOr<std::unique_ptr<Topology>> CreateFromEnvironment(TopologyOptions options);
 

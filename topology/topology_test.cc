@@ -12,9 +12,9 @@
 namespace trident {
 namespace {
 
-using ::testing::ElementsAre;
 using ::testing::AllOf;
 using ::testing::AnyOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 TEST(TopologyTest, EightRanksGetTheirMeshGroupsByNameAndAlias) {
@@ -40,8 +40,7 @@ TEST(TopologyTest, EightRanksGetTheirMeshGroupsByNameAndAlias) {
       for (int member : (*group)->global_ranks()) expected += member;
       EXPECT_EQ(value.item<double>(), expected) << axis;
     }
-    EXPECT_THAT((*topology.Group("tp"))->global_ranks(),
-                ElementsAre(rank / 2 * 2, rank / 2 * 2 + 1));
+    EXPECT_THAT((*topology.Group("tp"))->global_ranks(), ElementsAre(rank / 2 * 2, rank / 2 * 2 + 1));
 
     auto tensor_data = topology.GroupSpanning({"tensor", "data"});
     ASSERT_TRUE(tensor_data.ok()) << tensor_data.status();
@@ -134,8 +133,7 @@ TEST(TopologyTest, MeshThatDoesNotFitTheWorldFailsBeforeConnecting) {
   testing::RunOnRanks(2, [](int) {
     auto created = testing::JoinTopology({{"tensor", 4}});
     ASSERT_FALSE(created.ok());
-    EXPECT_THAT(std::string(created.status().message()),
-                HasSubstr("has 4 ranks but the world size is 2"));
+    EXPECT_THAT(std::string(created.status().message()), HasSubstr("has 4 ranks but the world size is 2"));
   });
 }
 
@@ -152,8 +150,7 @@ TEST(TopologyTest, RankThatNeverArrivesIsNamedWithinTheRendezvousTimeout) {
     EXPECT_LT(absl::Now() - start, absl::Seconds(6));
     ASSERT_FALSE(created.ok());
     EXPECT_EQ(created.status().code(), absl::StatusCode::kDeadlineExceeded);
-    EXPECT_THAT(std::string(created.status().message()),
-                HasSubstr("rank 2 of 3 never arrived"));
+    EXPECT_THAT(std::string(created.status().message()), HasSubstr("rank 2 of 3 never arrived"));
   });
 }
 

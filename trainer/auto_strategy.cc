@@ -47,14 +47,14 @@ absl::StatusOr<ParallelPlan> Trainer::ChooseStrategy(const TrainerConfig& config
   options.dry_runs = config.strategy_dry_runs();
   options.allow_precision_change = config.allow_precision_change();
   options.profile_cache_dir = config.profile_cache_dir();
-  options.model_fingerprint = absl::StrCat(Component(ModelComponent(config)), ";optimizer=",
-                                           Component(OptimizerComponent(config)), ";data=",
-                                           internal::DataDirectory(config));
+  options.model_fingerprint =
+      absl::StrCat(Component(ModelComponent(config)), ";optimizer=", Component(OptimizerComponent(config)),
+                   ";data=", internal::DataDirectory(config));
 
   // A strategy saved for this very run is reused (strategy_reuse).
   const std::string reuse = config.strategy_reuse() != "auto" ? config.strategy_reuse()
-                            : config.run_mode() == "compile" ? "moo"
-                                                             : "match";
+                            : config.run_mode() == "compile"  ? "moo"
+                                                              : "match";
   const std::string& saved_path = config.save_strategy();
   std::optional<Strategy> chosen;
   if (reuse != "override" && !saved_path.empty() && std::filesystem::exists(saved_path)) {
@@ -62,11 +62,12 @@ absl::StatusOr<ParallelPlan> Trainer::ChooseStrategy(const TrainerConfig& config
     const std::string wanted = StrategyFingerprint(options, world, global);
     if (saved.fingerprint() == wanted) {
       chosen = saved;
-      if (topology->rank() == 0) std::cout << "reusing the strategy in " << saved_path << " (it was chosen for this run)\n";
+      if (topology->rank() == 0)
+        std::cout << "reusing the strategy in " << saved_path << " (it was chosen for this run)\n";
     } else if (reuse == "match") {
       return absl::FailedPreconditionError(absl::StrCat(
-          "save_strategy ", saved_path, " was chosen for another run (", saved.fingerprint(), "; this run is ",
-          wanted, "); pass --strategy_reuse=override to search again, or moo to search whenever they differ"));
+          "save_strategy ", saved_path, " was chosen for another run (", saved.fingerprint(), "; this run is ", wanted,
+          "); pass --strategy_reuse=override to search again, or moo to search whenever they differ"));
     }
   }
   const bool reused = chosen.has_value();

@@ -6,8 +6,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -187,8 +187,8 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   if (config.save_type() != "merged") {
     for (int r = 0; r < world_size; ++r) job.files.push_back(absl::StrCat("rank_", r, ".safetensors"));
     metadata["rank"] = absl::StrCat(rank);
-    job.writes.push_back([name = job.files[rank], pieces = std::move(pieces), metadata](const std::string& staging,
-                                                                                std::map<std::string, Checksum>* written) {
+    job.writes.push_back([name = job.files[rank], pieces = std::move(pieces), metadata](
+                             const std::string& staging, std::map<std::string, Checksum>* written) {
       return WriteSlicedSafetensors(absl::StrCat(staging, "/", name), pieces, metadata, &(*written)[name]);
     });
   } else {
@@ -205,11 +205,11 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
     }
     if (is_rank0()) {
       job.writes.push_back([weights = std::move(weights), state = std::move(state), metadata](
-                           const std::string& staging, std::map<std::string, Checksum>* written) {
+                               const std::string& staging, std::map<std::string, Checksum>* written) {
         auto with_format = metadata;
         with_format["format"] = "pt";
-        TRIDENT_RETURN_IF_ERROR(WriteSafetensors(staging + "/model.safetensors", weights, with_format,
-                                                 &(*written)["model.safetensors"]));
+        TRIDENT_RETURN_IF_ERROR(
+            WriteSafetensors(staging + "/model.safetensors", weights, with_format, &(*written)["model.safetensors"]));
         return WriteSafetensors(staging + "/state.safetensors", state, metadata, &(*written)["state.safetensors"]);
       });
     }
@@ -217,7 +217,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   if (is_rank0()) {
     job.files.push_back("config.pbtxt");
     job.writes.push_back([text = ConfigToText(config)](const std::string& staging,
-                                                   std::map<std::string, Checksum>* written) -> absl::Status {
+                                                       std::map<std::string, Checksum>* written) -> absl::Status {
       std::ofstream out(staging + "/config.pbtxt");
       out << text;
       out.close();
@@ -260,14 +260,15 @@ absl::Status Trainer::Impl::FinishPendingSave() {
   const std::unique_ptr<PendingSave> save = std::move(pending_save);
   const absl::Status verdict = save->verdict.get();
   if (verdict.ok()) {
-    Print(absl::StrFormat("saved checkpoint %s (%s; %s %.2f s, training paused %.2f s)", save->path,
-                          config.save_type(), config.async_save() ? "written in the background in" : "written in",
-                          save->write_s, config.async_save() ? save->pause_s : save->pause_s + save->write_s));
+    Print(absl::StrFormat("saved checkpoint %s (%s; %s %.2f s, training paused %.2f s)", save->path, config.save_type(),
+                          config.async_save() ? "written in the background in" : "written in", save->write_s,
+                          config.async_save() ? save->pause_s : save->pause_s + save->write_s));
     ForHooks([&](TrainerHooks& h) { h.OnSaveCheckpoint(State(), save->path); });
     return absl::OkStatus();
   }
-  const absl::Status failure(verdict.code(), absl::StrCat("checkpoint step ", save->step, " was not saved: ",
-                                                          verdict.message(), "; `last` still points at the previous one"));
+  const absl::Status failure(verdict.code(),
+                             absl::StrCat("checkpoint step ", save->step, " was not saved: ", verdict.message(),
+                                          "; `last` still points at the previous one"));
   if (config.save_failure() == "fail") return failure;
   Print(absl::StrCat("warning: ", failure.message(), " (save_failure=warn: training goes on)"));
   return absl::OkStatus();
@@ -284,8 +285,7 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
     return agreed.ok() ? manifest : absl::StatusOr<CheckpointManifest>(agreed);
   });
   if (!resolved.ok()) {
-    const bool nothing_saved_yet = config.resume_from() == "last" &&
-                                   absl::IsNotFound(resolved.status()) &&
+    const bool nothing_saved_yet = config.resume_from() == "last" && absl::IsNotFound(resolved.status()) &&
                                    !fs::exists(config.save_dir() + "/last");
     if (!nothing_saved_yet) return resolved.status();
     Print(absl::StrCat("no checkpoint in ", config.save_dir(), " yet; starting from step 0"));
@@ -313,8 +313,8 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
     auto found = saved.find(key);
     return found == saved.end() ? std::string() : found->second;
   };
-  const bool same_layout = value("layout") == model->Layout() &&
-                           value("world_size") == absl::StrCat(topology().world_size());
+  const bool same_layout =
+      value("layout") == model->Layout() && value("world_size") == absl::StrCat(topology().world_size());
   std::string rng = "kept";
   if (config.no_load_rng()) {
     rng = "not loaded (no_load_rng)";
@@ -325,9 +325,11 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
     SeedCpuRng(config.seed(), step, topology().rank());
     rng = "re-derived from the seed and the step (the per-rank streams of another layout do not carry over)";
   }
-  Print(absl::StrCat("resumed from ", resolved->path, " at step ", step, same_layout ? "" : absl::StrCat(
-      " (saved as ", value("layout"), " on ", value("world_size"), " ranks; resharded to ", model->Layout(), ")"),
-      "; RNG ", rng, loaded));
+  Print(absl::StrCat("resumed from ", resolved->path, " at step ", step,
+                     same_layout ? ""
+                                 : absl::StrCat(" (saved as ", value("layout"), " on ", value("world_size"),
+                                                " ranks; resharded to ", model->Layout(), ")"),
+                     "; RNG ", rng, loaded));
   if (value("global_batch_size") != absl::StrCat(global_batch_size())) {
     Print(absl::StrCat("note: the checkpoint was trained with global batch ", value("global_batch_size"),
                        " and this run uses ", global_batch_size(), "; the sample order from step ", step,
@@ -368,9 +370,10 @@ absl::Status Trainer::Impl::WriteTrace(const std::vector<internal::OperatorEvent
     timeline << static_cast<int>(e.op) << " " << e.micro_batch << " " << e.chunk << " " << e.start << " " << e.end
              << "\n";
   }
-  const std::string ops = operators == nullptr ? ""
-                                               : internal::OperatorTraceEvents(*operators, /*pid=*/0, 1000 * (rank + 1),
-                                                                               absl::StrCat("rank ", rank, " operators"));
+  const std::string ops = operators == nullptr
+                              ? ""
+                              : internal::OperatorTraceEvents(*operators, /*pid=*/0, 1000 * (rank + 1),
+                                                              absl::StrCat("rank ", rank, " operators"));
   TRIDENT_ASSIGN_OR_RETURN(std::vector<std::vector<std::string>> gathered,
                            AllGatherStrings(topology().world(), {timeline.str(), ops}));
   if (is_rank0()) {

@@ -10,8 +10,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "base/status.h"
 #include "base/text_proto.h"
@@ -39,8 +39,8 @@ absl::StatusOr<FlagTarget> DottedField(google::protobuf::Message* root, const st
   for (size_t i = 0; i < parts.size(); ++i) {
     const FieldDescriptor* field = message->GetDescriptor()->FindFieldByName(parts[i]);
     if (field == nullptr) {
-      return Invalid(absl::StrCat("unknown flag --", name, ": ", message->GetDescriptor()->name(),
-                                  " has no field '", parts[i], "' (see trainer/config.proto)"));
+      return Invalid(absl::StrCat("unknown flag --", name, ": ", message->GetDescriptor()->name(), " has no field '",
+                                  parts[i], "' (see trainer/config.proto)"));
     }
     const auto* reflection = message->GetReflection();
     if (i + 1 == parts.size()) return FlagTarget{message, field};
@@ -118,8 +118,7 @@ absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* con
     } else if (field->type() == FieldDescriptor::TYPE_STRING) {  // one more item of a list
       target->GetReflection()->AddString(target, field, value);
     } else if (!ParseTextFieldValue(value, field, target)) {
-      return Invalid(absl::StrCat("flag --", name, "='", value, "' is not a valid ",
-                                  field->type_name(), " value"));
+      return Invalid(absl::StrCat("flag --", name, "='", value, "' is not a valid ", field->type_name(), " value"));
     }
   }
   *args = std::move(rest);
@@ -133,7 +132,6 @@ std::vector<std::string> CommaList(const std::string& text) {
   }
   return items;
 }
-
 
 absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfig& c) {
   const TrainerConfig::TensorParallelLayerLists& lists = c.tp_layer_lists();
@@ -238,30 +236,36 @@ ParallelPlan PlanOfFields(const TrainerConfig& c) {
 // The automatic mode's fields, and the plan the search starts from: one rank
 // holding the whole global batch.
 absl::Status ResolveAutomaticStrategy(const TrainerConfig& c, ParallelPlan* plan) {
-  if (c.strategy() != "auto") return Invalid(absl::StrCat("strategy='", c.strategy(), "' is unknown; use auto (or leave it empty)"));
+  if (c.strategy() != "auto")
+    return Invalid(absl::StrCat("strategy='", c.strategy(), "' is unknown; use auto (or leave it empty)"));
   if (!c.load_strategy().empty() && !c.finetune_strategy()) {
-    return Invalid("strategy=auto with load_strategy: the loaded strategy already decides; add "
-                   "--finetune_strategy to search around it, or drop --strategy=auto");
+    return Invalid(
+        "strategy=auto with load_strategy: the loaded strategy already decides; add "
+        "--finetune_strategy to search around it, or drop --strategy=auto");
   }
   if (c.run_mode() != "run" && c.run_mode() != "compile") {
     return Invalid(absl::StrCat("run_mode='", c.run_mode(), "' is unknown; choose run or compile"));
   }
   const std::set<std::string> reuse = {"auto", "match", "override", "moo"};
   if (!reuse.count(c.strategy_reuse())) {
-    return Invalid(absl::StrCat("strategy_reuse='", c.strategy_reuse(), "' is unknown; choose auto, match, override or moo"));
+    return Invalid(
+        absl::StrCat("strategy_reuse='", c.strategy_reuse(), "' is unknown; choose auto, match, override or moo"));
   }
-  const std::set<std::string> methods = {"data", "tensor_parallel", "pipeline_parallel", "zero1",
-                                         "zero2", "fsdp", "checkpoint", "amp_native"};
+  const std::set<std::string> methods = {"data", "tensor_parallel", "pipeline_parallel", "zero1", "zero2",
+                                         "fsdp", "checkpoint",      "amp_native"};
   for (const std::string& method : CommaList(c.strategy_excluded())) {
     if (!methods.count(method)) {
-      return Invalid(absl::StrCat("strategy_excluded names '", method, "'; the methods are ", absl::StrJoin(methods, ", ")));
+      return Invalid(
+          absl::StrCat("strategy_excluded names '", method, "'; the methods are ", absl::StrJoin(methods, ", ")));
     }
   }
   if (c.memory_limit_mb() < 0 || !(c.strategy_time_limit_s() > 0) || c.strategy_dry_runs() < 0) {
-    return Invalid("memory_limit_mb and strategy_dry_runs must not be negative and strategy_time_limit_s must be positive");
+    return Invalid(
+        "memory_limit_mb and strategy_dry_runs must not be negative and strategy_time_limit_s must be positive");
   }
   const int64_t accumulation = std::max<int64_t>(1, c.grad_accumulation_steps());
-  const int64_t global = c.has_global_batch_size() ? c.global_batch_size() : c.micro_batch_size() * accumulation * c.dp();
+  const int64_t global =
+      c.has_global_batch_size() ? c.global_batch_size() : c.micro_batch_size() * accumulation * c.dp();
   if (global < 1) return Invalid(absl::StrCat("global_batch_size=", global, " must be at least 1"));
   plan->dp = plan->tp = plan->pp = 1;
   plan->micro_batch_size = global;
@@ -273,7 +277,8 @@ absl::Status ResolveAutomaticStrategy(const TrainerConfig& c, ParallelPlan* plan
 // a loaded strategy lays them out) and the micro-batches of the global batch.
 absl::Status ResolveLayout(const TrainerConfig& c, int world_size, ParallelPlan* plan) {
   if (c.run_mode() != "run") {
-    return Invalid(absl::StrCat("run_mode=", c.run_mode(), " needs strategy=auto (compile chooses a strategy and stops)"));
+    return Invalid(
+        absl::StrCat("run_mode=", c.run_mode(), " needs strategy=auto (compile chooses a strategy and stops)"));
   }
   if (c.dp() < 1 || c.tp() < 1 || c.pp() < 1) {
     return Invalid(absl::StrCat("dp=", c.dp(), ", tp=", c.tp(), ", pp=", c.pp(), ": each must be at least 1"));
@@ -301,8 +306,8 @@ absl::Status ResolveLayout(const TrainerConfig& c, int world_size, ParallelPlan*
     plan->dp = world_size / model_parallel;
   }
   if (plan->dp * model_parallel != world_size) {
-    return Invalid(absl::StrCat("dp*tp*pp = ", plan->dp, "*", plan->tp, "*", plan->pp, " = ",
-                                plan->dp * model_parallel, " but ", world_size,
+    return Invalid(absl::StrCat("dp*tp*pp = ", plan->dp, "*", plan->tp, "*", plan->pp, " = ", plan->dp * model_parallel,
+                                " but ", world_size,
                                 " ranks were started; make the product equal the number of "
                                 "ranks, start train without a launcher to spawn dp*tp*pp, or set "
                                 "elastic to let dp follow the rank count"));
@@ -317,10 +322,10 @@ absl::Status ResolveLayout(const TrainerConfig& c, int world_size, ParallelPlan*
                                   plan->micro_batch_size, "*", plan->dp, " = ", per_step));
     }
     if (accumulation && *accumulation != *global / per_step) {
-      return Invalid(absl::StrCat(
-          "global_batch_size=", *global, " and grad_accumulation_steps=", *accumulation,
-          " disagree: with micro_batch_size=", plan->micro_batch_size, " and dp=", plan->dp,
-          " the global batch needs ", *global / per_step, " accumulation steps; set only one of the two"));
+      return Invalid(absl::StrCat("global_batch_size=", *global, " and grad_accumulation_steps=", *accumulation,
+                                  " disagree: with micro_batch_size=", plan->micro_batch_size, " and dp=", plan->dp,
+                                  " the global batch needs ", *global / per_step,
+                                  " accumulation steps; set only one of the two"));
     }
     accumulation = *global / per_step;
   }
@@ -339,10 +344,10 @@ absl::Status ResolveLayout(const TrainerConfig& c, int world_size, ParallelPlan*
 absl::Status CheckConfigFields(TrainerConfig* c) {
   TRIDENT_RETURN_IF_ERROR(LayerListsFromConfig(*c).status());
   if ((c->loss_scale() < 0 && c->loss_scale() != -1) || c->loss_scale_window() < 1 || c->hysteresis() < 1 ||
-      !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 ||
-      c->initial_scale_power() > 100) {
-    return Invalid("loss_scale must be -1 (off), 0 (dynamic) or positive (static), loss_scale_window and hysteresis must be at "
-                   "least 1, min_loss_scale positive and initial_scale_power in [0, 100]");
+      !(c->min_loss_scale() > 0) || c->initial_scale_power() < 0 || c->initial_scale_power() > 100) {
+    return Invalid(
+        "loss_scale must be -1 (off), 0 (dynamic) or positive (static), loss_scale_window and hysteresis must be at "
+        "least 1, min_loss_scale positive and initial_scale_power in [0, 100]");
   }
   if (!(c->lr() > 0)) return Invalid(absl::StrCat("lr=", c->lr(), " must be positive"));
   if (c->min_lr() < 0 || c->min_lr() > c->lr()) {
@@ -370,8 +375,7 @@ absl::Status CheckConfigFields(TrainerConfig* c) {
   if (c->save_every() < 0 || c->keep_last_n() < 0 || c->export_every() < 0) {
     return Invalid("save_every, keep_last_n and export_every must not be negative");
   }
-  if ((c->save_every() > 0 || c->resume_from() == "last" || c->resume_from() == "best") &&
-      c->save_dir().empty()) {
+  if ((c->save_every() > 0 || c->resume_from() == "last" || c->resume_from() == "best") && c->save_dir().empty()) {
     return Invalid("save_every and resume_from=last|best need save_dir");
   }
   if (c->save_type() != "sharded" && c->save_type() != "deduped" && c->save_type() != "merged") {
@@ -424,8 +428,8 @@ absl::StatusOr<ParallelPlan> ResolveConfig(TrainerConfig* c, int world_size) {
 absl::Status KeepGlobalBatch(int64_t global, ParallelPlan* plan) {
   const int64_t per_micro_batch = plan->dp * plan->num_micro_batches;
   if (global % per_micro_batch != 0) {
-    return Invalid(absl::StrCat("strategy: global_batch_size=", global, " is not divisible by dp*micro_batches = ",
-                                plan->dp, "*", plan->num_micro_batches));
+    return Invalid(absl::StrCat("strategy: global_batch_size=", global,
+                                " is not divisible by dp*micro_batches = ", plan->dp, "*", plan->num_micro_batches));
   }
   plan->micro_batch_size = global / per_micro_batch;
   return absl::OkStatus();

@@ -19,9 +19,9 @@ std::string Message(const absl::Status& s) { return std::string(s.message()); }
 
 TEST(ConfigFlagsTest, FlagsOverrideFieldsByNameAndLeaveOthers) {
   TrainerConfig config;
-  std::vector<std::string> args = {"--lr=3e-4",  "--model", "llama", "--noshuffle",
-                                   "--config=x", "--dp=4",  "--enable_progress_bar",
-                                   "--prompt=Once upon"};
+  std::vector<std::string> args = {
+      "--lr=3e-4",         "--model", "llama", "--noshuffle", "--config=x", "--dp=4", "--enable_progress_bar",
+      "--prompt=Once upon"};
   ASSERT_TRUE(ApplyConfigFlags(&args, &config).ok());
   EXPECT_EQ(config.lr(), 3e-4);
   EXPECT_EQ(config.model(), "llama");
@@ -35,18 +35,22 @@ TEST(ConfigFlagsTest, FlagsOverrideFieldsByNameAndLeaveOthers) {
 TEST(ConfigFlagsTest, ValuesThatDoNotParseNameTheFlag) {
   TrainerConfig config;
   std::vector<std::string> args = {"--max_steps=many"};
-  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)),
-              HasSubstr("--max_steps='many' is not a valid int64 value"));
+  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("--max_steps='many' is not a valid int64 value"));
   args = {"--lr"};
   EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("--lr needs a value"));
 }
 
 TEST(ConfigFlagsTest, DottedFlagsSetNestedFieldsMapsAndLists) {
   TrainerConfig config;
-  std::vector<std::string> args = {"--model_config.type=llama", "--model_config.args.n_layer=4",
-                                   "--model_config.args.n_layer=6", "--optimizer_config.args.beta2=0.95",
-                                   "--optimizer_config.clip_gnorm", "0.5", "--tp_layer_lists.col_para_list=c_fc",
-                                   "--tp_layer_lists.col_para_list=c_attn", "--dataset_config.train_args.path.to=x"};
+  std::vector<std::string> args = {"--model_config.type=llama",
+                                   "--model_config.args.n_layer=4",
+                                   "--model_config.args.n_layer=6",
+                                   "--optimizer_config.args.beta2=0.95",
+                                   "--optimizer_config.clip_gnorm",
+                                   "0.5",
+                                   "--tp_layer_lists.col_para_list=c_fc",
+                                   "--tp_layer_lists.col_para_list=c_attn",
+                                   "--dataset_config.train_args.path.to=x"};
   ASSERT_TRUE(ApplyConfigFlags(&args, &config).ok());
   EXPECT_TRUE(args.empty());
   EXPECT_EQ(config.model_config().type(), "llama");
@@ -67,20 +71,28 @@ TEST(ConfigFlagsTest, DottedFlagsSetNestedFieldsMapsAndLists) {
 // One run's layout given as flags, as a text config, and as the strategy
 // file that run would save, makes the same plan.
 TEST(ConfigFlagsTest, FlagsTextConfigAndSavedStrategyGiveTheSamePlan) {
-  std::vector<std::string> args = {
-      "--dp=2", "--pp=2", "--zero_stage=1", "--precision=bf16", "--schedule=zb_h1", "--micro_batch_size=2",
-      "--global_batch_size=16", "--activation_checkpointing=selected", "--checkpoint_layers=transformer.h.1",
-      "--checkpoint_modules=attn", "--module_replace=fused_attention", "--axis_order=data,pipeline,tensor",
-      "--rank_order=3,2,1,0", "--precision_table=buffer=fp32", "--partition_method=parameters"};
+  std::vector<std::string> args = {"--dp=2",
+                                   "--pp=2",
+                                   "--zero_stage=1",
+                                   "--precision=bf16",
+                                   "--schedule=zb_h1",
+                                   "--micro_batch_size=2",
+                                   "--global_batch_size=16",
+                                   "--activation_checkpointing=selected",
+                                   "--checkpoint_layers=transformer.h.1",
+                                   "--checkpoint_modules=attn",
+                                   "--module_replace=fused_attention",
+                                   "--axis_order=data,pipeline,tensor",
+                                   "--rank_order=3,2,1,0",
+                                   "--precision_table=buffer=fp32",
+                                   "--partition_method=parameters"};
   TrainerConfig from_flags;
   ASSERT_TRUE(ApplyConfigFlags(&args, &from_flags).ok());
   auto plan = ResolveConfig(&from_flags, 4);
   ASSERT_TRUE(plan.ok()) << plan.status();
 
   const std::string dir = ::testing::TempDir();
-  {
-    std::ofstream(dir + "/run.pbtxt") << ConfigToText(from_flags);
-  }
+  { std::ofstream(dir + "/run.pbtxt") << ConfigToText(from_flags); }
   auto from_text = LoadTrainerConfig(dir + "/run.pbtxt");
   ASSERT_TRUE(from_text.ok()) << from_text.status();
 
@@ -221,7 +233,8 @@ TEST(ResolveConfigTest, TheAutomaticStrategyStartsFromOneRankAndKeepsTheGlobalBa
   EXPECT_EQ(plan->dp, 4);
   EXPECT_EQ(plan->micro_batch_size, 2);
   plan->num_micro_batches = 3;
-  EXPECT_THAT(Message(KeepGlobalBatch(8, &*plan)), HasSubstr("global_batch_size=8 is not divisible by dp*micro_batches = 4*3"));
+  EXPECT_THAT(Message(KeepGlobalBatch(8, &*plan)),
+              HasSubstr("global_batch_size=8 is not divisible by dp*micro_batches = 4*3"));
 }
 
 TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
@@ -235,10 +248,12 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("dp*tp*pp = 3*1*1 = 3 but 2 ranks were started"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_global_batch_size(10); }, 2),
               HasSubstr("global_batch_size=10 is not divisible by micro_batch_size*dp = 8*2 = 16"));
-  EXPECT_THAT(error([](TrainerConfig& c) {
-                c.set_global_batch_size(32);
-                c.set_grad_accumulation_steps(3);
-              }, 2),
+  EXPECT_THAT(error(
+                  [](TrainerConfig& c) {
+                    c.set_global_batch_size(32);
+                    c.set_grad_accumulation_steps(3);
+                  },
+                  2),
               HasSubstr("disagree"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_lr(-1); }, 1), HasSubstr("lr=-1 must be positive"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_lr_scheduler("step"); }, 1),
@@ -259,39 +274,46 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_tp_overlapping_level(3); }, 1),
               HasSubstr("tp_overlapping_level=3: 0 (none), 1 (sub-pipelined products inside each parallel layer) "
                         "and 2 (sub-pipelined transformer blocks) are implemented; 3 (overlap between blocks) is not"));
-  EXPECT_THAT(error([](TrainerConfig& c) {
-                c.set_dp(1);
-                c.set_tp(2);
-                c.set_sequence_parallel(true);
-                c.set_tp_overlapping_level(1);
-              }, 2),
+  EXPECT_THAT(error(
+                  [](TrainerConfig& c) {
+                    c.set_dp(1);
+                    c.set_tp(2);
+                    c.set_sequence_parallel(true);
+                    c.set_tp_overlapping_level(1);
+                  },
+                  2),
               HasSubstr("with sequence_parallel the layers all-gather and reduce-scatter instead"));
-  EXPECT_THAT(error([](TrainerConfig& c) {
-                c.set_dp(1);
-                c.set_pp(2);
-                c.set_micro_batch_size(2);
-                c.set_global_batch_size(8);
-                c.set_schedule("zb_h1");
-                c.set_zero_stage(3);
-              }, 2),
+  EXPECT_THAT(error(
+                  [](TrainerConfig& c) {
+                    c.set_dp(1);
+                    c.set_pp(2);
+                    c.set_micro_batch_size(2);
+                    c.set_global_batch_size(8);
+                    c.set_schedule("zb_h1");
+                    c.set_zero_stage(3);
+                  },
+                  2),
               HasSubstr("zero_stage=3 with schedule zb_h1"));
   // Pipeline schedules are checked against pp and the micro-batch count.
-  EXPECT_THAT(error([](TrainerConfig& c) { c.set_schedule("zigzag"); }, 1),
-              HasSubstr("unknown schedule 'zigzag'"));
-  EXPECT_THAT(error([](TrainerConfig& c) {
-                c.set_dp(1);
-                c.set_pp(2);
-                c.set_schedule("shifted_critical_path");
-              }, 2),
+  EXPECT_THAT(error([](TrainerConfig& c) { c.set_schedule("zigzag"); }, 1), HasSubstr("unknown schedule 'zigzag'"));
+  EXPECT_THAT(error(
+                  [](TrainerConfig& c) {
+                    c.set_dp(1);
+                    c.set_pp(2);
+                    c.set_schedule("shifted_critical_path");
+                  },
+                  2),
               HasSubstr("needs at least 4 micro-batches per step; got 1"));
-  EXPECT_THAT(error([](TrainerConfig& c) {
-                c.set_dp(1);
-                c.set_pp(2);
-                c.set_schedule("interleaved_1f1b");
-                c.set_virtual_stages(2);
-                c.set_micro_batch_size(1);
-                c.set_global_batch_size(3);
-              }, 2),
+  EXPECT_THAT(error(
+                  [](TrainerConfig& c) {
+                    c.set_dp(1);
+                    c.set_pp(2);
+                    c.set_schedule("interleaved_1f1b");
+                    c.set_virtual_stages(2);
+                    c.set_micro_batch_size(1);
+                    c.set_global_batch_size(3);
+                  },
+                  2),
               HasSubstr("micro-batches per step (3) to be a multiple of the pipeline stages (2)"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_virtual_stages(2); }, 1),
               HasSubstr("virtual_stages = 2 needs schedule interleaved_1f1b"));
@@ -301,11 +323,13 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
               HasSubstr("grad_reduction='median' is unknown; choose mean, sum, per-token-mean"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_loss("hinge"); }, 1),
               HasSubstr("unknown loss 'hinge'; choose cross_entropy, mse"));
-  EXPECT_THAT(error([](TrainerConfig& c) {
-                c.set_dp(1);
-                c.set_pp(2);
-                c.set_custom_split_points("transformer.h.1,transformer.h.2");
-              }, 2),
+  EXPECT_THAT(error(
+                  [](TrainerConfig& c) {
+                    c.set_dp(1);
+                    c.set_pp(2);
+                    c.set_custom_split_points("transformer.h.1,transformer.h.2");
+                  },
+                  2),
               HasSubstr("names 2 layer(s) but pp*virtual_stages = 2 stages need 1"));
 }
 
@@ -352,8 +376,7 @@ TEST(ModelComponentTest, PresetsOverridesAndChecks) {
   c.set_model("gpt");
   c.set_preset("gpt-tiny");
   c.set_vocab_size(100);
-  EXPECT_THAT(Message(source(c).status()),
-              HasSubstr("vocab_size=100 is smaller than the data's 256-token vocabulary"));
+  EXPECT_THAT(Message(source(c).status()), HasSubstr("vocab_size=100 is smaller than the data's 256-token vocabulary"));
   TrainerConfig scripted;
   scripted.set_model("torchscript:/nonexistent/model.pt");
   scripted.set_block_size(64);

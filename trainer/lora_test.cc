@@ -6,9 +6,9 @@
 #include <fstream>
 #include <set>
 
+#include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <ATen/ATen.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -84,8 +84,8 @@ TEST(LoraTrainingTest, EveryLayoutTrainsTheLossesOfOneProcess) {
     } else {
       config.set_activation_checkpointing(l.recompute);
     }
-    const std::string tag = absl::StrCat("lora_dp", l.dp, "_tp", l.tp, l.sequence_parallel ? "sp" : "", "_pp",
-                                         l.pp, "_zero", l.zero_stage, "_recompute_", l.recompute);
+    const std::string tag = absl::StrCat("lora_dp", l.dp, "_tp", l.tp, l.sequence_parallel ? "sp" : "", "_pp", l.pp,
+                                         "_zero", l.zero_stage, "_recompute_", l.recompute);
     SCOPED_TRACE(tag);
     ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }

@@ -50,9 +50,9 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
     const std::string name = arg.substr(0, arg.find('=')).substr(arg.rfind("--", 0) == 0 ? 2 : 0);
     gflags::CommandLineFlagInfo info;
     if (arg.rfind("--", 0) == 0 && !gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown flag --", name, "; the flags are the fields of trainer/config.proto, "
-          "--config and --nproc"));
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name,
+                                                     "; the flags are the fields of trainer/config.proto, "
+                                                     "--config and --nproc"));
     }
   }
   std::vector<char*> rest = {(*argv)[0]};
@@ -63,8 +63,7 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
   char** rest_argv = rest.data();
   gflags::ParseCommandLineFlags(&rest_count, &rest_argv, /*remove_flags=*/true);
   if (rest_count > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument '", rest_argv[1], "'; flags are --name=value"));
+    return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", rest_argv[1], "'; flags are --name=value"));
   }
   TrainerConfig config;
   if (!FLAGS_config.empty()) {
@@ -88,10 +87,11 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, ResolveConfig(&config, env.world_size));
   if (!blas_note.empty() && env.rank == 0) std::printf("%s\n", blas_note.c_str());
   if (config.elastic() && plan.dp != config.dp() && env.rank == 0) {
-    std::printf("elastic: %d ranks, so dp=%d instead of %lld (tp=%d and pp=%d kept; global batch %lld in %lld "
-                "accumulation steps)\n",
-                env.world_size, plan.dp, static_cast<long long>(config.dp()), plan.tp, plan.pp,
-                static_cast<long long>(GlobalBatchSize(plan)), static_cast<long long>(plan.num_micro_batches));
+    std::printf(
+        "elastic: %d ranks, so dp=%d instead of %lld (tp=%d and pp=%d kept; global batch %lld in %lld "
+        "accumulation steps)\n",
+        env.world_size, plan.dp, static_cast<long long>(config.dp()), plan.tp, plan.pp,
+        static_cast<long long>(GlobalBatchSize(plan)), static_cast<long long>(plan.num_micro_batches));
   }
   // This rank's share of the cores goes to the pool that runs its matrix
   // products (see config.proto's intra_op_threads): on CPU they run in oneDNN
@@ -100,8 +100,8 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   // stay in OpenBLAS, they run on its pool (OPENBLAS_NUM_THREADS, set by the
   // launcher; set here at run time under mpirun or srun) with one intra-op
   // thread, as the two pools slow each other down.
-  const int share = static_cast<int>(
-      std::max(1u, std::thread::hardware_concurrency() / std::max(1, env.local_world_size)));
+  const int share =
+      static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / std::max(1, env.local_world_size)));
   const bool onednn_products =
       plan.device != "cuda" && (UseOneDnnProducts() || absl::StrContains(plan.precision, "bf16"));
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {

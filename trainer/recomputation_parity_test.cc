@@ -91,7 +91,7 @@ TrainerConfig Configure(const std::string& model, const Layout& layout, const Re
     c.clear_n_layer();
     c.clear_n_embd();
     c.clear_n_head();
-    c.set_block_size(16);  // the traced model's
+    c.set_block_size(16);      // the traced model's
     c.set_tp_split_all(true);  // too small for the automatic pass to split it otherwise
     if (r.selected_layer) c.set_checkpoint_layers("shard3");
     if (r.by_module) c.set_checkpoint_modules("Block");
@@ -102,8 +102,7 @@ TrainerConfig Configure(const std::string& model, const Layout& layout, const Re
   return c;
 }
 
-std::string Key(const std::string& model, const std::string& recomputation, const std::string& precision,
-                int run) {
+std::string Key(const std::string& model, const std::string& recomputation, const std::string& precision, int run) {
   return absl::StrCat(model, "/", recomputation, "/", precision, "/", run);
 }
 
@@ -119,8 +118,9 @@ std::map<std::string, std::vector<double>> TrainMatrix(const Layout& layout, boo
       ranks,
       [&](int rank) {
         auto topology = testing::JoinTopology(
-            references_only ? std::vector<MeshAxis>{{"data", 1}}
-                        : std::vector<MeshAxis>{{"tensor", layout.tp}, {"pipeline", layout.pp}, {"data", layout.dp}});
+            references_only
+                ? std::vector<MeshAxis>{{"data", 1}}
+                : std::vector<MeshAxis>{{"tensor", layout.tp}, {"pipeline", layout.pp}, {"data", layout.dp}});
         ASSERT_TRUE(topology.ok()) << topology.status();
         std::ofstream out;
         if (rank == 0) out.open(path);
@@ -205,8 +205,8 @@ TEST_P(RecomputationParityTest, LossesEqualOneProcessWithoutRecomputation) {
       ASSERT_NE(fp32, losses.end()) << what;
       ExpectClose(single->second, fp32->second, 1e-5, what + " fp32 against one process");
       for (int run = 1; run < runs; ++run) {
-        EXPECT_EQ(losses.at(Key(model, r.name, "fp32", run)), fp32->second) << what << ": run " << run + 1
-                                                                             << " differs from run 1";
+        EXPECT_EQ(losses.at(Key(model, r.name, "fp32", run)), fp32->second)
+            << what << ": run " << run + 1 << " differs from run 1";
       }
       // Without the fix, bf16 with full recomputation was off by 6% at step 2.
       ExpectClose(bf16_plain->second, losses.at(Key(model, r.name, "bf16", 0)), 2e-3,
@@ -215,12 +215,12 @@ TEST_P(RecomputationParityTest, LossesEqualOneProcessWithoutRecomputation) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, RecomputationParityTest,
-    ::testing::Values(Layout{"one"}, Layout{"dp2", 2}, Layout{"dp4", 4}, Layout{"dp2_zero1", 2, 1, 1, 1},
-                      Layout{"dp2_zero2", 2, 1, 1, 2}, Layout{"dp2_zero3", 2, 1, 1, 3}, Layout{"dp2_pp2", 2, 1, 2},
-                      Layout{"dp2_tp2", 2, 2}, Layout{"dp2_tp2_sp", 2, 2, 1, 0, true}),
-    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Layouts, RecomputationParityTest,
+                         ::testing::Values(Layout{"one"}, Layout{"dp2", 2}, Layout{"dp4", 4},
+                                           Layout{"dp2_zero1", 2, 1, 1, 1}, Layout{"dp2_zero2", 2, 1, 1, 2},
+                                           Layout{"dp2_zero3", 2, 1, 1, 3}, Layout{"dp2_pp2", 2, 1, 2},
+                                           Layout{"dp2_tp2", 2, 2}, Layout{"dp2_tp2_sp", 2, 2, 1, 0, true}),
+                         [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace trident

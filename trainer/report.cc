@@ -50,17 +50,18 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps) {
     if (m.step == max_steps) std::printf("\n");
     std::fflush(stdout);
   } else if (m.step % config.log_every() == 0 || m.step == max_steps) {
-    Print(absl::StrFormat(
-        "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s %s | %.0f ms/step | mfu %s | ETA %s", m.step,
-        max_steps, m.loss, m.lr, m.grad_norm, HumanRate(m.tokens_per_s), unit, m.step_time_ms,
-        peak_flops > 0 ? absl::StrFormat("%.1f%%", 100 * m.mfu) : "n/a", internal::FormatDuration(eta)));
+    Print(absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s %s | %.0f ms/step | mfu %s | ETA %s",
+                          m.step, max_steps, m.loss, m.lr, m.grad_norm, HumanRate(m.tokens_per_s), unit, m.step_time_ms,
+                          peak_flops > 0 ? absl::StrFormat("%.1f%%", 100 * m.mfu) : "n/a",
+                          internal::FormatDuration(eta)));
   }
 }
 
-std::vector<std::pair<std::string, double>> WallClockBreakdown(
-    double data_s, const std::vector<TimelineEvent>& timeline,
-    const std::map<std::string, CommunicationTime>& before, const std::map<std::string, CommunicationTime>& after,
-    double optimizer_s, double step_s) {
+std::vector<std::pair<std::string, double>> WallClockBreakdown(double data_s,
+                                                               const std::vector<TimelineEvent>& timeline,
+                                                               const std::map<std::string, CommunicationTime>& before,
+                                                               const std::map<std::string, CommunicationTime>& after,
+                                                               double optimizer_s, double step_s) {
   double forward = 0, backward = 0, p2p = 0;
   for (const TimelineEvent& e : timeline) {
     const double s = e.end - e.start;

@@ -73,11 +73,11 @@ TEST(ReshardingTest, EveryLayoutChangeContinuesTheOneProcessRun) {
   const std::vector<double> single = TrainOnRanks(Configure(base, Layout{}), "single");
   ASSERT_EQ(single.size(), 20u);
   const std::vector<std::pair<Layout, Layout>> changes = {
-      {Layout{2, 2, 1}, Layout{1, 1, 2}},                        // dp2 x tp2 -> pp2
-      {Layout{2, 1, 1, 2}, Layout{1, 1, 1}},                     // dp2 ZeRO-2 -> dp1
-      {Layout{1, 1, 2}, Layout{4, 1, 1, 3}},                     // pp2 -> dp4 ZeRO-3
-      {Layout{1, 1, 1}, Layout{2, 2, 2}},                        // dp1 -> dp2 x tp2 x pp2
-      {Layout{1, 1, 2, 0, 2}, Layout{1, 2, 1, 0, 1, true}},      // interleaved pp2 x 2 -> tp2 + SP
+      {Layout{2, 2, 1}, Layout{1, 1, 2}},                    // dp2 x tp2 -> pp2
+      {Layout{2, 1, 1, 2}, Layout{1, 1, 1}},                 // dp2 ZeRO-2 -> dp1
+      {Layout{1, 1, 2}, Layout{4, 1, 1, 3}},                 // pp2 -> dp4 ZeRO-3
+      {Layout{1, 1, 1}, Layout{2, 2, 2}},                    // dp1 -> dp2 x tp2 x pp2
+      {Layout{1, 1, 2, 0, 2}, Layout{1, 2, 1, 0, 1, true}},  // interleaved pp2 x 2 -> tp2 + SP
   };
   for (const auto& [a, b] : changes) {
     SCOPED_TRACE(a.Name() + " -> " + b.Name());
@@ -136,7 +136,8 @@ TEST(ReshardingTest, SaveTypesHoldTheOneProcessTensors) {
     EXPECT_GT(compared, 30);
     int64_t file_bytes = 0, duplicates = 0;
     std::map<std::string, std::vector<TensorSlice>> seen;
-    for (const auto& entry : fs::directory_iterator(TestDir() + "/types_" + Layout{2, 2, 2}.Name() + "_" + type + "/step_3")) {
+    for (const auto& entry :
+         fs::directory_iterator(TestDir() + "/types_" + Layout{2, 2, 2}.Name() + "_" + type + "/step_3")) {
       if (entry.path().extension() != ".safetensors") continue;
       file_bytes += static_cast<int64_t>(entry.file_size());
       auto file = CheckpointReader::Open(entry.path().string());

@@ -82,8 +82,7 @@ TEST(TrainerCheckpointTest, ResumeIsBitExactAndCorruptCheckpointsAreRefused) {
 
   // Flip one byte of step 20: naming it fails; resume_from=last falls back to step 10.
   if (!testing::IsRankProcess()) {
-    std::fstream file(save_dir + "/step_20/rank_1.safetensors",
-                      std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream file(save_dir + "/step_20/rank_1.safetensors", std::ios::in | std::ios::out | std::ios::binary);
     file.seekp(-3, std::ios::end);
     file.put('\x7f');
   }
@@ -94,8 +93,7 @@ TEST(TrainerCheckpointTest, ResumeIsBitExactAndCorruptCheckpointsAreRefused) {
     bad.set_resume_from(save_dir + "/step_20");
     auto refused = Trainer::Create(bad, topology->get());
     ASSERT_FALSE(refused.ok());
-    EXPECT_THAT(std::string(refused.status().message()),
-                HasSubstr("step_20/rank_1.safetensors is corrupt"));
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("step_20/rank_1.safetensors is corrupt"));
     TrainerConfig last = straight;
     last.set_resume_from("last");
     auto fallback = Trainer::Create(last, topology->get());
@@ -157,8 +155,8 @@ TEST(TrainerCheckpointTest, TheResolvedConfigurationIsWrittenWhereConfigReadsIt)
   TrainerConfig given = config;
   auto plan = ResolveConfig(&given, 2);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  for (const std::string& path : {TestDir() + "/resolved/checkpoints/config.pbtxt",
-                                 TestDir() + "/resolved/metrics.config.pbtxt"}) {
+  for (const std::string& path :
+       {TestDir() + "/resolved/checkpoints/config.pbtxt", TestDir() + "/resolved/metrics.config.pbtxt"}) {
     auto written = LoadTrainerConfig(path);
     ASSERT_TRUE(written.ok()) << written.status();
     EXPECT_EQ(ConfigToText(*written), ConfigToText(config)) << path;

@@ -69,7 +69,7 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
           logits = *gathered;
         }
         logits = logits.select(1, valid - 1).squeeze(0).cpu();  // one position leaves the device
-        if (vocabulary_slices) {  // this rank's vocabulary slice -> all of it
+        if (vocabulary_slices) {                                // this rank's vocabulary slice -> all of it
           auto gathered = tp->AllGather(logits.contiguous(), 0);
           TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
           logits = *gathered;
@@ -83,8 +83,8 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
       }
       // Within each pipeline from its last stage; data-parallel replicas and
       // tensor-parallel ranks compute the same token.
-      absl::Status shared = pp != nullptr ? pp->Broadcast(next, model.stages() - 1)
-                                          : model.topology().world().Broadcast(next, 0);
+      absl::Status shared =
+          pp != nullptr ? pp->Broadcast(next, model.stages() - 1) : model.topology().world().Broadcast(next, 0);
       TORCH_CHECK(shared.ok(), std::string(shared.message()));
       ids.push_back(next.item<int64_t>());
     }

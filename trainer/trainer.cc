@@ -5,8 +5,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -69,19 +69,17 @@ std::string HumanCount(double value) {
   return absl::StrFormat("%.0f", value);
 }
 
-
 }  // namespace
 
-absl::StatusOr<std::vector<Batch>> Trainer::Impl::MicroBatches(const Dataset& data,
-                                                               const BatchSampler& batches,
+absl::StatusOr<std::vector<Batch>> Trainer::Impl::MicroBatches(const Dataset& data, const BatchSampler& batches,
                                                                int64_t at_step) const {
   const ParallelPlan& plan = model->plan();
   std::vector<Batch> micro(plan.num_micro_batches);
   if (!model->ReadsData()) return micro;
   const ProcessGroup* dp = model->data_parallel_group();
   for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
-    TRIDENT_ASSIGN_OR_RETURN(micro[m], data.Get(batches.MicroBatch(at_step, plan.dp, dp ? dp->rank() : 0,
-                                                                   plan.micro_batch_size, m)));
+    TRIDENT_ASSIGN_OR_RETURN(
+        micro[m], data.Get(batches.MicroBatch(at_step, plan.dp, dp ? dp->rank() : 0, plan.micro_batch_size, m)));
   }
   return micro;
 }
@@ -109,15 +107,14 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   return Create(std::move(config), std::move(plan), topology);
 }
 
-absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, ParallelPlan plan,
-                                                         Topology* topology) {
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, ParallelPlan plan, Topology* topology) {
   TRIDENT_RETURN_IF_ERROR(internal::PrepareDefaultCorpus(config, *topology));
   ModelContext context;
   context.seed = plan.seed;
   if (plan.tp > 1) {
     TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * tp, topology->Group("tensor"));
-    context.tp = {plan.tp, tp->rank(), tp->name(), plan.sequence_parallel, plan.parallel_vocab,
-                  plan.tp_overlapping_level};
+    context.tp = {
+        plan.tp, tp->rank(), tp->name(), plan.sequence_parallel, plan.parallel_vocab, plan.tp_overlapping_level};
   }
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, context, true));
   plan.batch_fields = parts.train_data->field_names();
@@ -152,8 +149,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.train_data = std::move(inputs.train_data);
   t.val_data = std::move(inputs.val_data);
   t.tokenizer = std::move(inputs.tokenizer);
-  t.sampler = std::make_unique<BatchSampler>(t.train_data->size(), t.global_batch_size(),
-                                             t.config.seed(), t.config.shuffle());
+  t.sampler =
+      std::make_unique<BatchSampler>(t.train_data->size(), t.global_batch_size(), t.config.seed(), t.config.shuffle());
   if (!t.config.init_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadInitialWeights(t.config.init_from()));
   if (!t.config.resume_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadCheckpoint());
   if (t.is_rank0() && !t.config.metrics_file().empty()) {
@@ -276,7 +273,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     result.unigram_entropy = UnigramEntropy(tokens->file());
   }
   const int64_t tokens_per_sample = t.train_data->tokens_per_sample();
-  t.Print(absl::StrCat("config (what differs from the defaults; the whole of it in ", ResolvedConfigPaths(c).empty()
+  t.Print(absl::StrCat("config (what differs from the defaults; the whole of it in ",
+                       ResolvedConfigPaths(c).empty()
                            ? "the checkpoints and metrics when save_dir or metrics_file is set"
                            : absl::StrJoin(ResolvedConfigPaths(c), " and "),
                        "): ", ConfigChangesToText(c)));
@@ -287,9 +285,10 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   t.Print(absl::StrFormat(
       "model%s: %s parameters | data: %d samples%s | %d rank(s), global batch %d (micro %d x "
       "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | peak RSS %.0f MB",
-      t.model_name.empty() ? "" : " " + t.model_name, HumanCount(t.model->num_parameters()),
-      t.train_data->size(), tokens_per_sample > 0 ? absl::StrCat(" of ", tokens_per_sample, " tokens") : "",
-      t.topology().world_size(), global_batch_size, plan.micro_batch_size, plan.num_micro_batches, plan.dp, at::get_num_threads(), t.peak_flops / 1e9, PeakResidentMb()));
+      t.model_name.empty() ? "" : " " + t.model_name, HumanCount(t.model->num_parameters()), t.train_data->size(),
+      tokens_per_sample > 0 ? absl::StrCat(" of ", tokens_per_sample, " tokens") : "", t.topology().world_size(),
+      global_batch_size, plan.micro_batch_size, plan.num_micro_batches, plan.dp, at::get_num_threads(),
+      t.peak_flops / 1e9, PeakResidentMb()));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
   const auto start = Clock::now();
   const double samples_per_step = static_cast<double>(global_batch_size);
@@ -322,8 +321,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     const auto read_loss = [&]() -> absl::Status {
       m.loss = loss.Get();
       if (std::isfinite(m.loss)) return absl::OkStatus();
-      return absl::InternalError(absl::StrCat("the loss became ", m.loss, " at step ", t.step + 1,
-                                              "; lower lr or raise warmup_steps"));
+      return absl::InternalError(
+          absl::StrCat("the loss became ", m.loss, " at step ", t.step + 1, "; lower lr or raise warmup_steps"));
     };
     // On a GPU the loss is read once the update is queued (reading it waits
     // for the backward), unless hooks want it before; the CPU's is ready, and
@@ -332,15 +331,17 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     if (!read_loss_late) TRIDENT_RETURN_IF_ERROR(read_loss());
     t.ForHooks([&](TrainerHooks& h) { h.AfterBackward(t.State()); });
     t.ForHooks([&](TrainerHooks& h) { h.AfterAggregateTrainStepOutputs(t.State(), m.loss); });
-    TRIDENT_ASSIGN_OR_RETURN(m.lr, LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps, t.step));
+    TRIDENT_ASSIGN_OR_RETURN(m.lr,
+                             LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps, t.step));
     m.loss_scale = t.model->loss_scale().value_or(1.0);
     const auto optimizer_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(m.skipped, t.model->UnscaleGradients());
     if (m.skipped) {  // every rank skips: weights and optimizer state stay as they were
       m.grad_norm = std::numeric_limits<double>::quiet_NaN();
-      t.Print(absl::StrFormat("step %d: inf or NaN gradients on some rank; skipped the update, "
-                              "loss scale %g -> %g",
-                              t.step + 1, m.loss_scale, t.model->loss_scale().value_or(1.0)));
+      t.Print(
+          absl::StrFormat("step %d: inf or NaN gradients on some rank; skipped the update, "
+                          "loss scale %g -> %g",
+                          t.step + 1, m.loss_scale, t.model->loss_scale().value_or(1.0)));
     } else {
       t.ForHooks([&](TrainerHooks& h) { h.BeforeGnormClip(t.State()); });
       TRIDENT_ASSIGN_OR_RETURN(PendingScalar grad_norm, t.model->ClipGradNormWithoutWaiting(GradientClip(c)));
@@ -358,7 +359,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       TRIDENT_ASSIGN_OR_RETURN(std::vector<internal::OperatorEvent> operators,
                                internal::StopOperatorRecording(internal::kForwardBackwardScope));
       TRIDENT_RETURN_IF_ERROR(t.WriteTrace(&operators));
-      t.Print(absl::StrCat("operators of step ", t.step + 1, " on rank 0:\n", internal::OperatorBreakdown(operators, 15)));
+      t.Print(
+          absl::StrCat("operators of step ", t.step + 1, " on rank 0:\n", internal::OperatorBreakdown(operators, 15)));
     }
     ++t.step;
     t.ForHooks([&](TrainerHooks& h) { h.AfterOptimizerStep(t.State()); });
@@ -366,8 +368,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     m.step = t.step;
     m.step_time_ms = 1000 * seconds;
     if (breakdown) {
-      m.wall_clock_ms = WallClockBreakdown(data_s, t.model->timeline(), communication, CommunicationTimes(),
-                                           optimizer_s, seconds);
+      m.wall_clock_ms =
+          WallClockBreakdown(data_s, t.model->timeline(), communication, CommunicationTimes(), optimizer_s, seconds);
     }
     m.elapsed_s = Seconds(Clock::now() - start);
     const double samples_per_s = samples_per_step / seconds;
@@ -410,17 +412,18 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     TRIDENT_ASSIGN_OR_RETURN(result.val_loss, t.Evaluate());
   }
   if (result.val_loss) {
-    t.Print(absl::StrFormat("validation loss %.4f%s", *result.val_loss,
-                            result.unigram_entropy > 0
-                                ? absl::StrFormat(" nats/token (unigram entropy of the data %.4f)", result.unigram_entropy)
-                                : ""));
+    t.Print(
+        absl::StrFormat("validation loss %.4f%s", *result.val_loss,
+                        result.unigram_entropy > 0
+                            ? absl::StrFormat(" nats/token (unigram entropy of the data %.4f)", result.unigram_entropy)
+                            : ""));
   }
   const int64_t sample_tokens = c.text_generation() ? c.out_seq_length() : c.sample_tokens();
   if (sample_tokens > 0 && t.model->source().returns_logits) {
     const auto sampling_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(result.sample, Sample(c.prompt(), sample_tokens));
-    t.Print(absl::StrFormat("sample (temperature %g, top_k %d, %d tokens in %.2f s%s):\n%s", c.temperature(),
-                            c.top_k(), sample_tokens, Seconds(Clock::now() - sampling_start),
+    t.Print(absl::StrFormat("sample (temperature %g, top_k %d, %d tokens in %.2f s%s):\n%s", c.temperature(), c.top_k(),
+                            sample_tokens, Seconds(Clock::now() - sampling_start),
                             c.kv_cache() && t.model->layers().SupportsDecoding() ? ", key/value cache" : "",
                             result.sample));
   } else if (sample_tokens > 0) {

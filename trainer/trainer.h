@@ -37,7 +37,7 @@ namespace trident {
 
 // What one optimizer step did (losses over the global batch, on every rank).
 struct StepMetrics {
-  int64_t step = 0;         // steps completed, counting this one
+  int64_t step = 0;  // steps completed, counting this one
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;     // before clipping
@@ -45,8 +45,8 @@ struct StepMetrics {
   bool skipped = false;     // gradients held inf or NaN on some rank: no update
   double tokens_per_s = 0;  // all ranks together (samples per second for non-token data)
   double step_time_ms = 0;
-  double elapsed_s = 0;     // since Train began, pauses between steps (saves, evaluation) included
-  double mfu = 0;           // model FLOPs per second over the job's measured peak
+  double elapsed_s = 0;  // since Train began, pauses between steps (saves, evaluation) included
+  double mfu = 0;        // model FLOPs per second over the job's measured peak
   // With wall_clock_breakdown: this rank's step in milliseconds by part
   // ("data", "forward", "backward", "pipeline_p2p", each collective kind,
   // "optimizer"); collectives inside forward and backward count there too.
@@ -80,25 +80,25 @@ class TrainerHooks {
   virtual void AfterBackward(const TrainerState&) {}
   // after_aggregate_train_step_outputs: the step's loss, reduced over ranks.
   virtual void AfterAggregateTrainStepOutputs(const TrainerState&, double /*loss*/) {}
-  virtual void BeforeGnormClip(const TrainerState&) {}  // before_gnorm_clip
+  virtual void BeforeGnormClip(const TrainerState&) {}                       // before_gnorm_clip
   virtual void AfterGnormClip(const TrainerState&, double /*grad_norm*/) {}  // after_gnorm_clip
   virtual void BeforeOptimizerStep(const TrainerState&) {}
   virtual void AfterOptimizerStep(const TrainerState&) {}
   // before_log_train_metrics: the metrics may be changed before they are written.
   virtual void BeforeLogTrainMetrics(const TrainerState&, StepMetrics&) {}
-  virtual void OnValStart(const TrainerState&) {}                    // on_val_start
+  virtual void OnValStart(const TrainerState&) {}                     // on_val_start
   virtual void OnValEnd(const TrainerState&, double /*val_loss*/) {}  // on_val_end
   virtual void OnSaveCheckpoint(const TrainerState&, const std::string& /*path*/) {}
   virtual void OnLoadCheckpoint(const TrainerState&, const std::string& /*path*/) {}
 };
 
 struct TrainResult {
-  std::vector<double> losses;           // per step trained in this run
-  int64_t first_step = 0;               // step the run started from (after a resume)
-  std::optional<double> val_loss;       // at the end
-  double unigram_entropy = 0;           // of token training data, in nats
-  std::string sample;                   // generated text on rank 0, when sample_tokens > 0
-  bool preempted = false;               // stopped early by SIGTERM (StopOnSigterm)
+  std::vector<double> losses;      // per step trained in this run
+  int64_t first_step = 0;          // step the run started from (after a resume)
+  std::optional<double> val_loss;  // at the end
+  double unigram_entropy = 0;      // of token training data, in nats
+  std::string sample;              // generated text on rank 0, when sample_tokens > 0
+  bool preempted = false;          // stopped early by SIGTERM (StopOnSigterm)
 };
 
 // What the loop runs when built from your own parts.
@@ -118,8 +118,7 @@ class Trainer {
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config, Topology* topology);
   // The same laid out as `plan` (what ResolveConfig or ChooseStrategy gave
   // for `config`; `train` resolves once and lays the topology out from it).
-  static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config, ParallelPlan plan,
-                                                         Topology* topology);
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(TrainerConfig config, ParallelPlan plan, Topology* topology);
   // The loop over parts you built. The model's plan decides the layout and
   // micro-batching (the config's layout fields are not read); the config
   // gives the rest (steps, learning rate, evaluation, checkpoints, ...).

@@ -24,9 +24,9 @@
 namespace trident {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::DataDir;
 using testing::ExpectSameLosses;
+using ::testing::HasSubstr;
 using testing::SmallConfig;
 using testing::TestDir;
 using testing::TrainEverywhere;
@@ -58,11 +58,9 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
        {Layout{1, 2, "gpipe"}, Layout{1, 2, "1f1b"}, Layout{1, 4, "1f1b"}, Layout{2, 2, "1f1b"},
         Layout{1, 2, "1f1b", "full"}, Layout{1, 4, "gpipe", "stage_aware"},
         Layout{1, 2, "last_no_recompute_1f1b", "full"}, Layout{1, 2, "pre_recompute_1f1b", "full"},
-        Layout{1, 1, "1f1b", "full"}, Layout{1, 4, "shifted_critical_path", "stage_aware"},
-        Layout{1, 2, "zb_h1"}, Layout{1, 4, "zb_h1", "full"},
-        Layout{1, 2, "interleaved_1f1b", "none", 2},
-        Layout{2, 2, "interleaved_1f1b", "stage_aware", 2},
-        Layout{1, 2, "1f1b", "none", 1, "transformer.h.0"}}) {
+        Layout{1, 1, "1f1b", "full"}, Layout{1, 4, "shifted_critical_path", "stage_aware"}, Layout{1, 2, "zb_h1"},
+        Layout{1, 4, "zb_h1", "full"}, Layout{1, 2, "interleaved_1f1b", "none", 2},
+        Layout{2, 2, "interleaved_1f1b", "stage_aware", 2}, Layout{1, 2, "1f1b", "none", 1, "transformer.h.0"}}) {
     TrainerConfig config = SmallConfig(layout.dp);
     config.set_pp(layout.pp);
     config.set_schedule(layout.schedule);
@@ -70,9 +68,8 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
     config.set_custom_split_points(layout.split_points);
     config.set_micro_batch_size(2);
     config.set_activation_checkpointing(layout.checkpointing);
-    const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "x",
-                                         layout.virtual_stages, "_", layout.schedule, "_",
-                                         layout.checkpointing, "_", layout.split_points);
+    const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "x", layout.virtual_stages, "_",
+                                         layout.schedule, "_", layout.checkpointing, "_", layout.split_points);
     SCOPED_TRACE(tag);
     ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }
@@ -157,11 +154,12 @@ TEST(TrainerParityTest, ReplacedModulesTrainTheSameLosses) {
       const char* pairs;
       const char* message;
     };
-    for (const Refused& r : {Refused{"llama", 0, "fused_layer_norm",
-                                     "module_replace: entry 'fused_layer_norm' matches no module of the model"},
-                             Refused{"gpt", 0.1, "fused_attention",
-                                     "module_replace: entry 'fused_attention' matches no module of the model"},
-                             Refused{"gpt", 0, "fused_atention", "unknown replacement pair (module_replace) 'fused_atention'"}}) {
+    for (const Refused& r :
+         {Refused{"llama", 0, "fused_layer_norm",
+                  "module_replace: entry 'fused_layer_norm' matches no module of the model"},
+          Refused{"gpt", 0.1, "fused_attention",
+                  "module_replace: entry 'fused_attention' matches no module of the model"},
+          Refused{"gpt", 0, "fused_atention", "unknown replacement pair (module_replace) 'fused_atention'"}}) {
       TrainerConfig config = SmallConfig(1);
       config.set_model(r.model);
       config.set_preset(absl::StrCat(r.model, "-tiny"));
@@ -200,12 +198,11 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
   };
   std::map<std::string, std::vector<double>> single;
   for (const Layout& layout :
-       {Layout{"gpt", 1, 2, 1}, Layout{"gpt", 1, 4, 1}, Layout{"gpt", 1, 2, 1, true},
-        Layout{"gpt", 1, 4, 1, true}, Layout{"llama", 1, 2, 1}, Layout{"llama", 1, 4, 1},
-        Layout{"llama", 1, 2, 1, true}, Layout{"llama", 1, 4, 1, true},
-        Layout{"gpt", 2, 2, 2, true}, Layout{"gpt", 1, 2, 1, false, 1}, Layout{"llama", 1, 4, 1, false, 1},
-        Layout{"gpt", 2, 2, 2, false, 1}, Layout{"gpt", 1, 2, 1, false, 2}, Layout{"llama", 1, 2, 1, false, 2, true},
-        Layout{"gpt", 2, 2, 2, false, 2, true}}) {
+       {Layout{"gpt", 1, 2, 1}, Layout{"gpt", 1, 4, 1}, Layout{"gpt", 1, 2, 1, true}, Layout{"gpt", 1, 4, 1, true},
+        Layout{"llama", 1, 2, 1}, Layout{"llama", 1, 4, 1}, Layout{"llama", 1, 2, 1, true},
+        Layout{"llama", 1, 4, 1, true}, Layout{"gpt", 2, 2, 2, true}, Layout{"gpt", 1, 2, 1, false, 1},
+        Layout{"llama", 1, 4, 1, false, 1}, Layout{"gpt", 2, 2, 2, false, 1}, Layout{"gpt", 1, 2, 1, false, 2},
+        Layout{"llama", 1, 2, 1, false, 2, true}, Layout{"gpt", 2, 2, 2, false, 2, true}}) {
     auto configure = [&](int dp, int tp, int pp) {
       TrainerConfig config = SmallConfig(dp);
       config.set_model(layout.model);
@@ -216,20 +213,19 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
       config.set_micro_batch_size(2);
       config.set_sequence_parallel(tp > 1 && layout.sequence_parallel);
       config.set_tp_overlapping_level(layout.overlapping_level);
-      if (layout.recompute) config.set_checkpoint_modules(std::string(layout.model) == "llama" ? "self_attn,mlp" : "attn,mlp");
+      if (layout.recompute)
+        config.set_checkpoint_modules(std::string(layout.model) == "llama" ? "self_attn,mlp" : "attn,mlp");
       return config;
     };
     if (!single.count(layout.model)) {
       single[layout.model] = TrainOnRanks(configure(1, 1, 1), absl::StrCat("tp_reference_", layout.model));
     }
-    const std::string tag =
-        absl::StrCat(layout.model, "_dp", layout.dp, "_tp", layout.tp, "_pp", layout.pp,
-                     layout.sequence_parallel ? "_sp" : "",
-                     layout.overlapping_level > 0 ? absl::StrCat("_overlap", layout.overlapping_level) : "",
-                     layout.recompute ? "_recompute" : "");
+    const std::string tag = absl::StrCat(
+        layout.model, "_dp", layout.dp, "_tp", layout.tp, "_pp", layout.pp, layout.sequence_parallel ? "_sp" : "",
+        layout.overlapping_level > 0 ? absl::StrCat("_overlap", layout.overlapping_level) : "",
+        layout.recompute ? "_recompute" : "");
     SCOPED_TRACE(tag);
-    ExpectSameLosses(single[layout.model], TrainOnRanks(configure(layout.dp, layout.tp, layout.pp), tag),
-                     1e-5);
+    ExpectSameLosses(single[layout.model], TrainOnRanks(configure(layout.dp, layout.tp, layout.pp), tag), 1e-5);
   }
 }
 
@@ -246,8 +242,8 @@ TEST(TrainerParityTest, WholeVocabularyLossesEqualOneProcess) {
   };
   std::map<std::string, std::vector<double>> single;
   for (const Layout& layout :
-       {Layout{"gpt", 2, 1, false}, Layout{"gpt", 2, 1, true}, Layout{"gpt", 2, 2, true}, Layout{"gpt", 2, 1, true, true},
-        Layout{"llama", 2, 1, true}, Layout{"gpt", 2, 1, true, false, 257}}) {
+       {Layout{"gpt", 2, 1, false}, Layout{"gpt", 2, 1, true}, Layout{"gpt", 2, 2, true},
+        Layout{"gpt", 2, 1, true, true}, Layout{"llama", 2, 1, true}, Layout{"gpt", 2, 1, true, false, 257}}) {
     auto configure = [&](int tp, int pp) {
       TrainerConfig config = SmallConfig(1);
       config.set_model(layout.model);
@@ -263,8 +259,8 @@ TEST(TrainerParityTest, WholeVocabularyLossesEqualOneProcess) {
     };
     const std::string model = absl::StrCat(layout.model, layout.untied ? "_untied" : "", "_v", layout.vocab_size);
     if (!single.count(model)) single[model] = TrainOnRanks(configure(1, 1), "whole_vocabulary_reference_" + model);
-    const std::string tag =
-        absl::StrCat("whole_vocabulary_", model, "_tp", layout.tp, "_pp", layout.pp, layout.sequence_parallel ? "_sp" : "");
+    const std::string tag = absl::StrCat("whole_vocabulary_", model, "_tp", layout.tp, "_pp", layout.pp,
+                                         layout.sequence_parallel ? "_sp" : "");
     SCOPED_TRACE(tag);
     ExpectSameLosses(single[model], TrainOnRanks(configure(layout.tp, layout.pp), tag), 1e-5);
   }
@@ -310,8 +306,8 @@ TEST(TrainerParityTest, AxisAndRankOrderKeepParity) {
     const char* axis_order;
     const char* rank_order;
   };
-  for (const Layout& layout : {Layout{2, 1, 2, "data,pipeline,tensor", "3,1,2,0"},
-                               Layout{2, 2, 1, "data,tensor,pipeline", "1,0,3,2"}}) {
+  for (const Layout& layout :
+       {Layout{2, 1, 2, "data,pipeline,tensor", "3,1,2,0"}, Layout{2, 2, 1, "data,tensor,pipeline", "1,0,3,2"}}) {
     SCOPED_TRACE(layout.axis_order);
     auto config = [&](const char* axis_order, const char* rank_order, const std::string& path) {
       TrainerConfig c = SmallConfig(layout.dp);
@@ -355,7 +351,8 @@ TEST(TrainerStrategyTest, StrategyMethodsTrainWithParity) {
   for (const Case& c : std::vector<Case>{
            {"data", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 2 } })"},
            {"zero1", 2, R"(methods { name: "zero1" })"},
-           {"zero2", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "zero" size: 2 } } methods { name: "zero2" })"},
+           {"zero2", 2,
+            R"(methods { name: "parallel_mode" parallel_mode { name: "zero" size: 2 } } methods { name: "zero2" })"},
            {"fsdp", 2, R"(methods { name: "fsdp" })"},
            {"checkpoint", 1, R"(methods { name: "checkpoint" layers: "transformer.h.1" })"},
            {"tensor_sp", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "tensor" size: 2 } }
@@ -367,7 +364,8 @@ TEST(TrainerStrategyTest, StrategyMethodsTrainWithParity) {
                           methods { name: "mixed_parallel" } methods { name: "zero1" }
                           methods { name: "checkpoint" activation_checkpoint_ratio: 0.5 }
                           methods { name: "pipeline_parallel" micro_batches: 2 })"},
-           {"amp_bf16", 2, R"(methods { name: "amp_native" dtype: "bf16" skip_if_nonfinite: true } methods { name: "zero2" })", false},
+           {"amp_bf16", 2,
+            R"(methods { name: "amp_native" dtype: "bf16" skip_if_nonfinite: true } methods { name: "zero2" })", false},
            {"half_bf16", 1, R"(methods { name: "half" dtype: "bf16" })", false},
            {"amp_bf16_tensor", 2, R"(methods { name: "parallel_mode" parallel_mode { name: "tensor" size: 2 } }
                                     methods { name: "tensor_parallel" } methods { name: "amp_native" dtype: "bf16" })",
@@ -397,11 +395,10 @@ TEST(TrainerParityTest, ZeroLossesEqualPlainDataParallelism) {
     int stage, dp, tp, pp;
     bool sequence_parallel = false;
   };
-  for (const Layout& layout : {Layout{1, 2, 1, 1}, Layout{2, 2, 1, 1}, Layout{1, 4, 1, 1},
-                               Layout{2, 4, 1, 1}, Layout{2, 2, 2, 1}, Layout{2, 2, 1, 2},
-                               Layout{1, 2, 1, 2}, Layout{3, 2, 1, 1}, Layout{3, 4, 1, 1},
-                               Layout{3, 2, 2, 1}, Layout{3, 2, 1, 2}, Layout{1, 2, 2, 1, true},
-                               Layout{2, 2, 2, 1, true}, Layout{3, 2, 2, 1, true}}) {
+  for (const Layout& layout :
+       {Layout{1, 2, 1, 1}, Layout{2, 2, 1, 1}, Layout{1, 4, 1, 1}, Layout{2, 4, 1, 1}, Layout{2, 2, 2, 1},
+        Layout{2, 2, 1, 2}, Layout{1, 2, 1, 2}, Layout{3, 2, 1, 1}, Layout{3, 4, 1, 1}, Layout{3, 2, 2, 1},
+        Layout{3, 2, 1, 2}, Layout{1, 2, 2, 1, true}, Layout{2, 2, 2, 1, true}, Layout{3, 2, 2, 1, true}}) {
     TrainerConfig config = SmallConfig(layout.dp);
     config.set_tp(layout.tp);
     config.set_pp(layout.pp);
@@ -410,8 +407,8 @@ TEST(TrainerParityTest, ZeroLossesEqualPlainDataParallelism) {
     config.set_sequence_parallel(layout.sequence_parallel);
     config.set_zero_reduce_bucket_size(4096);  // several buckets
     config.set_zero_allgather_bucket_size(8192);
-    const std::string tag = absl::StrCat("zero", layout.stage, "_dp", layout.dp, "_tp", layout.tp,
-                                         "_pp", layout.pp, layout.sequence_parallel ? "_sp" : "");
+    const std::string tag = absl::StrCat("zero", layout.stage, "_dp", layout.dp, "_tp", layout.tp, "_pp", layout.pp,
+                                         layout.sequence_parallel ? "_sp" : "");
     SCOPED_TRACE(tag);
     ExpectSameLosses(single, TrainOnRanks(config, tag), 1e-5);
   }
@@ -452,8 +449,10 @@ TEST(TrainerPrecisionTest, Bf16TracksFp32) {
                              << " (bf16 product error " << product_error << ")";
   EXPECT_LT(reference[199], reference[0] * 0.7) << "the model should learn";
   EXPECT_LT(mixed[199], reference[0] * 0.7) << "bf16 should learn";
-  std::printf("bf16 vs fp32, mean loss of steps 191-200: %.5f vs %.5f, relative difference %.3g (bf16 product "
-              "error %.3g)\n", mixed_mean, reference_mean, relative, product_error);
+  std::printf(
+      "bf16 vs fp32, mean loss of steps 191-200: %.5f vs %.5f, relative difference %.3g (bf16 product "
+      "error %.3g)\n",
+      mixed_mean, reference_mean, relative, product_error);
 }
 
 // An inf gradient injected on one rank: every rank skips that update (weights
@@ -463,8 +462,7 @@ class InjectInf : public TrainerHooks {
   explicit InjectInf(int rank) : rank_(rank) {}
   void AfterBackward(const TrainerState& state) override {
     if (state.step != 4 || rank_ != 1) return;  // the 5th step, on rank 1 only
-    state.model.parameters().front().second.grad().view({-1})[0] =
-        std::numeric_limits<float>::infinity();
+    state.model.parameters().front().second.grad().view({-1})[0] = std::numeric_limits<float>::infinity();
   }
   void OnStepEnd(const TrainerState& state, const StepMetrics& m) override {
     metrics.push_back(m);
@@ -718,7 +716,9 @@ class RecordingHooks : public TrainerHooks {
     events.push_back(norm > 0 ? "after_gnorm_clip" : "after_gnorm_clip zero");
   }
   void BeforeOptimizerStep(const TrainerState&) override { events.push_back("before_optimizer"); }
-  void AfterOptimizerStep(const TrainerState& s) override { events.push_back("after_optimizer " + std::to_string(s.step)); }
+  void AfterOptimizerStep(const TrainerState& s) override {
+    events.push_back("after_optimizer " + std::to_string(s.step));
+  }
   void OnStepEnd(const TrainerState&, const StepMetrics& m) override {
     events.push_back("step_end " + std::to_string(m.step));
   }
@@ -748,14 +748,14 @@ TEST(TrainerHooksTest, HooksRunInOrder) {
     auto hooks = std::make_shared<RecordingHooks>();
     (*trainer)->AddHooks(hooks);
     ASSERT_TRUE((*trainer)->Train().ok());
-    const std::vector<std::string> step = {"before_zero_grad", "after_zero_grad", "aggregated",
+    const std::vector<std::string> step = {"before_zero_grad",  "after_zero_grad",  "aggregated",
                                            "before_gnorm_clip", "after_gnorm_clip", "before_optimizer"};
     std::vector<std::string> expected = {"train_start", "epoch_start 0", "step_start 0"};
     expected.insert(expected.end(), step.begin(), step.end());
     for (const char* e : {"after_optimizer 1", "step_end 1", "before_log", "step_start 1"}) expected.push_back(e);
     expected.insert(expected.end(), step.begin(), step.end());
-    for (const char* e : {"after_optimizer 2", "step_end 2", "before_log", "epoch_end", "val_start", "val_end",
-                          "save", "train_end"}) {
+    for (const char* e :
+         {"after_optimizer 2", "step_end 2", "before_log", "epoch_end", "val_start", "val_end", "save", "train_end"}) {
       expected.push_back(e);
     }
     EXPECT_EQ(hooks->events, expected);

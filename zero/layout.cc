@@ -86,8 +86,8 @@ MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int stat
 }
 
 std::string MemoryReport::ToString() const {
-  return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
-                         parameter_bytes / 1e6, gradient_bytes / 1e6, optimizer_bytes / 1e6);
+  return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB", parameter_bytes / 1e6,
+                         gradient_bytes / 1e6, optimizer_bytes / 1e6);
 }
 
 }  // namespace trident

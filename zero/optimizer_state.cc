@@ -16,17 +16,14 @@
 namespace trident {
 namespace {
 
-int64_t Bytes(const at::Tensor& t) {
-  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
-}
+int64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 
 // State tensors per element of the known element-wise optimizers (-1: unknown).
 int StatePerElement(const torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) return 2;
   if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) return 2;
   if (auto* sgd = dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
-    const auto& options =
-        static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().front().options());
+    const auto& options = static_cast<const torch::optim::SGDOptions&>(sgd->param_groups().front().options());
     return options.momentum() != 0 ? 1 : 0;
   }
   return -1;
@@ -80,12 +77,11 @@ NamedTensors SerializeOptimizer(const torch::optim::Optimizer& optimizer, const 
 
 absl::Status DeserializeOptimizer(const NamedTensors& state, const std::string& name,
                                   torch::optim::Optimizer& optimizer) {
-  auto found = std::find_if(state.begin(), state.end(),
-                            [&](const auto& item) { return item.first == name; });
+  auto found = std::find_if(state.begin(), state.end(), [&](const auto& item) { return item.first == name; });
   if (found == state.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "the optimizer state ('", name, "') is missing: the checkpoint was saved with another "
-        "zero_stage; resume with the zero_stage it was saved with"));
+    return absl::NotFoundError(absl::StrCat("the optimizer state ('", name,
+                                            "') is missing: the checkpoint was saved with another "
+                                            "zero_stage; resume with the zero_stage it was saved with"));
   }
   const at::Tensor& blob = found->second;
   return CatchExceptions("restoring the optimizer state", [&] {

@@ -4,8 +4,8 @@
 #include <optional>
 #include <unordered_set>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/host_copy.h"
@@ -14,9 +14,7 @@
 namespace trident {
 namespace {
 
-int64_t Bytes(const at::Tensor& t) {
-  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
-}
+int64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 
 // Columns [offset, offset + length) of a bucket seen as [group size, chunk]:
 // element offset.. of every rank's chunk.
@@ -45,15 +43,15 @@ struct ZeroOptimizer::Bucket {
   // The averaged gradient of `chunk`: from the first reduction of a step to
   // ZeroGrad (a keep_full bucket's is its part of full_grad, always there).
   at::Tensor chunk_grad;
-  at::Tensor full_grad;    // whole gradients (kept, or stage 2 while the bucket fills)
+  at::Tensor full_grad;  // whole gradients (kept, or stage 2 while the bucket fills)
   // The chunk's elements [begin, end) that belong to parameters counted in the
   // gradient norm (ranges, not a mask: a mask would be as large as the chunk).
   std::vector<std::pair<int64_t, int64_t>> counted;
   // Stage 2 and 3: a round is complete when every parameter's gradient has
   // arrived (backward accumulates each once; a further arrival before the
   // round completes is summed into it too).
-  int pending = 0;             // parameters whose gradient has not arrived in this round
-  std::vector<bool> arrived;   // per parameter, in this round
+  int pending = 0;            // parameters whose gradient has not arrived in this round
+  std::vector<bool> arrived;  // per parameter, in this round
   void StartRound() {
     pending = static_cast<int>(params.size());
     arrived.assign(params.size(), false);
@@ -116,13 +114,14 @@ void AllocateStorage(const at::Tensor& buffer) {
   storage->set_nbytes(bytes);
 }
 
-absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
-    std::vector<std::vector<at::Tensor>> groups, const ProcessGroup* data_parallel,
-    ZeroOptions options, const OptimizerFactory& make_optimizer) {
+absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector<std::vector<at::Tensor>> groups,
+                                                                     const ProcessGroup* data_parallel,
+                                                                     ZeroOptions options,
+                                                                     const OptimizerFactory& make_optimizer) {
   if (options.stage < 1 || options.stage > 3) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "zero_stage=", options.stage, " is not available; choose 1 (optimizer states), 2 "
-        "(and gradients) or 3 (and parameters)"));
+    return absl::InvalidArgumentError(absl::StrCat("zero_stage=", options.stage,
+                                                   " is not available; choose 1 (optimizer states), 2 "
+                                                   "(and gradients) or 3 (and parameters)"));
   }
   if (options.stage == 3 && (options.layers == nullptr || options.layer_indices.empty())) {
     return absl::InvalidArgumentError("ZeRO stage 3 needs the model's layers (ZeroOptions::layers)");
@@ -246,8 +245,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
       bucket.chunk_grad = bucket.full_grad.narrow(0, chunk_begin, chunk);
       for (size_t i = 0; i < bucket.params.size(); ++i) {
         at::Tensor param = bucket.params[i];
-        param.mutable_grad() =
-            bucket.full_grad.narrow(0, bucket.offsets[i], param.numel()).view(param.sizes());
+        param.mutable_grad() = bucket.full_grad.narrow(0, bucket.offsets[i], param.numel()).view(param.sizes());
       }
       bucket.chunk.mutable_grad() = bucket.chunk_grad;
     }
@@ -272,8 +270,8 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(
   }
   zero->PlanGathers(layer_slots);
   if (o.stage == 3 || !zero->gathers_before_layer_.empty()) o.layers->SetObserver(zero.get());
-  TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the sharded optimizer",
-                                          [&] { zero->optimizer_ = make_optimizer(shards); }));
+  TRIDENT_RETURN_IF_ERROR(
+      CatchExceptions("building the sharded optimizer", [&] { zero->optimizer_ = make_optimizer(shards); }));
   if (!ElementwiseStateNames(*zero->optimizer_).ok() && !o.allow_untested_optimizer) {
     return absl::InvalidArgumentError(
         "ZeRO shards optimizer state element by element, which is known to be exact for Adam, "
@@ -357,8 +355,8 @@ void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
     // An output passed on unchanged from an earlier layer belongs to that layer.
-    const bool passed_on = std::any_of(inputs.begin(), inputs.end(),
-                                       [&](const at::Tensor& input) { return input.is_same(output); });
+    const bool passed_on =
+        std::any_of(inputs.begin(), inputs.end(), [&](const at::Tensor& input) { return input.is_same(output); });
     if (passed_on) continue;
     // Backward of this layer starts when an output's gradient is ready.
     output.register_hook([this, layer](const at::Tensor& grad) {
@@ -396,9 +394,8 @@ void ZeroOptimizer::BackwardReached(int64_t layer) {
 void ZeroOptimizer::ReleaseLayersWithGradients() {
   for (auto it = backward_held_.begin(); it != backward_held_.end();) {
     const std::vector<int>& needed = layout_.layer_buckets[*it];
-    const bool done = std::all_of(needed.begin(), needed.end(), [&](int b) {
-      return !buckets_[b].sharded || buckets_[b].gradients_arrived;
-    });
+    const bool done = std::all_of(needed.begin(), needed.end(),
+                                  [&](int b) { return !buckets_[b].sharded || buckets_[b].gradients_arrived; });
     if (!done) {
       ++it;
       continue;
@@ -462,8 +459,8 @@ void ZeroOptimizer::OnGradientReady(int index, int slot) {
   // A large bucket is reduced now, a slice at a time (in flight, it would
   // hold a second whole copy of its gradient).
   const bool in_slices = bucket.numel > 4 * options_.max_message_elements;
-  absl::Status status = in_slices ? ReduceScatterInSlices(bucket, bucket.full_grad)
-                                  : StartReduceScatter(bucket, bucket.full_grad);
+  absl::Status status =
+      in_slices ? ReduceScatterInSlices(bucket, bucket.full_grad) : StartReduceScatter(bucket, bucket.full_grad);
   bucket.full_grad = at::Tensor();
   bucket.StartRound();
   bucket.gradients_arrived = true;
@@ -553,8 +550,7 @@ absl::Status ZeroOptimizer::FinishBackward() {
   return absl::OkStatus();
 }
 
-absl::Status ZeroOptimizer::SumGradientsOver(const ProcessGroup& group,
-                                             const std::vector<at::Tensor>& parameters) {
+absl::Status ZeroOptimizer::SumGradientsOver(const ProcessGroup& group, const std::vector<at::Tensor>& parameters) {
   if (group.size() == 1) return absl::OkStatus();
   std::unordered_set<const c10::TensorImpl*> wanted;
   for (const at::Tensor& p : parameters) wanted.insert(p.unsafeGetTensorImpl());
@@ -631,8 +627,7 @@ absl::Status ZeroOptimizer::Step(double lr) {
 // its buffer, or of several through a gathered copy. Given the layers, the
 // columns go in the order the layers first read them (those no layer reads
 // first), and each layer waits for the messages up to the last it reads.
-void ZeroOptimizer::PlanGathers(
-    const std::vector<std::pair<int64_t, std::vector<std::pair<int, int>>>>& layer_slots) {
+void ZeroOptimizer::PlanGathers(const std::vector<std::pair<int64_t, std::vector<std::pair<int, int>>>>& layer_slots) {
   const int64_t parts = group_->size();
   struct Planned {
     Gathering::Piece piece;

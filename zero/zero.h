@@ -50,8 +50,8 @@
 #include <memory>
 #include <set>
 #include <sstream>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -67,7 +67,7 @@
 namespace trident {
 
 struct ZeroOptions {
-  int stage = 1;  // 1, 2 or 3
+  int stage = 1;                           // 1, 2 or 3
   int64_t reduce_bucket_bytes = 25 << 20;  // zero_reduce_bucket_size
   // The updated chunks are all-gathered several buckets per message, up to
   // this many bytes of chunks (zero_allgather_bucket_size).
@@ -101,8 +101,8 @@ struct ZeroOptions {
 // (by convention [0] the parameters weight decay applies to, the matrices,
 // and [1] the others): one torch::optim param group each. ZeRO calls it with
 // this rank's chunks, plain data parallelism with the parameters themselves.
-using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
-    const std::vector<std::vector<at::Tensor>>& groups)>;
+using OptimizerFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(const std::vector<std::vector<at::Tensor>>& groups)>;
 
 // Per-rank bytes held for training.
 struct MemoryReport {
@@ -199,9 +199,9 @@ class ZeroOptimizer : private LayerObserver {
  public:
   // `groups` partition the parameters (for example decayed / not decayed);
   // `data_parallel` is the group the state is sharded over.
-  static absl::StatusOr<std::unique_ptr<ZeroOptimizer>> Create(
-      std::vector<std::vector<at::Tensor>> groups, const ProcessGroup* data_parallel,
-      ZeroOptions options, const OptimizerFactory& make_optimizer);
+  static absl::StatusOr<std::unique_ptr<ZeroOptimizer>> Create(std::vector<std::vector<at::Tensor>> groups,
+                                                               const ProcessGroup* data_parallel, ZeroOptions options,
+                                                               const OptimizerFactory& make_optimizer);
   ~ZeroOptimizer();
 
   void ZeroGrad();
@@ -290,8 +290,8 @@ class ZeroOptimizer : private LayerObserver {
   ZeroOptions options_;
   std::vector<Bucket> buckets_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  GradientAccumulatedHooks hooks_;  // stage 2 and 3: gradients move into buckets
-  ZeroLayout layout_;  // stage 3: layout_.layer_buckets are the buckets a layer reads
+  GradientAccumulatedHooks hooks_;   // stage 2 and 3: gradients move into buckets
+  ZeroLayout layout_;                // stage 3: layout_.layer_buckets are the buckets a layer reads
   std::set<int64_t> backward_held_;  // stage 3: layers gathered for backward
   bool last_micro_batch_ = false;
   absl::Status first_error_;

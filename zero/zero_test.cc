@@ -70,7 +70,7 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
     options.stage = c.stage;
     options.layers = sharded.get();
     for (int64_t i = 0; i < sharded->NumLayers(); ++i) options.layer_indices.push_back(i);
-    options.reduce_bucket_bytes = 16 << 10;  // several buckets
+    options.reduce_bucket_bytes = 16 << 10;    // several buckets
     options.allgather_bucket_bytes = 8 << 10;  // gathered a few at a time
     // Reduced and gathered in uneven slices; buckets over 12000 elements
     // (stage 3's blocks) reduced as soon as complete, smaller ones in flight.
@@ -103,9 +103,8 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
 }
 
 INSTANTIATE_TEST_SUITE_P(StagesAndRanks, ZeroParityTest,
-                         ::testing::Values(Case{1, 2, 1}, Case{2, 2, 1}, Case{1, 4, 1},
-                                           Case{2, 4, 1}, Case{2, 2, 3}, Case{3, 2, 1},
-                                           Case{3, 4, 1}, Case{3, 2, 3}),
+                         ::testing::Values(Case{1, 2, 1}, Case{2, 2, 1}, Case{1, 4, 1}, Case{2, 4, 1}, Case{2, 2, 3},
+                                           Case{3, 2, 1}, Case{3, 4, 1}, Case{3, 2, 3}),
                          [](const auto& info) {
                            return "stage" + std::to_string(info.param.stage) + "_dp" +
                                   std::to_string(info.param.ranks) + "_accumulation" +
@@ -190,9 +189,8 @@ TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
       ASSERT_TRUE(zero->FinishBackward().ok());
       ASSERT_TRUE(zero->Step(1e-3).ok());  // the optimizer state now exists
       reports.push_back(zero->Memory());
-      std::printf("stage %d: %s (plain: parameters, gradients %.1f MB each, state %.1f MB)\n",
-                  stage, reports.back().ToString().c_str(), parameter_bytes / 1e6,
-                  2 * parameter_bytes / 1e6);
+      std::printf("stage %d: %s (plain: parameters, gradients %.1f MB each, state %.1f MB)\n", stage,
+                  reports.back().ToString().c_str(), parameter_bytes / 1e6, 2 * parameter_bytes / 1e6);
     }
     // Padding adds at most a few elements per bucket.
     EXPECT_NEAR(reports[0].optimizer_bytes, 2 * parameter_bytes / 4.0, 0.01 * parameter_bytes);
@@ -258,8 +256,8 @@ TEST(ZeroMemoryTest, StageThreeHoldsOneBlockInBackward) {
       int gathered = 0;
       for (int64_t i = 1; i <= config.n_layer; ++i) {
         const NamedTensors params = model->LayerParameters(i);
-        gathered += std::any_of(params.begin(), params.end(),
-                                [](const auto& named) { return named.second.numel() > 0; });
+        gathered +=
+            std::any_of(params.begin(), params.end(), [](const auto& named) { return named.second.numel() > 0; });
       }
       return gathered;
     };

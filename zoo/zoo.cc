@@ -16,9 +16,7 @@ ModelSource ZooModelSource(const ModelConfig& config, uint64_t seed) {
   };
   ModelSource source = ModelSource::FromLayerBuilder(config.n_layer + 2, builder(/*defer_values=*/false));
   source.build_deferred = builder(/*defer_values=*/true);
-  source.shards = [](LayerSequence& part) {
-    return dynamic_cast<LanguageModel&>(part).ParameterShards();
-  };
+  source.shards = [](LayerSequence& part) { return dynamic_cast<LanguageModel&>(part).ParameterShards(); };
   source.aliases = ModelTiedParameters(config);
   source.sequence_length = config.block_size;
   source.vocab_size = config.vocab_size;
@@ -32,9 +30,9 @@ ModelSource ZooModelSource(const ModelConfig& config, uint64_t seed) {
 
 absl::StatusOr<ModelConfig> ZooModelConfig(const std::string& model, const ComponentArgs& args,
                                            int64_t data_vocab_size) {
-  TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"preset", "n_layer", "n_head", "n_embd", "block_size",
-                                           "vocab_size", "dropout", "n_kv_head", "intermediate_size",
-                                           "rope_theta", "init_method_std", "tie_word_embeddings"}));
+  TRIDENT_RETURN_IF_ERROR(
+      args.CheckKnown({"preset", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "n_kv_head",
+                       "intermediate_size", "rope_theta", "init_method_std", "tie_word_embeddings"}));
   const std::string preset = args.GetString("preset", absl::StrCat(model, "-tiny"));
   TRIDENT_ASSIGN_OR_RETURN(ModelConfig c, PresetModelConfig(model, preset));
   TRIDENT_ASSIGN_OR_RETURN(c.n_layer, args.GetInt("n_layer", c.n_layer));

@@ -10,10 +10,10 @@ namespace skipnet {
 SkipNetImpl::SkipNetImpl(int64_t channels) {
   namespace nn = torch::nn;
   stem = register_module("stem", nn::Conv2d(nn::Conv2dOptions(1, channels, 3).padding(1)));
-  body = register_module("body", nn::Sequential(
-      nn::Conv2d(nn::Conv2dOptions(channels, channels, 3).padding(1)), nn::ReLU(),
-      nn::Conv2d(nn::Conv2dOptions(channels, channels, 3).padding(1)), nn::ReLU(),
-      nn::Conv2d(nn::Conv2dOptions(channels, channels, 3).padding(1))));
+  body = register_module("body",
+                         nn::Sequential(nn::Conv2d(nn::Conv2dOptions(channels, channels, 3).padding(1)), nn::ReLU(),
+                                        nn::Conv2d(nn::Conv2dOptions(channels, channels, 3).padding(1)), nn::ReLU(),
+                                        nn::Conv2d(nn::Conv2dOptions(channels, channels, 3).padding(1))));
   hidden = register_module("hidden", nn::Linear(channels * 64, 32));
   classes = register_module("classes", nn::Linear(32, 4));
 }
@@ -59,24 +59,25 @@ namespace {
 
 // Registered as the zoo registers its models: `train --model=skipnet
 // --dataset_config...` (see skipnet.pbtxt) builds exactly these.
-TRIDENT_REGISTER(trident::ModelRegistry, "skipnet", [](const trident::ComponentArgs& args,
-                                     const trident::ModelContext& context)
-                                      -> absl::StatusOr<trident::ModelSource> {
-  TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"channels"}));
-  TRIDENT_ASSIGN_OR_RETURN(const int64_t channels, args.GetInt("channels", 8));
-  if (context.tp.size > 1) return absl::InvalidArgumentError("skipnet has no tensor-parallel form; use tp=1");
-  return Source(context.seed, channels);
-});
+TRIDENT_REGISTER(trident::ModelRegistry, "skipnet",
+                 [](const trident::ComponentArgs& args,
+                    const trident::ModelContext& context) -> absl::StatusOr<trident::ModelSource> {
+                   TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"channels"}));
+                   TRIDENT_ASSIGN_OR_RETURN(const int64_t channels, args.GetInt("channels", 8));
+                   if (context.tp.size > 1)
+                     return absl::InvalidArgumentError("skipnet has no tensor-parallel form; use tp=1");
+                   return Source(context.seed, channels);
+                 });
 
 TRIDENT_REGISTER(trident::LossRegistry, "smoothed_cross_entropy", SmoothedCrossEntropy);
 
-TRIDENT_REGISTER(
-    trident::DatasetRegistry, "shapes", [](const trident::ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<trident::Dataset>> {
-      TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"size", "seed"}));
-      TRIDENT_ASSIGN_OR_RETURN(const int64_t size, args.GetInt("size", 512));
-      TRIDENT_ASSIGN_OR_RETURN(const int64_t seed, args.GetInt("seed", 1));
-      return std::unique_ptr<trident::Dataset>(new ShapesDataset(size, seed));
-    });
+TRIDENT_REGISTER(trident::DatasetRegistry, "shapes",
+                 [](const trident::ComponentArgs& args) -> absl::StatusOr<std::unique_ptr<trident::Dataset>> {
+                   TRIDENT_RETURN_IF_ERROR(args.CheckKnown({"size", "seed"}));
+                   TRIDENT_ASSIGN_OR_RETURN(const int64_t size, args.GetInt("size", 512));
+                   TRIDENT_ASSIGN_OR_RETURN(const int64_t seed, args.GetInt("seed", 1));
+                   return std::unique_ptr<trident::Dataset>(new ShapesDataset(size, seed));
+                 });
 
 }  // namespace
 }  // namespace skipnet

@@ -38,8 +38,8 @@ std::vector<double> Train(const Layout& layout, const std::string& tag, std::str
   const std::string losses_path = TestDir() + "/" + tag + ".losses";
   const std::string stages_path = TestDir() + "/" + tag + ".stages";
   trident::testing::RunOnRanks(layout.dp * layout.tp * layout.pp, [&](int rank) {
-    auto topology = trident::testing::JoinTopology(
-        {{"tensor", layout.tp}, {"pipeline", layout.pp}, {"data", layout.dp}});
+    auto topology =
+        trident::testing::JoinTopology({{"tensor", layout.tp}, {"pipeline", layout.pp}, {"data", layout.dp}});
     ASSERT_TRUE(topology.ok()) << topology.status();
     auto train = std::make_unique<ShapesDataset>(256, 1);
     trident::ParallelPlan plan;
@@ -92,14 +92,14 @@ TEST(SkipNetParityTest, EveryLayoutTrainsTheLossesOfOneProcess) {
   const std::vector<double> single = Train({}, "single");
   ASSERT_EQ(single.size(), 20u);
   EXPECT_LT(single.back(), single.front() * 0.9) << "SkipNet should learn";
-  for (const auto& [layout, tag] : std::vector<std::pair<Layout, std::string>>{
-           {{2, 1}, "dp2"},
-           {{1, 2}, "pp2"},
-           {{1, 4, "zb_h1", 0, "nearest_min_deps"}, "pp4_zb_h1"},
-           {{2, 2}, "dp2_pp2"},
-           {{2, 1, "1f1b", 2}, "zero2"},
-           {{2, 1, "1f1b", 3}, "zero3"},
-           {{1, 1, "1f1b", 0, "", 2}, "tp2"}}) {
+  for (const auto& [layout, tag] :
+       std::vector<std::pair<Layout, std::string>>{{{2, 1}, "dp2"},
+                                                   {{1, 2}, "pp2"},
+                                                   {{1, 4, "zb_h1", 0, "nearest_min_deps"}, "pp4_zb_h1"},
+                                                   {{2, 2}, "dp2_pp2"},
+                                                   {{2, 1, "1f1b", 2}, "zero2"},
+                                                   {{2, 1, "1f1b", 3}, "zero3"},
+                                                   {{1, 1, "1f1b", 0, "", 2}, "tp2"}}) {
     SCOPED_TRACE(tag);
     std::string stages;
     const std::vector<double> losses = Train(layout, tag, &stages);
@@ -110,8 +110,7 @@ TEST(SkipNetParityTest, EveryLayoutTrainsTheLossesOfOneProcess) {
       worst = std::max(worst, relative);
       EXPECT_LE(relative, 1e-5) << "step " << i + 1;
     }
-    std::printf("%s: largest relative loss difference against one process over 20 steps: %.3g\n",
-                tag.c_str(), worst);
+    std::printf("%s: largest relative loss difference against one process over 20 steps: %.3g\n", tag.c_str(), worst);
     if (tag == "pp2") {
       // The skip connection crosses the cut: stage 0 sends two tensors.
       EXPECT_THAT(stages, ::testing::HasSubstr("sends 2 tensors")) << stages;

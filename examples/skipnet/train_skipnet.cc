@@ -38,8 +38,8 @@ absl::Status Train() {
   TRIDENT_ASSIGN_OR_RETURN(trident::Batch example, train->Get({0, 1, 2, 3}));
   TRIDENT_ASSIGN_OR_RETURN(trident::OptimizerFactory adamw,
                            trident::MakeOptimizerFactory("adamw", trident::ComponentArgs()));
-  TRIDENT_ASSIGN_OR_RETURN(auto model, trident::Parallelize(skipnet::Source(/*seed=*/7), plan,
-                                                            topology.get(), example, adamw));
+  TRIDENT_ASSIGN_OR_RETURN(auto model,
+                           trident::Parallelize(skipnet::Source(/*seed=*/7), plan, topology.get(), example, adamw));
 
   trident::TrainerConfig config;  // the loop's settings; the layout comes from the plan
   config.set_max_steps(FLAGS_steps);

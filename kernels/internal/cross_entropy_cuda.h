@@ -19,14 +19,13 @@ namespace trident {
 // lse[r] = log(sum_j exp(logits[r][j])) in fp32; loss[r] = lse[r] -
 // logits[r][targets[r]] (0 on ignored rows, NaN for a target outside [0, cols)).
 void LaunchCrossEntropyRows(CudaDtype dtype, const void* logits, int64_t rows, int64_t cols, int64_t stride,
-                            const int64_t* targets, int64_t ignore_index, float* lse, float* loss,
-                            CUstream_st* stream);
+                            const int64_t* targets, int64_t ignore_index, float* lse, float* loss, CUstream_st* stream);
 
 // grad[r][j] = (exp(logits[r][j] - lse[r]) - (j == targets[r])) * scale[0],
 // zero on ignored rows; grad is contiguous [rows, cols] of element type `dtype`.
-void LaunchCrossEntropyRowsBackward(CudaDtype dtype, const void* logits, int64_t rows, int64_t cols,
-                                    int64_t stride, const int64_t* targets, int64_t ignore_index, const float* lse,
-                                    const float* scale, void* grad, CUstream_st* stream);
+void LaunchCrossEntropyRowsBackward(CudaDtype dtype, const void* logits, int64_t rows, int64_t cols, int64_t stride,
+                                    const int64_t* targets, int64_t ignore_index, const float* lse, const float* scale,
+                                    void* grad, CUstream_st* stream);
 
 }  // namespace trident
 

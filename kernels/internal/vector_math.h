@@ -13,8 +13,7 @@
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#define TRIDENT_VECTOR_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define TRIDENT_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define TRIDENT_VECTOR_INLINE inline __attribute__((always_inline))
 
 namespace trident {

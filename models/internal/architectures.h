@@ -59,8 +59,7 @@ int64_t LlamaIntermediateSize(const ModelConfig& config);
 // made by make(b)) on `holder` under their index names, so parameter names
 // match the full model's; the returned vector has nullptr for blocks not built.
 template <typename Block, typename Make>
-std::vector<Block> BuildBlocks(const LanguageModel& model, torch::nn::Module& holder,
-                               int64_t count, Make make) {
+std::vector<Block> BuildBlocks(const LanguageModel& model, torch::nn::Module& holder, int64_t count, Make make) {
   std::vector<Block> blocks(count, Block(nullptr));
   for (int64_t b = 0; b < count; ++b) {
     if (model.HasLayer(b + 1)) blocks[b] = holder.register_module(std::to_string(b), make(b));
@@ -112,8 +111,8 @@ class KeyValueCache {
 // (replace/replace.h) when `fused`, and on fp32 CPU tensors without
 // attention dropout in training except while tracing (a traced graph keeps
 // the unfused operators, which graph analyses read).
-at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           double dropout, bool training, bool fused = false);
+at::Tensor CausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool training,
+                           bool fused = false);
 
 }  // namespace internal
 }  // namespace trident

@@ -7,12 +7,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "amp/amp.h"
 #include "base/module_names.h"
 #include "base/recompute.h"
 #include "base/status.h"
 #include "graph/graph_layers.h"
 #include "graph/model_graph.h"
-#include "amp/amp.h"
 #include "partition/partition.h"
 #include "tensor_parallel/tensor_parallel.h"
 
@@ -85,9 +85,9 @@ Batch CheckBatch(const Batch& example) {
 absl::Status CheckShards(int64_t shards, const ParallelPlan& plan) {
   const int64_t stages = static_cast<int64_t>(plan.pp) * plan.virtual_stages;
   if (shards >= stages) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "pp*virtual_stages = ", stages, " pipeline stages but the traced model split into ", shards,
-      " shards; lower pp or virtual_stages or raise shard_count"));
+  return absl::InvalidArgumentError(absl::StrCat("pp*virtual_stages = ", stages,
+                                                 " pipeline stages but the traced model split into ", shards,
+                                                 " shards; lower pp or virtual_stages or raise shard_count"));
 }
 
 PartitionOptions StagePartition(const ParallelPlan& plan) {
@@ -100,8 +100,7 @@ PartitionOptions StagePartition(const ParallelPlan& plan) {
 
 // Layer sources: plan the stages over the layers (profiled one at a time when
 // the partition method weighs them) and build this rank's chunks only.
-absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, const Batch& example,
-                         ModelPart* part) {
+absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, const Batch& example, ModelPart* part) {
   PartitionOptions options = StagePartition(plan);
   std::vector<LayerProfile> profile;
   const bool weighed = options.custom_split_points.empty() && options.partition_method != "uniform" &&
@@ -115,9 +114,12 @@ absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, co
     // Memory-light: one layer at a time, on one sample.
     Batch sample;
     for (const at::Tensor& t : example) sample.push_back(t.dim() > 0 ? t.narrow(0, 0, 1) : t);
-    TRIDENT_ASSIGN_OR_RETURN(
-        profile, ProfileLayersOneByOne(source.num_layers,
-                                       [&](int64_t i) { return source.build({{i, i + 1}}); }, sample));
+    TRIDENT_ASSIGN_OR_RETURN(profile, ProfileLayersOneByOne(
+                                          source.num_layers,
+                                          [&](int64_t i) {
+                                            return source.build({{i, i + 1}});
+                                          },
+                                          sample));
   }
   TRIDENT_ASSIGN_OR_RETURN(part->stage_plan, PlanStages(profile, options));
   return absl::OkStatus();
@@ -137,7 +139,7 @@ struct WholeModel {
   std::vector<LayerProfile> shards;       // traced: what each shard reads and computes (else empty)
   double total_flops = 0;                 // traced: forward FLOPs of one micro-batch
   std::map<std::string, std::string> aliases;
-  std::vector<std::string> untied;  // traced with plan.no_tie_modules
+  std::vector<std::string> untied;                          // traced with plan.no_tie_modules
   std::map<std::string, ShardSpec> tensor_parallel_shards;  // traced at tp > 1
   std::string tensor_parallel_report;
   std::vector<int> lora_target_hits;  // traced with plan.lora
@@ -165,7 +167,7 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   NamedTensors parameters;
   std::function<Values(const Values&)> forward;
   std::shared_ptr<void> owner;
-  std::vector<std::string> arguments;  // TorchScript: forward's argument names
+  std::vector<std::string> arguments;               // TorchScript: forward's argument names
   std::map<std::string, std::string> module_types;  // for checkpoint_modules by class
   if (source.kind == ModelSource::Kind::kTorchScript) {
     TRIDENT_ASSIGN_OR_RETURN(TorchScriptModule module, TorchScriptModule::Load(source.torchscript_path));
@@ -182,18 +184,17 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
     forward = source.forward;
     owner = source.module;
   }
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs,
-                           SelectInputs(plan.input_names, plan.batch_fields, example.size()));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs, SelectInputs(plan.input_names, plan.batch_fields, example.size()));
   if (!arguments.empty() && arguments.size() != inputs.size()) {
     std::vector<std::string> given;
     for (int f : inputs) {
       given.push_back(f < static_cast<int>(plan.batch_fields.size()) ? plan.batch_fields[f]
-                                                                      : absl::StrCat("field ", f));
+                                                                     : absl::StrCat("field ", f));
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        "forward of ", source.torchscript_path, " takes ", arguments.size(), " input(s) (",
-        absl::StrJoin(arguments, ", "), ") but is given ", inputs.size(), " (",
-        absl::StrJoin(given, ", "), "); choose them with input_names"));
+    return absl::InvalidArgumentError(absl::StrCat("forward of ", source.torchscript_path, " takes ", arguments.size(),
+                                                   " input(s) (", absl::StrJoin(arguments, ", "), ") but is given ",
+                                                   inputs.size(), " (", absl::StrJoin(given, ", "),
+                                                   "); choose them with input_names"));
   }
   auto traced_forward = ForwardWithLoss(forward, inputs, source.loss);
   const Batch on_device = ToDevice(example, device);
@@ -202,21 +203,22 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   WholeModel whole;
   if (plan.no_tie_modules) {  // each name of a tied parameter its own, traced again
     TRIDENT_ASSIGN_OR_RETURN(ModelGraph::Untied untied, graph->Untie());
-    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(untied.parameters, on_device, untied.forward,
-                                                      CheckBatch(on_device), owner));
+    TRIDENT_ASSIGN_OR_RETURN(
+        graph, ModelGraph::Trace(untied.parameters, on_device, untied.forward, CheckBatch(on_device), owner));
     whole.untied = std::move(untied.untied);
   }
   whole.aliases = graph->aliases();
   if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
     TRIDENT_ASSIGN_OR_RETURN(
         TensorParallelGraph sharded,
-        AutoTensorParallel(*graph, TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel, plan.parallel_vocab},
+        AutoTensorParallel(*graph,
+                           TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel, plan.parallel_vocab},
                            AutoTensorParallelCosts(plan, !source.returns_logits)));
     // The rewritten graph holds this rank's parameters itself: a loaded
     // TorchScript module, and with it the full tensors of the split ones, is
     // released (a C++ module stays the user's).
-    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(sharded.parameters, on_device, sharded.forward,
-                                                      CheckBatch(on_device)));
+    TRIDENT_ASSIGN_OR_RETURN(graph,
+                             ModelGraph::Trace(sharded.parameters, on_device, sharded.forward, CheckBatch(on_device)));
     whole.tensor_parallel_shards = std::move(sharded.shards);
     whole.tensor_parallel_report = sharded.plan.Report();
     owner = nullptr;  // later graphs hold this rank's parameters themselves
@@ -226,20 +228,19 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
                              ApplyLoraToGraph(*graph, *plan.lora, plan.seed, whole.tensor_parallel_shards));
     whole.lora_target_hits = std::move(adapted.layers.target_hits);
     whole.tensor_parallel_shards.insert(adapted.layers.shards.begin(), adapted.layers.shards.end());
-    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(adapted.parameters, on_device, adapted.forward,
-                                                      CheckBatch(on_device), owner));
+    TRIDENT_ASSIGN_OR_RETURN(
+        graph, ModelGraph::Trace(adapted.parameters, on_device, adapted.forward, CheckBatch(on_device), owner));
   }
   if (!plan.module_replace.empty()) {  // the pairs' operator patterns, on this rank's graph
     TRIDENT_ASSIGN_OR_RETURN(at::ScalarType dtype, ComputeDtype(plan));
     TRIDENT_ASSIGN_OR_RETURN(ReplacedGraph replaced, ReplaceInGraph(*graph, plan.module_replace, dtype));
-    TRIDENT_ASSIGN_OR_RETURN(graph, ModelGraph::Trace(replaced.parameters, on_device, replaced.forward,
-                                                      CheckBatch(on_device), owner));
+    TRIDENT_ASSIGN_OR_RETURN(
+        graph, ModelGraph::Trace(replaced.parameters, on_device, replaced.forward, CheckBatch(on_device), owner));
     whole.replace_report = std::move(replaced.report);
   }
   const std::string split = plan.split_method.empty() ? "farthest_min_deps" : plan.split_method;
   const int shard_count = plan.shard_count > 0 ? plan.shard_count : DefaultShardCount(*graph);
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards,
-                           SplitIntoShards(*graph, split, shard_count, plan.leaf_modules));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards, SplitIntoShards(*graph, split, shard_count, plan.leaf_modules));
   whole.shards = ShardProfiles(*graph, shards);
   whole.total_flops = graph->total_flops();
   ModuleSpans recomputed;  // ATorch's checkpoint method: found by the modules' parameters
@@ -256,8 +257,8 @@ absl::StatusOr<WholeModel> RunWhole(const ModelSource& source, const ParallelPla
                                     const at::Device& device, const Batch& example) {
   if (plan.trace_method == "jit") return TraceGraph(source, plan, tp_rank, device, example);
   if (plan.trace_method != "none") {
-    return absl::InvalidArgumentError(absl::StrCat("trace_method='", plan.trace_method,
-                                                   "' is unknown; choose jit, layers or none"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("trace_method='", plan.trace_method, "' is unknown; choose jit, layers or none"));
   }
   if (source.kind != ModelSource::Kind::kModule) {
     return absl::InvalidArgumentError(
@@ -265,8 +266,8 @@ absl::StatusOr<WholeModel> RunWhole(const ModelSource& source, const ParallelPla
   }
   TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs, SelectInputs(plan.input_names, plan.batch_fields, example.size()));
   WholeModel whole;
-  whole.layers = std::make_shared<EagerModuleLayer>(
-      source.module, ForwardWithLoss(source.forward, inputs, source.loss), static_cast<int>(example.size()));
+  whole.layers = std::make_shared<EagerModuleLayer>(source.module, ForwardWithLoss(source.forward, inputs, source.loss),
+                                                    static_cast<int>(example.size()));
   return whole;
 }
 
@@ -354,8 +355,7 @@ absl::Status AddAdaptersToEagerModule(const ModelSource& source, const ParallelP
 }  // namespace
 
 absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& input_names,
-                                              const std::vector<std::string>& field_names,
-                                              size_t num_fields) {
+                                              const std::vector<std::string>& field_names, size_t num_fields) {
   std::vector<int> fields;
   if (input_names.empty()) {
     for (size_t f = 0; f < num_fields; ++f) fields.push_back(static_cast<int>(f));
@@ -364,17 +364,17 @@ absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& in
   for (const std::string& name : input_names) {
     auto it = std::find(field_names.begin(), field_names.end(), name);
     if (it == field_names.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input_names names '", name, "', which the batch does not have; its fields are ",
-          field_names.empty() ? "unnamed" : absl::StrJoin(field_names, ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("input_names names '", name, "', which the batch does not have; its fields are ",
+                       field_names.empty() ? "unnamed" : absl::StrJoin(field_names, ", ")));
     }
     fields.push_back(static_cast<int>(it - field_names.begin()));
   }
   return fields;
 }
 
-absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const ParallelPlan& plan, int stage,
-                                         int tp_rank, const at::Device& device, const Batch& example) {
+absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const ParallelPlan& plan, int stage, int tp_rank,
+                                         const at::Device& device, const Batch& example) {
   ModelPart part;
   TRIDENT_ASSIGN_OR_RETURN(ModelSource source, ResolveLayerModule(given, plan));
   if (source.kind == ModelSource::Kind::kLayers) {
@@ -410,8 +410,8 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
     // ZeRO-3 draws the values layer by layer as it shards them, where nothing
     // reads them first (a dtype conversion, a copy to the GPU).
     TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(plan.precision, plan.precision_table));
-    const bool deferred = plan.zero_stage == 3 && source.build_deferred && device.is_cpu() &&
-                          precision.param == at::kFloat;
+    const bool deferred =
+        plan.zero_stage == 3 && source.build_deferred && device.is_cpu() && precision.param == at::kFloat;
     TRIDENT_ASSIGN_OR_RETURN(part.layers, deferred ? source.build_deferred(ranges) : source.build(ranges));
     if (plan.lora) {
       auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get());
@@ -458,7 +458,8 @@ absl::StatusOr<SourceLayers> LayersOf(const ModelSource& given, const ParallelPl
   for (const LayerProfile& shard : whole.shards) result.forward_flops.push_back(shard.forward_flops);
   std::shared_ptr<LayerSequence> layers = std::move(whole.layers);
   ModelSource source = ModelSource::FromLayerBuilder(
-      layers->NumLayers(), [layers](const LayerRanges&) -> absl::StatusOr<std::shared_ptr<LayerSequence>> { return layers; });
+      layers->NumLayers(),
+      [layers](const LayerRanges&) -> absl::StatusOr<std::shared_ptr<LayerSequence>> { return layers; });
   source.aliases = std::move(whole.aliases);
   result.layers = std::move(source);
   return result;

@@ -20,12 +20,12 @@ namespace trident {
 namespace internal {
 
 struct ModelPart {
-  std::shared_ptr<LayerSequence> layers;  // holds (at least) this rank's chunks
-  std::shared_ptr<void> keep_alive;       // what the layers borrow from (a loaded module)
-  std::vector<StageChunk> chunks;         // this rank's virtual stages, specs not yet known
-  Plan stage_plan;                        // every virtual stage
+  std::shared_ptr<LayerSequence> layers;       // holds (at least) this rank's chunks
+  std::shared_ptr<void> keep_alive;            // what the layers borrow from (a loaded module)
+  std::vector<StageChunk> chunks;              // this rank's virtual stages, specs not yet known
+  Plan stage_plan;                             // every virtual stage
   std::map<std::string, std::string> aliases;  // second names of tied parameters
-  double flops_per_sample = 0;            // known for traced graphs
+  double flops_per_sample = 0;                 // known for traced graphs
   bool traced = false;
   // Traced graphs at tp > 1: how the automatic pass sliced parameters, and
   // its plan as a table.
@@ -47,14 +47,13 @@ struct ModelPart {
 
 // Builds `stage`'s part of `source` for tensor-parallel rank `tp_rank`.
 // `example` is one micro-batch.
-absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& source, const ParallelPlan& plan, int stage,
-                                         int tp_rank, const at::Device& device, const Batch& example);
+absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& source, const ParallelPlan& plan, int stage, int tp_rank,
+                                         const at::Device& device, const Batch& example);
 
 // The batch fields `forward` takes: `input_names` looked up in `field_names`
 // (all fields, in order, when empty). Errors name an unknown input.
 absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& input_names,
-                                              const std::vector<std::string>& field_names,
-                                              size_t num_fields);
+                                              const std::vector<std::string>& field_names, size_t num_fields);
 
 }  // namespace internal
 }  // namespace trident

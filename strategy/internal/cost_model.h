@@ -19,11 +19,11 @@ namespace internal {
 
 struct MemoryPrediction {
   // Per pipeline rank (tensor- and data-parallel rank 0).
-  std::vector<MemoryReport> state;      // what ParallelModel::Memory() reports
-  std::vector<int64_t> activations;     // peak bytes kept for backward, at once
-  std::vector<int64_t> transient;       // backward scratch, buckets, gathered layers
-  std::vector<int64_t> tensor_peak;     // the three together
-  int64_t max_tensor_peak = 0;          // of the worst rank
+  std::vector<MemoryReport> state;   // what ParallelModel::Memory() reports
+  std::vector<int64_t> activations;  // peak bytes kept for backward, at once
+  std::vector<int64_t> transient;    // backward scratch, buckets, gathered layers
+  std::vector<int64_t> tensor_peak;  // the three together
+  int64_t max_tensor_peak = 0;       // of the worst rank
   // Plus the process's own memory, and what building the model left with
   // the allocator (ZeRO-3's unsharded copies).
   int64_t max_resident = 0;
@@ -32,7 +32,7 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
 
 struct TimePrediction {
   double step_seconds = 0;
-  double pipeline_seconds = 0;  // forward, backward and messages of every micro-batch
+  double pipeline_seconds = 0;   // forward, backward and messages of every micro-batch
   double reduction_seconds = 0;  // gradient reductions and gathers outside the pipeline
   double optimizer_seconds = 0;
   double message_seconds = 0;  // one pipeline message's flight (part of pipeline_seconds)

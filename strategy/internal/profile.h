@@ -20,7 +20,7 @@ using SourceFactory = std::function<absl::StatusOr<ModelSource>(const ModelConte
 struct ProfileRequest {
   SourceFactory make_source;
   ParallelPlan plan;  // how Parallelize reads the source (trace and split settings, batch fields)
-  Batch batch;  // at least the largest micro-batch size of samples
+  Batch batch;        // at least the largest micro-batch size of samples
   OptimizerFactory make_optimizer;
   std::vector<int64_t> micro_batch_sizes;  // two, ascending: the fits go through them
   std::vector<int> tp_degrees;             // to try (1 always works)

@@ -222,11 +222,11 @@ class Planner {
   std::vector<Work> work_;
   std::vector<Node*> rows_;
   std::vector<OperandNarrowing> narrowings_;
-  std::map<const Value*, int64_t> sequence_inputs_;  // column inputs on sequence shards -> their sequence dim
+  std::map<const Value*, int64_t> sequence_inputs_;    // column inputs on sequence shards -> their sequence dim
   std::set<const Value*> replicated_sequence_inputs_;  // of those, the replicated ones (narrowed first)
-  std::vector<Node*> embeddings_;       // vocabulary-parallel embeddings
-  std::vector<Node*> sequence_embeddings_;  // kept whole, looking up sequence shards of the ids
-  std::vector<Node*> cross_entropies_;  // of vocabulary-split logits
+  std::vector<Node*> embeddings_;                      // vocabulary-parallel embeddings
+  std::vector<Node*> sequence_embeddings_;             // kept whole, looking up sequence shards of the ids
+  std::vector<Node*> cross_entropies_;                 // of vocabulary-split logits
   std::vector<std::pair<Node*, int64_t>> sequence_cross_entropies_;  // of sequence-shard rows, in pieces
   std::vector<ArgumentRewrite> rewrites_;
   std::map<Node*, std::string> whole_;  // products kept whole, and why

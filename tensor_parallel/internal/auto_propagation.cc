@@ -17,15 +17,23 @@ namespace {
 // broadcasting), as long as every replicated tensor input broadcasts along
 // the split dimension (size 1 there, or no such dimension).
 const std::set<std::string>& ElementWise() {
-  static const auto* kinds = new std::set<std::string>{
-      "aten::add", "aten::add_", "aten::sub", "aten::rsub", "aten::mul", "aten::mul_", "aten::div",
-      "aten::div_", "aten::masked_fill", "aten::masked_fill_", "aten::where", "aten::maximum",
-      "aten::minimum", "aten::pow", "aten::neg", "aten::exp", "aten::log", "aten::sqrt", "aten::rsqrt",
-      "aten::abs", "aten::sigmoid", "aten::tanh", "aten::relu", "aten::gelu", "aten::silu",
-      "aten::softplus", "aten::erf", "aten::sin", "aten::cos", "aten::contiguous", "aten::clone",
-      "aten::dropout", "aten::feature_dropout", "aten::to", "aten::type_as", "aten::detach",
-      "aten::eq", "aten::ne", "aten::gt", "aten::lt", "aten::ge", "aten::le", "aten::square",
-      "aten::reciprocal", "aten::sign", "aten::clamp"};
+  static const auto* kinds =
+      new std::set<std::string>{"aten::add",          "aten::add_",       "aten::sub",
+                                "aten::rsub",         "aten::mul",        "aten::mul_",
+                                "aten::div",          "aten::div_",       "aten::masked_fill",
+                                "aten::masked_fill_", "aten::where",      "aten::maximum",
+                                "aten::minimum",      "aten::pow",        "aten::neg",
+                                "aten::exp",          "aten::log",        "aten::sqrt",
+                                "aten::rsqrt",        "aten::abs",        "aten::sigmoid",
+                                "aten::tanh",         "aten::relu",       "aten::gelu",
+                                "aten::silu",         "aten::softplus",   "aten::erf",
+                                "aten::sin",          "aten::cos",        "aten::contiguous",
+                                "aten::clone",        "aten::dropout",    "aten::feature_dropout",
+                                "aten::to",           "aten::type_as",    "aten::detach",
+                                "aten::eq",           "aten::ne",         "aten::gt",
+                                "aten::lt",           "aten::ge",         "aten::le",
+                                "aten::square",       "aten::reciprocal", "aten::sign",
+                                "aten::clamp"};
   return *kinds;
 }
 
@@ -102,7 +110,8 @@ absl::StatusOr<bool> Planner::Propagate(Node* node) {
   if (kind == "aten::slice" || kind == "aten::narrow") {  // along another dimension, or all of the split one
     if (dim_argument(1, rank) != d) return set(node->output(), d, blocks);
     if (kind == "aten::narrow") return false;
-    const std::optional<int64_t> start = IntOf(node->input(2)), end = IntOf(node->input(3)), step = IntOf(node->input(4));
+    const std::optional<int64_t> start = IntOf(node->input(2)), end = IntOf(node->input(3)),
+                                 step = IntOf(node->input(4));
     const bool all = (IsNone(node->input(2)) || start == 0) &&
                      (IsNone(node->input(3)) || (end && *end >= ShapeOf(x)[d])) && step == 1;
     return all && set(node->output(), d, blocks);
@@ -111,8 +120,7 @@ absl::StatusOr<bool> Planner::Propagate(Node* node) {
     const int64_t at = dim_argument(1, rank);
     return at != d && set(node->output(), d > at ? d - 1 : d, blocks);
   }
-  if (kind == "aten::split" || kind == "aten::unsafe_split" || kind == "aten::chunk" ||
-      kind == "aten::unsafe_chunk") {
+  if (kind == "aten::split" || kind == "aten::unsafe_split" || kind == "aten::chunk" || kind == "aten::unsafe_chunk") {
     if (dim_argument(2, rank) != d) return set(node->output(), d, blocks);
     // Taking a fused product apart into its pieces.
     const bool by_size = kind == "aten::split" || kind == "aten::unsafe_split";
@@ -192,8 +200,9 @@ absl::StatusOr<bool> Planner::Linear(Node* node) {
     }
     const int64_t blocks = PiecesTakenApart(node);
     if (weight[0] % (blocks * tp_) != 0) {
-      whole_[node] = absl::StrCat(weight[0], " output features", blocks > 1 ? absl::StrCat(" in ", blocks, " pieces") : "",
-                                  " do not split ", tp_, " ways");
+      whole_[node] =
+          absl::StrCat(weight[0], " output features", blocks > 1 ? absl::StrCat(" in ", blocks, " pieces") : "",
+                       " do not split ", tp_, " ways");
       return whole();
     }
     columns_[node] = blocks;
@@ -206,9 +215,9 @@ absl::StatusOr<bool> Planner::Linear(Node* node) {
       // shard's too, as every replicated parameter's must be.
       const std::vector<int64_t> shape = ShapeOf(node->input(0));
       if (shape.size() < 2 || shape[shape.size() - 2] % tp_ != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "sequence parallelism: ", Describe(node), " reads [", absl::StrJoin(shape, ", "),
-            "], whose sequence (the dimension before the features) tp=", tp_, " does not divide"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence parallelism: ", Describe(node), " reads [", absl::StrJoin(shape, ", "),
+                         "], whose sequence (the dimension before the features) tp=", tp_, " does not divide"));
       }
       sequence_inputs_[node->input(0)] = static_cast<int64_t>(shape.size()) - 2;
       replicated_sequence_inputs_.insert(node->input(0));
@@ -217,9 +226,8 @@ absl::StatusOr<bool> Planner::Linear(Node* node) {
   }
   if (!shardable || x->second.blocks != 1 || x->second.dim != RankOf(node->input(0)) - 1) return false;
   if (weight[1] % tp_ != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("automatic tensor parallelism: ", Describe(node), " has ",
-                                                   weight[1], " input features, which tp=", tp_,
-                                                   " does not divide"));
+    return absl::InvalidArgumentError(absl::StrCat("automatic tensor parallelism: ", Describe(node), " has ", weight[1],
+                                                   " input features, which tp=", tp_, " does not divide"));
   }
   rows_.push_back(node);
   return SequenceShards(node, node->output());
@@ -229,9 +237,9 @@ absl::StatusOr<bool> Planner::SequenceShards(const Node* node, Value* value) {
   if (!sequence_) return true;
   const std::vector<int64_t> shape = ShapeOf(value);
   if (shape.size() < 2 || shape[shape.size() - 2] % tp_ != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sequence parallelism: ", Describe(node), " makes [", absl::StrJoin(shape, ", "),
-        "], whose sequence (the dimension before the features) tp=", tp_, " does not divide"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence parallelism: ", Describe(node), " makes [", absl::StrJoin(shape, ", "),
+                     "], whose sequence (the dimension before the features) tp=", tp_, " does not divide"));
   }
   splits_[value] = Split{static_cast<int64_t>(shape.size()) - 2, 1, {}, /*sequence=*/true};
   return true;
@@ -255,8 +263,7 @@ bool Planner::TiedToEmbeddings(const Node* node) const {
 bool Planner::VocabularySplits(const Node* embedding) const {
   const std::vector<int64_t> weight = ShapeOf(embedding->input(0));
   return vocabulary_ && weight.size() == 2 && weight[0] % tp_ == 0 && IntOf(embedding->input(2)).value_or(0) == -1 &&
-         parameter_index_.count(embedding->input(0)) &&
-         embedding->input(1)->node()->kind() == c10::prim::Param;
+         parameter_index_.count(embedding->input(0)) && embedding->input(1)->node()->kind() == c10::prim::Param;
 }
 
 absl::StatusOr<bool> Planner::Embedding(Node* node) {
@@ -358,8 +365,8 @@ bool Planner::Broadcast(Node* node, const std::set<Node*>& origins) {
     auto it = splits_.find(input);
     if (it == splits_.end()) continue;
     const int64_t aligned = it->second.dim + rank - RankOf(input);
-    if (split && (split->dim != aligned || split->blocks != it->second.blocks ||
-                  split->sequence != it->second.sequence)) {
+    if (split &&
+        (split->dim != aligned || split->blocks != it->second.blocks || split->sequence != it->second.sequence)) {
       return false;
     }
     split = Split{aligned, it->second.blocks, origins, it->second.sequence};
@@ -440,11 +447,11 @@ absl::StatusOr<bool> Planner::View(Node* node, const Split& split) {
       if (middle % tp_ != 0) {
         std::vector<std::string> products;
         for (const Node* origin : split.origins) products.push_back(Describe(origin));
-        return absl::InvalidArgumentError(absl::StrCat(
-            "automatic tensor parallelism: ", Describe(node), ", on the split output of ",
-            absl::StrJoin(products, " and "), ", makes a dimension of size ", middle,
-            " from the split one (attention heads, for example), which tp=", tp_,
-            " does not divide; choose a tp that divides ", middle));
+        return absl::InvalidArgumentError(
+            absl::StrCat("automatic tensor parallelism: ", Describe(node), ", on the split output of ",
+                         absl::StrJoin(products, " and "), ", makes a dimension of size ", middle,
+                         " from the split one (attention heads, for example), which tp=", tp_,
+                         " does not divide; choose a tp that divides ", middle));
       }
       std::optional<std::vector<int64_t>> sizes = IntsOf(node->input(1));
       if (!sizes) return false;  // sizes computed at run time: the pass cannot prove the rewrite

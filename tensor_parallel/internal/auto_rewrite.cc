@@ -97,12 +97,12 @@ std::vector<ParameterLayout> Planner::Apply(int64_t rank, const std::string& gro
       torch::jit::WithInsertPoint here(node);
       outside = graph_->insert(c10::aten::logical_or, {graph_->insert(c10::aten::lt, {ids, start}),
                                                        graph_->insert(c10::aten::ge, {ids, start + vocabulary})});
-      node->replaceInput(1, graph_->insert(c10::aten::masked_fill,
-                                           {graph_->insert(c10::aten::sub, {ids, start}), outside, 0}));
+      node->replaceInput(
+          1, graph_->insert(c10::aten::masked_fill, {graph_->insert(c10::aten::sub, {ids, start}), outside, 0}));
     }
     torch::jit::WithInsertPoint after(node->next());
-    Value* mine = graph_->insert(c10::aten::masked_fill,
-                                 {rows, graph_->insert(c10::aten::unsqueeze, {outside, -1}), 0.0});
+    Value* mine =
+        graph_->insert(c10::aten::masked_fill, {rows, graph_->insert(c10::aten::unsqueeze, {outside, -1}), 0.0});
     Value* result = summed(mine, rows, node, "vocabulary-parallel embedding; ");
     for (const torch::jit::Use& use : uses) use.user->replaceInput(use.offset, result);
   }
@@ -157,8 +157,8 @@ std::vector<ParameterLayout> Planner::Apply(int64_t rank, const std::string& gro
     if (reduction != 0) loss = graph_->insert(c10::aten::sum, {losses});
     if (reduction == 1) loss = graph_->insert(c10::aten::div, {loss, graph_->insert(c10::aten::sum, {counted})});
     node->output()->replaceAllUsesWith(loss);
-    plan.collectives.push_back(absl::StrCat("vocab_parallel_cross_entropy at node ", position_[node],
-                                            " (all-reduces two values per token)"));
+    plan.collectives.push_back(
+        absl::StrCat("vocab_parallel_cross_entropy at node ", position_[node], " (all-reduces two values per token)"));
     plan.bytes_per_micro_batch += 3 * AllReduceBytes(targets) / 2;  // max, then the two sums, in fp32
   }
   torch::jit::EliminateDeadCode(graph_);

@@ -1,7 +1,7 @@
 #include "trainer/internal/components.h"
 
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include <unistd.h>
@@ -18,8 +18,8 @@ namespace fs = std::filesystem;
 
 absl::StatusOr<std::unique_ptr<Dataset>> Open(const std::string& type, const std::string& role,
                                               const google::protobuf::Map<std::string, std::string>& args) {
-  return MakeDataset(type, ComponentArgs(absl::StrCat("dataset '", type, "' (", role, ")"),
-                                         {args.begin(), args.end()}));
+  return MakeDataset(type,
+                     ComponentArgs(absl::StrCat("dataset '", type, "' (", role, ")"), {args.begin(), args.end()}));
 }
 
 }  // namespace
@@ -30,8 +30,7 @@ std::string DataDirectory(const TrainerConfig& config) {
   return absl::StrCat(home != nullptr ? home : "/tmp", "/.cache/trident/data/fortunes-byte");
 }
 
-absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const ModelContext& given,
-                                         bool open_data) {
+absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const ModelContext& given, bool open_data) {
   TrainingParts parts;
   ModelContext context = given;
   const bool token_data = !config.has_dataset_config();
@@ -39,8 +38,8 @@ absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const Mode
   if (token_data) {
     const bool prepared_later = config.data().empty() && !open_data;  // the default corpus
     if (!prepared_later && !fs::exists(dir + "/train.bin")) {
-      return absl::NotFoundError(absl::StrCat("data directory ", dir,
-                                              " has no train.bin; prepare it with tools/prepare_data"));
+      return absl::NotFoundError(
+          absl::StrCat("data directory ", dir, " has no train.bin; prepare it with tools/prepare_data"));
     }
     if (fs::exists(dir + "/tokenizer.txt")) {
       TRIDENT_ASSIGN_OR_RETURN(parts.tokenizer, LoadTokenizer(dir + "/tokenizer.txt"));
@@ -67,16 +66,16 @@ absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const Mode
     return parts;
   }
   if (parts.model.sequence_length < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model '", type, "' trains on the token data but does not say how long a sample is: set "
-        "block_size (and vocab_size) to describe the data"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model '", type,
+                     "' trains on the token data but does not say how long a sample is: set "
+                     "block_size (and vocab_size) to describe the data"));
   }
   if (!open_data) return parts;
   google::protobuf::Map<std::string, std::string> data_args;
   data_args["path"] = dir + "/train.bin";
   data_args["block_size"] = absl::StrCat(parts.model.sequence_length);
-  data_args["vocab_size"] = absl::StrCat(parts.model.vocab_size > 0 ? parts.model.vocab_size
-                                                                    : context.data_vocab_size);
+  data_args["vocab_size"] = absl::StrCat(parts.model.vocab_size > 0 ? parts.model.vocab_size : context.data_vocab_size);
   TRIDENT_ASSIGN_OR_RETURN(parts.train_data, Open("tokens", "train", data_args));
   if (fs::exists(dir + "/val.bin")) {
     data_args["path"] = dir + "/val.bin";

@@ -27,8 +27,7 @@ std::string DataDirectory(const TrainerConfig& config);
 
 // Builds the parts for the tensor-parallel place in `context`. With
 // `open_data` false the datasets are only checked to exist (before ranks start).
-absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const ModelContext& context,
-                                         bool open_data);
+absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const ModelContext& context, bool open_data);
 
 // Rank 0 prepares the default corpus (Debian's fortunes) once; the others wait.
 absl::Status PrepareDefaultCorpus(const TrainerConfig& config, const Topology& topology);

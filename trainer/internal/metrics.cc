@@ -16,15 +16,11 @@ namespace trident {
 namespace internal {
 namespace {
 
-double WallTime() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
+double WallTime() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<JsonLinesWriter>> JsonLinesWriter::Open(const std::string& path,
-                                                                         int64_t first_step) {
+absl::StatusOr<std::unique_ptr<JsonLinesWriter>> JsonLinesWriter::Open(const std::string& path, int64_t first_step) {
   auto writer = std::unique_ptr<JsonLinesWriter>(new JsonLinesWriter());
   const auto parent = std::filesystem::path(path).parent_path();
   std::error_code error;
@@ -48,12 +44,10 @@ absl::StatusOr<std::unique_ptr<JsonLinesWriter>> JsonLinesWriter::Open(const std
   return writer;
 }
 
-void JsonLinesWriter::Write(int64_t step,
-                            const std::vector<std::pair<std::string, double>>& values) {
+void JsonLinesWriter::Write(int64_t step, const std::vector<std::pair<std::string, double>>& values) {
   std::string line = absl::StrCat("{\"step\": ", step);
   for (const auto& [key, value] : values) {
-    absl::StrAppend(&line, ", \"", key, "\": ",
-                    std::isfinite(value) ? absl::StrFormat("%.9g", value) : "null");
+    absl::StrAppend(&line, ", \"", key, "\": ", std::isfinite(value) ? absl::StrFormat("%.9g", value) : "null");
   }
   out_ << line << "}\n";
   out_.flush();
@@ -65,8 +59,8 @@ absl::StatusOr<std::unique_ptr<TensorBoardWriter>> TensorBoardWriter::Open(const
   char host[256] = "localhost";
   gethostname(host, sizeof(host) - 1);
   auto writer = std::unique_ptr<TensorBoardWriter>(new TensorBoardWriter());
-  writer->path_ = absl::StrCat(dir, "/events.out.tfevents.", static_cast<int64_t>(WallTime()), ".",
-                               host, ".", getpid());
+  writer->path_ =
+      absl::StrCat(dir, "/events.out.tfevents.", static_cast<int64_t>(WallTime()), ".", host, ".", getpid());
   writer->out_.open(writer->path_, std::ios::binary | std::ios::trunc);
   if (!writer->out_) {
     return absl::InternalError(absl::StrCat("cannot write TensorBoard events in ", dir));
@@ -78,8 +72,7 @@ absl::StatusOr<std::unique_ptr<TensorBoardWriter>> TensorBoardWriter::Open(const
   return writer;
 }
 
-void TensorBoardWriter::Write(int64_t step,
-                              const std::vector<std::pair<std::string, double>>& values) {
+void TensorBoardWriter::Write(int64_t step, const std::vector<std::pair<std::string, double>>& values) {
   tensorboard::Event event;
   event.set_wall_time(WallTime());
   event.set_step(step);

@@ -107,8 +107,8 @@ absl::StatusOr<std::vector<OperatorEvent>> StopOperatorRecording(const std::stri
     if (on_gpu && cpu_names.count(e.name())) continue;
     const int64_t key = on_gpu ? e.deviceResourceId() : static_cast<int64_t>(e.startThreadId());
     const auto [thread, added] = threads.emplace(std::make_pair(on_gpu, key), static_cast<int>(threads.size()));
-    events.push_back({e.name(), (StartUs(e) - zero) / 1e6, (StartUs(e) + DurationUs(e) - zero) / 1e6,
-                      thread->second, on_gpu});
+    events.push_back(
+        {e.name(), (StartUs(e) - zero) / 1e6, (StartUs(e) + DurationUs(e) - zero) / 1e6, thread->second, on_gpu});
   }
   return events;
 }
@@ -119,18 +119,18 @@ std::string OperatorTraceEvents(const std::vector<OperatorEvent>& events, int pi
   std::map<int, bool> threads;  // row -> on the GPU
   for (const OperatorEvent& e : events) {
     threads[e.thread] = e.on_gpu;
-    absl::StrAppend(&json, json.empty() ? "" : ",\n",
-                    absl::StrFormat("{\"name\":\"%s\",\"cat\":\"operator\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
-                                    "\"ts\":%.3f,\"dur\":%.3f}",
-                                    JsonEscaped(e.name), pid, first_tid + e.thread, e.start * 1e6,
-                                    (e.end - e.start) * 1e6));
+    absl::StrAppend(
+        &json, json.empty() ? "" : ",\n",
+        absl::StrFormat("{\"name\":\"%s\",\"cat\":\"operator\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
+                        "\"ts\":%.3f,\"dur\":%.3f}",
+                        JsonEscaped(e.name), pid, first_tid + e.thread, e.start * 1e6, (e.end - e.start) * 1e6));
   }
   for (const auto& [thread, on_gpu] : threads) {
-    absl::StrAppend(&json, json.empty() ? "" : ",\n",
-                    absl::StrFormat("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,"
-                                    "\"args\":{\"name\":\"%s %s %d\"}}",
-                                    pid, first_tid + thread, JsonEscaped(label), on_gpu ? "gpu stream" : "thread",
-                                    thread));
+    absl::StrAppend(
+        &json, json.empty() ? "" : ",\n",
+        absl::StrFormat("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,"
+                        "\"args\":{\"name\":\"%s %s %d\"}}",
+                        pid, first_tid + thread, JsonEscaped(label), on_gpu ? "gpu stream" : "thread", thread));
   }
   return json;
 }
@@ -141,7 +141,8 @@ std::string OperatorBreakdown(const std::vector<OperatorEvent>& events, int rows
   for (const OperatorEvent& e : events) sorted.push_back(&e);
   std::sort(sorted.begin(), sorted.end(), [](const OperatorEvent* a, const OperatorEvent* b) {
     return a->thread != b->thread ? a->thread < b->thread
-                                  : a->start != b->start ? a->start < b->start : a->end > b->end;
+           : a->start != b->start ? a->start < b->start
+                                  : a->end > b->end;
   });
   struct Total {
     double self = 0;
@@ -169,8 +170,8 @@ std::string OperatorBreakdown(const std::vector<OperatorEvent>& events, int rows
   std::vector<std::pair<std::string, Total>> by_time(totals.begin(), totals.end());
   std::sort(by_time.begin(), by_time.end(), [](const auto& a, const auto& b) { return a.second.self > b.second.self; });
   const double step = std::max(1e-9, last - first);
-  std::string table = absl::StrFormat("%-56s %10s %8s %7s\n", gpu ? "GPU kernel" : "operator (self time)", "ms",
-                                      "calls", "share");
+  std::string table =
+      absl::StrFormat("%-56s %10s %8s %7s\n", gpu ? "GPU kernel" : "operator (self time)", "ms", "calls", "share");
   for (int i = 0; i < std::min<int>(rows, static_cast<int>(by_time.size())); ++i) {
     const auto& [name, total] = by_time[i];
     absl::StrAppend(&table, absl::StrFormat("%-56s %10.2f %8d %6.1f%%\n", ShortName(name).substr(0, 56),

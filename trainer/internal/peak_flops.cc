@@ -13,9 +13,9 @@
 #include <mutex>
 #include <thread>
 
-#include <c10/core/GradMode.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -45,8 +45,7 @@ std::string CachePath(at::ScalarType dtype) {
   // The product kernels decide the fp32 rate as much as the CPU does
   // (OpenBLAS's generic kernels run at a sixth of its AVX-512 ones, oneDNN's
   // at twice OpenBLAS's Haswell ones on an AMD EPYC).
-  const size_t key =
-      std::hash<std::string>()(CpuModel() + BlasCoreName() + (OneDnnProductsInUse() ? "+onednn" : ""));
+  const size_t key = std::hash<std::string>()(CpuModel() + BlasCoreName() + (OneDnnProductsInUse() ? "+onednn" : ""));
   return absl::StrCat(home != nullptr ? home : "/tmp", "/.cache/trident/peak_flops_cpu_", key,
                       dtype == at::kFloat ? "" : absl::StrCat("_", c10::toString(dtype)));
 }
@@ -69,13 +68,13 @@ struct GpuPeak {
 };
 constexpr GpuPeak kGpus[] = {
     {"H200", 67e12, 989e12},   {"H100 PCIe", 51e12, 756e12}, {"H100", 67e12, 989e12},
-    {"A100", 19.5e12, 312e12}, {"L40S", 91.6e12, 362e12},     {"A10", 31.2e12, 125e12},
+    {"A100", 19.5e12, 312e12}, {"L40S", 91.6e12, 362e12},    {"A10", 31.2e12, 125e12},
 };
 
 std::string GpuName(int index) {
   std::string name;
-  FILE* pipe = popen(absl::StrCat("nvidia-smi --query-gpu=name --format=csv,noheader -i ", index,
-                                  " 2>/dev/null").c_str(), "r");
+  FILE* pipe =
+      popen(absl::StrCat("nvidia-smi --query-gpu=name --format=csv,noheader -i ", index, " 2>/dev/null").c_str(), "r");
   if (pipe == nullptr) return name;
   char buffer[256];
   while (fgets(buffer, sizeof(buffer), pipe) != nullptr) name += buffer;
@@ -158,8 +157,7 @@ double MeasureCorePeakFlopsOnce(at::ScalarType dtype) {
 
 }  // namespace
 
-absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string& device,
-                                    const std::string& precision) {
+absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string& device, const std::string& precision) {
   const DistributedEnv& env = topology.env();
   const int local = std::max(1, env.local_world_size);
   const int nodes = std::max(1, topology.world_size() / local);

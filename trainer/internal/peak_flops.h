@@ -22,10 +22,9 @@ double MeasureCorePeakFlops(at::ScalarType dtype = at::kFloat);
 
 // The whole job's peak FLOP/s. On CPU: the per-core peak for `precision`'s
 // compute dtype (measured by each node's local rank 0 while its other ranks
-// wait, once per process) times the cores the job uses. On CUDA: the GPUs' dense peak for `precision`'s compute dtype, from a
-// table of known devices (0 when the device is unknown).
-absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string& device,
-                                    const std::string& precision);
+// wait, once per process) times the cores the job uses. On CUDA: the GPUs' dense peak for `precision`'s compute dtype,
+// from a table of known devices (0 when the device is unknown).
+absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string& device, const std::string& precision);
 
 // On CPU under a bf16 precision: a warning naming both per-core rates when
 // this CPU multiplies bf16 more slowly than fp32 (without AVX-512 BF16 or AMX

@@ -41,10 +41,11 @@ struct PendingSave {
 // wall_clock_breakdown: a step of `step_s` seconds by part, from its data
 // time, its pipeline timeline, the communication times before and after it
 // and its optimizer time (report.cc).
-std::vector<std::pair<std::string, double>> WallClockBreakdown(
-    double data_s, const std::vector<TimelineEvent>& timeline,
-    const std::map<std::string, CommunicationTime>& before, const std::map<std::string, CommunicationTime>& after,
-    double optimizer_s, double step_s);
+std::vector<std::pair<std::string, double>> WallClockBreakdown(double data_s,
+                                                               const std::vector<TimelineEvent>& timeline,
+                                                               const std::map<std::string, CommunicationTime>& before,
+                                                               const std::map<std::string, CommunicationTime>& after,
+                                                               double optimizer_s, double step_s);
 
 class Trainer::Impl {
  public:
@@ -78,8 +79,7 @@ class Trainer::Impl {
   }
 
   // This rank's micro-batches of `step` (empty batches where the model reads no data).
-  absl::StatusOr<std::vector<Batch>> MicroBatches(const Dataset& data, const BatchSampler& batches,
-                                                  int64_t step) const;
+  absl::StatusOr<std::vector<Batch>> MicroBatches(const Dataset& data, const BatchSampler& batches, int64_t step) const;
   absl::StatusOr<double> Evaluate();
   // Mean milliseconds of `steps` forward-backward passes after a warm-up one,
   // updating nothing (the RNG is restored).

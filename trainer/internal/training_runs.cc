@@ -42,8 +42,7 @@ std::string DataDir() {
   if (!fs::exists(dir + "/train.bin")) {
     std::ofstream text(TestDir() + "/corpus.txt");
     for (int i = 0; i < 300; ++i) {
-      text << "Line " << i << ": the quick brown fox jumps over the lazy dog " << (i * 7919) % 1000
-           << " times.\n";
+      text << "Line " << i << ": the quick brown fox jumps over the lazy dog " << (i * 7919) % 1000 << " times.\n";
     }
     text.close();
     PrepareOptions options;
@@ -77,8 +76,7 @@ TrainerConfig SmallConfig(int dp) {
   return c;
 }
 
-void TrainEverywhere(const TrainerConfig& config,
-                     const std::function<void(const TrainResult&)>& on_rank0) {
+void TrainEverywhere(const TrainerConfig& config, const std::function<void(const TrainResult&)>& on_rank0) {
   auto world = ConfigWorldSize(config);
   ASSERT_TRUE(world.ok()) << world.status();
   RunOnRanks(*world, [&](int rank) {
@@ -104,8 +102,7 @@ std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string&
   return ReadLosses(path);
 }
 
-void ExpectSameLosses(const std::vector<double>& expected, const std::vector<double>& actual,
-                      double relative) {
+void ExpectSameLosses(const std::vector<double>& expected, const std::vector<double>& actual, double relative) {
   ASSERT_EQ(expected.size(), actual.size());
   double worst = 0;
   for (size_t i = 0; i < expected.size(); ++i) {
