@@ -31,9 +31,12 @@ def _cuda_libtorch(ctx):
     torch = ctx.os.environ.get("TRIDENT_LIBTORCH", "")
     if not torch:
         torch = _python(ctx, "import os, torch; print(os.path.dirname(torch.__file__))")
-    if not torch or not ctx.path(torch + "/lib/libtorch_cuda.so").exists:
-        fail("--config=cuda: no CUDA LibTorch (lib/libtorch_cuda.so) at '%s'; set TRIDENT_LIBTORCH " % torch +
-             "to one (--repo_env=TRIDENT_LIBTORCH=/path/to/libtorch) or install PyTorch with CUDA for python3")
+    if not torch:
+        fail("--config=cuda: no CUDA LibTorch: TRIDENT_LIBTORCH is unset and python3 imports no torch; set it " +
+             "(--repo_env=TRIDENT_LIBTORCH=/path/to/libtorch) or install PyTorch with CUDA for python3")
+    if not ctx.path(torch + "/lib/libtorch_cuda.so").exists:
+        fail("--config=cuda: the LibTorch at %s has no lib/libtorch_cuda.so (a CPU build?); " % torch +
+             "set TRIDENT_LIBTORCH to a CUDA LibTorch (--repo_env=TRIDENT_LIBTORCH=/path/to/libtorch)")
     abi = _python(ctx, "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
     if abi == "0":
         fail("--config=cuda: the LibTorch at %s uses the pre-C++11 ABI, Debian's libraries the C++11 one; " % torch +
