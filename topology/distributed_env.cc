@@ -1,9 +1,18 @@
 #include "topology/distributed_env.h"
 
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <fstream>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace trident {
 namespace {
@@ -56,6 +65,71 @@ std::string FirstSlurmHost(const std::string& nodelist) {
   }
   return host;
 }
+
+absl::StatusOr<int> SlurmTasksOnNode(const std::string& tasks_per_node, int node_id) {
+  auto malformed = [&tasks_per_node]() {
+    return absl::InvalidArgumentError(absl::StrCat("the Slurm tasks-per-node list '", tasks_per_node,
+                                                   "' is not of the form N or N(xM), comma-separated"));
+  };
+  int first_node = 0;  // of the current item
+  for (absl::string_view item : absl::StrSplit(tasks_per_node, ',')) {
+    int tasks = 0;
+    int nodes = 1;
+    absl::string_view count = item;
+    if (const size_t open = item.find('('); open != absl::string_view::npos) {
+      count = item.substr(0, open);
+      absl::string_view repeat = item.substr(open);
+      if (!absl::ConsumePrefix(&repeat, "(x") || !absl::ConsumeSuffix(&repeat, ")") ||
+          !absl::SimpleAtoi(repeat, &nodes) || nodes < 1) {
+        return malformed();
+      }
+    }
+    if (!absl::SimpleAtoi(count, &tasks) || tasks < 0) return malformed();
+    if (node_id < first_node + nodes) return tasks;
+    first_node += nodes;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("the Slurm tasks-per-node list '", tasks_per_node, "' covers ",
+                                                 first_node, " node(s), not node ", node_id, " (SLURM_NODEID)"));
+}
+
+namespace {
+
+// The CPUs of a cgroup's quota under `dir`, rounded up; 0 when it sets none.
+int CgroupCpuQuota(const std::string& dir) {
+  double quota = -1;
+  double period = 0;
+  std::string max;
+  if (std::ifstream v2(dir + "/cpu.max"); v2 >> max >> period) {
+    if (max != "max" && !absl::SimpleAtod(max, &quota)) quota = -1;
+  } else {
+    std::ifstream v1_quota(dir + "/cpu/cpu.cfs_quota_us");
+    std::ifstream v1_period(dir + "/cpu/cpu.cfs_period_us");
+    if (!(v1_quota >> quota) || !(v1_period >> period)) return 0;
+  }
+  if (quota <= 0 || period <= 0) return 0;
+  return static_cast<int>(std::ceil(quota / period));
+}
+
+}  // namespace
+
+int UsableCpus(const std::string& cgroup_dir) {
+  int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) cpus = CPU_COUNT(&mask);
+  if (const int quota = CgroupCpuQuota(cgroup_dir); quota > 0) cpus = std::min(cpus, quota);
+  return std::max(1, cpus);
+}
+
+int CpuThreadsPerRank(const DistributedEnv& env, const EnvLookup& lookup) {
+  if (const char* per_task = lookup("SLURM_CPUS_PER_TASK")) {
+    int cpus = 0;
+    if (absl::SimpleAtoi(per_task, &cpus) && cpus > 0) return cpus;
+  }
+  return std::max(1, UsableCpus() / std::max(1, env.local_world_size));
+}
+
+int CpuThreadsPerRank(const DistributedEnv& env) { return CpuThreadsPerRank(env, ProcessEnvironment()); }
 
 namespace {
 
@@ -112,6 +186,21 @@ absl::StatusOr<DistributedEnv> DistributedEnvFrom(const EnvLookup& lookup) {
   if (!local_size.ok()) return local_size.status();
   env.local_rank = *local_rank;
   env.local_world_size = *local_size;
+  // srun sets the tasks of every node of the step; SLURM_NTASKS_PER_NODE only
+  // with --ntasks-per-node.
+  const char* slurm_list_var =
+      lookup("SLURM_STEP_TASKS_PER_NODE") != nullptr ? "SLURM_STEP_TASKS_PER_NODE" : "SLURM_TASKS_PER_NODE";
+  if (env.launcher == "slurm" && lookup(slurm_list_var) != nullptr) {
+    auto node_id = ReadInt(lookup, "SLURM_NODEID", 0);
+    if (!node_id.ok()) return node_id.status();
+    auto tasks = SlurmTasksOnNode(lookup(slurm_list_var), *node_id);
+    if (!tasks.ok()) return absl::InvalidArgumentError(absl::StrCat(slurm_list_var, ": ", tasks.status().message()));
+    env.local_world_size = *tasks;
+  }
+  if (env.local_rank >= env.local_world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(local_rank_var, "=", env.local_rank, " must be below the ",
+                                                   env.local_world_size, " ranks of this node"));
+  }
 
   if (const char* addr = lookup("MASTER_ADDR")) {
     env.master_addr = addr;

@@ -16,7 +16,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -127,10 +126,10 @@ std::vector<std::string> RankEnvironment(const LaunchOptions& o, int local_rank,
     size_t eq = entry.find('=');
     if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
   }
-  // Each rank gets an equal share of the cores for OpenMP and for OpenBLAS's own
-  // thread pool (which reads its variable once, at load time).
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const std::string share = absl::StrCat(std::max(1u, cores / o.nproc_per_node));
+  // Each rank gets an equal share of the CPUs the launcher may use (its
+  // affinity and cgroup quota) for OpenMP and for OpenBLAS's own thread pool
+  // (which reads its variable once, at load time).
+  const std::string share = absl::StrCat(std::max(1, UsableCpus() / o.nproc_per_node));
   for (const char* name : {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"}) {
     if (vars.count(name) == 0) vars[name] = share;
   }

@@ -18,7 +18,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -93,15 +92,15 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
         env.world_size, plan.dp, static_cast<long long>(config.dp()), plan.tp, plan.pp,
         static_cast<long long>(GlobalBatchSize(plan)), static_cast<long long>(plan.num_micro_batches));
   }
-  // This rank's share of the cores goes to the pool that runs its matrix
+  // This rank's share of the cores (CpuThreadsPerRank: Slurm's cpus per task,
+  // or the CPUs this process may use over the node's ranks) goes to the pool that runs its matrix
   // products (see config.proto's intra_op_threads): on CPU they run in oneDNN
   // on ATen's intra-op threads (fp32 through UseOneDnnProducts, bf16 in
   // LibTorch's own oneDNN path), with a BLAS pool of one; where fp32 products
   // stay in OpenBLAS, they run on its pool (OPENBLAS_NUM_THREADS, set by the
   // launcher; set here at run time under mpirun or srun) with one intra-op
   // thread, as the two pools slow each other down.
-  const int share =
-      static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / std::max(1, env.local_world_size)));
+  const int share = CpuThreadsPerRank(env);
   const bool onednn_products =
       plan.device != "cuda" && (UseOneDnnProducts() || absl::StrContains(plan.precision, "bf16"));
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {

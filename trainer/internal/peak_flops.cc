@@ -11,7 +11,6 @@
 #include <functional>
 #include <map>
 #include <mutex>
-#include <thread>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "kernels/kernels.h"
+#include "topology/distributed_env.h"
 
 namespace trident {
 namespace internal {
@@ -180,7 +180,7 @@ absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string&
   }
   TRIDENT_RETURN_IF_ERROR(topology.world().Barrier());
   if (env.local_rank != 0) per_core = CorePeakFlops(dtype);  // read from the cache
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = UsableCpus();
   const int share = std::max(1, cores / local);  // each rank's BLAS pool
   return per_core * std::min(cores, local * share) * nodes;
 }
