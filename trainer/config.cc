@@ -263,9 +263,7 @@ absl::Status ResolveAutomaticStrategy(const TrainerConfig& c, ParallelPlan* plan
     return Invalid(
         "memory_limit_mb and strategy_dry_runs must not be negative and strategy_time_limit_s must be positive");
   }
-  const int64_t accumulation = std::max<int64_t>(1, c.grad_accumulation_steps());
-  const int64_t global =
-      c.has_global_batch_size() ? c.global_batch_size() : c.micro_batch_size() * accumulation * c.dp();
+  const int64_t global = c.has_global_batch_size() ? c.global_batch_size() : GlobalBatchSize(*plan);
   if (global < 1) return Invalid(absl::StrCat("global_batch_size=", global, " must be at least 1"));
   plan->dp = plan->tp = plan->pp = 1;
   plan->micro_batch_size = global;

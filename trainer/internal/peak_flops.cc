@@ -181,7 +181,7 @@ absl::StatusOr<double> JobPeakFlops(const Topology& topology, const std::string&
   TRIDENT_RETURN_IF_ERROR(topology.world().Barrier());
   if (env.local_rank != 0) per_core = CorePeakFlops(dtype);  // read from the cache
   const int cores = UsableCpus();
-  const int share = std::max(1, cores / local);  // each rank's BLAS pool
+  const int share = CpuThreadsPerRank(env);  // each rank's pool, as train sizes it
   return per_core * std::min(cores, local * share) * nodes;
 }
 
