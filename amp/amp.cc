@@ -97,24 +97,24 @@ AutocastScope::~AutocastScope() {
   SetAutocastState(device_, {was_enabled_, was_dtype_});
 }
 
-LossScaler::LossScaler(LossScalerOptions options)
+LossScaler::LossScaler(LossScalerSpec options)
     : options_(options),
-      scale_(options.loss_scale > 0 ? options.loss_scale : std::ldexp(1.0, options.initial_scale_power)),
-      hysteresis_left_(options.hysteresis) {}
+      scale_(options.loss_scale() > 0 ? options.loss_scale() : std::ldexp(1.0, options.initial_scale_power())),
+      hysteresis_left_(options.hysteresis()) {}
 
 void LossScaler::Update(bool overflow) {
-  if (options_.loss_scale > 0) return;  // static
+  if (options_.loss_scale() > 0) return;  // static
   if (overflow) {
     clean_steps_ = 0;
     if (hysteresis_left_ > 1) {
       --hysteresis_left_;
     } else {
-      scale_ = std::max(scale_ / 2, options_.min_loss_scale);
+      scale_ = std::max(scale_ / 2, options_.min_loss_scale());
     }
     return;
   }
-  hysteresis_left_ = options_.hysteresis;
-  if (++clean_steps_ % options_.loss_scale_window == 0) scale_ *= 2;
+  hysteresis_left_ = options_.hysteresis();
+  if (++clean_steps_ % options_.loss_scale_window() == 0) scale_ *= 2;
 }
 
 NamedTensors LossScaler::State() const {

@@ -26,6 +26,7 @@
 #include <torch/nn/module.h>
 
 #include "absl/status/statusor.h"
+#include "amp/amp.pb.h"
 #include "base/registry.h"
 #include "base/tensors.h"
 
@@ -67,18 +68,9 @@ class AutocastScope {
   at::ScalarType was_dtype_ = at::kFloat;
 };
 
-// The reference design's loss-scaling parameters and defaults.
-struct LossScalerOptions {
-  double loss_scale = 0;         // 0: dynamic; otherwise a static scale
-  int initial_scale_power = 32;  // dynamic: start at 2^initial_scale_power
-  int loss_scale_window = 1000;  // steps without overflow before the scale doubles
-  int hysteresis = 2;            // overflows tolerated before the scale halves
-  double min_loss_scale = 1;
-};
-
 class LossScaler {
  public:
-  explicit LossScaler(LossScalerOptions options);
+  explicit LossScaler(LossScalerSpec options);
   double scale() const { return scale_; }
   // After a step whose gradients overflowed on some rank (`overflow`) or not:
   // lowers the scale (after `hysteresis` overflows, never below the minimum)
@@ -90,7 +82,7 @@ class LossScaler {
   absl::Status LoadState(const NamedTensors& state);
 
  private:
-  LossScalerOptions options_;
+  LossScalerSpec options_;
   double scale_;
   int hysteresis_left_;
   int64_t clean_steps_ = 0;  // since the last overflow or raise

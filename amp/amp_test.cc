@@ -52,11 +52,11 @@ TEST(AutocastScopeTest, Bf16ComputeOnCpuInsideTheScopeOnly) {
 // The reference design's dynamic scaling: overflows tolerated `hysteresis`
 // times, then halving (not below the minimum); doubling after a clean window.
 TEST(LossScalerTest, DynamicScaleFollowsHysteresisAndWindow) {
-  LossScalerOptions options;
-  options.initial_scale_power = 4;  // 16
-  options.loss_scale_window = 3;
-  options.hysteresis = 2;
-  options.min_loss_scale = 4;
+  LossScalerSpec options;
+  options.set_initial_scale_power(4);  // 16
+  options.set_loss_scale_window(3);
+  options.set_hysteresis(2);
+  options.set_min_loss_scale(4);
   LossScaler scaler(options);
   EXPECT_EQ(scaler.scale(), 16);
   scaler.Update(true);
@@ -77,7 +77,7 @@ TEST(LossScalerTest, DynamicScaleFollowsHysteresisAndWindow) {
   scaler.Update(true);
   EXPECT_EQ(restored.scale(), scaler.scale());
 
-  options.loss_scale = 128;  // static
+  options.set_loss_scale(128);  // static
   LossScaler fixed(options);
   fixed.Update(true);
   EXPECT_EQ(fixed.scale(), 128);

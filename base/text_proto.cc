@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/tokenizer.h>
@@ -9,6 +10,8 @@
 #include <google/protobuf/text_format.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 
 namespace trident {
 namespace {
@@ -46,6 +49,16 @@ bool ParseTextFieldValue(const std::string& text, const google::protobuf::FieldD
   google::protobuf::TextFormat::Parser parser;
   parser.RecordErrorsTo(&error);
   return parser.ParseFieldValueFromString(text, field, message);
+}
+
+absl::StatusOr<int> EnumValueNamed(const google::protobuf::EnumDescriptor* type, const std::string& field,
+                                   const std::string& name) {
+  const google::protobuf::EnumValueDescriptor* value = type->FindValueByName(absl::StrReplaceAll(name, {{"-", "_"}}));
+  if (value != nullptr) return value->number();
+  std::vector<std::string> names;
+  for (int i = 0; i < type->value_count(); ++i) names.push_back(type->value(i)->name());
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, "='", name, "' is unknown; choose ", absl::StrJoin(names, ", ")));
 }
 
 }  // namespace trident

@@ -4,10 +4,16 @@
 #define TRIDENT_BASE_TEXT_PROTO_H_
 
 #include <string>
+#include <vector>
+
+#include <google/protobuf/generated_enum_reflection.h>
+#include <google/protobuf/repeated_ptr_field.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace google::protobuf {
+class EnumDescriptor;
 class FieldDescriptor;
 class Message;
 }  // namespace google::protobuf
@@ -23,6 +29,31 @@ absl::Status ReadTextProto(const std::string& path, const std::string& what, goo
 // logging; false when the text is not a value of the field's type.
 bool ParseTextFieldValue(const std::string& text, const google::protobuf::FieldDescriptor* field,
                          google::protobuf::Message* message);
+
+// The number of the value named `name` in the enum `type` ('-' read as '_':
+// per-token-mean names per_token_mean), or InvalidArgument
+// "<field>='<name>' is unknown; choose <every name>".
+absl::StatusOr<int> EnumValueNamed(const google::protobuf::EnumDescriptor* type, const std::string& field,
+                                   const std::string& name);
+
+// The same for a generated enum type: ParseEnum<RecomputeSpec::Method>("activation_checkpointing", "full").
+template <typename Enum>
+absl::StatusOr<Enum> ParseEnum(const std::string& field, const std::string& name) {
+  absl::StatusOr<int> value = EnumValueNamed(google::protobuf::GetEnumDescriptor<Enum>(), field, name);
+  if (!value.ok()) return value.status();
+  return static_cast<Enum>(*value);
+}
+
+// Replaces the items of a repeated string field with `values`.
+inline void SetStrings(google::protobuf::RepeatedPtrField<std::string>* field, const std::vector<std::string>& values) {
+  field->Assign(values.begin(), values.end());
+}
+
+// The items of a repeated field as a vector (for APIs that take one).
+template <typename Repeated>
+std::vector<typename Repeated::value_type> ToVector(const Repeated& field) {
+  return {field.begin(), field.end()};
+}
 
 }  // namespace trident
 

@@ -70,7 +70,7 @@ def trident_proto_library(name, srcs, deps = [], **kwargs):
               ("" if root == "." else "/" + root) + " " +
               " ".join([("" if root == "." else root + "/") + (pkg + "/" if pkg else "") + s for s in srcs]),
     )
-    native.filegroup(name = name + "_srcs", srcs = srcs)
+    native.filegroup(name = name + "_srcs", srcs = srcs, visibility = kwargs.get("visibility"))
     native.cc_library(
         name = name,
         srcs = [o for o in outs if o.endswith(".cc")],

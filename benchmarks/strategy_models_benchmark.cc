@@ -51,7 +51,8 @@ struct Layout {
   int dp = 1, tp = 1, pp = 1, zero = 0, virtual_stages = 1;
   bool sp = false;
   int64_t micro_batches = 1;
-  std::string schedule = "1f1b", recompute = "none";
+  std::string schedule = "1f1b";
+  RecomputeSpec::Method recompute = RecomputeSpec::none;
 };
 
 std::vector<Layout> Layouts(int world) {
@@ -61,14 +62,14 @@ std::vector<Layout> Layouts(int world) {
             {.dp = 2, .zero = 1},
             {.dp = 2, .zero = 2, .micro_batches = 2},
             {.dp = 2, .zero = 3},
-            {.dp = 2, .recompute = "full"},
+            {.dp = 2, .recompute = RecomputeSpec::full},
             {.tp = 2},
             {.tp = 2, .micro_batches = 4},
             {.tp = 2, .sp = true},
             {.pp = 2, .micro_batches = 4},
             {.pp = 2, .micro_batches = 8, .schedule = "zb_h1"},
             {.pp = 2, .virtual_stages = 2, .micro_batches = 4, .schedule = "interleaved_1f1b"},
-            {.pp = 2, .micro_batches = 4, .recompute = "full"}};
+            {.pp = 2, .micro_batches = 4, .recompute = RecomputeSpec::full}};
   }
   return {{.dp = 4},
           {.dp = 4, .zero = 1},
@@ -79,25 +80,25 @@ std::vector<Layout> Layouts(int world) {
           {.dp = 2, .pp = 2, .micro_batches = 4},
           {.dp = 2, .pp = 2, .micro_batches = 4, .schedule = "zb_h1"},
           {.tp = 2, .pp = 2, .micro_batches = 4},
-          {.tp = 2, .pp = 2, .micro_batches = 8, .recompute = "full"},
+          {.tp = 2, .pp = 2, .micro_batches = 8, .recompute = RecomputeSpec::full},
           {.pp = 4, .micro_batches = 8},
           {.pp = 4, .micro_batches = 8, .schedule = "zb_h1"},
-          {.dp = 4, .micro_batches = 2, .recompute = "full"}};
+          {.dp = 4, .micro_batches = 2, .recompute = RecomputeSpec::full}};
 }
 
 ParallelPlan PlanOf(const Layout& l) {
   ParallelPlan plan;
-  plan.dp = l.dp;
-  plan.tp = l.tp;
-  plan.pp = l.pp;
-  plan.sequence_parallel = l.sp;
-  plan.zero_stage = l.zero;
-  plan.virtual_stages = l.virtual_stages;
-  plan.num_micro_batches = l.micro_batches;
-  plan.micro_batch_size = kGlobalBatch / l.dp / l.micro_batches;
-  plan.schedule = l.schedule;
-  plan.activation_checkpointing = l.recompute;
-  plan.batch_fields = {"tokens", "targets"};
+  plan.set_dp(l.dp);
+  plan.set_tp(l.tp);
+  plan.set_pp(l.pp);
+  plan.mutable_tensor_parallel()->set_sequence_parallel(l.sp);
+  plan.mutable_zero()->set_stage(l.zero);
+  plan.set_virtual_stages(l.virtual_stages);
+  plan.set_num_micro_batches(l.micro_batches);
+  plan.set_micro_batch_size(kGlobalBatch / l.dp / l.micro_batches);
+  plan.mutable_pipeline()->set_schedule(l.schedule);
+  plan.mutable_recompute()->set_method(l.recompute);
+  SetStrings(plan.mutable_trace()->mutable_batch_fields(), {"tokens", "targets"});
   return plan;
 }
 
@@ -107,24 +108,25 @@ ParallelPlan PlanOf(const Layout& l) {
 absl::StatusOr<std::vector<double>> MeasureLayout(const internal::ProfileRequest& request, const Batch& global,
                                                   const ParallelPlan& plan, Topology* topology, int64_t* state) {
   MemoryCounter& counter = MemoryCounter::Install();  // profiling takes it out when done
-  TRIDENT_RETURN_IF_ERROR(topology->Reshape({{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}}));
+  TRIDENT_RETURN_IF_ERROR(topology->Reshape({{"tensor", plan.tp()}, {"pipeline", plan.pp()}, {"data", plan.dp()}}));
   ModelContext context;
-  if (plan.tp > 1) context.tp = {plan.tp, (*topology->Group("tensor"))->rank(), "tp", plan.sequence_parallel};
+  if (plan.tp() > 1)
+    context.tp = {plan.tp(), (*topology->Group("tensor"))->rank(), "tp", plan.tensor_parallel().sequence_parallel()};
   TRIDENT_ASSIGN_OR_RETURN(ModelSource source, request.make_source(context));
   const int64_t before = counter.live_bytes();
   counter.ResetPeak();
   double seconds = 0;
   {
-    TRIDENT_ASSIGN_OR_RETURN(auto model,
-                             Parallelize(source, plan, topology, internal::BatchRows(global, 0, plan.micro_batch_size),
-                                         request.make_optimizer));
+    TRIDENT_ASSIGN_OR_RETURN(
+        auto model, Parallelize(source, plan, topology, internal::BatchRows(global, 0, plan.micro_batch_size()),
+                                request.make_optimizer));
     if (topology->rank() == 0) *state = model->Memory().total();
-    std::vector<Batch> micro(plan.num_micro_batches);
+    std::vector<Batch> micro(plan.num_micro_batches());
     if (model->ReadsData()) {
       const int dp_rank = model->data_parallel_group() ? model->data_parallel_group()->rank() : 0;
-      for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
-        micro[m] = internal::BatchRows(global, (dp_rank * plan.num_micro_batches + m) * plan.micro_batch_size,
-                                       plan.micro_batch_size);
+      for (int64_t m = 0; m < plan.num_micro_batches(); ++m) {
+        micro[m] = internal::BatchRows(global, (dp_rank * plan.num_micro_batches() + m) * plan.micro_batch_size(),
+                                       plan.micro_batch_size());
       }
     }
     std::vector<double> steps;

@@ -18,14 +18,13 @@
 #include "base/status.h"
 #include "base/text_proto.h"
 #include "graph/model_graph.h"
-#include "lora/lora_config.pb.h"
 
 namespace trident {
 namespace {
 
 constexpr char kPeftPrefix[] = "base_model.model.";
 
-bool MatchesAny(const std::string& name, const std::vector<std::string>& patterns) {
+bool MatchesAny(const std::string& name, const google::protobuf::RepeatedPtrField<std::string>& patterns) {
   for (const std::string& pattern : patterns) {
     if (ModuleNameMatches(name, pattern)) return true;
   }
@@ -58,14 +57,14 @@ std::optional<std::string> AdaptedLayer(const std::string& parameter, const std:
 }
 
 // Whether parameter `name` trains under `options`, given the adapted layers.
-bool Trains(const std::string& name, const LoraOptions& options, const std::set<std::string>& adapted) {
-  if (AdaptedLayer(name, options.adapter_name)) return true;
+bool Trains(const std::string& name, const LoraConfig& options, const std::set<std::string>& adapted) {
+  if (AdaptedLayer(name, options.adapter_name())) return true;
   const std::string module = ModuleOf(name);
   if (absl::EndsWith(name, "bias")) {
-    if (options.bias == "all" || (options.bias == "lora_only" && adapted.count(module))) return true;
+    if (options.bias() == "all" || (options.bias() == "lora_only" && adapted.count(module))) return true;
   }
   for (std::string prefix = module; !prefix.empty(); prefix = ModuleOf(prefix)) {  // the module or one containing it
-    if (MatchesAny(prefix, options.modules_to_save)) return true;
+    if (MatchesAny(prefix, options.modules_to_save())) return true;
   }
   return false;
 }
@@ -90,21 +89,21 @@ at::Tensor DrawA(const std::string& a_name, int64_t r, int64_t in_features, uint
   return at::empty({r, in_features}).uniform_(-bound, bound, generator);
 }
 
-std::string AdapterName(const std::string& layer, const char* factor, const LoraOptions& options) {
-  return Join(layer, absl::StrCat(factor, ".", options.adapter_name, ".weight"));
+std::string AdapterName(const std::string& layer, const char* factor, const LoraConfig& options) {
+  return Join(layer, absl::StrCat(factor, ".", options.adapter_name(), ".weight"));
 }
 
 // Counts which targets `layer` matches; whether any does.
-bool MatchTargets(const std::string& layer, const LoraOptions& options, std::vector<int>& hits) {
+bool MatchTargets(const std::string& layer, const LoraConfig& options, std::vector<int>& hits) {
   bool hit = false;
-  for (size_t i = 0; i < options.target_modules.size(); ++i) {
-    if (ModuleNameMatches(layer, options.target_modules[i])) hit = ++hits[i] > 0;
+  for (int i = 0; i < options.target_modules().size(); ++i) {
+    if (ModuleNameMatches(layer, options.target_modules(i))) hit = ++hits[i] > 0;
   }
   return hit;
 }
 
 // Freezes every parameter but what trains under `options`; the elements left trainable.
-int64_t Freeze(const NamedTensors& parameters, const LoraOptions& options, const std::vector<std::string>& adapted) {
+int64_t Freeze(const NamedTensors& parameters, const LoraConfig& options, const std::vector<std::string>& adapted) {
   const std::set<std::string> layers(adapted.begin(), adapted.end());
   int64_t trainable = 0;
   for (const auto& [name, p] : parameters) {
@@ -117,43 +116,39 @@ int64_t Freeze(const NamedTensors& parameters, const LoraOptions& options, const
 
 }  // namespace
 
-absl::Status ValidateLoraOptions(const LoraOptions& o) {
+double LoraScale(const LoraConfig& lora) { return lora.alpha() / static_cast<double>(lora.r()); }
+
+absl::Status ValidateLoraConfig(const LoraConfig& o) {
   auto invalid = [](const std::string& m) { return absl::InvalidArgumentError(absl::StrCat("lora_config: ", m)); };
-  if (o.r < 1) return invalid(absl::StrCat("r must be at least 1; it is ", o.r));
-  if (!(o.alpha > 0)) return invalid(absl::StrCat("alpha must be positive; it is ", o.alpha));
-  if (!(o.dropout >= 0 && o.dropout < 1)) return invalid(absl::StrCat("dropout must be in [0, 1); it is ", o.dropout));
-  if (o.target_modules.empty()) {
+  if (o.r() < 1) return invalid(absl::StrCat("r must be at least 1; it is ", o.r()));
+  if (!(o.alpha() > 0)) return invalid(absl::StrCat("alpha must be positive; it is ", o.alpha()));
+  if (!(o.dropout() >= 0 && o.dropout() < 1))
+    return invalid(absl::StrCat("dropout must be in [0, 1); it is ", o.dropout()));
+  if (o.target_modules().empty()) {
     return invalid("target_modules is empty; name the linear layers that get adapters (for gpt: c_attn, c_proj, c_fc)");
   }
-  if (o.bias != "none" && o.bias != "all" && o.bias != "lora_only") {
-    return invalid(absl::StrCat("bias '", o.bias, "' is unknown; choose none, all or lora_only"));
+  if (o.bias() != "none" && o.bias() != "all" && o.bias() != "lora_only") {
+    return invalid(absl::StrCat("bias '", o.bias(), "' is unknown; choose none, all or lora_only"));
   }
-  if (o.adapter_name.empty() || absl::StrContains(o.adapter_name, ".")) {
-    return invalid(absl::StrCat("adapter_name '", o.adapter_name, "' must be a non-empty name without '.'"));
+  if (o.adapter_name().empty() || absl::StrContains(o.adapter_name(), ".")) {
+    return invalid(absl::StrCat("adapter_name '", o.adapter_name(), "' must be a non-empty name without '.'"));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<LoraOptions> ReadLoraConfig(const std::string& path, const std::string& adapter_name) {
+absl::StatusOr<LoraConfig> ReadLoraConfig(const std::string& path, const std::string& adapter_name) {
   LoraConfig config;
   TRIDENT_RETURN_IF_ERROR(ReadTextProto(path, "lora_config", &config));
-  LoraOptions options;
-  options.r = config.r();
-  options.alpha = config.alpha();
-  options.dropout = config.dropout();
-  options.target_modules.assign(config.target_modules().begin(), config.target_modules().end());
-  options.bias = config.bias();
-  options.modules_to_save.assign(config.modules_to_save().begin(), config.modules_to_save().end());
-  options.adapter_name = adapter_name;
-  absl::Status valid = ValidateLoraOptions(options);
+  config.set_adapter_name(adapter_name);
+  absl::Status valid = ValidateLoraConfig(config);
   if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", valid.message()));
-  return options;
+  return config;
 }
 
-absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOptions& options, uint64_t seed,
+absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraConfig& options, uint64_t seed,
                                            const std::map<std::string, ShardSpec>& shards) {
-  TRIDENT_RETURN_IF_ERROR(ValidateLoraOptions(options));
-  if (options.dropout > 0) {
+  TRIDENT_RETURN_IF_ERROR(ValidateLoraConfig(options));
+  if (options.dropout() > 0) {
     return absl::UnimplementedError(
         "lora_config: adapter dropout is not offered on traced models; set dropout 0, or declare the model's "
         "layers (LayerSequence with ParallelLinear)");
@@ -164,7 +159,7 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
   const size_t first_parameter = graph->inputs().size() - model.parameters().size();
   ModelGraph::CanonicalizeLinearProducts(*graph, first_parameter);
   LoraGraph result;
-  result.layers.target_hits.assign(options.target_modules.size(), 0);
+  result.layers.target_hits.assign(options.target_modules().size(), 0);
   for (size_t i = 0; i < model.parameters().size(); ++i) {
     result.parameters.emplace_back(model.parameter_names()[i], model.parameters()[i]);
   }
@@ -214,13 +209,13 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
                                                    "target_modules, or use tp=1"));
     }
     const int64_t in_features = row ? w.size(1) * spec->second.parts : w.size(1);
-    at::Tensor a = DrawA(a_name, options.r, in_features, seed).to(w.options());
+    at::Tensor a = DrawA(a_name, options.r(), in_features, seed).to(w.options());
     if (row) {
       const ShardSpec columns{1, spec->second.parts, spec->second.index, 1};
       a = columns.Slice(a).contiguous();
       result.layers.shards[a_name] = columns;
     }
-    at::Tensor b = at::zeros({w.size(0), options.r}, w.options());  // rows of B where W's rows are split
+    at::Tensor b = at::zeros({w.size(0), options.r()}, w.options());  // rows of B where W's rows are split
     if (column) result.layers.shards[b_name] = spec->second;
     Value* a_input = graph->addInput(a_name)->setType(c10::TensorType::create(a));
     Value* b_input = graph->addInput(b_name)->setType(c10::TensorType::create(b));
@@ -234,7 +229,8 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
     if (column || row) low_rank = same_collective(column ? entry : reduction, low_rank);
     Value* adapter = graph->insert(c10::aten::linear, {low_rank, b_input, none});
     Value* output = after->output();
-    Value* sum = graph->insert(c10::aten::add, {output, adapter}, {torch::jit::NamedValue("alpha", options.scale())});
+    Value* sum =
+        graph->insert(c10::aten::add, {output, adapter}, {torch::jit::NamedValue("alpha", LoraScale(options))});
     sum->setType(output->type());
     output->replaceAllUsesAfterNodeWith(sum->node(), sum);
     result.layers.adapted.push_back(layer);
@@ -246,10 +242,10 @@ absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& model, const LoraOp
   return result;
 }
 
-absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions& options, uint64_t seed) {
-  TRIDENT_RETURN_IF_ERROR(ValidateLoraOptions(options));
+absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraConfig& options, uint64_t seed) {
+  TRIDENT_RETURN_IF_ERROR(ValidateLoraConfig(options));
   LoraLayers result;
-  result.target_hits.assign(options.target_modules.size(), 0);
+  result.target_hits.assign(options.target_modules().size(), 0);
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> targets;
   for (const auto& item : model.named_modules()) {  // first all matches: adapters add modules
     if (!InsideAdapter(item.key()) && MatchTargets(item.key(), options, result.target_hits)) {
@@ -264,9 +260,9 @@ absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions
           ", not a linear layer that takes adapters (ColumnParallelLinear, RowParallelLinear or ParallelLinear); "
           "name linear layers in target_modules, or build this one as trident::ParallelLinear"));
     }
-    const at::Tensor full_a = DrawA(AdapterName(name, "lora_A", options), options.r, features->second, seed);
+    const at::Tensor full_a = DrawA(AdapterName(name, "lora_A", options), options.r(), features->second, seed);
     TRIDENT_ASSIGN_OR_RETURN(
-        auto shards, AddLowRankAdapter(*module, options.adapter_name, full_a, options.scale(), options.dropout));
+        auto shards, AddLowRankAdapter(*module, options.adapter_name(), full_a, LoraScale(options), options.dropout()));
     for (const auto& [relative, spec] : shards) result.shards[Join(name, relative)] = spec;
     result.adapted.push_back(name);
   }
@@ -278,8 +274,8 @@ absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions
 
 bool IsAdapterParameter(const std::string& name) { return InsideAdapter(ModuleOf(name)); }
 
-NamedTensors PeftAdapter(const NamedTensors& full, const LoraOptions& options) {
-  const std::set<std::string> adapted = AdaptedLayers(full, options.adapter_name);
+NamedTensors PeftAdapter(const NamedTensors& full, const LoraConfig& options) {
+  const std::set<std::string> adapted = AdaptedLayers(full, options.adapter_name());
   NamedTensors adapter;
   for (const auto& [name, tensor] : full) {
     if (Trains(name, options, adapted)) adapter.emplace_back(kPeftPrefix + name, tensor);
@@ -287,13 +283,13 @@ NamedTensors PeftAdapter(const NamedTensors& full, const LoraOptions& options) {
   return adapter;
 }
 
-absl::StatusOr<NamedTensors> MergeAdapters(const NamedTensors& full, const LoraOptions& options) {
+absl::StatusOr<NamedTensors> MergeAdapters(const NamedTensors& full, const LoraConfig& options) {
   std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
   NamedTensors merged;
   for (const auto& [name, tensor] : full) {
     if (IsAdapterParameter(name)) continue;
     const std::string layer = ModuleOf(name);
-    const std::string suffix = absl::StrCat(".", options.adapter_name, ".weight");
+    const std::string suffix = absl::StrCat(".", options.adapter_name(), ".weight");
     auto a = by_name.find(Join(layer, "lora_A") + suffix);
     auto b = by_name.find(Join(layer, "lora_B") + suffix);
     if (name != Join(layer, "weight") || a == by_name.end() || b == by_name.end()) {
@@ -306,9 +302,9 @@ absl::StatusOr<NamedTensors> MergeAdapters(const NamedTensors& full, const LoraO
                                                      " and B ", c10::str(b->second.sizes())));
     }
     c10::NoGradGuard no_grad;
-    merged.emplace_back(name, tensor + options.scale() * at::mm(b->second, a->second).to(tensor.scalar_type()));
+    merged.emplace_back(name, tensor + LoraScale(options) * at::mm(b->second, a->second).to(tensor.scalar_type()));
   }
-  for (const std::string& layer : AdaptedLayers(full, options.adapter_name)) {
+  for (const std::string& layer : AdaptedLayers(full, options.adapter_name())) {
     if (!by_name.count(Join(layer, "weight"))) {
       return absl::InvalidArgumentError(
           absl::StrCat("cannot merge the adapter of '", layer, "': the tensors hold no ", Join(layer, "weight")));

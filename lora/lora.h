@@ -11,10 +11,11 @@
 // under tensor parallelism the adapters split as the layer does (see
 // LowRankAdapter).
 //
-//   LoraOptions lora;
-//   lora.r = 8;
-//   lora.alpha = 16;
-//   lora.target_modules = {"c_attn", "c_proj"};
+//   LoraConfig lora;  // lora/lora_config.proto
+//   lora.set_r(8);
+//   lora.set_alpha(16);
+//   lora.add_target_modules("c_attn");
+//   lora.add_target_modules("c_proj");
 //   TRIDENT_ASSIGN_OR_RETURN(LoraLayers adapted, ApplyLora(*model, lora, /*seed=*/1));
 //
 // Adapter parameters are named "<module>.lora_A.<adapter>.weight" and
@@ -31,6 +32,7 @@
 
 #include "absl/status/statusor.h"
 #include "base/tensors.h"
+#include "lora/lora_config.pb.h"
 #include "tensor_parallel/tensor_parallel.h"
 
 namespace torch::nn {
@@ -41,23 +43,14 @@ namespace trident {
 
 class ModelGraph;  // graph/model_graph.h
 
-struct LoraOptions {
-  int64_t r = 8;
-  double alpha = 8;
-  double dropout = 0;
-  // Linear layers by module name, or a suffix after '.'.
-  std::vector<std::string> target_modules;
-  std::string bias = "none";                 // which biases train: none, all, lora_only
-  std::vector<std::string> modules_to_save;  // trained whole, by name or suffix
-  std::string adapter_name = "default";
-  double scale() const { return alpha / static_cast<double>(r); }
-};
+// LoRA's scale: alpha / r.
+double LoraScale(const LoraConfig& lora);
 
 // Errors naming the field for values that cannot work.
-absl::Status ValidateLoraOptions(const LoraOptions& options);
+absl::Status ValidateLoraConfig(const LoraConfig& options);
 // Reads a LoraConfig text file (lora/lora_config.proto); errors name the file
 // and what is wrong in it.
-absl::StatusOr<LoraOptions> ReadLoraConfig(const std::string& path, const std::string& adapter_name);
+absl::StatusOr<LoraConfig> ReadLoraConfig(const std::string& path, const std::string& adapter_name);
 
 // What ApplyLora did to a model (or to one pipeline stage of it).
 struct LoraLayers {
@@ -73,7 +66,7 @@ struct LoraLayers {
 // Adds the adapters to `model` (built whole, or one stage of it, possibly
 // sharded for tensor parallelism) and freezes the rest. Errors name a target
 // that is not a linear layer of a kind that takes an adapter.
-absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraOptions& options, uint64_t seed);
+absl::StatusOr<LoraLayers> ApplyLora(torch::nn::Module& model, const LoraConfig& options, uint64_t seed);
 
 // A traced model with adapters: every linear product (aten::linear) whose
 // weight is a parameter "<layer>.weight" of a target layer gains the
@@ -91,7 +84,7 @@ struct LoraGraph {
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
   LoraLayers layers;
 };
-absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& graph, const LoraOptions& options, uint64_t seed,
+absl::StatusOr<LoraGraph> ApplyLoraToGraph(const ModelGraph& graph, const LoraConfig& options, uint64_t seed,
                                            const std::map<std::string, ShardSpec>& shards = {});
 
 // Whether `name` is an adapter parameter ("...lora_A.<adapter>.weight").
@@ -100,11 +93,11 @@ bool IsAdapterParameter(const std::string& name);
 // The adapter tensors of `full` (the single-process model's tensors) under
 // PEFT's names: "base_model.model.<module>.lora_A.<adapter>.weight", plus
 // the modules_to_save's tensors as "base_model.model.<name>".
-NamedTensors PeftAdapter(const NamedTensors& full, const LoraOptions& options);
+NamedTensors PeftAdapter(const NamedTensors& full, const LoraConfig& options);
 // `full` with every adapter folded into its layer (W + scale * B A) and the
 // adapter tensors left out: the base model, fine-tuned. Errors name an
 // adapter whose layer's weight is missing.
-absl::StatusOr<NamedTensors> MergeAdapters(const NamedTensors& full, const LoraOptions& options);
+absl::StatusOr<NamedTensors> MergeAdapters(const NamedTensors& full, const LoraConfig& options);
 
 }  // namespace trident
 

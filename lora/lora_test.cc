@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "base/text_proto.h"
 #include "testing/multiprocess.h"
 
 namespace trident {
@@ -46,11 +47,11 @@ void ExpectClose(const at::Tensor& actual, const at::Tensor& expected, const std
   EXPECT_LE(diff, 1e-5 * std::max(1.0, expected.abs().max().item<double>())) << what << ": max diff " << diff;
 }
 
-LoraOptions Options() {
-  LoraOptions lora;
-  lora.r = 4;
-  lora.alpha = 8;
-  lora.target_modules = {"fc1", "fc2"};
+LoraConfig Options() {
+  LoraConfig lora;
+  lora.set_r(4);
+  lora.set_alpha(8);
+  SetStrings(lora.mutable_target_modules(), {"fc1", "fc2"});
   return lora;
 }
 
@@ -103,10 +104,10 @@ TEST(LoraTest, AdaptersStartAtZeroAddTheirProductAndAloneTrain) {
 
 TEST(LoraTest, BiasAndModulesToSaveChooseWhatElseTrains) {
   Net net = SeededNet();
-  LoraOptions lora = Options();
-  lora.target_modules = {"fc1"};
-  lora.bias = "lora_only";
-  lora.modules_to_save = {"norm"};
+  LoraConfig lora = Options();
+  SetStrings(lora.mutable_target_modules(), {"fc1"});
+  lora.set_bias("lora_only");
+  SetStrings(lora.mutable_modules_to_save(), {"norm"});
   ASSERT_TRUE(ApplyLora(*net, lora, 1).ok());
   auto p = net->named_parameters();
   EXPECT_TRUE(p["fc1.bias"].requires_grad());
@@ -125,13 +126,13 @@ TEST(LoraTest, BiasAndModulesToSaveChooseWhatElseTrains) {
 
 TEST(LoraTest, TargetsThatAreNotLinearLayersAreRefused) {
   Net net = SeededNet();
-  LoraOptions lora = Options();
-  lora.target_modules = {"norm"};
+  LoraConfig lora = Options();
+  SetStrings(lora.mutable_target_modules(), {"norm"});
   auto adapted = ApplyLora(*net, lora, 1);
   ASSERT_FALSE(adapted.ok());
   EXPECT_THAT(std::string(adapted.status().message()), HasSubstr("LoRA target 'norm' is a"));
   EXPECT_THAT(std::string(adapted.status().message()), HasSubstr("not a linear layer"));
-  lora.target_modules = {"fc3"};
+  SetStrings(lora.mutable_target_modules(), {"fc3"});
   adapted = ApplyLora(*net, lora, 1);
   ASSERT_TRUE(adapted.ok());
   EXPECT_EQ(adapted->target_hits, std::vector<int>{0});  // Parallelize refuses a target no stage matches
@@ -139,7 +140,7 @@ TEST(LoraTest, TargetsThatAreNotLinearLayersAreRefused) {
 
 TEST(LoraTest, MergedWeightsComputeWhatTheAdaptedModelDoes) {
   Net net = SeededNet();
-  LoraOptions lora = Options();
+  LoraConfig lora = Options();
   ASSERT_TRUE(ApplyLora(*net, lora, 1).ok());
   FillB(*net);
   const at::Tensor x = Shared({2, 8}, 3);
@@ -168,12 +169,13 @@ TEST(LoraTest, ConfigFilesAreReadAndCheckedNamingTheFile) {
   std::ofstream(empty) << "r: 4\n";
   auto read = ReadLoraConfig(good, "sft");
   ASSERT_TRUE(read.ok()) << read.status();
-  EXPECT_EQ(read->r, 16);
-  EXPECT_DOUBLE_EQ(read->scale(), 2.0);
-  EXPECT_DOUBLE_EQ(read->dropout, 0.05);
-  EXPECT_EQ(read->target_modules, (std::vector<std::string>{"c_attn", "c_fc"}));
-  EXPECT_EQ(read->bias, "all");
-  EXPECT_EQ(read->adapter_name, "sft");
+  EXPECT_EQ(read->r(), 16);
+  EXPECT_DOUBLE_EQ(LoraScale(*read), 2.0);
+  EXPECT_DOUBLE_EQ(read->dropout(), 0.05);
+  EXPECT_EQ(std::vector<std::string>(read->target_modules().begin(), read->target_modules().end()),
+            (std::vector<std::string>{"c_attn", "c_fc"}));
+  EXPECT_EQ(read->bias(), "all");
+  EXPECT_EQ(read->adapter_name(), "sft");
   auto unreadable = ReadLoraConfig(bad, "default");
   EXPECT_THAT(std::string(unreadable.status().message()), HasSubstr(bad));
   EXPECT_THAT(std::string(unreadable.status().message()), HasSubstr("rank"));

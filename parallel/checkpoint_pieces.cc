@@ -76,14 +76,14 @@ at::Tensor FlatPart(const at::Tensor& t, int64_t offset, int64_t n) { return t.v
 
 std::string ParallelModel::Layout() const {
   const ParallelPlan& p = impl_->plan;
-  return absl::StrCat("dp", p.dp, "_tp", p.tp, p.sequence_parallel ? "sp" : "", "_pp", p.pp, "x", p.virtual_stages,
-                      "_zero", p.zero_stage);
+  return absl::StrCat("dp", p.dp(), "_tp", p.tp(), p.tensor_parallel().sequence_parallel() ? "sp" : "", "_pp", p.pp(),
+                      "x", p.virtual_stages(), "_zero", p.zero().stage());
 }
 
 absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool optimizer, bool deduplicate) const {
   const Impl& m = *impl_;
   internal::PieceIndex index(m.parameters, m.shards, m.tied, m.tied_holders, m.stage, m.tp, m.dp);
-  const bool zero = m.plan.zero_stage > 0;
+  const bool zero = m.plan.zero().stage() > 0;
   std::vector<SlicedTensor> pieces;
   c10::NoGradGuard no_grad;
   TRIDENT_RETURN_IF_ERROR(m.update->WaitForUpdatedParameters());  // no all-gather writes them meanwhile
@@ -102,7 +102,7 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
     }
   }
   for (const auto& [name, p] : m.parameters) {  // whole: frozen ones (if saved), all without ZeRO
-    if (p.requires_grad() ? zero : !m.plan.save_frozen) continue;
+    if (p.requires_grad() ? zero : !m.plan.save_frozen()) continue;
     if (deduplicate && index.WrittenElsewhere(name, false)) continue;
     pieces.push_back({name, index.ParameterSlice(name, p.sizes().vec()), p.detach()});
   }

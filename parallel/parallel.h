@@ -12,10 +12,10 @@
 // position ids), and each stage reads only the batch fields it needs.
 //
 //   ParallelPlan plan;
-//   plan.dp = 2;
-//   plan.pp = 2;
-//   plan.micro_batch_size = 4;
-//   plan.num_micro_batches = 4;
+//   plan.set_dp(2);
+//   plan.set_pp(2);
+//   plan.set_micro_batch_size(4);
+//   plan.set_num_micro_batches(4);
 //   TRIDENT_ASSIGN_OR_RETURN(OptimizerFactory adamw, MakeOptimizerFactory("adamw", {}));
 //   TRIDENT_ASSIGN_OR_RETURN(auto model, Parallelize(ModelSource::FromModule(net, forward),
 //                                                    plan, topology.get(), example, adamw));
@@ -45,14 +45,17 @@
 #include "base/host_copy.h"
 #include "base/registry.h"
 #include "base/tensors.h"
+#include "base/text_proto.h"  // SetStrings and ParseEnum for the plan's fields
 #include "checkpoint/checkpoint.h"
 #include "graph/graph.h"
 #include "lora/lora.h"
 #include "parallel/optimizer.h"
+#include "parallel/plan.pb.h"
 #include "pipeline/pipeline.h"
 #include "tensor_parallel/tensor_parallel.h"
 #include "topology/topology.h"
 #include "zero/zero.h"
+#include "zero/zero.pb.h"
 
 namespace torch::nn {
 class Module;
@@ -87,7 +90,7 @@ struct ModelSource {
   std::function<absl::StatusOr<std::shared_ptr<LayerSequence>>(const LayerRanges& ranges)> build_deferred;
 
   // kModule: a module and its forward over the batch fields it is given (see
-  // ParallelPlan::input_names); traced with the JIT tracer, or run eagerly as
+  // plan.trace().input_names); traced with the JIT tracer, or run eagerly as
   // one layer with trace_method "none".
   std::shared_ptr<torch::nn::Module> module;
   std::function<Values(const Values& inputs)> forward;
@@ -123,111 +126,21 @@ struct ModelSource {
   static ModelSource FromTorchScript(std::string path);
 };
 
-// How to lay a model out. Names and defaults follow the reference design.
-struct ParallelPlan {
-  int dp = 1;  // data-parallel ranks (the topology's "data" axis)
-  int tp = 1;  // tensor-parallel ranks ("tensor"): the source must build shards
-  int pp = 1;  // pipeline stages ("pipeline")
-  // How the ranks lie on the mesh (ATorch's parallel_mode): the axes
-  // "tensor", "pipeline" and "data" in order, first fastest (empty: that
-  // order), and the rank at each mesh position (its rank_order; empty: rank i
-  // at position i). PlanMeshAxes gives the topology's axes; when either is
-  // set, Parallelize checks the topology lays the ranks out so.
-  std::vector<std::string> axis_order;
-  std::vector<int> rank_order;
-  bool sequence_parallel = false;  // norms and dropout on sequence shards (tp > 1)
-  // Merak's tp_overlapping_level (TensorParallelism::overlapping_level): 0, 1 or 2.
-  int tp_overlapping_level = 0;
-  // Merak's parallel_vocab: the vocabulary split over tp (the embedding's
-  // rows, the head's outputs, the loss); false keeps embedding and head whole.
-  bool parallel_vocab = true;
-  // Merak's no_tie_modules for traced models: each name of a tied parameter
-  // becomes a parameter of its own (ModelGraph::Untie), starting from the
-  // tied values. Layer sequences untie in their own build (the zoo's
-  // tie_word_embeddings), so one that still ties, or an eager module that
-  // does, is refused.
-  bool no_tie_modules = false;
-  // Traced models at tp > 1: split every product the automatic pass can, also
-  // where its cost model finds the communication dearer than the compute saved.
-  bool tp_split_all = false;
-  TensorParallelLayerLists tp_layer_lists;  // Merak's set_tp_layer_lists: pins parts of that plan
-  int virtual_stages = 1;                   // model chunks per pipeline rank (interleaved_1f1b)
-  std::string schedule = "1f1b";            // see MakeSchedule
-  // Where stages may be cut: "layer_split" (LayerSequence layers) or
-  // "farthest_min_deps" / "nearest_min_deps" (traced graphs); "" picks
-  // farthest_min_deps for traced models, layer_split for layer sequences.
-  std::string split_method;
-  int shard_count = 0;  // traced graphs: shards before grouping (0: 2 * layers + 4)
-  // uniform, uniform_floor, parameters or cost (over layers, or shards).
-  std::string partition_method = "uniform";
-  std::vector<std::string> custom_split_points;  // layer_split: first layers of stages 2..
-  // "jit" (trace the module), "layers" (the source is a LayerSequence), "none"
-  // (run the module eagerly as one layer: pp must be 1).
-  std::string trace_method = "jit";
-  // Parameter-name prefixes of submodules never cut inside (no cut between the
-  // first and the last operator that reads their parameters).
-  std::vector<std::string> leaf_modules;
-  // The batch fields forward takes, by the dataset's field names (empty: all
-  // fields, in order), and those names.
-  std::vector<std::string> input_names;
-  std::vector<std::string> batch_fields;
-  // none, full, stage_aware, or selected (the layers checkpoint_layers names
-  // or prefixes: "transformer.h.1", "shard3").
-  // Merak's dealloc_pipeoutput: a stage keeps no values of the activations it
-  // has sent (only their autograd nodes; see StageRunnerOptions).
-  bool dealloc_pipeoutput = false;
-  std::string activation_checkpointing = "none";
-  std::vector<std::string> checkpoint_layers;
-  // ATorch's checkpoint method by module (Megatron's selective recomputation):
-  // modules of the layers by name or suffix ("attn", "mlp") that recompute
-  // their forward in backward; they must be RecomputableModule (the zoo's
-  // attention and MLP blocks). Layer and eager module sources.
-  std::vector<std::string> checkpoint_modules;
-  // ATorch's module_replace: replacement pairs by registered name
-  // (replace/replace.h: fused_attention, fused_layer_norm, fused_bias_gelu,
-  // and users' own), applied to the model's modules (the zoo, eager modules)
-  // or to the operator patterns of a traced graph. A pair that does not
-  // support the compute dtype is left out; one that replaces nothing on any
-  // stage is an error.
-  std::vector<std::string> module_replace;
-  int64_t checkpoint_num_layers = 1;
-  double activation_checkpoint_ratio = 0.5;
-  int zero_stage = 0;
-  int64_t zero_reduce_bucket_bytes = 25 << 20;
-  int64_t zero_allgather_bucket_bytes = 25 << 20;
-  bool zero_allow_untested_optimizer = false;
-  int64_t bucket_bytes = 25 << 20;  // plain data-parallel all-reduce buckets
-  double gradient_predivide_factor = 1.0;
-  std::string precision = "fp32";
-  std::string precision_table;
-  // Loss scaling (on for fp16 modes, or when `loss_scaling` is set).
-  bool loss_scaling = false;
-  LossScalerOptions loss_scaler;
-  // Gradients of the "mean" loss over every micro-batch of every rank, their
-  // "sum", or "per-token-mean" (summed, divided by the tokens of the global
-  // batch: elements of the last batch field that are not negative).
-  std::string grad_reduction = "mean";
-  // The reported loss: "mean" or "sum" over the micro-batches of every rank.
-  std::string loss_reduction = "mean";
-  std::string device = "cpu";  // "cpu" or "cuda" (the rank's LOCAL_RANK GPU)
-  int64_t micro_batch_size = 1;
-  int64_t num_micro_batches = 1;  // gradient accumulation steps
-  // LoRA fine-tuning (lora/lora.h): adapters on the target linear layers,
-  // every other parameter frozen. Frozen parameters (these, or any the source
-  // builds with requires_grad false) get no gradient, optimizer state or
-  // reduction; checkpoints leave them out unless save_frozen (the source or
-  // init_from gives them again), and LoadWeights does not need the adapters.
-  std::optional<LoraOptions> lora;
-  bool save_frozen = false;
-  // Dropout streams differ per data-parallel rank (and per tensor-parallel rank
-  // under sequence parallelism), seeded from this.
-  uint64_t seed = 1;
-};
+// ParallelPlan, how to lay a model out, is a message of parallel/plan.proto.
 
 // The topology mesh of `plan`: its three axes with their sizes in
-// plan.axis_order (TopologyOptions::mesh_axes or Topology::Reshape, with
-// plan.rank_order).
+// plan.axis_order() (TopologyOptions::mesh_axes or Topology::Reshape, with
+// plan.rank_order()).
 std::vector<MeshAxis> PlanMeshAxes(const ParallelPlan& plan);
+
+// Which layers of virtual stage v (of V, the last being V - 1) recompute their
+// forward in backward under `recompute`, one flag per name in `layer_names`:
+// every one (full), those its layers name or prefix (selected), stage_aware's
+// share of the first ones, none for "none" or on the last stage unless
+// `last_stage_recomputes` (the schedule's RecomputesOnLastStage). Parallelize
+// and the strategy's cost model both plan recomputation with it.
+std::vector<bool> RecomputedLayers(const RecomputeSpec& recompute, int v, int V,
+                                   const std::vector<std::string>& layer_names, bool last_stage_recomputes);
 
 // Checks `plan` alone (before any rank starts): sizes, names, pairs that do not
 // go together. Parallelize checks it again with the model.
@@ -270,10 +183,10 @@ class ParallelModel {
   ~ParallelModel();
 
   // One training step's forward and backward over this rank's micro-batches
-  // (plan.num_micro_batches of them; empty batches where ReadsData() is
+  // (plan.num_micro_batches() of them; empty batches where ReadsData() is
   // false), with every gradient reduction (data-parallel, sequence-parallel,
   // tied between stages) done. Returns the loss over the global batch (per
-  // plan.loss_reduction), the same on every rank.
+  // plan.reduction().loss()), the same on every rank.
   absl::StatusOr<double> ForwardBackward(const std::vector<Batch>& micro_batches);
   // The same, with the loss read when the caller asks: on GPUs with data or
   // pipeline parallelism the loss is reduced there, behind the backward, so
@@ -345,7 +258,7 @@ class ParallelModel {
   const ModelSource& source() const;
   Topology& topology() const;
   int stage() const;   // this rank's pipeline stage
-  int stages() const;  // plan.pp
+  int stages() const;  // plan.pp()
   // Groups of this rank (nullptr where the axis has one rank).
   const ProcessGroup* data_parallel_group() const;
   const ProcessGroup* tensor_parallel_group() const;

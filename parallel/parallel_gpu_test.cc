@@ -40,11 +40,12 @@ std::vector<double> Train(const std::string& device, const std::string& precisio
     ModelSource source = ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
     source.loss = *LossRegistry().Find("mse");
     ParallelPlan plan;
-    plan.device = device;
-    plan.precision = precision;
-    plan.micro_batch_size = 4;
-    plan.num_micro_batches = 2;
-    plan.loss_scaler.initial_scale_power = 8;  // fp16: a scale its gradients fit from the first step
+    plan.set_device(device == "cuda" ? ParallelPlan::cuda : ParallelPlan::cpu);
+    plan.mutable_precision()->set_mode(precision);
+    plan.set_micro_batch_size(4);
+    plan.set_num_micro_batches(2);
+    plan.mutable_precision()->mutable_loss_scaler()->set_initial_scale_power(
+        8);  // fp16: a scale its gradients fit from the first step
     torch::manual_seed(5);
     std::vector<Batch> batches = {{torch::randn({4, 16}), torch::randn({4, 1})},
                                   {torch::randn({4, 16}), torch::randn({4, 1})}};

@@ -45,7 +45,7 @@ absl::StatusOr<const ProcessGroup*> AxisGroup(const Topology& topology, const ch
 }
 
 absl::StatusOr<at::Device> PlanDevice(const ParallelPlan& plan, const Topology& topology) {
-  if (plan.device == "cpu") return at::Device(at::kCPU);
+  if (plan.device() == ParallelPlan::cpu) return at::Device(at::kCPU);
   if (!torch::cuda::is_available()) {
     return absl::FailedPreconditionError(
         "device=cuda but this LibTorch sees no CUDA GPU (a CPU-only build, or no GPU visible); use "
@@ -64,16 +64,16 @@ absl::StatusOr<at::Device> PlanDevice(const ParallelPlan& plan, const Topology& 
 // A plan that sets its axis or rank order must find the ranks laid out so:
 // every rank at the same data, tensor and pipeline place as on its mesh.
 absl::Status CheckMeshOrder(const ParallelPlan& plan, const Topology& topology) {
-  if (plan.axis_order.empty() && plan.rank_order.empty()) return absl::OkStatus();
+  if (plan.axis_order().empty() && plan.rank_order().empty()) return absl::OkStatus();
   TRIDENT_ASSIGN_OR_RETURN(DeviceMesh planned,
-                           DeviceMesh::Create(PlanMeshAxes(plan), topology.world_size(), plan.rank_order));
+                           DeviceMesh::Create(PlanMeshAxes(plan), topology.world_size(), ToVector(plan.rank_order())));
   for (int rank = 0; rank < topology.world_size(); ++rank) {
     for (const char* axis : {"tensor", "pipeline", "data"}) {
       if (planned.AxisIndex(axis, rank) != topology.mesh().AxisIndex(axis, rank)) {
         return absl::InvalidArgumentError(
             absl::StrCat("the plan lays the ranks out as ", planned.ToString(), " but the topology as ",
                          topology.mesh().ToString(), " (rank ", rank, " differs on axis '", axis,
-                         "'); create the topology with PlanMeshAxes(plan) and plan.rank_order"));
+                         "'); create the topology with PlanMeshAxes(plan) and plan.rank_order()"));
       }
     }
   }
@@ -85,9 +85,9 @@ absl::Status CheckMeshOrder(const ParallelPlan& plan, const Topology& topology) 
 absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, ParallelPlan plan, Topology* topology,
                                                            const Batch& example, OptimizerFactory make_optimizer) {
   TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
-  if (plan.dp * plan.tp * plan.pp != topology->world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("dp*tp*pp = ", plan.dp * plan.tp * plan.pp, " but the job has ",
-                                                   topology->world_size(), " ranks"));
+  if (plan.dp() * plan.tp() * plan.pp() != topology->world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("dp*tp*pp = ", plan.dp() * plan.tp() * plan.pp(),
+                                                   " but the job has ", topology->world_size(), " ranks"));
   }
   TRIDENT_RETURN_IF_ERROR(CheckSource(source, plan));
   TRIDENT_RETURN_IF_ERROR(CheckMeshOrder(plan, *topology));
@@ -96,11 +96,11 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, P
   m.plan = std::move(plan);
   m.topology = topology;
   m.source = std::move(source);
-  TRIDENT_ASSIGN_OR_RETURN(m.dp, AxisGroup(*topology, "data", m.plan.dp));
-  TRIDENT_ASSIGN_OR_RETURN(m.tp, AxisGroup(*topology, "tensor", m.plan.tp));
-  TRIDENT_ASSIGN_OR_RETURN(m.pp, AxisGroup(*topology, "pipeline", m.plan.pp));
-  if (m.plan.tp == 1) m.tp = nullptr;
-  if (m.plan.pp == 1) m.pp = nullptr;
+  TRIDENT_ASSIGN_OR_RETURN(m.dp, AxisGroup(*topology, "data", m.plan.dp()));
+  TRIDENT_ASSIGN_OR_RETURN(m.tp, AxisGroup(*topology, "tensor", m.plan.tp()));
+  TRIDENT_ASSIGN_OR_RETURN(m.pp, AxisGroup(*topology, "pipeline", m.plan.pp()));
+  if (m.plan.tp() == 1) m.tp = nullptr;
+  if (m.plan.pp() == 1) m.pp = nullptr;
   m.stage = m.pp != nullptr ? m.pp->rank() : 0;
   if (m.tp != nullptr && m.pp != nullptr) {
     TRIDENT_ASSIGN_OR_RETURN(m.norm, topology->GroupSpanning({"tensor", "pipeline"}));
@@ -108,7 +108,7 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, P
     m.norm = m.tp != nullptr ? m.tp : m.pp;
   }
   TRIDENT_ASSIGN_OR_RETURN(m.device, PlanDevice(m.plan, *topology));
-  TRIDENT_ASSIGN_OR_RETURN(m.precision, MakePrecisionPolicy(m.plan.precision, m.plan.precision_table));
+  TRIDENT_ASSIGN_OR_RETURN(m.precision, MakePrecisionPolicy(m.plan.precision().mode(), m.plan.precision().table()));
   TRIDENT_RETURN_IF_ERROR(m.Setup(std::move(make_optimizer), example));
   return std::unique_ptr<ParallelModel>(new ParallelModel(std::move(impl)));
 }
@@ -132,7 +132,8 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
       }
     }
   }
-  TRIDENT_ASSIGN_OR_RETURN(schedule, MakeSchedule(stages() > 1 ? plan.schedule : "1f1b", plan.virtual_stages));
+  TRIDENT_ASSIGN_OR_RETURN(schedule,
+                           MakeSchedule(stages() > 1 ? plan.pipeline().schedule() : "1f1b", plan.virtual_stages()));
   PlanRecomputation();
   TRIDENT_RETURN_IF_ERROR(ClassifyParameters(example));
   ParameterUpdateOptions options;
@@ -144,15 +145,11 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   options.norm_group = norm;
   options.world = &topology->world();
   options.make_optimizer = std::move(make_optimizer);
-  options.zero_stage = plan.zero_stage;
+  options.zero = plan.zero();
   options.layers = part.layers.get();
   for (const StageChunk& chunk : part.chunks) {
     for (int64_t i = chunk.first_layer; i < chunk.end_layer; ++i) options.layer_indices.push_back(i);
   }
-  options.zero_allow_untested_optimizer = plan.zero_allow_untested_optimizer;
-  options.gradient_predivide_factor = plan.gradient_predivide_factor;
-  options.bucket_bytes = plan.zero_stage > 0 ? plan.zero_reduce_bucket_bytes : plan.bucket_bytes;
-  options.zero_allgather_bucket_bytes = plan.zero_allgather_bucket_bytes;
   auto made = MakeParameterUpdate(std::move(options));
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), made.status(), "building the optimizer"));
   update = *std::move(made);
@@ -165,12 +162,12 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   });
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), drawn, "building the model"));
   TRIDENT_RETURN_IF_ERROR(FindBoundaries(example));
-  if (precision.loss_scaling || plan.loss_scaling) scaler.emplace(plan.loss_scaler);
+  if (precision.loss_scaling || plan.precision().loss_scaling()) scaler.emplace(plan.precision().loss_scaler());
   StageRunnerOptions runner_options;
   runner_options.chunks = part.chunks;
   runner_options.loss = Loss();
-  runner_options.checkpoint_num_layers = plan.checkpoint_num_layers;
-  runner_options.dealloc_sent_outputs = plan.dealloc_pipeoutput;
+  runner_options.checkpoint_num_layers = plan.recompute().num_layers();
+  runner_options.dealloc_sent_outputs = plan.pipeline().dealloc_pipeoutput();
   runner_options.loss_scale = [this] { return scaler ? scaler->scale() : 1.0; };
   // Reductions overlap the last backward without pipelining only: with stages,
   // tied gradients are summed between stages before the data-parallel sum.
@@ -184,9 +181,9 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   // every dropout acts on this rank's own shard or heads, so tensor-parallel
   // ranks draw their own masks too; without it, dropout after a row-parallel
   // layer sees the replicated activation and tp ranks must draw the same mask.
-  const uint64_t tp_stream = plan.sequence_parallel && tp != nullptr ? tp->rank() : 0;
+  const uint64_t tp_stream = plan.tensor_parallel().sequence_parallel() && tp != nullptr ? tp->rank() : 0;
   const uint64_t dp_rank = dp != nullptr ? dp->rank() : 0;
-  at::manual_seed(plan.seed + dp_rank + 1000003 * tp_stream);
+  at::manual_seed(plan.seed() + dp_rank + 1000003 * tp_stream);
   return absl::OkStatus();
 }
 
@@ -195,28 +192,11 @@ void ParallelModel::Impl::PlanRecomputation() {
   const int V = stages() * static_cast<int>(part.chunks.size());
   for (size_t c = 0; c < part.chunks.size(); ++c) {
     StageChunk& chunk = part.chunks[c];
-    const int v = static_cast<int>(c) * stages() + stage;
-    const int64_t layers = chunk.end_layer - chunk.first_layer;
-    if (plan.activation_checkpointing == "full") {
-      chunk.checkpointed_layers = layers;
-    } else if (plan.activation_checkpointing == "selected") {
-      chunk.recomputed.assign(layers, false);
-      for (int64_t i = 0; i < layers; ++i) {
-        const std::string name = part.layers->LayerName(chunk.first_layer + i);
-        for (const std::string& prefix : plan.checkpoint_layers) {
-          if (name.rfind(prefix, 0) == 0) chunk.recomputed[i] = true;
-        }
-      }
-    } else if (plan.activation_checkpointing == "stage_aware" && v < V - 1) {
-      const double r0 = plan.activation_checkpoint_ratio;
-      const int s = v + 1;  // 1-based, as the formula is written
-      const double fraction = 1.0 - (1.0 - r0) * (V - 1) / (V - s);
-      chunk.checkpointed_layers = std::clamp<int64_t>(std::llround(fraction * layers), 0, layers);
-    }
-    if (v == V - 1 && !schedule->RecomputesOnLastStage()) {
-      chunk.checkpointed_layers = 0;
-      chunk.recomputed.clear();
-    }
+    std::vector<std::string> names;
+    for (int64_t i = chunk.first_layer; i < chunk.end_layer; ++i) names.push_back(part.layers->LayerName(i));
+    chunk.checkpointed_layers = 0;
+    chunk.recomputed = RecomputedLayers(plan.recompute(), static_cast<int>(c) * stages() + stage, V, names,
+                                        schedule->RecomputesOnLastStage());
   }
 }
 
@@ -250,13 +230,13 @@ absl::Status ParallelModel::Impl::FindBoundaries(const Batch& example) {
 // A module pattern (a LoRA target, a module to recompute) that matches no
 // module on any pipeline stage is a mistake.
 absl::Status ParallelModel::Impl::CheckModulePatterns() {
-  auto check = [&](const std::vector<std::string>& patterns, const std::vector<int>& local_hits,
-                   const std::string& what, const std::string& matches_none) -> absl::Status {
+  auto check = [&](const auto& patterns, const std::vector<int>& local_hits, const std::string& what,
+                   const std::string& matches_none) -> absl::Status {
     if (patterns.empty()) return absl::OkStatus();
     at::Tensor hits = at::zeros({static_cast<int64_t>(patterns.size())}, at::kLong);
     for (size_t i = 0; i < local_hits.size(); ++i) hits[i] = local_hits[i];
     if (pp != nullptr) TRIDENT_RETURN_IF_ERROR(pp->AllReduce(hits));
-    for (size_t i = 0; i < patterns.size(); ++i) {
+    for (int i = 0; i < static_cast<int>(patterns.size()); ++i) {
       if (hits[i].item<int64_t>() == 0) {
         return absl::InvalidArgumentError(absl::StrCat(what, " entry '", patterns[i], "' ", matches_none));
       }
@@ -264,24 +244,24 @@ absl::Status ParallelModel::Impl::CheckModulePatterns() {
     return absl::OkStatus();
   };
   const std::string no_module = "matches no module of the model";
-  if (plan.lora) {
+  if (plan.has_lora()) {
     TRIDENT_RETURN_IF_ERROR(
-        check(plan.lora->target_modules, part.lora_target_hits, "lora_config: target_modules", no_module));
+        check(plan.lora().target_modules(), part.lora_target_hits, "lora_config: target_modules", no_module));
   }
   TRIDENT_RETURN_IF_ERROR(check(part.replace_report.pairs, part.replace_report.hits, "module_replace:", no_module));
-  TRIDENT_RETURN_IF_ERROR(check(plan.checkpoint_modules, part.recompute_hits, "checkpoint_modules:", no_module));
-  if (plan.activation_checkpointing != "selected") return absl::OkStatus();
+  TRIDENT_RETURN_IF_ERROR(check(plan.recompute().modules(), part.recompute_hits, "checkpoint_modules:", no_module));
+  if (plan.recompute().method() != RecomputeSpec::selected) return absl::OkStatus();
   // Selected layers by name or prefix, on whichever stage holds them.
-  std::vector<int> layer_hits(plan.checkpoint_layers.size());
+  std::vector<int> layer_hits(plan.recompute().layers().size());
   for (const StageChunk& chunk : part.chunks) {
     for (int64_t layer = chunk.first_layer; layer < chunk.end_layer; ++layer) {
       const std::string name = part.layers->LayerName(layer);
-      for (size_t i = 0; i < plan.checkpoint_layers.size(); ++i) {
-        layer_hits[i] += absl::StartsWith(name, plan.checkpoint_layers[i]) ? 1 : 0;
+      for (int i = 0; i < plan.recompute().layers().size(); ++i) {
+        layer_hits[i] += absl::StartsWith(name, plan.recompute().layers()[i]) ? 1 : 0;
       }
     }
   }
-  return check(plan.checkpoint_layers, layer_hits, "checkpoint_layers:",
+  return check(plan.recompute().layers(), layer_hits, "checkpoint_layers:",
                absl::StrCat("matches no layer of the model (layer names are like '",
                             part.layers->LayerName(
                                 std::min(part.chunks.front().first_layer + 1, part.chunks.front().end_layer - 1)),
@@ -360,10 +340,10 @@ absl::Status ParallelModel::Impl::ClassifyParameters(const Batch& example) {
 
 absl::StatusOr<std::vector<double>> ParallelModel::Impl::LossWeights(const std::vector<Batch>& batches) const {
   const size_t M = batches.size();
-  if (plan.grad_reduction == "mean") return std::vector<double>(M, 1.0 / M);
+  if (plan.reduction().gradients() == ReductionSpec::mean) return std::vector<double>(M, 1.0 / M);
   // The reducer averages over data parallelism: a sum is the average times dp.
   const double dp_size = DataParallelSize();
-  if (plan.grad_reduction == "sum") return std::vector<double>(M, dp_size);
+  if (plan.reduction().gradients() == ReductionSpec::sum) return std::vector<double>(M, dp_size);
   std::vector<double> tokens(M, 0.0);
   if (HoldsLastStage()) {
     for (size_t m = 0; m < M; ++m) {
@@ -389,9 +369,9 @@ absl::StatusOr<double> ParallelModel::ForwardBackward(const std::vector<Batch>& 
 
 absl::StatusOr<PendingScalar> ParallelModel::ForwardBackwardWithoutWaiting(const std::vector<Batch>& micro_batches) {
   Impl& m = *impl_;
-  if (static_cast<int64_t>(micro_batches.size()) != m.plan.num_micro_batches) {
+  if (static_cast<int64_t>(micro_batches.size()) != m.plan.num_micro_batches()) {
     return absl::InvalidArgumentError(absl::StrCat("ForwardBackward got ", micro_batches.size(),
-                                                   " micro-batches; the plan has ", m.plan.num_micro_batches));
+                                                   " micro-batches; the plan has ", m.plan.num_micro_batches()));
   }
   // Counted where the batches are given (the host's, usually): counting the
   // device's copies would wait for the GPU.
@@ -402,9 +382,10 @@ absl::StatusOr<PendingScalar> ParallelModel::ForwardBackwardWithoutWaiting(const
     AutocastScope autocast(m.precision, m.device.type());
     TRIDENT_ASSIGN_OR_RETURN(losses, m.runner->RunStep(batches, weights));
   }
-  if (m.plan.sequence_parallel) TRIDENT_RETURN_IF_ERROR(m.update->SumOverTensorParallel(m.replicated));
+  if (m.plan.tensor_parallel().sequence_parallel())
+    TRIDENT_RETURN_IF_ERROR(m.update->SumOverTensorParallel(m.replicated));
   const double sum = std::accumulate(losses.begin(), losses.end(), 0.0);
-  if (m.plan.loss_reduction == "sum") return m.Share(sum, ReduceOp::kSum);
+  if (m.plan.reduction().loss() == ReductionSpec::sum) return m.Share(sum, ReduceOp::kSum);
   return m.Share(sum / std::max<size_t>(1, losses.size()), ReduceOp::kAvg);
 }
 
@@ -504,21 +485,21 @@ std::string ParallelModel::Describe() const {
   if (!m.part.tensor_parallel_report.empty()) {
     absl::StrAppend(&text, "  automatic tensor parallelism:\n", m.part.tensor_parallel_report);
   }
-  if (m.plan.no_tie_modules && m.part.traced) {
+  if (m.plan.trace().no_tie_modules() && m.part.traced) {
     absl::StrAppend(&text, "  no_tie_modules: ",
                     m.part.untied.empty() ? "the model ties no parameters" : absl::StrJoin(m.part.untied, ", "), "\n");
   }
-  if (!m.plan.module_replace.empty()) absl::StrAppend(&text, "  ", m.part.replace_report.Summary(), " (this rank)\n");
-  if (!m.plan.checkpoint_modules.empty()) {
+  if (!m.plan.module_replace().empty()) absl::StrAppend(&text, "  ", m.part.replace_report.Summary(), " (this rank)\n");
+  if (!m.plan.recompute().modules().empty()) {
     std::vector<std::string> hits;
-    for (size_t i = 0; i < m.plan.checkpoint_modules.size(); ++i) {
-      hits.push_back(absl::StrCat(m.plan.checkpoint_modules[i], " ", m.part.recompute_hits.at(i)));
+    for (int i = 0; i < m.plan.recompute().modules().size(); ++i) {
+      hits.push_back(absl::StrCat(m.plan.recompute().modules()[i], " ", m.part.recompute_hits.at(i)));
     }
     absl::StrAppend(&text, "  checkpoint_modules: ", absl::StrJoin(hits, ", "),
                     m.part.traced ? " (modules whose operators recompute in backward)\n"
                                   : " (modules recomputing in backward on this rank)\n");
   }
-  if (m.plan.lora) {
+  if (m.plan.has_lora()) {
     int64_t trainable = 0, all = 0;
     for (const auto& [name, p] : m.parameters) {
       all += p.numel();
@@ -526,8 +507,8 @@ std::string ParallelModel::Describe() const {
     }
     absl::StrAppend(&text, absl::StrFormat("  LoRA adapter '%s' (r %d, scale %g): %d of this rank's %d parameters "
                                            "train (%.2f%%), the rest are frozen\n",
-                                           m.plan.lora->adapter_name, m.plan.lora->r, m.plan.lora->scale(), trainable,
-                                           all, 100.0 * trainable / std::max<int64_t>(1, all)));
+                                           m.plan.lora().adapter_name(), m.plan.lora().r(), LoraScale(m.plan.lora()),
+                                           trainable, all, 100.0 * trainable / std::max<int64_t>(1, all)));
   }
   auto tensors = [](size_t n) { return absl::StrCat(n, n == 1 ? " tensor" : " tensors"); };
   for (size_t c = 0; c < m.part.chunks.size(); ++c) {

@@ -76,7 +76,7 @@ std::map<std::string, at::Tensor> Gradients(ParallelModel& model, const std::vec
 }
 
 // On 2 data-parallel ranks with 2 micro-batches each: "sum" gives the mean's
-// gradients times M * dp and reports the summed loss; "per-token-mean" with
+// gradients times M * dp and reports the summed loss; per_token_mean with
 // equal token counts gives the mean's gradients.
 TEST(ParallelModelTest, GradientAndLossReductions) {
   testing::RunOnRanks(2, [](int rank) {
@@ -85,22 +85,24 @@ TEST(ParallelModelTest, GradientAndLossReductions) {
     std::vector<Batch> batches = {MicroBatch(2 * rank), MicroBatch(2 * rank + 1)};
     std::map<std::string, std::map<std::string, at::Tensor>> grads;
     std::map<std::string, double> losses;
-    for (const char* reduction : {"mean", "sum", "per-token-mean"}) {
+    for (const char* reduction : {"mean", "sum", "per_token_mean"}) {
       ParallelPlan plan;
-      plan.dp = 2;
-      plan.num_micro_batches = 2;
-      plan.micro_batch_size = 2;
-      plan.grad_reduction = reduction;
-      plan.loss_reduction = std::string(reduction) == "sum" ? "sum" : "mean";
+      plan.set_dp(2);
+      plan.set_num_micro_batches(2);
+      plan.set_micro_batch_size(2);
+      ReductionSpec::Reduction gradients;
+      ASSERT_TRUE(ReductionSpec::Reduction_Parse(reduction, &gradients));
+      plan.mutable_reduction()->set_gradients(gradients);
+      plan.mutable_reduction()->set_loss(std::string(reduction) == "sum" ? ReductionSpec::sum : ReductionSpec::mean);
       auto model = Parallelize(TinySource(), plan, topology->get(), batches[0], Sgd());
       ASSERT_TRUE(model.ok()) << model.status();
       grads[reduction] = Gradients(**model, batches, &losses[reduction]);
     }
     EXPECT_NEAR(losses["sum"], 4 * losses["mean"], 1e-5);
-    EXPECT_NEAR(losses["per-token-mean"], losses["mean"], 1e-6);
+    EXPECT_NEAR(losses["per_token_mean"], losses["mean"], 1e-6);
     for (const auto& [name, mean] : grads["mean"]) {
       EXPECT_TRUE(torch::allclose(grads["sum"][name], mean * 4, 1e-5, 1e-6)) << name;
-      EXPECT_TRUE(torch::allclose(grads["per-token-mean"][name], mean, 1e-5, 1e-7)) << name;
+      EXPECT_TRUE(torch::allclose(grads["per_token_mean"][name], mean, 1e-5, 1e-7)) << name;
     }
   });
 }
@@ -117,10 +119,12 @@ TEST(ParallelModelTest, TracedEagerAndLayersAgree) {
     std::map<std::string, double> losses;
     for (const char* method : {"jit", "none", "layers"}) {
       ParallelPlan plan;
-      plan.num_micro_batches = 2;
-      plan.micro_batch_size = 2;
-      plan.trace_method = method;
-      plan.activation_checkpointing = "full";
+      plan.set_num_micro_batches(2);
+      plan.set_micro_batch_size(2);
+      TraceSpec::Method trace_method;
+      ASSERT_TRUE(TraceSpec::Method_Parse(method, &trace_method));
+      plan.mutable_trace()->set_method(trace_method);
+      plan.mutable_recompute()->set_method(RecomputeSpec::full);
       ModelSource source = TinySource();
       if (std::string(method) == "layers") {
         auto layers = std::make_shared<TinyLayers>();
@@ -174,9 +178,11 @@ TEST(ParallelModelTest, NoTieModulesUntiesTracedModulesAndRefusesEagerOnes) {
     ASSERT_TRUE(topology.ok()) << topology.status();
     auto train = [&](const ModelSource& source, const std::string& trace_method, bool no_tie_modules) {
       ParallelPlan plan;
-      plan.micro_batch_size = 2;
-      plan.trace_method = trace_method;
-      plan.no_tie_modules = no_tie_modules;
+      plan.set_micro_batch_size(2);
+      TraceSpec::Method method = TraceSpec::jit;
+      EXPECT_TRUE(TraceSpec::Method_Parse(trace_method, &method));
+      plan.mutable_trace()->set_method(method);
+      plan.mutable_trace()->set_no_tie_modules(no_tie_modules);
       std::vector<double> losses;
       auto model = Parallelize(source, plan, topology->get(), MicroBatch(0), Sgd());
       EXPECT_TRUE(model.ok()) << model.status();
@@ -198,9 +204,9 @@ TEST(ParallelModelTest, NoTieModulesUntiesTracedModulesAndRefusesEagerOnes) {
     for (size_t i = 0; i < untied.size(); ++i) EXPECT_NEAR(untied[i], reference[i], 1e-6) << "step " << i;
     EXPECT_NE(train(TiedSource(/*tied=*/true), "jit", false).back(), untied.back()) << "tied trains otherwise";
     ParallelPlan plan;
-    plan.micro_batch_size = 2;
-    plan.trace_method = "none";
-    plan.no_tie_modules = true;
+    plan.set_micro_batch_size(2);
+    plan.mutable_trace()->set_method(TraceSpec::none);
+    plan.mutable_trace()->set_no_tie_modules(true);
     EXPECT_THAT(
         std::string(Parallelize(TiedSource(true), plan, topology->get(), MicroBatch(0), Sgd()).status().message()),
         HasSubstr("no_tie_modules: the model ties b.weight to a.weight and is not traced"));
@@ -224,6 +230,15 @@ struct AdaptableNetImpl : torch::nn::Module {
 
 // LoRA on a user's module, traced or run eagerly: the same losses, and only
 // the adapters get gradients and change; a target nothing matches is refused.
+// Rank-2 adapters (scale 2) on `targets`.
+LoraConfig Lora(const std::vector<std::string>& targets) {
+  LoraConfig lora;
+  lora.set_r(2);
+  lora.set_alpha(4);
+  SetStrings(lora.mutable_target_modules(), targets);
+  return lora;
+}
+
 TEST(ParallelModelTest, LoraAdaptsAUserModuleTracedOrEager) {
   testing::RunOnRanks(1, [](int) {
     auto topology = testing::JoinTopology({{"data", 1}});
@@ -232,9 +247,11 @@ TEST(ParallelModelTest, LoraAdaptsAUserModuleTracedOrEager) {
     std::map<std::string, std::vector<double>> losses;
     for (const char* method : {"jit", "none"}) {
       ParallelPlan plan;
-      plan.micro_batch_size = 2;
-      plan.trace_method = method;
-      plan.lora = LoraOptions{.r = 2, .alpha = 4, .target_modules = {"a", "b"}};
+      plan.set_micro_batch_size(2);
+      TraceSpec::Method trace_method;
+      ASSERT_TRUE(TraceSpec::Method_Parse(method, &trace_method));
+      plan.mutable_trace()->set_method(trace_method);
+      *plan.mutable_lora() = Lora({"a", "b"});
       auto net = std::make_shared<AdaptableNetImpl>();
       ModelSource source =
           ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
@@ -264,8 +281,8 @@ TEST(ParallelModelTest, LoraAdaptsAUserModuleTracedOrEager) {
 
     // torch::nn::Linear layers take no adapters as modules; traced, their products do.
     ParallelPlan traced;
-    traced.micro_batch_size = 2;
-    traced.lora = LoraOptions{.r = 2, .alpha = 4, .target_modules = {"a", "b"}};
+    traced.set_micro_batch_size(2);
+    *traced.mutable_lora() = Lora({"a", "b"});
     ModelSource plain = TinySource();
     auto plain_model = Parallelize(plain, traced, topology->get(), batches[0], Sgd());
     ASSERT_TRUE(plain_model.ok()) << plain_model.status();
@@ -286,8 +303,8 @@ TEST(ParallelModelTest, LoraAdaptsAUserModuleTracedOrEager) {
     EXPECT_NE(plain_losses[2], plain_losses[0]) << "the adapters learn";
 
     ParallelPlan typo;
-    typo.micro_batch_size = 2;
-    typo.lora = LoraOptions{.target_modules = {"a", "fc9"}};
+    typo.set_micro_batch_size(2);
+    *typo.mutable_lora() = Lora({"a", "fc9"});
     auto net = std::make_shared<AdaptableNetImpl>();
     ModelSource source = ModelSource::FromModule(net, [net](const Values& in) { return Values{net->forward(in[0])}; });
     source.loss = *LossRegistry().Find("mse");
@@ -337,9 +354,11 @@ TEST(ParallelModelTest, FullRecomputationHoldsOneLayerAtATime) {
     std::map<std::string, std::map<std::string, at::Tensor>> grads;
     for (const char* recompute : {"none", "full"}) {
       ParallelPlan plan;
-      plan.micro_batch_size = 512;
-      plan.trace_method = "layers";
-      plan.activation_checkpointing = recompute;
+      plan.set_micro_batch_size(512);
+      plan.mutable_trace()->set_method(TraceSpec::layers);
+      RecomputeSpec::Method method;
+      ASSERT_TRUE(RecomputeSpec::Method_Parse(recompute, &method));
+      plan.mutable_recompute()->set_method(method);
       auto layers = std::make_shared<WideLayers>();
       ModelSource source = ModelSource::FromModule(layers, nullptr);
       source.loss = *LossRegistry().Find("mse");
@@ -369,9 +388,9 @@ TEST(ParallelModelTest, StepsAfterTheFirstAllocateNothingNew) {
     torch::manual_seed(7);
     const Batch batch = {torch::randn({128, 64}), torch::randn({128, 64})};
     ParallelPlan plan;
-    plan.micro_batch_size = 64;
-    plan.num_micro_batches = 2;
-    plan.trace_method = "layers";
+    plan.set_micro_batch_size(64);
+    plan.set_num_micro_batches(2);
+    plan.mutable_trace()->set_method(TraceSpec::layers);
     ModelSource source = ModelSource::FromModule(std::make_shared<WideLayers>(), nullptr);
     source.loss = *LossRegistry().Find("mse");
     const std::vector<Batch> micro_batches = {{batch[0].narrow(0, 0, 64), batch[1].narrow(0, 0, 64)},
@@ -411,11 +430,11 @@ TEST(ParallelModelTest, SetupErrorsReachEveryRank) {
     auto topology = testing::JoinTopology({{"pipeline", 2}});
     ASSERT_TRUE(topology.ok()) << topology.status();
     ParallelPlan plan;
-    plan.pp = 2;
-    plan.num_micro_batches = 2;
-    plan.micro_batch_size = 2;
-    plan.split_method = "nearest_min_deps";
-    plan.shard_count = 3;
+    plan.set_pp(2);
+    plan.set_num_micro_batches(2);
+    plan.set_micro_batch_size(2);
+    plan.mutable_trace()->set_split_method("nearest_min_deps");
+    plan.mutable_trace()->set_shard_count(3);
     const Batch example = MicroBatch(0);
     // The loss is not a scalar: the last stage finds out, both ranks fail.
     auto vector_loss =
@@ -427,23 +446,23 @@ TEST(ParallelModelTest, SetupErrorsReachEveryRank) {
     // Checked before any rank builds anything.
     ModelSource no_loss = TinySource();
     no_loss.loss = nullptr;
-    plan.trace_method = "none";
+    plan.mutable_trace()->set_method(TraceSpec::none);
     EXPECT_THAT(std::string(Parallelize(no_loss, plan, topology->get(), example, Sgd()).status().message()),
                 HasSubstr("trace_method=none runs the model whole"));
-    plan.trace_method = "jit";
-    plan.split_method = "layer_split";
+    plan.mutable_trace()->set_method(TraceSpec::jit);
+    plan.mutable_trace()->set_split_method("layer_split");
     EXPECT_THAT(std::string(Parallelize(no_loss, plan, topology->get(), example, Sgd()).status().message()),
                 HasSubstr("a traced model is cut with farthest_min_deps or nearest_min_deps"));
-    plan.split_method = "nearest_min_deps";
-    plan.tp = 2;
-    plan.trace_method = "none";
+    plan.mutable_trace()->set_split_method("nearest_min_deps");
+    plan.set_tp(2);
+    plan.mutable_trace()->set_method(TraceSpec::none);
     EXPECT_THAT(std::string(CheckSource(no_loss, plan).message()), HasSubstr("trace it (trace_method=jit)"));
-    plan.trace_method = "jit";
-    plan.tp = 1;
-    plan.dp = 2;
+    plan.mutable_trace()->set_method(TraceSpec::jit);
+    plan.set_tp(1);
+    plan.set_dp(2);
     EXPECT_THAT(std::string(Parallelize(no_loss, plan, topology->get(), example, Sgd()).status().message()),
                 HasSubstr("dp*tp*pp = 4 but the job has 2 ranks"));
-    plan.dp = 1;
+    plan.set_dp(1);
     // The model computes no loss and none is given.
     auto missing = Parallelize(no_loss, plan, topology->get(), example, Sgd());
     ASSERT_FALSE(missing.ok());

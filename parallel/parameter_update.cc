@@ -40,9 +40,9 @@ class PlainDataParallel : public ParameterUpdate {
     std::unique_ptr<PlainDataParallel> plain(new PlainDataParallel());
     plain->options_ = std::move(o);
     for (const auto& [name, p] : plain->options_.parameters) plain->list_.push_back(p);
-    plain->reducer_ =
-        std::make_unique<GradientReducer>(plain->options_.parameters, plain->options_.data_parallel,
-                                          plain->options_.bucket_bytes, plain->options_.gradient_predivide_factor);
+    plain->reducer_ = std::make_unique<GradientReducer>(plain->options_.parameters, plain->options_.data_parallel,
+                                                        plain->options_.zero.bucket_bytes(),
+                                                        plain->options_.zero.gradient_predivide_factor());
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("building the optimizer", [&] {
       plain->optimizer_ = plain->options_.make_optimizer(DecayGroups(plain->options_.parameters));
     }));
@@ -117,11 +117,7 @@ class Zero : public ParameterUpdate {
     for (const at::Tensor& p : options.counted) counted.insert(p.unsafeGetTensorImpl());
     for (const at::Tensor& p : options.keep_full_gradient) keep.insert(p.unsafeGetTensorImpl());
     ZeroOptions zero_options;
-    zero_options.stage = options.zero_stage;
-    zero_options.reduce_bucket_bytes = options.bucket_bytes;
-    zero_options.allgather_bucket_bytes = options.zero_allgather_bucket_bytes;
-    zero_options.allow_untested_optimizer = options.zero_allow_untested_optimizer;
-    zero_options.gradient_predivide_factor = options.gradient_predivide_factor;
+    zero_options.spec = options.zero;
     zero_options.layers = options.layers;
     zero_options.layer_indices = options.layer_indices;
     zero_options.keep_full_gradient = [keep](const at::Tensor& p) { return keep.count(p.unsafeGetTensorImpl()) > 0; };
@@ -185,9 +181,9 @@ absl::StatusOr<std::unique_ptr<ParameterUpdate>> MakeParameterUpdate(ParameterUp
   if (!options.make_optimizer) {
     return absl::InvalidArgumentError("no optimizer factory given (see parallel/optimizer.h)");
   }
-  if (options.zero_stage == 0) return PlainDataParallel::Create(std::move(options));
+  if (options.zero.stage() == 0) return PlainDataParallel::Create(std::move(options));
   if (options.data_parallel == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("zero_stage=", options.zero_stage,
+    return absl::InvalidArgumentError(absl::StrCat("zero_stage=", options.zero.stage(),
                                                    " shards over the data-parallel group, and this run has "
                                                    "none (dp=1); use zero_stage=0 or dp > 1"));
   }

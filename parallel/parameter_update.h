@@ -80,16 +80,14 @@ struct ParameterUpdateOptions {
   const ProcessGroup* tensor_parallel = nullptr;  // nullptr: tp = 1
   const ProcessGroup* norm_group = nullptr;       // tensor x pipeline ranks (nullptr: none)
   const ProcessGroup* world = nullptr;            // every rank (ZeRO's norm spans dp too)
-  int64_t bucket_bytes = 25 << 20;
-  double gradient_predivide_factor = 1.0;  // prescale_gradients
+  // Plain data parallelism (stage 0) or ZeRO, with their buckets and the
+  // gradient predivide factor (the plan's zero).
+  ZeroSpec zero;
   // Builds the optimizer: group 0 the parameters of dimension >= 2 (weight
   // decay applies), group 1 the others.
   OptimizerFactory make_optimizer;
-  int zero_stage = 0;               // 0: plain data parallelism
   LayerSequence* layers = nullptr;  // ZeRO stage 3: the model and the layers held
   std::vector<int64_t> layer_indices;
-  bool zero_allow_untested_optimizer = false;
-  int64_t zero_allgather_bucket_bytes = 0;
 };
 
 absl::StatusOr<std::unique_ptr<ParameterUpdate>> MakeParameterUpdate(ParameterUpdateOptions options);

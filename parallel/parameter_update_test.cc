@@ -109,7 +109,7 @@ TEST(ParameterUpdateTest, AGradientAccumulatedAfterItsAllReduceStartedIsAnError)
     ParameterUpdateOptions options;
     options.parameters = {{"tied", tied}, {"other", other}};
     options.data_parallel = *(*topology)->Group("data");
-    options.bucket_bytes = 16;  // one parameter each
+    options.zero.set_bucket_bytes(16);  // one parameter each
     options.make_optimizer = *MakeOptimizerFactory("sgd", ComponentArgs());
     auto update = MakeParameterUpdate(options);
     ASSERT_TRUE(update.ok()) << update.status();

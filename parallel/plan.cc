@@ -1,9 +1,10 @@
 // Checks of a ParallelPlan and a ModelSource, made before any rank builds anything.
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <map>
-#include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "amp/amp.h"
@@ -15,117 +16,145 @@
 namespace trident {
 
 std::vector<MeshAxis> PlanMeshAxes(const ParallelPlan& plan) {
-  const std::map<std::string, int> sizes = {{"tensor", plan.tp}, {"pipeline", plan.pp}, {"data", plan.dp}};
+  const std::map<std::string, int> sizes = {{"tensor", plan.tp()}, {"pipeline", plan.pp()}, {"data", plan.dp()}};
   std::vector<MeshAxis> axes;
-  for (const std::string& name :
-       plan.axis_order.empty() ? std::vector<std::string>{"tensor", "pipeline", "data"} : plan.axis_order) {
+  for (const std::string& name : plan.axis_order().empty() ? std::vector<std::string>{"tensor", "pipeline", "data"}
+                                                           : ToVector(plan.axis_order())) {
     auto size = sizes.find(name);
     if (size != sizes.end()) axes.push_back({name, size->second});
   }
   return axes;
 }
 
+std::vector<bool> RecomputedLayers(const RecomputeSpec& recompute, int v, int V,
+                                   const std::vector<std::string>& layer_names, bool last_stage_recomputes) {
+  const int64_t n = static_cast<int64_t>(layer_names.size());
+  std::vector<bool> recomputed(n, false);
+  if (v == V - 1 && !last_stage_recomputes) return recomputed;
+  int64_t first_layers = 0;
+  switch (recompute.method()) {
+    case RecomputeSpec::none:
+      break;
+    case RecomputeSpec::full:
+      first_layers = n;
+      break;
+    case RecomputeSpec::selected:
+      for (int64_t i = 0; i < n; ++i) {
+        for (const std::string& prefix : recompute.layers()) {
+          if (absl::StartsWith(layer_names[i], prefix)) recomputed[i] = true;
+        }
+      }
+      break;
+    case RecomputeSpec::stage_aware:
+      if (v < V - 1) {
+        const int s = v + 1;  // 1-based, as the formula is written
+        const double fraction = 1.0 - (1.0 - recompute.ratio()) * (V - 1) / (V - s);
+        first_layers = std::clamp<int64_t>(std::llround(fraction * n), 0, n);
+      }
+      break;
+  }
+  for (int64_t i = 0; i < first_layers; ++i) recomputed[i] = true;
+  return recomputed;
+}
+
 absl::Status ValidatePlan(const ParallelPlan& p) {
   auto invalid = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
-  if (p.dp < 1 || p.tp < 1 || p.pp < 1) {
-    return invalid("dp=", p.dp, ", tp=", p.tp, ", pp=", p.pp, ": each must be at least 1");
+  if (p.dp() < 1 || p.tp() < 1 || p.pp() < 1) {
+    return invalid("dp=", p.dp(), ", tp=", p.tp(), ", pp=", p.pp(), ": each must be at least 1");
   }
-  if (!p.axis_order.empty()) {
-    std::vector<std::string> sorted = p.axis_order;
+  if (!p.axis_order().empty()) {
+    std::vector<std::string> sorted = ToVector(p.axis_order());
     std::sort(sorted.begin(), sorted.end());
     if (sorted != std::vector<std::string>{"data", "pipeline", "tensor"}) {
-      return invalid("axis_order=", absl::StrJoin(p.axis_order, ","),
+      return invalid("axis_order=", absl::StrJoin(p.axis_order(), ","),
                      ": name each of tensor, pipeline and data once, the fastest-varying first");
     }
   }
-  if (!p.rank_order.empty()) {
-    TRIDENT_RETURN_IF_ERROR(DeviceMesh::Create(PlanMeshAxes(p), p.dp * p.tp * p.pp, p.rank_order).status());
+  if (!p.rank_order().empty()) {
+    TRIDENT_RETURN_IF_ERROR(
+        DeviceMesh::Create(PlanMeshAxes(p), p.dp() * p.tp() * p.pp(), ToVector(p.rank_order())).status());
   }
-  if (p.sequence_parallel && p.tp == 1) {
+  if (p.tensor_parallel().sequence_parallel() && p.tp() == 1) {
     return invalid("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks)");
   }
-  if (p.tp_overlapping_level < 0 || p.tp_overlapping_level > 2) {
-    return invalid("tp_overlapping_level=", p.tp_overlapping_level,
+  if (p.tensor_parallel().overlapping_level() < 0 || p.tensor_parallel().overlapping_level() > 2) {
+    return invalid("tp_overlapping_level=", p.tensor_parallel().overlapping_level(),
                    ": 0 (none), 1 (sub-pipelined products inside each parallel layer) and 2 (sub-pipelined "
                    "transformer blocks) are implemented; 3 (overlap between blocks) is not");
   }
-  if (p.tp_overlapping_level > 0 && p.sequence_parallel) {
-    return invalid("tp_overlapping_level=", p.tp_overlapping_level,
+  if (p.tensor_parallel().overlapping_level() > 0 && p.tensor_parallel().sequence_parallel()) {
+    return invalid("tp_overlapping_level=", p.tensor_parallel().overlapping_level(),
                    " overlaps the all-reduces of tensor parallelism; with sequence_parallel the layers "
                    "all-gather and reduce-scatter instead: set one of them off");
   }
-  if (p.zero_stage < 0 || p.zero_stage > 3) {
-    return invalid("zero_stage=", p.zero_stage, " is unknown; choose 0, 1, 2 or 3");
+  if (p.zero().stage() < 0 || p.zero().stage() > 3) {
+    return invalid("zero_stage=", p.zero().stage(), " is unknown; choose 0, 1, 2 or 3");
   }
-  if (p.zero_stage == 3 && p.pp > 1 && p.schedule == "zb_h1") {
+  if (p.zero().stage() == 3 && p.pp() > 1 && p.pipeline().schedule() == "zb_h1") {
     return invalid(
         "zero_stage=3 with schedule zb_h1: zb_h1 runs weight gradients after ZeRO-3 "
         "has released the layer's parameters; use zero_stage <= 2 or another schedule");
   }
-  if (p.zero_reduce_bucket_bytes < 1 || p.zero_allgather_bucket_bytes < 1 || p.bucket_bytes < 1) {
+  if (p.zero().reduce_bucket_bytes() < 1 || p.zero().allgather_bucket_bytes() < 1 || p.zero().bucket_bytes() < 1) {
     return invalid("bucket sizes must be positive");
   }
-  if (!(p.gradient_predivide_factor > 0)) return invalid("gradient_predivide_factor must be positive");
-  if (p.micro_batch_size < 1 || p.num_micro_batches < 1) {
-    return invalid("micro_batch_size=", p.micro_batch_size, " and the number of micro-batches (", p.num_micro_batches,
-                   ") must be at least 1");
+  if (!(p.zero().gradient_predivide_factor() > 0)) return invalid("gradient_predivide_factor must be positive");
+  if (p.micro_batch_size() < 1 || p.num_micro_batches() < 1) {
+    return invalid("micro_batch_size=", p.micro_batch_size(), " and the number of micro-batches (",
+                   p.num_micro_batches(), ") must be at least 1");
   }
-  for (const auto& [name, value, allowed] : std::vector<std::tuple<const char*, std::string, std::vector<std::string>>>{
-           {"activation_checkpointing", p.activation_checkpointing, {"none", "full", "stage_aware", "selected"}},
-           {"grad_reduction", p.grad_reduction, {"mean", "sum", "per-token-mean"}},
-           {"loss_reduction", p.loss_reduction, {"mean", "sum"}},
-           {"trace_method", p.trace_method, {"jit", "layers", "none"}},
-           {"device", p.device, {"cpu", "cuda"}}}) {
-    if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
-      return invalid(name, "='", value, "' is unknown; choose ", absl::StrJoin(allowed, ", "));
-    }
+  if (p.reduction().loss() == ReductionSpec::per_token_mean) {
+    return invalid(
+        "loss_reduction=per_token_mean: the reported loss is the mean or the sum; per_token_mean is for "
+        "grad_reduction");
   }
-  if (!p.split_method.empty() && p.split_method != "layer_split" && !SplitMethodRegistry().Contains(p.split_method)) {
-    return invalid(SplitMethodRegistry().Find(p.split_method).status().message(),
+  if (!p.trace().split_method().empty() && p.trace().split_method() != "layer_split" &&
+      !SplitMethodRegistry().Contains(p.trace().split_method())) {
+    return invalid(SplitMethodRegistry().Find(p.trace().split_method()).status().message(),
                    ", or layer_split for a LayerSequence");
   }
-  if ((p.activation_checkpointing == "selected") != !p.checkpoint_layers.empty()) {
+  if ((p.recompute().method() == RecomputeSpec::selected) != !p.recompute().layers().empty()) {
     return invalid(
         "activation_checkpointing=selected recomputes the layers checkpoint_layers names; "
         "give both or neither");
   }
-  if (p.checkpoint_num_layers < 1 || p.activation_checkpoint_ratio < 0 || p.activation_checkpoint_ratio > 1) {
+  if (p.recompute().num_layers() < 1 || p.recompute().ratio() < 0 || p.recompute().ratio() > 1) {
     return invalid("checkpoint_num_layers must be at least 1 and activation_checkpoint_ratio in [0, 1]");
   }
-  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(p.precision, p.precision_table));
-  if (p.device == "cpu" && (precision.compute == at::kHalf || precision.param == at::kHalf)) {
+  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(p.precision().mode(), p.precision().table()));
+  if (p.device() == ParallelPlan::cpu && (precision.compute == at::kHalf || precision.param == at::kHalf)) {
     return absl::UnimplementedError(
-        absl::StrCat("precision=", p.precision,
+        absl::StrCat("precision=", p.precision().mode(),
                      " computes or stores float16, which needs a GPU; on CPU, whose "
                      "kernels lack float16 (LayerNorm, matrix products), use bf16 or pure_bf16 (or device=cuda)"));
   }
-  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(p.schedule, p.virtual_stages));
-  if (p.pp == 1 && schedule->num_chunks() > 1) {
-    return invalid("schedule ", p.schedule, " with virtual_stages=", p.virtual_stages, " needs pp > 1");
+  TRIDENT_ASSIGN_OR_RETURN(auto schedule, MakeSchedule(p.pipeline().schedule(), p.virtual_stages()));
+  if (p.pp() == 1 && schedule->num_chunks() > 1) {
+    return invalid("schedule ", p.pipeline().schedule(), " with virtual_stages=", p.virtual_stages(), " needs pp > 1");
   }
-  if (p.pp > 1) TRIDENT_RETURN_IF_ERROR(schedule->Check(p.pp, static_cast<int>(p.num_micro_batches)));
-  if (!p.custom_split_points.empty() &&
-      static_cast<int64_t>(p.custom_split_points.size()) != static_cast<int64_t>(p.pp) * p.virtual_stages - 1) {
-    return invalid("custom_split_points names ", p.custom_split_points.size(),
-                   " layer(s) but pp*virtual_stages = ", p.pp * p.virtual_stages, " stages need ",
-                   p.pp * p.virtual_stages - 1, " (the first layer of every stage after the first)");
+  if (p.pp() > 1) TRIDENT_RETURN_IF_ERROR(schedule->Check(p.pp(), static_cast<int>(p.num_micro_batches())));
+  if (!p.pipeline().custom_split_points().empty() && static_cast<int64_t>(p.pipeline().custom_split_points().size()) !=
+                                                         static_cast<int64_t>(p.pp()) * p.virtual_stages() - 1) {
+    return invalid("custom_split_points names ", p.pipeline().custom_split_points().size(),
+                   " layer(s) but pp*virtual_stages = ", p.pp() * p.virtual_stages(), " stages need ",
+                   p.pp() * p.virtual_stages() - 1, " (the first layer of every stage after the first)");
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan) {
   const bool layers = source.kind == ModelSource::Kind::kLayers ||
-                      (source.kind == ModelSource::Kind::kModule && plan.trace_method == "layers");
-  const int64_t stages = static_cast<int64_t>(plan.pp) * plan.virtual_stages;
-  if (plan.tp > 1 && !layers && plan.trace_method != "jit") {
+                      (source.kind == ModelSource::Kind::kModule && plan.trace().method() == TraceSpec::layers);
+  const int64_t stages = static_cast<int64_t>(plan.pp()) * plan.virtual_stages();
+  if (plan.tp() > 1 && !layers && plan.trace().method() != TraceSpec::jit) {
     return absl::InvalidArgumentError(
         "tp > 1 splits a module's layers through its traced graph; trace it (trace_method=jit), or "
         "build its layers tensor-parallel (ParallelLinear and ApplyTensorParallel) as a LayerSequence");
   }
   if (source.kind == ModelSource::Kind::kLayers) {
-    if (!plan.split_method.empty() && plan.split_method != "layer_split") {
+    if (!plan.trace().split_method().empty() && plan.trace().split_method() != "layer_split") {
       return absl::InvalidArgumentError(
-          absl::StrCat("split_method=", plan.split_method,
+          absl::StrCat("split_method=", plan.trace().split_method(),
                        " cuts traced graphs; this model is a layer "
                        "sequence, cut at layer boundaries: use layer_split (with custom_split_points to choose "
                        "the cuts)"));
@@ -140,13 +169,13 @@ absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan) {
     return absl::NotFoundError(
         absl::StrCat("cannot read TorchScript file ", source.torchscript_path, " (save one with torch.jit.save)"));
   }
-  if (!layers && plan.split_method == "layer_split") {
+  if (!layers && plan.trace().split_method() == "layer_split") {
     return absl::InvalidArgumentError(
         "split_method=layer_split cuts a LayerSequence at layer boundaries; a traced model is cut "
         "with farthest_min_deps or nearest_min_deps (or declare it as a LayerSequence and use "
         "trace_method=layers)");
   }
-  if (plan.trace_method == "none" && !layers && stages > 1) {
+  if (plan.trace().method() == TraceSpec::none && !layers && stages > 1) {
     return absl::InvalidArgumentError(
         "trace_method=none runs the model whole, untraced: it cannot be cut into pipeline stages; "
         "use pp=1, or trace_method=jit");

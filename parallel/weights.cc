@@ -26,7 +26,7 @@ absl::Status ParallelModel::LoadWeights(const SafetensorsContents& weights) {
       }
       if (!saved.ok()) {
         // A base model's file has no adapters: they keep their initial values.
-        if (!m.plan.lora || !IsAdapterParameter(name)) missing.push_back(name);
+        if (!m.plan.has_lora() || !IsAdapterParameter(name)) missing.push_back(name);
         continue;
       }
       at::Tensor value = *saved;

@@ -91,11 +91,11 @@ TEST(AutoAccelerateTest, TrainsWithTheLossesOfOneProcess) {
     auto topology = testing::JoinTopology({{"data", 1}});
     ASSERT_TRUE(topology.ok()) << topology.status();
     ParallelPlan plan;
-    plan.micro_batch_size = kGlobalBatch;
-    plan.batch_fields = dataset->field_names();
+    plan.set_micro_batch_size(kGlobalBatch);
+    SetStrings(plan.mutable_trace()->mutable_batch_fields(), dataset->field_names());
     auto source = SmallGpt()(ModelContext{});
     ASSERT_TRUE(source.ok()) << source.status();
-    BatchSampler sampler(dataset->size(), kGlobalBatch, plan.seed, /*shuffle=*/true);
+    BatchSampler sampler(dataset->size(), kGlobalBatch, plan.seed(), /*shuffle=*/true);
     auto global = [&](int64_t step) -> absl::StatusOr<std::vector<Batch>> {
       std::vector<int64_t> rows;
       for (int64_t j = 0; j < kGlobalBatch; ++j) rows.push_back(sampler.SampleIndex(step, j));
@@ -133,13 +133,13 @@ TEST(AutoAccelerateTest, TrainsWithTheLossesOfOneProcess) {
     ParallelPlan reapplied;
     ASSERT_TRUE(ApplyStrategy(*strategy, 2, &reapplied).ok()) << StrategyToText(*strategy);
     const ParallelPlan& chosen = run->search.plan;
-    EXPECT_EQ(std::make_tuple(reapplied.dp, reapplied.tp, reapplied.pp, reapplied.zero_stage, reapplied.precision,
-                              reapplied.activation_checkpointing),
-              std::make_tuple(chosen.dp, chosen.tp, chosen.pp, chosen.zero_stage, chosen.precision,
-                              chosen.activation_checkpointing))
+    EXPECT_EQ(std::make_tuple(reapplied.dp(), reapplied.tp(), reapplied.pp(), reapplied.zero().stage(),
+                              reapplied.precision().mode(), reapplied.recompute().method()),
+              std::make_tuple(chosen.dp(), chosen.tp(), chosen.pp(), chosen.zero().stage(), chosen.precision().mode(),
+                              chosen.recompute().method()))
         << StrategyToText(*strategy);
-    if (chosen.pp > 1) {
-      EXPECT_EQ(reapplied.schedule, chosen.schedule);
+    if (chosen.pp() > 1) {
+      EXPECT_EQ(reapplied.pipeline().schedule(), chosen.pipeline().schedule());
     }
 
     // Nothing fits 1 MB: the error names the smallest requirement found, on both ranks.

@@ -46,18 +46,19 @@ class PlanCosts {
  public:
   static absl::StatusOr<PlanCosts> Make(const ModelProfile& profile, const ParallelPlan& plan) {
     PlanCosts c(profile, plan);
-    TRIDENT_ASSIGN_OR_RETURN(c.precision_, MakePrecisionPolicy(plan.precision, plan.precision_table));
+    TRIDENT_ASSIGN_OR_RETURN(c.precision_, MakePrecisionPolicy(plan.precision().mode(), plan.precision().table()));
     const bool bf16 = c.precision_.compute == at::kBFloat16;
     if (bf16 && !profile.has_bf16()) {
       return absl::InvalidArgumentError("bf16 was not profiled (precision changes were not allowed)");
     }
     for (int i = 0; i < profile.layers_size(); ++i) {
       LayerCost cost;
-      TRIDENT_ASSIGN_OR_RETURN(cost.shard, ShardFor(profile.layers(i), plan.tp, plan.sequence_parallel));
+      TRIDENT_ASSIGN_OR_RETURN(cost.shard,
+                               ShardFor(profile.layers(i), plan.tp(), plan.tensor_parallel().sequence_parallel()));
       TRIDENT_ASSIGN_OR_RETURN(cost.whole, ShardFor(profile.layers(i), 1));
       const LayerShard* shard = cost.shard;
       const LayerShard* whole = cost.whole;
-      const int64_t b = plan.micro_batch_size;
+      const int64_t b = plan.micro_batch_size();
       cost.forward = At(shard->forward_seconds(), b);
       cost.backward = At(shard->backward_seconds(), b);
       cost.kept = At(shard->kept_bytes(), b);
@@ -76,9 +77,10 @@ class PlanCosts {
       c.layers_.push_back(cost);
     }
     TRIDENT_ASSIGN_OR_RETURN(c.bounds_, StageBoundaries(profile, plan));
-    TRIDENT_ASSIGN_OR_RETURN(c.schedule_, MakeSchedule(plan.pp > 1 ? plan.schedule : "1f1b", plan.virtual_stages));
-    TRIDENT_RETURN_IF_ERROR(c.schedule_->Check(plan.pp, static_cast<int>(plan.num_micro_batches)));
-    for (int s = 0; s < plan.pp; ++s) c.ranks_.push_back(c.View(s));
+    TRIDENT_ASSIGN_OR_RETURN(c.schedule_,
+                             MakeSchedule(plan.pp() > 1 ? plan.pipeline().schedule() : "1f1b", plan.virtual_stages()));
+    TRIDENT_RETURN_IF_ERROR(c.schedule_->Check(plan.pp(), static_cast<int>(plan.num_micro_batches())));
+    for (int s = 0; s < plan.pp(); ++s) c.ranks_.push_back(c.View(s));
     return c;
   }
 
@@ -191,12 +193,12 @@ class PlanCosts {
     int64_t length = 0;
     for (int64_t i = first; i < end; ++i) {
       const bool r = recomputed[i - first];
-      if (!r || length == plan_.checkpoint_num_layers) segment = 0, length = 0;
+      if (!r || length == plan_.recompute().num_layers()) segment = 0, length = 0;
       if (r) {
         segment += layers_[i].kept - layers_[i].output;
         ++length;
       }
-      const bool next_joins = i + 1 < end && recomputed[i + 1 - first] && length < plan_.checkpoint_num_layers;
+      const bool next_joins = i + 1 < end && recomputed[i + 1 - first] && length < plan_.recompute().num_layers();
       fn(i, r, r && !next_joins, segment);
     }
   }
@@ -204,26 +206,14 @@ class PlanCosts {
   // Rank s's chunks and which of their layers recompute (as ParallelModel plans it).
   RankView View(int s) const {
     RankView view;
-    const int V = plan_.pp * plan_.virtual_stages;
-    for (int c = 0; c < plan_.virtual_stages; ++c) {
-      const int v = c * plan_.pp + s;
-      const int64_t first = bounds_[v], end = bounds_[v + 1], n = end - first;
-      std::vector<bool> recomputed(n, false);
-      int64_t checkpointed = 0;
-      if (plan_.activation_checkpointing == "full") {
-        checkpointed = n;
-      } else if (plan_.activation_checkpointing == "selected") {
-        for (int64_t i = 0; i < n; ++i) {
-          for (const std::string& prefix : plan_.checkpoint_layers) {
-            if (profile_->layers(first + i).name().rfind(prefix, 0) == 0) recomputed[i] = true;
-          }
-        }
-      } else if (plan_.activation_checkpointing == "stage_aware" && v < V - 1) {
-        const double fraction = 1.0 - (1.0 - plan_.activation_checkpoint_ratio) * (V - 1) / (V - (v + 1));
-        checkpointed = std::clamp<int64_t>(std::llround(fraction * n), 0, n);
-      }
-      for (int64_t i = 0; i < checkpointed; ++i) recomputed[i] = true;
-      if (v == V - 1 && !schedule_->RecomputesOnLastStage()) recomputed.assign(n, false);
+    const int V = plan_.pp() * plan_.virtual_stages();
+    for (int c = 0; c < plan_.virtual_stages(); ++c) {
+      const int v = c * plan_.pp() + s;
+      const int64_t first = bounds_[v], end = bounds_[v + 1];
+      std::vector<std::string> names;
+      for (int64_t i = first; i < end; ++i) names.push_back(profile_->layers(i).name());
+      std::vector<bool> recomputed =
+          RecomputedLayers(plan_.recompute(), v, V, names, schedule_->RecomputesOnLastStage());
       view.chunks.emplace_back(first, end);
       view.recomputed.push_back(recomputed);
     }
@@ -243,7 +233,7 @@ class PlanCosts {
 absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vector<ZeroParameter>* planned) {
   const ParallelPlan& plan = costs.plan();
   std::set<std::string> elsewhere;  // names other pipeline ranks hold: tied
-  for (int other = 0; other < plan.pp; ++other) {
+  for (int other = 0; other < plan.pp(); ++other) {
     if (other == s) continue;
     for (const ProfiledParameter* p : costs.Parameters(other)) elsewhere.insert(p->name());
   }
@@ -253,11 +243,11 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
       if ((p->dim() >= 2 ? 0 : 1) != group) continue;
       index_of[p->name()] = static_cast<int>(planned->size());
       planned->push_back(
-          {p->numel(), costs.ElementSize(*p), group, plan.zero_stage == 1 || elsewhere.count(p->name()) > 0});
+          {p->numel(), costs.ElementSize(*p), group, plan.zero().stage() == 1 || elsewhere.count(p->name()) > 0});
     }
   }
   std::vector<std::pair<int64_t, std::vector<int>>> layer_reads;
-  if (plan.zero_stage == 3) {
+  if (plan.zero().stage() == 3) {
     for (const auto& [first, end] : costs.rank(s).chunks) {
       for (int64_t i = first; i < end; ++i) {
         layer_reads.emplace_back(i, std::vector<int>());
@@ -267,7 +257,7 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
       }
     }
   }
-  return PlanZeroBuckets(*planned, plan.zero_stage, plan.zero_reduce_bucket_bytes, plan.dp, layer_reads);
+  return PlanZeroBuckets(*planned, plan.zero().stage(), plan.zero().reduce_bucket_bytes(), plan.dp(), layer_reads);
 }
 
 // The most bytes rank `s` holds for backward at once, walking its schedule:
@@ -283,7 +273,8 @@ double PeakActivations(const PlanCosts& costs, int s) {
     split_held[c] = costs.SplitHeld(s, c);
   }
   double held = 0, peak = 0;
-  for (const Instruction& inst : costs.schedule().Instructions(s, plan.pp, static_cast<int>(plan.num_micro_batches))) {
+  for (const Instruction& inst :
+       costs.schedule().Instructions(s, plan.pp(), static_cast<int>(plan.num_micro_batches()))) {
     const size_t c = static_cast<size_t>(inst.chunk);
     switch (inst.op) {
       case Op::kForward:
@@ -315,7 +306,7 @@ double PeakActivations(const PlanCosts& costs, int s) {
 // starts every timed run on all ranks at once).
 double OversubscriptionFactor(const ModelProfile& profile, const ParallelPlan& plan, double bubble_fraction) {
   const double ranks = profile.ranks_per_node(), cores = profile.cores_per_node();
-  if (plan.device != "cpu" || cores <= 0 || ranks <= cores) return 1;
+  if (plan.device() != ParallelPlan::cpu || cores <= 0 || ranks <= cores) return 1;
   const double busy = ranks * (1 - bubble_fraction);
   return std::max(1.0, busy / cores) / (ranks / cores);
 }
@@ -325,7 +316,8 @@ double OversubscriptionFactor(const ModelProfile& profile, const ParallelPlan& p
 absl::StatusOr<std::vector<int64_t>> StageBoundaries(const ModelProfile& profile, const ParallelPlan& plan) {
   std::vector<LayerProfile> units;
   for (const ProfiledLayer& layer : profile.layers()) {
-    TRIDENT_ASSIGN_OR_RETURN(const LayerShard* shard, ShardFor(layer, plan.tp, plan.sequence_parallel));
+    TRIDENT_ASSIGN_OR_RETURN(const LayerShard* shard,
+                             ShardFor(layer, plan.tp(), plan.tensor_parallel().sequence_parallel()));
     LayerProfile unit;
     unit.name = layer.name();
     int64_t matrix_scalars = 0;
@@ -341,9 +333,10 @@ absl::StatusOr<std::vector<int64_t>> StageBoundaries(const ModelProfile& profile
     units.push_back(std::move(unit));
   }
   PartitionOptions options;
-  options.num_stages = plan.pp * plan.virtual_stages;
-  options.partition_method = plan.partition_method;
-  options.custom_split_points = plan.custom_split_points;
+  options.num_stages = plan.pp() * plan.virtual_stages();
+  options.partition_method = plan.pipeline().partition_method();
+  options.custom_split_points.assign(plan.pipeline().custom_split_points().begin(),
+                                     plan.pipeline().custom_split_points().end());
   TRIDENT_ASSIGN_OR_RETURN(Plan stages, PlanStages(units, options));
   return std::vector<int64_t>(stages.boundaries().begin(), stages.boundaries().end());
 }
@@ -352,18 +345,18 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
   TRIDENT_ASSIGN_OR_RETURN(PlanCosts costs, PlanCosts::Make(profile, plan));
   MemoryPrediction prediction;
   const int state_per_element = profile.optimizer_state_per_element();
-  for (int s = 0; s < plan.pp; ++s) {
+  for (int s = 0; s < plan.pp(); ++s) {
     MemoryReport state;
     int64_t transient = 0;
     const int64_t parameter_bytes = costs.ParameterBytes(s);
-    if (plan.zero_stage == 0) {
+    if (plan.zero().stage() == 0) {
       state.parameter_bytes = state.gradient_bytes = parameter_bytes;
       state.optimizer_bytes = state_per_element * parameter_bytes;  // gradients live in the reducer's buckets
     } else {
       std::vector<ZeroParameter> planned;
       TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayoutOf(costs, s, &planned));
-      state = ZeroLayoutMemory(layout, plan.dp, state_per_element);
-      if (plan.zero_stage == 3) {  // a layer gathered, the next prefetched, its full gradient
+      state = ZeroLayoutMemory(layout, plan.dp(), state_per_element);
+      if (plan.zero().stage() == 3) {  // a layer gathered, the next prefetched, its full gradient
         int64_t largest = 0;
         for (const auto& [layer, buckets] : layout.layer_buckets) {
           int64_t bytes = 0;
@@ -372,7 +365,7 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
         }
         transient += 3 * largest;
       } else {  // the step's all-gather
-        transient += std::min(plan.zero_allgather_bucket_bytes, parameter_bytes);
+        transient += std::min(plan.zero().allgather_bucket_bytes(), parameter_bytes);
       }
     }
     const double activations = PeakActivations(costs, s);
@@ -385,7 +378,7 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
     // before sharding, unless the model draws its values layer by layer;
     // the allocator keeps what that freed (measured on gpt2-124m dp2: 600 MB
     // more resident than plain dp once built).
-    const int64_t retained = plan.zero_stage == 3 && !profile.builds_deferred() ? 2 * parameter_bytes : 0;
+    const int64_t retained = plan.zero().stage() == 3 && !profile.builds_deferred() ? 2 * parameter_bytes : 0;
     prediction.max_resident = std::max(prediction.max_resident, prediction.tensor_peak.back() + retained);
   }
   // The process holds more than its tensors' bytes: the allocator's free
@@ -399,10 +392,10 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
 
 absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, const ParallelPlan& plan) {
   TRIDENT_ASSIGN_OR_RETURN(PlanCosts costs, PlanCosts::Make(profile, plan));
-  const int S = plan.pp, dp = plan.dp;
+  const int S = plan.pp(), dp = plan.dp();
   SimulationOptions sim;
   sim.num_stages = S;
-  sim.num_micro_batches = static_cast<int>(plan.num_micro_batches);
+  sim.num_micro_batches = static_cast<int>(plan.num_micro_batches());
   sim.forward_seconds.clear();
   sim.backward_seconds.clear();
   sim.recompute_seconds.clear();
@@ -411,7 +404,7 @@ absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, cons
   for (int s = 0; s < S; ++s) {
     double forward = costs.Forward(s), backward = costs.Backward(s);
     const int64_t parameter_bytes = costs.ParameterBytes(s);
-    if (plan.zero_stage > 0) {
+    if (plan.zero().stage() > 0) {
       std::vector<ZeroParameter> planned;
       TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayoutOf(costs, s, &planned));
       for (const ZeroBucket& bucket : layout.buckets) {
@@ -429,14 +422,14 @@ absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, cons
       }
       optimizer[s] = profile.optimizer_seconds_per_element() * static_cast<double>(costs.ParameterCount(s)) / dp;
     } else {
-      for (int64_t left = parameter_bytes; left > 0; left -= plan.bucket_bytes) {
-        after[s] +=
-            CollectiveSeconds(profile, "all_reduce", dp, static_cast<double>(std::min(left, plan.bucket_bytes)));
+      for (int64_t left = parameter_bytes; left > 0; left -= plan.zero().bucket_bytes()) {
+        after[s] += CollectiveSeconds(profile, "all_reduce", dp,
+                                      static_cast<double>(std::min(left, plan.zero().bucket_bytes())));
       }
       optimizer[s] = profile.optimizer_seconds_per_element() * static_cast<double>(costs.ParameterCount(s));
     }
-    if (plan.sequence_parallel) {
-      after[s] += CollectiveSeconds(profile, "all_reduce", plan.tp, static_cast<double>(costs.ReplicatedBytes(s)));
+    if (plan.tensor_parallel().sequence_parallel()) {
+      after[s] += CollectiveSeconds(profile, "all_reduce", plan.tp(), static_cast<double>(costs.ReplicatedBytes(s)));
     }
     sim.forward_seconds.push_back(forward);
     sim.backward_seconds.push_back(backward);

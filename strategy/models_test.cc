@@ -23,25 +23,25 @@ struct Layout {
   int zero = 0;
   std::string schedule = "1f1b";
   int virtual_stages = 1;
-  std::string recompute = "none";
+  RecomputeSpec::Method recompute = RecomputeSpec::none;
   std::string partition = "uniform";
   int64_t micro_batches = 1;
 };
 
 ParallelPlan PlanOf(const Layout& l) {
   ParallelPlan plan;
-  plan.dp = l.dp;
-  plan.tp = l.tp;
-  plan.pp = l.pp;
-  plan.sequence_parallel = l.sp;
-  plan.zero_stage = l.zero;
-  plan.schedule = l.schedule;
-  plan.virtual_stages = l.virtual_stages;
-  plan.activation_checkpointing = l.recompute;
-  plan.partition_method = l.partition;
-  plan.num_micro_batches = l.micro_batches;
-  plan.micro_batch_size = 8 / l.dp / l.micro_batches;
-  plan.batch_fields = {"tokens", "targets"};
+  plan.set_dp(l.dp);
+  plan.set_tp(l.tp);
+  plan.set_pp(l.pp);
+  plan.mutable_tensor_parallel()->set_sequence_parallel(l.sp);
+  plan.mutable_zero()->set_stage(l.zero);
+  plan.mutable_pipeline()->set_schedule(l.schedule);
+  plan.set_virtual_stages(l.virtual_stages);
+  plan.mutable_recompute()->set_method(l.recompute);
+  plan.mutable_pipeline()->set_partition_method(l.partition);
+  plan.set_num_micro_batches(l.micro_batches);
+  plan.set_micro_batch_size(8 / l.dp / l.micro_batches);
+  SetStrings(plan.mutable_trace()->mutable_batch_fields(), {"tokens", "targets"});
   return plan;
 }
 
@@ -67,7 +67,7 @@ internal::SourceFactory TracedGpt(const std::string& preset) {
 void CheckModel(Topology& topology, const std::string& preset, internal::SourceFactory make_source, int degrees) {
   internal::ProfileRequest request;
   request.make_source = make_source;
-  request.plan.batch_fields = {"tokens", "targets"};
+  SetStrings(request.plan.mutable_trace()->mutable_batch_fields(), {"tokens", "targets"});
   at::manual_seed(3);
   at::Tensor tokens = at::randint(256, {8, 128}, at::kLong);
   request.batch = {tokens, tokens.roll(-1, 1)};
@@ -93,33 +93,36 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
       {.dp = 2, .tp = 2, .sp = true, .zero = 1},
       {.tp = 2, .pp = 2, .sp = true, .micro_batches = 2},
       {.tp = 4},
-      {.tp = 2, .pp = 2, .recompute = "full", .micro_batches = 4},
+      {.tp = 2, .pp = 2, .recompute = RecomputeSpec::full, .micro_batches = 4},
       {.pp = 4, .partition = "parameters", .micro_batches = 4},
       {.dp = 2, .pp = 2, .zero = 2, .schedule = "zb_h1", .micro_batches = 2},
       {.dp = 2, .pp = 2, .zero = 3, .partition = "cost", .micro_batches = 2},
       {.dp = 2, .pp = 2, .zero = 1, .schedule = "interleaved_1f1b", .virtual_stages = 2, .micro_batches = 2},
-      {.pp = 4, .schedule = "gpipe", .recompute = "stage_aware", .micro_batches = 8},
+      {.pp = 4, .schedule = "gpipe", .recompute = RecomputeSpec::stage_aware, .micro_batches = 8},
   };
   int checked = 0;
   for (const Layout& layout : layouts) {
     if (layout.tp >= 1 << degrees) continue;  // llama-tiny's 2 key-value heads: tp <= 2
     ++checked;
     const ParallelPlan plan = PlanOf(layout);
-    ASSERT_TRUE(topology.Reshape(PlanMeshAxes(plan), plan.rank_order).ok());
+    ASSERT_TRUE(topology.Reshape(PlanMeshAxes(plan), ToVector(plan.rank_order())).ok());
     ModelContext context;
-    if (plan.tp > 1) context.tp = {plan.tp, (*topology.Group("tensor"))->rank(), "tp", plan.sequence_parallel};
+    if (plan.tp() > 1)
+      context.tp = {plan.tp(), (*topology.Group("tensor"))->rank(), "tp", plan.tensor_parallel().sequence_parallel()};
     auto source = request.make_source(context);
     ASSERT_TRUE(source.ok()) << source.status();
-    auto model = Parallelize(*source, plan, &topology,
-                             {tokens.narrow(0, 0, plan.micro_batch_size), tokens.narrow(0, 0, plan.micro_batch_size)},
-                             request.make_optimizer);
+    auto model =
+        Parallelize(*source, plan, &topology,
+                    {tokens.narrow(0, 0, plan.micro_batch_size()), tokens.narrow(0, 0, plan.micro_batch_size())},
+                    request.make_optimizer);
     ASSERT_TRUE(model.ok()) << model.status();
     auto memory = internal::PredictMemory(*profile, plan);
     ASSERT_TRUE(memory.ok()) << memory.status();
     const MemoryReport reported = (*model)->Memory();
     const MemoryReport& predicted = memory->state[(*model)->stage()];
-    const std::string what = absl::StrCat(preset, " ", layout.dp, "x", layout.tp, layout.sp ? "sp" : "", "x", layout.pp,
-                                          " zero", layout.zero, " ", layout.schedule, " ", layout.recompute);
+    const std::string what =
+        absl::StrCat(preset, " ", layout.dp, "x", layout.tp, layout.sp ? "sp" : "", "x", layout.pp, " zero",
+                     layout.zero, " ", layout.schedule, " ", RecomputeSpec::Method_Name(layout.recompute));
     EXPECT_EQ(predicted.parameter_bytes, reported.parameter_bytes) << what;
     EXPECT_EQ(predicted.gradient_bytes, reported.gradient_bytes) << what;
     EXPECT_EQ(predicted.optimizer_bytes, reported.optimizer_bytes) << what;

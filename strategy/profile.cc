@@ -169,9 +169,9 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
                            const ProcessGroup& world, ModelProfile* profile) {
   ModelContext context;
   context.tp = tp;
-  context.seed = request.plan.seed;
+  context.seed = request.plan.seed();
   TRIDENT_ASSIGN_OR_RETURN(ModelSource made, request.make_source(context));
-  if (made.kind != ModelSource::Kind::kLayers && request.plan.trace_method != "layers" && tp.size > 1) {
+  if (made.kind != ModelSource::Kind::kLayers && request.plan.trace().method() != TraceSpec::layers && tp.size > 1) {
     return absl::InvalidArgumentError(
         "the search does not profile automatic tensor parallelism of traced models yet; give --tp explicitly");
   }

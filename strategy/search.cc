@@ -96,17 +96,17 @@ std::vector<ParallelPlan> Candidates(const ModelProfile& profile, int world, int
           global_batch % dp != 0) {
         continue;
       }
-      if (around != nullptr && (around->dp != dp || around->tp != tp || around->pp != pp)) continue;
+      if (around != nullptr && (around->dp() != dp || around->tp() != tp || around->pp() != pp)) continue;
       std::vector<int> zero_stages = {0};
       if (dp > 1) {
         if (Uses(options, "zero1")) zero_stages.push_back(1);
         if (Uses(options, "zero2")) zero_stages.push_back(2);
         if (Uses(options, "fsdp")) zero_stages.push_back(3);
       }
-      std::vector<std::string> recomputation = {"none"};
+      std::vector<RecomputeSpec::Method> recomputation = {RecomputeSpec::none};
       if (Uses(options, "checkpoint")) {
-        recomputation.push_back("full");
-        if (pp > 1) recomputation.push_back("stage_aware");
+        recomputation.push_back(RecomputeSpec::full);
+        if (pp > 1) recomputation.push_back(RecomputeSpec::stage_aware);
       }
       std::vector<std::pair<std::string, int>> schedules = {{"1f1b", 1}};
       if (pp > 1) {
@@ -119,25 +119,25 @@ std::vector<ParallelPlan> Candidates(const ModelProfile& profile, int world, int
       for (int64_t b : Divisors(global_batch / dp)) {
         for (const auto& [schedule, v] : schedules) {
           for (int zero : zero_stages) {
-            for (const std::string& recompute : recomputation) {
-              if (schedule == "shifted_critical_path" && recompute == "none") continue;
+            for (RecomputeSpec::Method recompute : recomputation) {
+              if (schedule == "shifted_critical_path" && recompute == RecomputeSpec::none) continue;
               for (const auto& [precision, sp] : Pairs(precisions, sequence_parallel)) {
                 ParallelPlan plan = options.base;
-                plan.dp = dp;
-                plan.tp = tp;
-                plan.pp = static_cast<int>(pp);
-                plan.axis_order.clear();  // the search's layouts use the default mesh
-                plan.rank_order.clear();
-                plan.sequence_parallel = sp;
-                plan.micro_batch_size = b;
-                plan.num_micro_batches = global_batch / dp / b;
-                plan.schedule = schedule;
-                plan.virtual_stages = v;
-                plan.zero_stage = zero;
-                plan.activation_checkpointing = recompute;
-                plan.checkpoint_layers.clear();
-                plan.precision = precision;
-                if (pp > 1) plan.partition_method = "cost";
+                plan.set_dp(dp);
+                plan.set_tp(tp);
+                plan.set_pp(static_cast<int>(pp));
+                plan.clear_axis_order();  // the search's layouts use the default mesh
+                plan.clear_rank_order();
+                plan.mutable_tensor_parallel()->set_sequence_parallel(sp);
+                plan.set_micro_batch_size(b);
+                plan.set_num_micro_batches(global_batch / dp / b);
+                plan.mutable_pipeline()->set_schedule(schedule);
+                plan.set_virtual_stages(v);
+                plan.mutable_zero()->set_stage(zero);
+                plan.mutable_recompute()->set_method(recompute);
+                plan.mutable_recompute()->clear_layers();
+                plan.mutable_precision()->set_mode(precision);
+                if (pp > 1) plan.mutable_pipeline()->set_partition_method("cost");
                 if (ValidatePlan(plan).ok()) plans.push_back(plan);
               }
             }
@@ -158,22 +158,22 @@ absl::StatusOr<bool> Agree(const ProcessGroup& world, bool decision) {
 
 absl::StatusOr<ModelSource> SourceFor(const SourceFactory& make_source, const ParallelPlan& plan, Topology* topology) {
   ModelContext context;
-  context.seed = plan.seed;
-  if (plan.tp > 1) {
+  context.seed = plan.seed();
+  if (plan.tp() > 1) {
     TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * tp, topology->Group("tensor"));
-    context.tp = {plan.tp, tp->rank(), "tp", plan.sequence_parallel};
+    context.tp = {plan.tp(), tp->rank(), "tp", plan.tensor_parallel().sequence_parallel()};
   }
   return make_source(context);
 }
 
 // This rank's micro-batches of `global` under `plan` (the rows of its data-parallel share).
 std::vector<Batch> MicroBatchesOf(const Batch& global, const ParallelPlan& plan, const ParallelModel& model) {
-  std::vector<Batch> micro(plan.num_micro_batches);
+  std::vector<Batch> micro(plan.num_micro_batches());
   if (!model.ReadsData()) return micro;
   const ProcessGroup* dp = model.data_parallel_group();
-  const int64_t first = (dp ? dp->rank() : 0) * plan.num_micro_batches * plan.micro_batch_size;
-  for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
-    micro[m] = internal::BatchRows(global, first + m * plan.micro_batch_size, plan.micro_batch_size);
+  const int64_t first = (dp ? dp->rank() : 0) * plan.num_micro_batches() * plan.micro_batch_size();
+  for (int64_t m = 0; m < plan.num_micro_batches(); ++m) {
+    micro[m] = internal::BatchRows(global, first + m * plan.micro_batch_size(), plan.micro_batch_size());
   }
   return micro;
 }
@@ -189,12 +189,12 @@ absl::StatusOr<Measurement> DryRun(const SourceFactory& make_source, const Batch
                                    const OptimizerFactory& make_optimizer, Topology* topology, const ParallelPlan& plan,
                                    int steps) {
   const bool peak_known = StartResidentSection();
-  TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
+  TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), ToVector(plan.rank_order())));
   absl::StatusOr<ModelSource> source = SourceFor(make_source, plan, topology);
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ParallelModel> model,
                            Parallelize(*std::move(source), plan, topology,
-                                       internal::BatchRows(global, 0, plan.micro_batch_size), make_optimizer));
+                                       internal::BatchRows(global, 0, plan.micro_batch_size()), make_optimizer));
   const std::vector<Batch> micro = MicroBatchesOf(global, plan, *model);
   std::vector<double> seconds;
   for (int s = 0; s <= steps; ++s) {
@@ -226,7 +226,8 @@ std::string ProfileKey(const AutoAccelerateOptions& options, int world, const Ba
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   return absl::StrCat("model=", options.model_fingerprint, ";world=", world, ";batch=", BatchShapes(global),
-                      ";host=", host, ";cores=", std::thread::hardware_concurrency(), ";device=", options.base.device);
+                      ";host=", host, ";cores=", std::thread::hardware_concurrency(),
+                      ";device=", options.base.device());
 }
 
 }  // namespace
@@ -256,7 +257,8 @@ std::string SearchResult::Table(int rows) const {
     const std::string measured = c.measured_step_s >= 0     ? absl::StrFormat("%.1f", 1000 * c.measured_step_s)
                                  : !c.dry_run_error.empty() ? "failed"
                                                             : "-";
-    const bool chosen = DescribePlan(c.plan) == DescribePlan(plan) && c.plan.micro_batch_size == plan.micro_batch_size;
+    const bool chosen =
+        DescribePlan(c.plan) == DescribePlan(plan) && c.plan.micro_batch_size() == plan.micro_batch_size();
     const std::string memory =
         c.measured_resident_bytes > 0 ? absl::StrFormat("%.1f", c.measured_resident_bytes / kMiB) : "-";
     absl::StrAppend(&table, absl::StrFormat("%-3d %-48s %12.1f %13.1f %12s %12s%s\n", i + 1, DescribePlan(c.plan),
@@ -287,12 +289,12 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(options.load_strategy));
     ParallelPlan plan = options.base;
     TRIDENT_RETURN_IF_ERROR(ApplyStrategy(strategy, world, &plan));
-    if (G % (plan.dp * plan.num_micro_batches) != 0) {
+    if (G % (plan.dp() * plan.num_micro_batches()) != 0) {
       return absl::InvalidArgumentError(absl::StrCat("strategy ", options.load_strategy, ": the global batch of ", G,
-                                                     " does not divide into dp*micro_batches = ", plan.dp, "*",
-                                                     plan.num_micro_batches));
+                                                     " does not divide into dp*micro_batches = ", plan.dp(), "*",
+                                                     plan.num_micro_batches()));
     }
-    plan.micro_batch_size = G / (plan.dp * plan.num_micro_batches);
+    plan.set_micro_batch_size(G / (plan.dp() * plan.num_micro_batches()));
     loaded = plan;
     if (!options.finetune_strategy) {
       result.strategy = strategy;
@@ -306,7 +308,7 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
         report.measured_resident_bytes = measured.peak_resident_bytes;
       }
       result.ranked.push_back(report);
-      TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
+      TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), ToVector(plan.rank_order())));
       SetCpuRngState(rng);
       result.search_s = Since(start);
       return result;
@@ -322,22 +324,23 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   request.plan = options.base;
   request.batch = global_batch;
   request.make_optimizer = make_optimizer;
-  const int64_t largest = loaded ? loaded->micro_batch_size : G;
+  const int64_t largest = loaded ? loaded->micro_batch_size() : G;
   const int64_t low = std::max<int64_t>(1, largest / 8), high = std::max<int64_t>(low, largest / 2);
   request.micro_batch_sizes = low == high ? std::vector<int64_t>{low} : std::vector<int64_t>{low, high};
   if (Uses(options, "tensor_parallel")) {
     for (int64_t tp : Divisors(world)) {
-      if (tp > 1 && (!loaded || loaded->tp == tp)) request.tp_degrees.push_back(static_cast<int>(tp));
+      if (tp > 1 && (!loaded || loaded->tp() == tp)) request.tp_degrees.push_back(static_cast<int>(tp));
     }
   }
   request.bf16 = options.allow_precision_change && Uses(options, "amp_native");
   // "v3": profiles since sequence parallelism is measured (older caches lack it).
   const ParallelPlan& base = options.base;
-  request.fingerprint = absl::StrCat("v3;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16,
-                                     ";sizes=", absl::StrJoin(request.micro_batch_sizes, ","),
-                                     ";tp=", absl::StrJoin(request.tp_degrees, ","), ";trace=", base.trace_method, ",",
-                                     base.split_method, ",", base.shard_count, ",",
-                                     absl::StrJoin(base.leaf_modules, "+"), ",", absl::StrJoin(base.input_names, "+"));
+  request.fingerprint = absl::StrCat(
+      "v3;", ProfileKey(options, world, global_batch), ";bf16=", request.bf16,
+      ";sizes=", absl::StrJoin(request.micro_batch_sizes, ","), ";tp=", absl::StrJoin(request.tp_degrees, ","),
+      ";trace=", TraceSpec::Method_Name(base.trace().method()), ",", base.trace().split_method(), ",",
+      base.trace().shard_count(), ",", absl::StrJoin(base.trace().leaf_modules(), "+"), ",",
+      absl::StrJoin(base.trace().input_names(), "+"));
   const std::string cache_dir = options.profile_cache_dir.empty() ? DefaultCacheDir() : options.profile_cache_dir;
   const auto profile_start = Clock::now();
   TRIDENT_ASSIGN_OR_RETURN(ModelProfile profile,
@@ -388,7 +391,7 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   for (int i = 0; i < static_cast<int>(result.ranked.size()) && static_cast<int>(dry_run.size()) < options.dry_runs;
        ++i) {
     const ParallelPlan& plan = result.ranked[i].plan;
-    if (layouts.insert({plan.dp, plan.tp, plan.pp}).second || loaded) dry_run.push_back(i);
+    if (layouts.insert({plan.dp(), plan.tp(), plan.pp()}).second || loaded) dry_run.push_back(i);
   }
   for (int i : dry_run) {
     CandidateReport& candidate = result.ranked[i];
@@ -429,7 +432,7 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   result.plan = result.ranked[best].plan;
   result.strategy = StrategyFromPlan(result.plan);
   result.strategy.set_fingerprint(StrategyFingerprint(options, world, global_batch));
-  TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(result.plan), result.plan.rank_order));
+  TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(result.plan), ToVector(result.plan.rank_order())));
   SetCpuRngState(rng);
   result.search_s = Since(start);
   if (topology->rank() == 0) {
@@ -456,9 +459,10 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
     };
   }
   AutoAccelerateOptions with_fields = options;
-  if (with_fields.base.batch_fields.empty()) with_fields.base.batch_fields = dataset->field_names();
+  if (with_fields.base.trace().batch_fields().empty())
+    SetStrings(with_fields.base.mutable_trace()->mutable_batch_fields(), dataset->field_names());
   auto sampler =
-      std::make_shared<BatchSampler>(dataset->size(), global_batch_size, options.base.seed, /*shuffle=*/true);
+      std::make_shared<BatchSampler>(dataset->size(), global_batch_size, options.base.seed(), /*shuffle=*/true);
   std::vector<int64_t> first;
   for (int64_t j = 0; j < global_batch_size; ++j) first.push_back(sampler->SampleIndex(0, j));
   TRIDENT_ASSIGN_OR_RETURN(Batch global, dataset->Get(first));
@@ -471,17 +475,17 @@ absl::StatusOr<AcceleratedModel> AutoAccelerate(const SourceFactory& make_source
   TRIDENT_RETURN_IF_ERROR(AgreeOnFailure(topology->world(), source.status(), "building the model source"));
   TRIDENT_ASSIGN_OR_RETURN(accelerated.model,
                            Parallelize(*std::move(source), plan, topology,
-                                       internal::BatchRows(global, 0, plan.micro_batch_size), make_optimizer));
+                                       internal::BatchRows(global, 0, plan.micro_batch_size()), make_optimizer));
   const bool reads = accelerated.model->ReadsData();
   const ProcessGroup* dp = accelerated.model->data_parallel_group();
   const int dp_rank = dp ? dp->rank() : 0;
   accelerated.micro_batches = [dataset, sampler, plan, reads,
                                dp_rank](int64_t step) -> absl::StatusOr<std::vector<Batch>> {
-    std::vector<Batch> micro(plan.num_micro_batches);
+    std::vector<Batch> micro(plan.num_micro_batches());
     if (!reads) return micro;
-    for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
+    for (int64_t m = 0; m < plan.num_micro_batches(); ++m) {
       TRIDENT_ASSIGN_OR_RETURN(micro[m],
-                               dataset->Get(sampler->MicroBatch(step, plan.dp, dp_rank, plan.micro_batch_size, m)));
+                               dataset->Get(sampler->MicroBatch(step, plan.dp(), dp_rank, plan.micro_batch_size(), m)));
     }
     return micro;
   };

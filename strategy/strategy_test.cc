@@ -11,6 +11,7 @@
 namespace trident {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 Strategy Parse(const std::string& text) {
@@ -21,7 +22,7 @@ Strategy Parse(const std::string& text) {
 
 absl::StatusOr<ParallelPlan> Apply(const std::string& text, int world_size) {
   ParallelPlan plan;
-  plan.num_micro_batches = 4;
+  plan.set_num_micro_batches(4);
   TRIDENT_RETURN_IF_ERROR(ApplyStrategy(Parse(text), world_size, &plan));
   return plan;
 }
@@ -36,12 +37,12 @@ TEST(StrategyTest, ParallelModeAdjustsDataToTheWorld) {
                        methods { name: "mixed_parallel" })",
                     8);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->tp, 2);
-  EXPECT_EQ(plan->pp, 2);
-  EXPECT_EQ(plan->dp, 2);
+  EXPECT_EQ(plan->tp(), 2);
+  EXPECT_EQ(plan->pp(), 2);
+  EXPECT_EQ(plan->dp(), 2);
   auto plain = Apply("", 4);  // no methods: data parallelism over every rank
   ASSERT_TRUE(plain.ok());
-  EXPECT_EQ(plain->dp, 4);
+  EXPECT_EQ(plain->dp(), 4);
 }
 
 TEST(StrategyTest, MethodsSetPrecisionZeroRecomputationAndTheSchedule) {
@@ -52,118 +53,124 @@ TEST(StrategyTest, MethodsSetPrecisionZeroRecomputationAndTheSchedule) {
                        methods { name: "pipeline_parallel" schedule: "zb_h1" micro_batches: 8 })",
                     4);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->dp, 2);
-  EXPECT_EQ(plan->precision, "bf16");
-  EXPECT_TRUE(plan->loss_scaling);
-  EXPECT_EQ(plan->loss_scaler.loss_scale, 1);
-  EXPECT_EQ(plan->zero_stage, 2);
-  EXPECT_EQ(plan->activation_checkpointing, "selected");
-  EXPECT_EQ(plan->checkpoint_layers, std::vector<std::string>{"transformer.h.1"});
-  EXPECT_EQ(plan->checkpoint_num_layers, 2);
-  EXPECT_EQ(plan->schedule, "zb_h1");
-  EXPECT_EQ(plan->num_micro_batches, 8);
+  EXPECT_EQ(plan->dp(), 2);
+  EXPECT_EQ(plan->precision().mode(), "bf16");
+  EXPECT_TRUE(plan->precision().loss_scaling());
+  EXPECT_EQ(plan->precision().loss_scaler().loss_scale(), 1);
+  EXPECT_EQ(plan->zero().stage(), 2);
+  EXPECT_EQ(plan->recompute().method(), RecomputeSpec::selected);
+  EXPECT_THAT(plan->recompute().layers(), ElementsAre("transformer.h.1"));
+  EXPECT_EQ(plan->recompute().num_layers(), 2);
+  EXPECT_EQ(plan->pipeline().schedule(), "zb_h1");
+  EXPECT_EQ(plan->num_micro_batches(), 8);
   EXPECT_EQ(DescribePlan(*plan), "dp2 x pp2 zb_h1 mb1x8 zero2 bf16 recompute=selected");
   auto half = Apply(R"(methods { name: "half" dtype: "bf16" } methods { name: "fsdp" }
                        methods { name: "checkpoint" activation_checkpoint_ratio: 0.3 })",
                     2);
   ASSERT_TRUE(half.ok()) << half.status();
-  EXPECT_EQ(half->precision, "pure_bf16");
-  EXPECT_EQ(half->zero_stage, 3);
-  EXPECT_EQ(half->activation_checkpointing, "stage_aware");
+  EXPECT_EQ(half->precision().mode(), "pure_bf16");
+  EXPECT_EQ(half->zero().stage(), 3);
+  EXPECT_EQ(half->recompute().method(), RecomputeSpec::stage_aware);
 }
 
 // Every field a strategy decides, for comparing plans.
 std::string DecidedFields(const ParallelPlan& p) {
-  return absl::StrCat("dp=", p.dp, " tp=", p.tp, " pp=", p.pp, " axes=", absl::StrJoin(p.axis_order, ","),
-                      " ranks=", absl::StrJoin(p.rank_order, ","), " zero=", p.zero_stage, " precision=", p.precision,
-                      " table=", p.precision_table, " scaling=", p.loss_scaling, "/", p.loss_scaler.loss_scale, "/",
-                      p.loss_scaler.initial_scale_power, "/", p.loss_scaler.loss_scale_window, "/",
-                      p.loss_scaler.hysteresis, "/", p.loss_scaler.min_loss_scale,
-                      " recompute=", p.activation_checkpointing, " layers=", absl::StrJoin(p.checkpoint_layers, ","),
-                      " ratio=", p.activation_checkpoint_ratio, " segment=", p.checkpoint_num_layers,
-                      " modules=", absl::StrJoin(p.checkpoint_modules, ","),
-                      " replace=", absl::StrJoin(p.module_replace, ","), " sp=", p.sequence_parallel,
-                      " overlap=", p.tp_overlapping_level, " schedule=", p.schedule, " chunks=", p.virtual_stages,
-                      " micro=", p.num_micro_batches, " split=", p.split_method, " partition=", p.partition_method);
+  return absl::StrCat(
+      "dp=", p.dp(), " tp=", p.tp(), " pp=", p.pp(), " axes=", absl::StrJoin(p.axis_order(), ","),
+      " ranks=", absl::StrJoin(p.rank_order(), ","), " zero=", p.zero().stage(), " precision=", p.precision().mode(),
+      " table=", p.precision().table(), " scaling=", p.precision().loss_scaling(), "/",
+      p.precision().loss_scaler().loss_scale(), "/", p.precision().loss_scaler().initial_scale_power(), "/",
+      p.precision().loss_scaler().loss_scale_window(), "/", p.precision().loss_scaler().hysteresis(), "/",
+      p.precision().loss_scaler().min_loss_scale(), " recompute=", RecomputeSpec::Method_Name(p.recompute().method()),
+      " layers=", absl::StrJoin(p.recompute().layers(), ","), " ratio=", p.recompute().ratio(),
+      " segment=", p.recompute().num_layers(), " modules=", absl::StrJoin(p.recompute().modules(), ","),
+      " replace=", absl::StrJoin(p.module_replace(), ","), " sp=", p.tensor_parallel().sequence_parallel(),
+      " overlap=", p.tensor_parallel().overlapping_level(), " schedule=", p.pipeline().schedule(),
+      " chunks=", p.virtual_stages(), " micro=", p.num_micro_batches(), " split=", p.trace().split_method(),
+      " partition=", p.pipeline().partition_method());
 }
 
 std::vector<ParallelPlan> PlansUsingEveryMethod() {
   std::vector<ParallelPlan> plans(8);
   {
     ParallelPlan& p = plans[0];  // 3D, sequence parallel, interleaved, full recomputation
-    p.dp = p.tp = p.pp = 2;
-    p.sequence_parallel = true;
-    p.zero_stage = 1;
-    p.precision = "bf16";
-    p.schedule = "interleaved_1f1b";
-    p.virtual_stages = 2;
-    p.num_micro_batches = 4;
-    p.activation_checkpointing = "full";
+    p.set_dp(2);
+    p.set_tp(2);
+    p.set_pp(2);
+    p.mutable_tensor_parallel()->set_sequence_parallel(true);
+    p.mutable_zero()->set_stage(1);
+    p.mutable_precision()->set_mode("bf16");
+    p.mutable_pipeline()->set_schedule("interleaved_1f1b");
+    p.set_virtual_stages(2);
+    p.set_num_micro_batches(4);
+    p.mutable_recompute()->set_method(RecomputeSpec::full);
   }
   {
     ParallelPlan& p = plans[1];  // data fastest, a rank order, overlap, replacement, modules
-    p.dp = 2;
-    p.tp = 2;
-    p.axis_order = {"data", "tensor", "pipeline"};
-    p.rank_order = {3, 1, 2, 0};
-    p.tp_overlapping_level = 2;
-    p.module_replace = {"fused_attention", "fused_layer_norm"};
-    p.checkpoint_modules = {"attn"};
-    p.precision = "pure_bf16";
-    p.precision_table = "buffer=fp32";
+    p.set_dp(2);
+    p.set_tp(2);
+    SetStrings(p.mutable_axis_order(), {"data", "tensor", "pipeline"});
+    for (int rank : {3, 1, 2, 0}) p.add_rank_order(rank);
+    p.mutable_tensor_parallel()->set_overlapping_level(2);
+    SetStrings(p.mutable_module_replace(), {"fused_attention", "fused_layer_norm"});
+    p.mutable_recompute()->add_modules("attn");
+    p.mutable_precision()->set_mode("pure_bf16");
+    p.mutable_precision()->set_table("buffer=fp32");
   }
   {
     ParallelPlan& p = plans[2];  // zero bubble, selected layers, skip on overflow
-    p.dp = 1;
-    p.pp = 4;
-    p.schedule = "zb_h1";
-    p.num_micro_batches = 8;
-    p.activation_checkpointing = "selected";
-    p.checkpoint_layers = {"transformer.h.1", "transformer.h.5"};
-    p.checkpoint_num_layers = 2;
-    p.split_method = "layer_split";
-    p.partition_method = "parameters";
-    p.precision = "bf16";
-    p.loss_scaling = true;  // a static scale of 1: skip_if_nonfinite
-    p.loss_scaler.loss_scale = 1;
+    p.set_dp(1);
+    p.set_pp(4);
+    p.mutable_pipeline()->set_schedule("zb_h1");
+    p.set_num_micro_batches(8);
+    p.mutable_recompute()->set_method(RecomputeSpec::selected);
+    p.mutable_recompute()->add_layers("transformer.h.1");
+    p.mutable_recompute()->add_layers("transformer.h.5");
+    p.mutable_recompute()->set_num_layers(2);
+    p.mutable_trace()->set_split_method("layer_split");
+    p.mutable_pipeline()->set_partition_method("parameters");
+    p.mutable_precision()->set_mode("bf16");
+    p.mutable_precision()->set_loss_scaling(true);  // a static scale of 1: skip_if_nonfinite
+    p.mutable_precision()->mutable_loss_scaler()->set_loss_scale(1);
   }
   {
     ParallelPlan& p = plans[3];  // stage-aware with modules, pipeline before tensor
-    p.dp = 1;
-    p.tp = 2;
-    p.pp = 2;
-    p.axis_order = {"pipeline", "tensor", "data"};
-    p.activation_checkpointing = "stage_aware";
-    p.activation_checkpoint_ratio = 0.3;
-    p.checkpoint_modules = {"mlp"};
-    p.num_micro_batches = 2;
+    p.set_dp(1);
+    p.set_tp(2);
+    p.set_pp(2);
+    SetStrings(p.mutable_axis_order(), {"pipeline", "tensor", "data"});
+    p.mutable_recompute()->set_method(RecomputeSpec::stage_aware);
+    p.mutable_recompute()->set_ratio(0.3);
+    p.mutable_recompute()->add_modules("mlp");
+    p.set_num_micro_batches(2);
   }
   {
     ParallelPlan& p = plans[4];  // ZeRO-3, every layer and modules, accumulation
-    p.dp = 4;
-    p.zero_stage = 3;
-    p.activation_checkpointing = "full";
-    p.checkpoint_modules = {"attn", "mlp"};
-    p.num_micro_batches = 3;
-    p.precision_table = "param=bf16";
+    p.set_dp(4);
+    p.mutable_zero()->set_stage(3);
+    p.mutable_recompute()->set_method(RecomputeSpec::full);
+    p.mutable_recompute()->add_modules("attn");
+    p.mutable_recompute()->add_modules("mlp");
+    p.set_num_micro_batches(3);
+    p.mutable_precision()->set_table("param=bf16");
   }
-  plans[5].dp = 4;  // the default plan
+  plans[5].set_dp(4);  // the default plan
   {
     ParallelPlan& p = plans[6];  // fp16 with a dynamic scaler of its own
-    p.dp = 2;
-    p.device = "cuda";
-    p.precision = "fp16";
-    p.loss_scaler.initial_scale_power = 8;
-    p.loss_scaler.loss_scale_window = 500;
-    p.loss_scaler.hysteresis = 3;
-    p.loss_scaler.min_loss_scale = 0.5;
+    p.set_dp(2);
+    p.set_device(ParallelPlan::cuda);
+    p.mutable_precision()->set_mode("fp16");
+    p.mutable_precision()->mutable_loss_scaler()->set_initial_scale_power(8);
+    p.mutable_precision()->mutable_loss_scaler()->set_loss_scale_window(500);
+    p.mutable_precision()->mutable_loss_scaler()->set_hysteresis(3);
+    p.mutable_precision()->mutable_loss_scaler()->set_min_loss_scale(0.5);
   }
   {
     ParallelPlan& p = plans[7];  // fp16 storage with a static scale
-    p.dp = 2;
-    p.device = "cuda";
-    p.precision = "pure_fp16";
-    p.loss_scaler.loss_scale = 1024;
+    p.set_dp(2);
+    p.set_device(ParallelPlan::cuda);
+    p.mutable_precision()->set_mode("pure_fp16");
+    p.mutable_precision()->mutable_loss_scaler()->set_loss_scale(1024);
   }
   return plans;
 }
@@ -177,8 +184,8 @@ TEST(StrategyTest, ApplyStrategyInvertsStrategyFromPlan) {
   for (const ParallelPlan& plan : PlansUsingEveryMethod()) {
     ASSERT_TRUE(ValidatePlan(plan).ok()) << ValidatePlan(plan) << DecidedFields(plan);
     ParallelPlan again;
-    again.device = plan.device;  // not the strategy's: fp16 needs a GPU
-    absl::Status applied = ApplyStrategy(StrategyFromPlan(plan), plan.dp * plan.tp * plan.pp, &again);
+    again.set_device(plan.device());  // not the strategy's: fp16 needs a GPU
+    absl::Status applied = ApplyStrategy(StrategyFromPlan(plan), plan.dp() * plan.tp() * plan.pp(), &again);
     ASSERT_TRUE(applied.ok()) << applied << "\n" << StrategyToText(StrategyFromPlan(plan));
     EXPECT_EQ(DecidedFields(again), DecidedFields(plan)) << StrategyToText(StrategyFromPlan(plan));
   }
@@ -192,8 +199,8 @@ TEST(StrategyTest, ASavedStrategyLoadsAndSavesByteForByte) {
     auto loaded = LoadStrategy(path);
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     ParallelPlan applied;
-    applied.device = plan.device;
-    ASSERT_TRUE(ApplyStrategy(*loaded, plan.dp * plan.tp * plan.pp, &applied).ok());
+    applied.set_device(plan.device());
+    ASSERT_TRUE(ApplyStrategy(*loaded, plan.dp() * plan.tp() * plan.pp(), &applied).ok());
     EXPECT_EQ(StrategyToText(StrategyFromPlan(applied)), text);
   }
 }
@@ -203,8 +210,8 @@ TEST(StrategyTest, ParallelModeOrderAndRankOrderLayTheRanksOut) {
                               parallel_mode { name: "tensor" size: 2 } rank_order: [0, 2, 1, 3] })",
                           4);
   ASSERT_TRUE(data_first.ok()) << data_first.status();
-  EXPECT_EQ(data_first->axis_order, (std::vector<std::string>{"data", "tensor", "pipeline"}));
-  EXPECT_EQ(data_first->rank_order, (std::vector<int>{0, 2, 1, 3}));
+  EXPECT_EQ(absl::StrJoin(data_first->axis_order(), ","), "data,tensor,pipeline");
+  EXPECT_EQ(absl::StrJoin(data_first->rank_order(), ","), "0,2,1,3");
   EXPECT_EQ(DescribePlan(*data_first), "dp2 x tp2 mb1x4 axes=data,tensor,pipeline ranks=0,2,1,3");
   std::vector<MeshAxis> axes = PlanMeshAxes(*data_first);
   ASSERT_EQ(axes.size(), 3u);
@@ -215,8 +222,8 @@ TEST(StrategyTest, ParallelModeOrderAndRankOrderLayTheRanksOut) {
                          parallel_mode { name: "data" size: 2 } rank_order: [0, 1, 2, 3] })",
                      4);
   ASSERT_TRUE(usual.ok()) << usual.status();
-  EXPECT_TRUE(usual->axis_order.empty());
-  EXPECT_TRUE(usual->rank_order.empty());
+  EXPECT_TRUE(usual->axis_order().empty());
+  EXPECT_TRUE(usual->rank_order().empty());
   EXPECT_THAT(
       Error(R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 2 } rank_order: [0, 0] })", 2),
       HasSubstr("rank order 0,0 is not a permutation of the ranks 0 to 1"));

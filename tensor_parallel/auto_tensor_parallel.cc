@@ -127,17 +127,17 @@ absl::Status Planner::Plan() {
 Planner::Pin Planner::Pinned(const Node* node) const {
   if (KindOf(node) != "aten::linear") return Pin::kNone;
   const std::string name = ParameterName(node->input(1));
-  auto listed = [&](const std::vector<std::string>& patterns) {
+  auto listed = [&](const google::protobuf::RepeatedPtrField<std::string>& patterns) {
     return !name.empty() && std::any_of(patterns.begin(), patterns.end(), [&](const std::string& pattern) {
       return name.find(pattern) != std::string::npos;
     });
   };
-  if (listed(options_.layers.column)) return Pin::kColumn;
-  if (listed(options_.layers.row)) return Pin::kRow;
+  if (listed(options_.layers.column())) return Pin::kColumn;
+  if (listed(options_.layers.row())) return Pin::kRow;
   const std::vector<int64_t> weight = ShapeOf(node->input(1));
   if (weight.size() != 2) return Pin::kNone;
-  for (const TensorParallelLayerLists::Mapping& m : options_.layers.input_output_mapping) {
-    if (weight[1] * m.output == weight[0] * m.input) return m.column ? Pin::kColumn : Pin::kRow;
+  for (const TensorParallelLayerLists::Mapping& m : options_.layers.input_output_mapping()) {
+    if (weight[1] * m.output() == weight[0] * m.input()) return m.column() ? Pin::kColumn : Pin::kRow;
   }
   return Pin::kNone;
 }

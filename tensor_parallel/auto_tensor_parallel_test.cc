@@ -409,8 +409,11 @@ TEST(AutoTensorParallelCostTest, ANarrowMlpStaysWholeAWideOneSplits) {
 TEST(AutoTensorParallelCostTest, LayerListsPinWhatTheCostModelWouldKeepWhole) {
   testing::RunOnRanks(2, [](int r) {
     AutoTensorParallelOptions options = CpuCosts();
-    options.layers.column = {"narrow_in"};
-    options.layers.input_output_mapping = {{/*input=*/32, /*output=*/1, /*column=*/false}};  // narrow_out: 8 -> 256
+    options.layers.add_column("narrow_in");
+    TensorParallelLayerLists::Mapping* narrow_out = options.layers.add_input_output_mapping();  // 8 -> 256
+    narrow_out->set_input(32);
+    narrow_out->set_output(1);
+    narrow_out->set_column(false);
     ExpectTwoMlpsPlan(r, options, [](const AutoTensorParallelPlan& plan) {
       auto layouts = ByName(plan);
       EXPECT_EQ(layouts["narrow_in.weight"].role, ParameterLayout::Role::kColumn);
@@ -427,7 +430,7 @@ TEST(AutoTensorParallelErrorsTest, ARowPinWhereTheInputIsNotSplitIsRefused) {
   std::unique_ptr<ModelGraph> graph = Traced(model, x, x);
   ASSERT_NE(graph, nullptr);
   AutoTensorParallelOptions options;
-  options.layers.row = {"wide_in"};
+  options.layers.add_row("wide_in");
   auto refused = AutoTensorParallel(*graph, {2, 0, "tp"}, options);
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("wide_in.weight) row-parallel, but its input"));

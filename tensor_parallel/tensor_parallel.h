@@ -36,6 +36,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "absl/status/statusor.h"
+#include "tensor_parallel/tensor_parallel.pb.h"
 
 namespace trident {
 
@@ -357,21 +358,6 @@ struct TensorParallelGraph {
   // Runs the rewritten graph on the model's inputs with `parameters`; trace
   // it (ModelGraph::Trace) for this rank's graph.
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
-};
-
-// Merak's set_tp_layer_lists for traced models: pins parts of the automatic
-// plan, leaving the rest to it. Names match linear layers by part of their
-// weight's name ("c_attn" matches "transformer.h.0.c_attn.weight").
-struct TensorParallelLayerLists {
-  std::vector<std::string> column;  // col_para_list: column-parallel, whatever the cost model says
-  std::vector<std::string> row;     // row_para_list: row-parallel (an error where its input is not split)
-  // input_output_mapping: linear layers whose input:output feature ratio is
-  // input:output ((1, 3) for a fused q, k, v projection) are pinned so.
-  struct Mapping {
-    int64_t input = 1, output = 1;
-    bool column = true;
-  };
-  std::vector<Mapping> input_output_mapping;
 };
 
 struct AutoTensorParallelOptions {

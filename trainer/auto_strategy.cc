@@ -25,18 +25,18 @@ absl::StatusOr<ParallelPlan> Trainer::ChooseStrategy(const TrainerConfig& config
   const int world = topology->world_size();
   TRIDENT_RETURN_IF_ERROR(internal::PrepareDefaultCorpus(config, *topology));
   ModelContext whole;
-  whole.seed = base.seed;
+  whole.seed = base.seed();
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, whole, /*open_data=*/true));
   // The first global batch, by the trainer's batch rule: what the profile and the dry runs run on.
   const int64_t global_batch_size = GlobalBatchSize(base);
-  BatchSampler sampler(parts.train_data->size(), global_batch_size, base.seed, config.shuffle());
+  BatchSampler sampler(parts.train_data->size(), global_batch_size, base.seed(), config.shuffle());
   std::vector<int64_t> first;
   for (int64_t j = 0; j < global_batch_size; ++j) first.push_back(sampler.SampleIndex(0, j));
   TRIDENT_ASSIGN_OR_RETURN(Batch global, parts.train_data->Get(first));
 
   AutoAccelerateOptions options;
   options.base = base;
-  options.base.batch_fields = parts.train_data->field_names();
+  SetStrings(options.base.mutable_trace()->mutable_batch_fields(), parts.train_data->field_names());
   options.excluded = CommaList(config.strategy_excluded());
   options.time_limit_s = config.strategy_time_limit_s();
   options.memory_limit_bytes = config.memory_limit_mb() << 20;
@@ -87,7 +87,7 @@ absl::StatusOr<ParallelPlan> Trainer::ChooseStrategy(const TrainerConfig& config
   TRIDENT_RETURN_IF_ERROR(KeepGlobalBatch(global_batch_size, &plan));
   TRIDENT_RETURN_IF_ERROR(ValidatePlan(plan));
   // The search leaves the topology laid out for its choice; a reused one is laid out here.
-  if (reused) TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), plan.rank_order));
+  if (reused) TRIDENT_RETURN_IF_ERROR(topology->Reshape(PlanMeshAxes(plan), ToVector(plan.rank_order())));
   return plan;
 }
 

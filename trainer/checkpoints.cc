@@ -343,13 +343,14 @@ absl::Status Trainer::Impl::ExportSafetensors(const std::string& path) {
   TRIDENT_ASSIGN_OR_RETURN(NamedTensors tensors, model->FullWeights());
   if (!is_rank0()) return absl::OkStatus();
   std::string what = "the model";
-  if (const std::optional<LoraOptions>& lora = model->plan().lora) {
+  if (model->plan().has_lora()) {
+    const LoraConfig& lora = model->plan().lora();
     if (config.lora_merge_on_export()) {
-      TRIDENT_ASSIGN_OR_RETURN(tensors, MergeAdapters(tensors, *lora));
-      what = absl::StrCat("the model with adapter '", lora->adapter_name, "' merged in");
+      TRIDENT_ASSIGN_OR_RETURN(tensors, MergeAdapters(tensors, lora));
+      what = absl::StrCat("the model with adapter '", lora.adapter_name(), "' merged in");
     } else {
-      tensors = PeftAdapter(tensors, *lora);
-      what = absl::StrCat("adapter '", lora->adapter_name, "' (PEFT names)");
+      tensors = PeftAdapter(tensors, lora);
+      what = absl::StrCat("adapter '", lora.adapter_name(), "' (PEFT names)");
     }
   }
   const auto parent = fs::path(path).parent_path();
@@ -396,7 +397,7 @@ absl::Status Trainer::Impl::WriteTrace(const std::vector<internal::OperatorEvent
     std::ofstream(config.trace_file()) << ChromeTraceJson(events, more);
     if (!events.empty()) {
       std::ofstream(fs::path(config.trace_file()).replace_extension(".svg"))
-          << TimelineSvg(events, absl::StrCat(model->plan().schedule, ", step ", config.trace_step(), ", ",
+          << TimelineSvg(events, absl::StrCat(model->plan().pipeline().schedule(), ", step ", config.trace_step(), ", ",
                                               topology().world_size(), " ranks (row = rank)"));
     }
     Print(absl::StrCat("wrote the ", operators ? "operators and " : "", "timeline of step ", config.trace_step(),

@@ -136,18 +136,20 @@ std::vector<std::string> CommaList(const std::string& text) {
 absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfig& c) {
   const TrainerConfig::TensorParallelLayerLists& lists = c.tp_layer_lists();
   TensorParallelLayerLists layers;
-  layers.column.assign(lists.col_para_list().begin(), lists.col_para_list().end());
-  layers.row.assign(lists.row_para_list().begin(), lists.row_para_list().end());
+  *layers.mutable_column() = lists.col_para_list();
+  *layers.mutable_row() = lists.row_para_list();
   for (const std::string& entry : lists.input_output_mapping()) {
     std::vector<std::string> parts = absl::StrSplit(entry, ':');
-    TensorParallelLayerLists::Mapping m;
-    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &m.input) || !absl::SimpleAtoi(parts[1], &m.output) ||
-        m.input < 1 || m.output < 1 || (parts[2] != "col" && parts[2] != "row")) {
+    int64_t input = 0, output = 0;
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &input) || !absl::SimpleAtoi(parts[1], &output) || input < 1 ||
+        output < 1 || (parts[2] != "col" && parts[2] != "row")) {
       return Invalid(absl::StrCat("tp_layer_lists.input_output_mapping '", entry,
                                   "' is not input:output:col or input:output:row (\"1:3:col\")"));
     }
-    m.column = parts[2] == "col";
-    layers.input_output_mapping.push_back(m);
+    TensorParallelLayerLists::Mapping* m = layers.add_input_output_mapping();
+    m->set_input(input);
+    m->set_output(output);
+    m->set_column(parts[2] == "col");
   }
   for (const std::string& entry : lists.weight_change_list()) {
     std::vector<std::string> parts = absl::StrSplit(entry, ':');
@@ -156,7 +158,7 @@ absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfi
                                   "' is not name:0 (a linear weight's output features: column) or name:1 "
                                   "(its input features: row)"));
     }
-    (parts[1] == "0" ? layers.column : layers.row).push_back(parts[0]);
+    *(parts[1] == "0" ? layers.add_column() : layers.add_row()) = parts[0];
   }
   if (!lists.tp_attr_list().empty()) {
     return Invalid(absl::StrCat("tp_layer_lists.tp_attr_list names ", lists.tp_attr_list(0),
@@ -170,65 +172,76 @@ namespace {
 
 // The layout the config's own fields give, before the rank count, a loaded
 // strategy and the batch arithmetic have their say.
-ParallelPlan PlanOfFields(const TrainerConfig& c) {
+absl::StatusOr<ParallelPlan> PlanOfFields(const TrainerConfig& c) {
   ParallelPlan plan;
-  plan.dp = c.dp();
-  plan.tp = c.tp();
-  plan.pp = c.pp();
-  plan.axis_order = CommaList(c.axis_order());
+  plan.set_dp(c.dp());
+  plan.set_tp(c.tp());
+  plan.set_pp(c.pp());
+  SetStrings(plan.mutable_axis_order(), CommaList(c.axis_order()));
   for (const std::string& rank : CommaList(c.rank_order())) {
     int value = -1;  // ResolveConfig refuses what does not parse
-    plan.rank_order.push_back(absl::SimpleAtoi(rank, &value) ? value : -1);
+    plan.add_rank_order(absl::SimpleAtoi(rank, &value) ? value : -1);
   }
-  plan.sequence_parallel = c.sequence_parallel();
-  plan.tp_overlapping_level = c.tp_overlapping_level();
-  plan.tp_split_all = c.tp_split_all();
-  plan.tp_layer_lists = LayerListsFromConfig(c).value_or(TensorParallelLayerLists());
-  plan.virtual_stages = c.virtual_stages();
-  plan.schedule = c.schedule();
-  plan.split_method = c.split_method();
-  plan.shard_count = c.shard_count();
-  plan.partition_method = c.partition_method();
-  plan.custom_split_points = CommaList(c.custom_split_points());
-  plan.trace_method = c.trace_method();
-  plan.leaf_modules = CommaList(c.leaf_modules());
-  plan.input_names = CommaList(c.input_names());
-  plan.dealloc_pipeoutput = c.dealloc_pipeoutput();
-  plan.activation_checkpointing = c.activation_checkpointing();
-  plan.checkpoint_layers = CommaList(c.checkpoint_layers());
-  plan.checkpoint_modules = CommaList(c.checkpoint_modules());
-  plan.module_replace = CommaList(c.module_replace());
-  plan.parallel_vocab = c.parallel_vocab();
-  plan.no_tie_modules = c.no_tie_modules();
-  plan.checkpoint_num_layers = c.checkpoint_num_layers();
-  plan.activation_checkpoint_ratio = c.activation_checkpoint_ratio();
-  plan.zero_stage = c.zero_stage();
-  plan.zero_reduce_bucket_bytes = c.zero_reduce_bucket_size() * 4;  // elements of fp32
-  plan.zero_allgather_bucket_bytes = c.zero_allgather_bucket_size() * 4;
-  plan.zero_allow_untested_optimizer = c.zero_allow_untested_optimizer();
-  plan.bucket_bytes = static_cast<int64_t>(c.bucket_size_mb() * (1 << 20));
-  if (c.prescale_gradients()) plan.gradient_predivide_factor = c.gradient_predivide_factor();
-  plan.precision = c.precision();
-  plan.precision_table = c.precision_table();
-  plan.loss_scaling = c.loss_scale() >= 0 || c.skip_if_nonfinite();
+  plan.mutable_tensor_parallel()->set_sequence_parallel(c.sequence_parallel());
+  plan.mutable_tensor_parallel()->set_overlapping_level(c.tp_overlapping_level());
+  plan.mutable_tensor_parallel()->set_split_all(c.tp_split_all());
+  *plan.mutable_tensor_parallel()->mutable_layer_lists() = LayerListsFromConfig(c).value_or(TensorParallelLayerLists());
+  plan.set_virtual_stages(c.virtual_stages());
+  plan.mutable_pipeline()->set_schedule(c.schedule());
+  plan.mutable_trace()->set_split_method(c.split_method());
+  plan.mutable_trace()->set_shard_count(c.shard_count());
+  plan.mutable_pipeline()->set_partition_method(c.partition_method());
+  SetStrings(plan.mutable_pipeline()->mutable_custom_split_points(), CommaList(c.custom_split_points()));
+  TRIDENT_ASSIGN_OR_RETURN(TraceSpec::Method trace, ParseEnum<TraceSpec::Method>("trace_method", c.trace_method()));
+  plan.mutable_trace()->set_method(trace);
+  SetStrings(plan.mutable_trace()->mutable_leaf_modules(), CommaList(c.leaf_modules()));
+  SetStrings(plan.mutable_trace()->mutable_input_names(), CommaList(c.input_names()));
+  plan.mutable_pipeline()->set_dealloc_pipeoutput(c.dealloc_pipeoutput());
+  TRIDENT_ASSIGN_OR_RETURN(RecomputeSpec::Method recompute,
+                           ParseEnum<RecomputeSpec::Method>("activation_checkpointing", c.activation_checkpointing()));
+  plan.mutable_recompute()->set_method(recompute);
+  for (std::string& layer : CommaList(c.checkpoint_layers())) plan.mutable_recompute()->add_layers(std::move(layer));
+  for (std::string& module : CommaList(c.checkpoint_modules()))
+    plan.mutable_recompute()->add_modules(std::move(module));
+  SetStrings(plan.mutable_module_replace(), CommaList(c.module_replace()));
+  plan.mutable_tensor_parallel()->set_parallel_vocab(c.parallel_vocab());
+  plan.mutable_trace()->set_no_tie_modules(c.no_tie_modules());
+  plan.mutable_recompute()->set_num_layers(c.checkpoint_num_layers());
+  plan.mutable_recompute()->set_ratio(c.activation_checkpoint_ratio());
+  plan.mutable_zero()->set_stage(c.zero_stage());
+  plan.mutable_zero()->set_reduce_bucket_bytes(c.zero_reduce_bucket_size() * 4);  // elements of fp32
+  plan.mutable_zero()->set_allgather_bucket_bytes(c.zero_allgather_bucket_size() * 4);
+  plan.mutable_zero()->set_allow_untested_optimizer(c.zero_allow_untested_optimizer());
+  plan.mutable_zero()->set_bucket_bytes(static_cast<int64_t>(c.bucket_size_mb() * (1 << 20)));
+  if (c.prescale_gradients()) plan.mutable_zero()->set_gradient_predivide_factor(c.gradient_predivide_factor());
+  plan.mutable_precision()->set_mode(c.precision());
+  plan.mutable_precision()->set_table(c.precision_table());
+  plan.mutable_precision()->set_loss_scaling(c.loss_scale() >= 0 || c.skip_if_nonfinite());
   // Without loss_scale: fp16's dynamic scaler, or skip_if_nonfinite's static 1.
   auto precision = MakePrecisionPolicy(c.precision(), c.precision_table());
   const bool fp16 = precision.ok() && precision->loss_scaling;
-  plan.loss_scaler.loss_scale = c.loss_scale() >= 0 ? c.loss_scale() : fp16 ? 0.0 : 1.0;
-  plan.loss_scaler.initial_scale_power = c.initial_scale_power();
-  plan.loss_scaler.loss_scale_window = c.loss_scale_window();
-  plan.loss_scaler.hysteresis = c.hysteresis();
-  plan.loss_scaler.min_loss_scale = c.min_loss_scale();
-  plan.grad_reduction = c.grad_reduction();
-  plan.loss_reduction = c.loss_reduction();
-  plan.device = c.device();
-  plan.micro_batch_size = c.micro_batch_size();
-  plan.num_micro_batches = std::max<int64_t>(1, c.grad_accumulation_steps());
-  plan.seed = c.seed();
+  plan.mutable_precision()->mutable_loss_scaler()->set_loss_scale(c.loss_scale() >= 0 ? c.loss_scale()
+                                                                  : fp16              ? 0.0
+                                                                                      : 1.0);
+  plan.mutable_precision()->mutable_loss_scaler()->set_initial_scale_power(c.initial_scale_power());
+  plan.mutable_precision()->mutable_loss_scaler()->set_loss_scale_window(c.loss_scale_window());
+  plan.mutable_precision()->mutable_loss_scaler()->set_hysteresis(c.hysteresis());
+  plan.mutable_precision()->mutable_loss_scaler()->set_min_loss_scale(c.min_loss_scale());
+  TRIDENT_ASSIGN_OR_RETURN(ReductionSpec::Reduction gradients,
+                           ParseEnum<ReductionSpec::Reduction>("grad_reduction", c.grad_reduction()));
+  TRIDENT_ASSIGN_OR_RETURN(ReductionSpec::Reduction loss,
+                           ParseEnum<ReductionSpec::Reduction>("loss_reduction", c.loss_reduction()));
+  plan.mutable_reduction()->set_gradients(gradients);
+  plan.mutable_reduction()->set_loss(loss);
+  TRIDENT_ASSIGN_OR_RETURN(ParallelPlan::Device device, ParseEnum<ParallelPlan::Device>("device", c.device()));
+  plan.set_device(device);
+  plan.set_micro_batch_size(c.micro_batch_size());
+  plan.set_num_micro_batches(std::max<int64_t>(1, c.grad_accumulation_steps()));
+  plan.set_seed(c.seed());
   if (!c.lora_config().empty()) {  // ValidateConfig reports a file that does not read
     auto lora = ReadLoraConfig(c.lora_config(), c.adapter_name());
-    if (lora.ok()) plan.lora = *std::move(lora);
-    plan.save_frozen = c.lora_save_base();
+    if (lora.ok()) *plan.mutable_lora() = *std::move(lora);
+    plan.set_save_frozen(c.lora_save_base());
   }
   return plan;
 }
@@ -265,9 +278,11 @@ absl::Status ResolveAutomaticStrategy(const TrainerConfig& c, ParallelPlan* plan
   }
   const int64_t global = c.has_global_batch_size() ? c.global_batch_size() : GlobalBatchSize(*plan);
   if (global < 1) return Invalid(absl::StrCat("global_batch_size=", global, " must be at least 1"));
-  plan->dp = plan->tp = plan->pp = 1;
-  plan->micro_batch_size = global;
-  plan->num_micro_batches = 1;
+  plan->set_dp(1);
+  plan->set_tp(1);
+  plan->set_pp(1);
+  plan->set_micro_batch_size(global);
+  plan->set_num_micro_batches(1);
   return absl::OkStatus();
 }
 
@@ -289,39 +304,39 @@ absl::Status ResolveLayout(const TrainerConfig& c, int world_size, ParallelPlan*
     TRIDENT_RETURN_IF_ERROR(ApplyStrategy(strategy, world_size, plan));
     // The strategy's micro-batch count, else the config's.
     if (global) TRIDENT_RETURN_IF_ERROR(KeepGlobalBatch(*global, plan));
-    accumulation = plan->num_micro_batches;
+    accumulation = plan->num_micro_batches();
   }
-  const int model_parallel = plan->tp * plan->pp;
-  if (c.elastic() && plan->dp * model_parallel != world_size) {
+  const int model_parallel = plan->tp() * plan->pp();
+  if (c.elastic() && plan->dp() * model_parallel != world_size) {
     // Another rank count than the layout's: dp follows it, tp and pp and the global batch stay.
     if (world_size % model_parallel != 0) {
-      return Invalid(absl::StrCat("elastic: ", world_size, " ranks cannot hold tp*pp = ", plan->tp, "*", plan->pp,
+      return Invalid(absl::StrCat("elastic: ", world_size, " ranks cannot hold tp*pp = ", plan->tp(), "*", plan->pp(),
                                   " = ", model_parallel, "; start a multiple of ", model_parallel,
                                   " ranks or change tp and pp"));
     }
-    if (!global) global = plan->micro_batch_size * plan->dp * accumulation.value_or(1);
+    if (!global) global = plan->micro_batch_size() * plan->dp() * accumulation.value_or(1);
     accumulation.reset();
-    plan->dp = world_size / model_parallel;
+    plan->set_dp(world_size / model_parallel);
   }
-  if (plan->dp * model_parallel != world_size) {
-    return Invalid(absl::StrCat("dp*tp*pp = ", plan->dp, "*", plan->tp, "*", plan->pp, " = ", plan->dp * model_parallel,
-                                " but ", world_size,
+  if (plan->dp() * model_parallel != world_size) {
+    return Invalid(absl::StrCat("dp*tp*pp = ", plan->dp(), "*", plan->tp(), "*", plan->pp(), " = ",
+                                plan->dp() * model_parallel, " but ", world_size,
                                 " ranks were started; make the product equal the number of "
                                 "ranks, start train without a launcher to spawn dp*tp*pp, or set "
                                 "elastic to let dp follow the rank count"));
   }
-  if (plan->micro_batch_size < 1) {
-    return Invalid(absl::StrCat("micro_batch_size=", plan->micro_batch_size, " must be at least 1"));
+  if (plan->micro_batch_size() < 1) {
+    return Invalid(absl::StrCat("micro_batch_size=", plan->micro_batch_size(), " must be at least 1"));
   }
-  const int64_t per_step = plan->micro_batch_size * plan->dp;
+  const int64_t per_step = plan->micro_batch_size() * plan->dp();
   if (global) {
     if (*global < 1 || *global % per_step != 0) {
       return Invalid(absl::StrCat("global_batch_size=", *global, " is not divisible by micro_batch_size*dp = ",
-                                  plan->micro_batch_size, "*", plan->dp, " = ", per_step));
+                                  plan->micro_batch_size(), "*", plan->dp(), " = ", per_step));
     }
     if (accumulation && *accumulation != *global / per_step) {
       return Invalid(absl::StrCat("global_batch_size=", *global, " and grad_accumulation_steps=", *accumulation,
-                                  " disagree: with micro_batch_size=", plan->micro_batch_size, " and dp=", plan->dp,
+                                  " disagree: with micro_batch_size=", plan->micro_batch_size(), " and dp=", plan->dp(),
                                   " the global batch needs ", *global / per_step,
                                   " accumulation steps; set only one of the two"));
     }
@@ -330,8 +345,8 @@ absl::Status ResolveLayout(const TrainerConfig& c, int world_size, ParallelPlan*
   if (accumulation.value_or(1) < 1) {
     return Invalid(absl::StrCat("grad_accumulation_steps=", *accumulation, " must be at least 1"));
   }
-  plan->num_micro_batches = accumulation.value_or(1);
-  if (c.tp_plan_report() && plan->tp < 2) {
+  plan->set_num_micro_batches(accumulation.value_or(1));
+  if (c.tp_plan_report() && plan->tp() < 2) {
     return Invalid("tp_plan_report prints the automatic tensor-parallel plan of a run with tp > 1; set tp");
   }
   return absl::OkStatus();
@@ -413,7 +428,7 @@ absl::Status CheckConfigFields(TrainerConfig* c) {
 
 absl::StatusOr<ParallelPlan> ResolveConfig(TrainerConfig* c, int world_size) {
   TRIDENT_RETURN_IF_ERROR(CheckConfigFields(c));
-  ParallelPlan plan = PlanOfFields(*c);
+  TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, PlanOfFields(*c));
   if (!c->strategy().empty()) {
     TRIDENT_RETURN_IF_ERROR(ResolveAutomaticStrategy(*c, &plan));
   } else {
@@ -424,12 +439,12 @@ absl::StatusOr<ParallelPlan> ResolveConfig(TrainerConfig* c, int world_size) {
 }
 
 absl::Status KeepGlobalBatch(int64_t global, ParallelPlan* plan) {
-  const int64_t per_micro_batch = plan->dp * plan->num_micro_batches;
+  const int64_t per_micro_batch = plan->dp() * plan->num_micro_batches();
   if (global % per_micro_batch != 0) {
-    return Invalid(absl::StrCat("strategy: global_batch_size=", global,
-                                " is not divisible by dp*micro_batches = ", plan->dp, "*", plan->num_micro_batches));
+    return Invalid(absl::StrCat("strategy: global_batch_size=", global, " is not divisible by dp*micro_batches = ",
+                                plan->dp(), "*", plan->num_micro_batches()));
   }
-  plan->micro_batch_size = global / per_micro_batch;
+  plan->set_micro_batch_size(global / per_micro_batch);
   return absl::OkStatus();
 }
 
@@ -439,7 +454,9 @@ absl::StatusOr<int> ConfigWorldSize(const TrainerConfig& c) {
   return StrategyWorldSize(strategy, static_cast<int>(c.dp() * c.tp() * c.pp()));
 }
 
-int64_t GlobalBatchSize(const ParallelPlan& plan) { return plan.micro_batch_size * plan.num_micro_batches * plan.dp; }
+int64_t GlobalBatchSize(const ParallelPlan& plan) {
+  return plan.micro_batch_size() * plan.num_micro_batches() * plan.dp();
+}
 
 std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& c) {
   if (c.has_model_config()) {

@@ -110,8 +110,8 @@ TEST(ConfigFlagsTest, FlagsTextConfigAndSavedStrategyGiveTheSamePlan) {
     ASSERT_TRUE(other.ok()) << other.status();
     EXPECT_EQ(config->DebugString(), given.DebugString()) << "resolving leaves the config as given";
     EXPECT_EQ(StrategyToText(StrategyFromPlan(*other)), expected);
-    EXPECT_EQ(other->micro_batch_size, plan->micro_batch_size);
-    EXPECT_EQ(other->num_micro_batches, 4);
+    EXPECT_EQ(other->micro_batch_size(), plan->micro_batch_size());
+    EXPECT_EQ(other->num_micro_batches(), 4);
   }
 }
 
@@ -127,16 +127,16 @@ TEST(ResolveConfigTest, Fp16ScalesDynamicallyUnlessTheConfigGivesAScale) {
   c.set_dp(1);
   c.set_device("cuda");
   c.set_precision("fp16");
-  EXPECT_EQ(ResolvedPlan(c).loss_scaler.loss_scale, 0.0);  // dynamic, as config.proto says
+  EXPECT_EQ(ResolvedPlan(c).precision().loss_scaler().loss_scale(), 0.0);  // dynamic, as config.proto says
   c.set_precision("pure_fp16");
-  EXPECT_EQ(ResolvedPlan(c).loss_scaler.loss_scale, 0.0);
+  EXPECT_EQ(ResolvedPlan(c).precision().loss_scaler().loss_scale(), 0.0);
   c.set_loss_scale(128);
-  EXPECT_EQ(ResolvedPlan(c).loss_scaler.loss_scale, 128.0);
+  EXPECT_EQ(ResolvedPlan(c).precision().loss_scaler().loss_scale(), 128.0);
   c.set_precision("bf16");
   c.clear_loss_scale();
   c.set_skip_if_nonfinite(true);
-  EXPECT_TRUE(ResolvedPlan(c).loss_scaling);
-  EXPECT_EQ(ResolvedPlan(c).loss_scaler.loss_scale, 1.0);  // only the skip
+  EXPECT_TRUE(ResolvedPlan(c).precision().loss_scaling());
+  EXPECT_EQ(ResolvedPlan(c).precision().loss_scaler().loss_scale(), 1.0);  // only the skip
 }
 
 TEST(ResolveConfigTest, ALoadedStrategysLossScalerReachesThePlan) {
@@ -146,11 +146,11 @@ TEST(ResolveConfigTest, ALoadedStrategysLossScalerReachesThePlan) {
   c.set_device("cuda");
   c.set_load_strategy(path);
   const ParallelPlan plan = ResolvedPlan(c);
-  EXPECT_EQ(plan.precision, "fp16");
-  EXPECT_EQ(plan.loss_scaler.loss_scale, 0.0);
-  EXPECT_EQ(plan.loss_scaler.initial_scale_power, 8);
-  EXPECT_EQ(plan.loss_scaler.hysteresis, 3);
-  EXPECT_EQ(plan.loss_scaler.loss_scale_window, 1000);
+  EXPECT_EQ(plan.precision().mode(), "fp16");
+  EXPECT_EQ(plan.precision().loss_scaler().loss_scale(), 0.0);
+  EXPECT_EQ(plan.precision().loss_scaler().initial_scale_power(), 8);
+  EXPECT_EQ(plan.precision().loss_scaler().hysteresis(), 3);
+  EXPECT_EQ(plan.precision().loss_scaler().loss_scale_window(), 1000);
 }
 
 TEST(ConfigFileTest, ShippedConfigsParse) {
@@ -170,7 +170,7 @@ TEST(ResolveConfigTest, DerivesTheBatchSizesEitherWay) {
   from_global.set_global_batch_size(32);
   auto plan = ResolveConfig(&from_global, 2);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->num_micro_batches, 4);
+  EXPECT_EQ(plan->num_micro_batches(), 4);
   EXPECT_EQ(GlobalBatchSize(*plan), 32);
 
   TrainerConfig from_accumulation;
@@ -179,7 +179,7 @@ TEST(ResolveConfigTest, DerivesTheBatchSizesEitherWay) {
   from_accumulation.set_grad_accumulation_steps(3);
   plan = ResolveConfig(&from_accumulation, 1);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->num_micro_batches, 3);
+  EXPECT_EQ(plan->num_micro_batches(), 3);
   EXPECT_EQ(GlobalBatchSize(*plan), 6);
   EXPECT_FALSE(from_accumulation.has_global_batch_size()) << "the plan holds the layout, not the config";
 }
@@ -195,16 +195,16 @@ TEST(ResolveConfigTest, ElasticRunsLetDataParallelismFollowTheRankCount) {
   TrainerConfig shrunk = layout;
   auto plan = ResolveConfig(&shrunk, 4);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->dp, 1);
-  EXPECT_EQ(plan->tp, 2);
-  EXPECT_EQ(plan->pp, 2);
+  EXPECT_EQ(plan->dp(), 1);
+  EXPECT_EQ(plan->tp(), 2);
+  EXPECT_EQ(plan->pp(), 2);
   EXPECT_EQ(GlobalBatchSize(*plan), 32);
-  EXPECT_EQ(plan->num_micro_batches, 4);
+  EXPECT_EQ(plan->num_micro_batches(), 4);
   TrainerConfig grown = layout;
   plan = ResolveConfig(&grown, 16);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->dp, 4);
-  EXPECT_EQ(plan->num_micro_batches, 1);
+  EXPECT_EQ(plan->dp(), 4);
+  EXPECT_EQ(plan->num_micro_batches(), 1);
   TrainerConfig misfit = layout;
   EXPECT_THAT(Message(ResolveConfig(&misfit, 6).status()), HasSubstr("elastic: 6 ranks cannot hold tp*pp = 2*2 = 4"));
   TrainerConfig rigid = layout;
@@ -222,17 +222,17 @@ TEST(ResolveConfigTest, TheAutomaticStrategyStartsFromOneRankAndKeepsTheGlobalBa
   c.set_grad_accumulation_steps(2);
   auto plan = ResolveConfig(&c, 4);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->dp * plan->tp * plan->pp, 1);
-  EXPECT_EQ(plan->micro_batch_size, 8);
-  EXPECT_EQ(plan->num_micro_batches, 1);
+  EXPECT_EQ(plan->dp() * plan->tp() * plan->pp(), 1);
+  EXPECT_EQ(plan->micro_batch_size(), 8);
+  EXPECT_EQ(plan->num_micro_batches(), 1);
   Strategy strategy;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
       R"(methods { name: "parallel_mode" parallel_mode { name: "data" size: 4 } })", &strategy));
   ASSERT_TRUE(ApplyStrategy(strategy, 4, &*plan).ok());
   ASSERT_TRUE(KeepGlobalBatch(8, &*plan).ok());
-  EXPECT_EQ(plan->dp, 4);
-  EXPECT_EQ(plan->micro_batch_size, 2);
-  plan->num_micro_batches = 3;
+  EXPECT_EQ(plan->dp(), 4);
+  EXPECT_EQ(plan->micro_batch_size(), 2);
+  plan->set_num_micro_batches(3);
   EXPECT_THAT(Message(KeepGlobalBatch(8, &*plan)),
               HasSubstr("global_batch_size=8 is not divisible by dp*micro_batches = 4*3"));
 }
@@ -320,7 +320,7 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_split_method("zigzag"); }, 1),
               HasSubstr("unknown split_method 'zigzag'; choose farthest_min_deps, nearest_min_deps, or layer_split"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_grad_reduction("median"); }, 1),
-              HasSubstr("grad_reduction='median' is unknown; choose mean, sum, per-token-mean"));
+              HasSubstr("grad_reduction='median' is unknown; choose mean, sum, per_token_mean"));
   EXPECT_THAT(error([](TrainerConfig& c) { c.set_loss("hinge"); }, 1),
               HasSubstr("unknown loss 'hinge'; choose cross_entropy, mse"));
   EXPECT_THAT(error(
@@ -344,10 +344,10 @@ TEST(ModelComponentTest, PresetsOverridesAndChecks) {
     context.data_vocab_size = 256;
     TRIDENT_ASSIGN_OR_RETURN(ModelSource model, factory(args, context));
     ParallelPlan plan;  // the fields CheckSource reads (ResolveConfig would refuse some pairs first)
-    plan.tp = c.tp();
-    plan.pp = c.pp();
-    plan.virtual_stages = c.virtual_stages();
-    plan.split_method = c.split_method();
+    plan.set_tp(c.tp());
+    plan.set_pp(c.pp());
+    plan.set_virtual_stages(c.virtual_stages());
+    plan.mutable_trace()->set_split_method(c.split_method());
     TRIDENT_RETURN_IF_ERROR(CheckSource(model, plan));
     return model;
   };
@@ -427,7 +427,7 @@ TEST(ConfigToTextTest, TheWholeTextReadsBackAsTheSameRun) {
     EXPECT_EQ(ModelComponent(again).second.values(), ModelComponent(config).second.values());
     auto plan = ResolveConfig(&again, again.dp());
     ASSERT_TRUE(plan.ok()) << plan.status();
-    EXPECT_FALSE(plan->loss_scaling);
+    EXPECT_FALSE(plan->precision().loss_scaling());
   }
   EXPECT_EQ(ModelComponent(llama).second.GetString("preset", ""), "llama-tiny");
 }

@@ -85,12 +85,12 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   // The configuration is resolved once, here; the plan is the layout from now on.
   TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, ResolveConfig(&config, env.world_size));
   if (!blas_note.empty() && env.rank == 0) std::printf("%s\n", blas_note.c_str());
-  if (config.elastic() && plan.dp != config.dp() && env.rank == 0) {
+  if (config.elastic() && plan.dp() != config.dp() && env.rank == 0) {
     std::printf(
         "elastic: %d ranks, so dp=%d instead of %lld (tp=%d and pp=%d kept; global batch %lld in %lld "
         "accumulation steps)\n",
-        env.world_size, plan.dp, static_cast<long long>(config.dp()), plan.tp, plan.pp,
-        static_cast<long long>(GlobalBatchSize(plan)), static_cast<long long>(plan.num_micro_batches));
+        env.world_size, plan.dp(), static_cast<long long>(config.dp()), plan.tp(), plan.pp(),
+        static_cast<long long>(GlobalBatchSize(plan)), static_cast<long long>(plan.num_micro_batches()));
   }
   // This rank's share of the cores (CpuThreadsPerRank: Slurm's cpus per task,
   // or the CPUs this process may use over the node's ranks) goes to the pool that runs its matrix
@@ -101,8 +101,8 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   // launcher; set here at run time under mpirun or srun) with one intra-op
   // thread, as the two pools slow each other down.
   const int share = CpuThreadsPerRank(env);
-  const bool onednn_products =
-      plan.device != "cuda" && (UseOneDnnProducts() || absl::StrContains(plan.precision, "bf16"));
+  const bool onednn_products = plan.device() != ParallelPlan::cuda &&
+                               (UseOneDnnProducts() || absl::StrContains(plan.precision().mode(), "bf16"));
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
     using SetThreads = void (*)(int);
     if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
@@ -113,13 +113,13 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   const char* omp_threads = std::getenv("OMP_NUM_THREADS");
   const int pool = omp_threads != nullptr && std::atoi(omp_threads) > 0 ? std::atoi(omp_threads) : share;
   at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : onednn_products ? pool : 1);
-  TuneAllocatorForTraining(/*sharded_parameters=*/plan.zero_stage == 3);
+  TuneAllocatorForTraining(/*sharded_parameters=*/plan.zero().stage() == 3);
   TopologyOptions options;
   if (config.strategy().empty()) {  // else the search lays the ranks out
     options.mesh_axes = PlanMeshAxes(plan);
-    options.rank_order = plan.rank_order;
+    options.rank_order = ToVector(plan.rank_order());
   }
-  options.backend = plan.device == "cuda" ? CommBackend::kNccl : CommBackend::kGloo;
+  options.backend = plan.device() == ParallelPlan::cuda ? CommBackend::kNccl : CommBackend::kGloo;
   options.timeout = absl::Seconds(config.collective_timeout_s());
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));
   if (!config.strategy().empty()) {

@@ -29,7 +29,8 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
   auto generator = at::make_generator<at::CPUGeneratorImpl>(t.config.seed());
   const ProcessGroup* tp = model.tensor_parallel_group();
   const ProcessGroup* pp = model.pipeline_group();
-  const int64_t align = model.plan().sequence_parallel ? model.plan().tp : 1;  // sequence shards must divide
+  const int64_t align =
+      model.plan().tensor_parallel().sequence_parallel() ? model.plan().tp() : 1;  // sequence shards must divide
   const int64_t block = model.source().sequence_length;
   // With a key/value cache the context is read once and each new token is
   // one position (padded to the sequence shards); once the text outgrows the
@@ -61,8 +62,8 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
       }
       if (model.stage() == model.stages() - 1) {
         at::Tensor logits = outputs->at(0);
-        const bool vocabulary_slices = tp != nullptr && model.plan().parallel_vocab;
-        if (tp != nullptr && !vocabulary_slices && model.plan().sequence_parallel) {
+        const bool vocabulary_slices = tp != nullptr && model.plan().tensor_parallel().parallel_vocab();
+        if (tp != nullptr && !vocabulary_slices && model.plan().tensor_parallel().sequence_parallel()) {
           // The whole vocabulary for this rank's sequence shard -> every position.
           auto gathered = tp->AllGather(logits.cpu().contiguous(), 1);
           TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));

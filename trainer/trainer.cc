@@ -74,12 +74,12 @@ std::string HumanCount(double value) {
 absl::StatusOr<std::vector<Batch>> Trainer::Impl::MicroBatches(const Dataset& data, const BatchSampler& batches,
                                                                int64_t at_step) const {
   const ParallelPlan& plan = model->plan();
-  std::vector<Batch> micro(plan.num_micro_batches);
+  std::vector<Batch> micro(plan.num_micro_batches());
   if (!model->ReadsData()) return micro;
   const ProcessGroup* dp = model->data_parallel_group();
-  for (int64_t m = 0; m < plan.num_micro_batches; ++m) {
+  for (int64_t m = 0; m < plan.num_micro_batches(); ++m) {
     TRIDENT_ASSIGN_OR_RETURN(
-        micro[m], data.Get(batches.MicroBatch(at_step, plan.dp, dp ? dp->rank() : 0, plan.micro_batch_size, m)));
+        micro[m], data.Get(batches.MicroBatch(at_step, plan.dp(), dp ? dp->rank() : 0, plan.micro_batch_size(), m)));
   }
   return micro;
 }
@@ -87,8 +87,13 @@ absl::StatusOr<std::vector<Batch>> Trainer::Impl::MicroBatches(const Dataset& da
 absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
   TRIDENT_ASSIGN_OR_RETURN(const ParallelPlan plan, ResolveConfig(&config, world_size));
   ModelContext context;
-  context.tp = {plan.tp, 0, "tp", plan.sequence_parallel, plan.parallel_vocab, plan.tp_overlapping_level};
-  context.seed = plan.seed;
+  context.tp = {plan.tp(),
+                0,
+                "tp",
+                plan.tensor_parallel().sequence_parallel(),
+                plan.tensor_parallel().parallel_vocab(),
+                plan.tensor_parallel().overlapping_level()};
+  context.seed = plan.seed();
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, context, false));
   TRIDENT_RETURN_IF_ERROR(CheckSource(parts.model, plan));
   for (const std::string& path : {config.init_from(), config.resume_from()}) {
@@ -110,16 +115,20 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, ParallelPlan plan, Topology* topology) {
   TRIDENT_RETURN_IF_ERROR(internal::PrepareDefaultCorpus(config, *topology));
   ModelContext context;
-  context.seed = plan.seed;
-  if (plan.tp > 1) {
+  context.seed = plan.seed();
+  if (plan.tp() > 1) {
     TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * tp, topology->Group("tensor"));
-    context.tp = {
-        plan.tp, tp->rank(), tp->name(), plan.sequence_parallel, plan.parallel_vocab, plan.tp_overlapping_level};
+    context.tp = {plan.tp(),
+                  tp->rank(),
+                  tp->name(),
+                  plan.tensor_parallel().sequence_parallel(),
+                  plan.tensor_parallel().parallel_vocab(),
+                  plan.tensor_parallel().overlapping_level()};
   }
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, context, true));
-  plan.batch_fields = parts.train_data->field_names();
-  std::vector<int64_t> first(plan.micro_batch_size);
-  for (int64_t i = 0; i < plan.micro_batch_size; ++i) first[i] = i % parts.train_data->size();
+  SetStrings(plan.mutable_trace()->mutable_batch_fields(), parts.train_data->field_names());
+  std::vector<int64_t> first(plan.micro_batch_size());
+  for (int64_t i = 0; i < plan.micro_batch_size(); ++i) first[i] = i % parts.train_data->size();
   TRIDENT_ASSIGN_OR_RETURN(Batch example, parts.train_data->Get(first));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ParallelModel> model,
                            Parallelize(std::move(parts.model), plan, topology, example, parts.optimizer));
@@ -163,9 +172,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   const char* terminal = std::getenv("TRIDENT_STDOUT_IS_TTY");
   t.progress_bar = t.is_rank0() && t.config.enable_progress_bar() &&
                    (isatty(STDOUT_FILENO) || (terminal != nullptr && std::string(terminal) == "1"));
-  TRIDENT_ASSIGN_OR_RETURN(t.peak_flops, internal::JobPeakFlops(t.topology(), plan.device, plan.precision));
+  TRIDENT_ASSIGN_OR_RETURN(t.peak_flops, internal::JobPeakFlops(t.topology(), ParallelPlan::Device_Name(plan.device()),
+                                                                plan.precision().mode()));
   if (t.is_rank0()) {
-    const std::string warning = internal::SlowBf16Warning(plan.device, plan.precision);
+    const std::string warning =
+        internal::SlowBf16Warning(ParallelPlan::Device_Name(plan.device()), plan.precision().mode());
     if (!warning.empty()) t.Print(warning);
   }
   // Under strategy=auto the search saved its choice (with the run's
@@ -287,7 +298,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | peak RSS %.0f MB",
       t.model_name.empty() ? "" : " " + t.model_name, HumanCount(t.model->num_parameters()), t.train_data->size(),
       tokens_per_sample > 0 ? absl::StrCat(" of ", tokens_per_sample, " tokens") : "", t.topology().world_size(),
-      global_batch_size, plan.micro_batch_size, plan.num_micro_batches, plan.dp, at::get_num_threads(),
+      global_batch_size, plan.micro_batch_size(), plan.num_micro_batches(), plan.dp(), at::get_num_threads(),
       t.peak_flops / 1e9, PeakResidentMb()));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
   const auto start = Clock::now();
@@ -306,7 +317,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     const bool profiled = t.step + 1 == c.profile_step();
     if (profiled) {  // every rank starts the profiled step together
       TRIDENT_RETURN_IF_ERROR(t.topology().world().Barrier());
-      TRIDENT_RETURN_IF_ERROR(internal::StartOperatorRecording(t.model->plan().device == "cuda"));
+      TRIDENT_RETURN_IF_ERROR(internal::StartOperatorRecording(t.model->plan().device() == ParallelPlan::cuda));
     }
     t.ForHooks([&](TrainerHooks& h) { h.BeforeZeroGrad(t.State()); });
     t.model->ZeroGrad();
@@ -327,7 +338,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     // On a GPU the loss is read once the update is queued (reading it waits
     // for the backward), unless hooks want it before; the CPU's is ready, and
     // a non-finite loss then stops training before the update.
-    const bool read_loss_late = t.hooks.empty() && t.model->plan().device == "cuda";
+    const bool read_loss_late = t.hooks.empty() && t.model->plan().device() == ParallelPlan::cuda;
     if (!read_loss_late) TRIDENT_RETURN_IF_ERROR(read_loss());
     t.ForHooks([&](TrainerHooks& h) { h.AfterBackward(t.State()); });
     t.ForHooks([&](TrainerHooks& h) { h.AfterAggregateTrainStepOutputs(t.State(), m.loss); });

@@ -118,12 +118,12 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
                                                                      const ProcessGroup* data_parallel,
                                                                      ZeroOptions options,
                                                                      const OptimizerFactory& make_optimizer) {
-  if (options.stage < 1 || options.stage > 3) {
-    return absl::InvalidArgumentError(absl::StrCat("zero_stage=", options.stage,
+  if (options.spec.stage() < 1 || options.spec.stage() > 3) {
+    return absl::InvalidArgumentError(absl::StrCat("zero_stage=", options.spec.stage(),
                                                    " is not available; choose 1 (optimizer states), 2 "
                                                    "(and gradients) or 3 (and parameters)"));
   }
-  if (options.stage == 3 && (options.layers == nullptr || options.layer_indices.empty())) {
+  if (options.spec.stage() == 3 && (options.layers == nullptr || options.layer_indices.empty())) {
     return absl::InvalidArgumentError("ZeRO stage 3 needs the model's layers (ZeroOptions::layers)");
   }
   if (data_parallel == nullptr) {
@@ -137,7 +137,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
   std::vector<std::vector<at::Tensor>> shards(groups.size());
   c10::NoGradGuard no_grad;
   auto keep_full = [&](const at::Tensor& p) {
-    return o.stage == 1 || (o.keep_full_gradient && o.keep_full_gradient(p));
+    return o.spec.stage() == 1 || (o.keep_full_gradient && o.keep_full_gradient(p));
   };
   // The parameters by index (groups in order), and for stage 3 which each
   // layer reads; the bucket layout follows from their sizes alone.
@@ -163,7 +163,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
       }
     }));
   }
-  TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, PlanZeroBuckets(planned, o.stage, o.reduce_bucket_bytes,
+  TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, PlanZeroBuckets(planned, o.spec.stage(), o.spec.reduce_bucket_bytes(),
                                                               static_cast<int>(parts), layer_reads));
   zero->layout_ = std::move(layout);
   std::vector<std::vector<at::Tensor>> members;
@@ -200,7 +200,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     for (int b : buckets) first_reader.emplace(b, layer);
   }
   for (size_t m = 0; m < members.size(); ++m) {
-    if (o.stage == 3) {
+    if (o.spec.stage() == 3) {
       const int64_t layer = first_reader.at(static_cast<int>(m));
       TRIDENT_RETURN_IF_ERROR(
           CatchExceptions("drawing the parameters' values", [&] { o.layers->MaterializeLayer(layer); }));
@@ -208,7 +208,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     Bucket bucket;
     bucket.params = members[m];
     bucket.keep_full = keep_full(bucket.params.front());
-    bucket.sharded = o.stage == 3 && !bucket.keep_full;
+    bucket.sharded = o.spec.stage() == 3 && !bucket.keep_full;
     for (const at::Tensor& p : bucket.params) {
       bucket.offsets.push_back(bucket.numel);
       bucket.shapes.push_back(p.sizes().vec());
@@ -269,10 +269,10 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     for (int i : reads) layer_slots.back().second.push_back(slot_of[i]);
   }
   zero->PlanGathers(layer_slots);
-  if (o.stage == 3 || !zero->gathers_before_layer_.empty()) o.layers->SetObserver(zero.get());
+  if (o.spec.stage() == 3 || !zero->gathers_before_layer_.empty()) o.layers->SetObserver(zero.get());
   TRIDENT_RETURN_IF_ERROR(
       CatchExceptions("building the sharded optimizer", [&] { zero->optimizer_ = make_optimizer(shards); }));
-  if (!ElementwiseStateNames(*zero->optimizer_).ok() && !o.allow_untested_optimizer) {
+  if (!ElementwiseStateNames(*zero->optimizer_).ok() && !o.spec.allow_untested_optimizer()) {
     return absl::InvalidArgumentError(
         "ZeRO shards optimizer state element by element, which is known to be exact for Adam, "
         "AdamW and SGD only; this optimizer is untested: set zero_allow_untested_optimizer to "
@@ -284,7 +284,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
 // All-gathers still under way are not waited for (a peer may be gone): each
 // holds the tensors it writes.
 ZeroOptimizer::~ZeroOptimizer() {
-  if (options_.stage == 3 || !gathers_before_layer_.empty()) options_.layers->SetObserver(nullptr);
+  if (options_.spec.stage() == 3 || !gathers_before_layer_.empty()) options_.layers->SetObserver(nullptr);
 }
 
 absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
@@ -342,7 +342,7 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
     absl::Status finished = FinishOldestGather();  // thrown: the layer cannot run without it
     TORCH_CHECK(finished.ok(), std::string(finished.message()));
   }
-  if (options_.stage < 3) return;
+  if (options_.spec.stage() < 3) return;
   GatherLayer(layer);
   // The next layer's chunks travel while this one computes.
   auto next = layout_.layer_buckets.upper_bound(layer);
@@ -350,7 +350,7 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
 }
 
 void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) {
-  if (options_.stage < 3) return;
+  if (options_.spec.stage() < 3) return;
   bool announced = false;
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
@@ -474,7 +474,7 @@ void ZeroOptimizer::OnGradientReady(int index, int slot) {
 
 absl::Status ZeroOptimizer::StartReduceScatter(Bucket& bucket, const at::Tensor& full) {
   TRIDENT_RETURN_IF_ERROR(FinishReduceScatter(bucket));  // the last micro-batch's, if still travelling
-  const double f = options_.gradient_predivide_factor;
+  const double f = options_.spec.gradient_predivide_factor();
   bucket.reduced = at::empty_like(bucket.chunk);
   TRIDENT_ASSIGN_OR_RETURN(PendingWork started, group_->IReduceScatter(f == 1.0 ? full : full / f, bucket.reduced));
   bucket.reducing = std::move(started);
@@ -497,7 +497,7 @@ absl::Status ZeroOptimizer::FinishReduceScatter(Bucket& bucket) {
 absl::Status ZeroOptimizer::ReduceScatterInSlices(Bucket& bucket, const at::Tensor& full) {
   TRIDENT_RETURN_IF_ERROR(FinishReduceScatter(bucket));  // the last micro-batch's, if still travelling
   const int64_t parts = group_->size(), chunk = bucket.chunk.numel();
-  const double f = options_.gradient_predivide_factor;
+  const double f = options_.spec.gradient_predivide_factor();
   at::Tensor rows = full.view({parts, chunk});
   for (const ChunkColumns& c : SplitChunk(chunk, std::max<int64_t>(1, options_.max_message_elements / parts))) {
     at::Tensor slice = rows.narrow(1, c.offset, c.length).contiguous();
@@ -540,7 +540,7 @@ absl::Status ZeroOptimizer::FinishBackward() {
       bucket.full_grad = at::Tensor();
       bucket.StartRound();
     }
-    const double f = options_.gradient_predivide_factor;
+    const double f = options_.spec.gradient_predivide_factor();
     if (f == 1.0) {
       ChunkGrad(bucket).div_(group_->size());  // zeros where no gradient arrived
     } else {
@@ -681,8 +681,8 @@ void ZeroOptimizer::PlanGathers(const std::vector<std::pair<int64_t, std::vector
 
 int64_t ZeroOptimizer::MostGatheredColumns(const Bucket& bucket) const {
   const int64_t element_bytes = static_cast<int64_t>(bucket.chunk.element_size());
-  return std::max<int64_t>(
-      1, std::min(options_.allgather_bucket_bytes / element_bytes, options_.max_message_elements / group_->size()));
+  return std::max<int64_t>(1, std::min(options_.spec.allgather_bucket_bytes() / element_bytes,
+                                       options_.max_message_elements / group_->size()));
 }
 
 // At most kGatheredInFlight messages with a gathered copy travel at once.

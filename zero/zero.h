@@ -63,15 +63,14 @@
 #include "base/tensors.h"
 #include "graph/graph.h"
 #include "topology/topology.h"
+#include "zero/zero.pb.h"
 
 namespace trident {
 
 struct ZeroOptions {
-  int stage = 1;                           // 1, 2 or 3
-  int64_t reduce_bucket_bytes = 25 << 20;  // zero_reduce_bucket_size
-  // The updated chunks are all-gathered several buckets per message, up to
-  // this many bytes of chunks (zero_allgather_bucket_size).
-  int64_t allgather_bucket_bytes = 25 << 20;
+  // The stage (1, 2 or 3), bucket sizes, untested optimizers and the
+  // gradient predivide factor, as the plan gives them.
+  ZeroSpec spec;
   // The collectives of FinishBackward and Step move at most this many
   // elements per message: Gloo stages a message whole, so a whole-model
   // message (the default bucket sizes) would cost the model's size again in
@@ -79,12 +78,6 @@ struct ZeroOptions {
   // soon as it is complete, in such slices, rather than in flight (where its
   // reduction holds a second copy of its whole gradient).
   int64_t max_message_elements = int64_t{1} << 22;
-  // Optimizers other than Adam, AdamW and SGD (element-wise, per-parameter
-  // state) are refused unless this is set (zero_allow_untested_optimizer).
-  bool allow_untested_optimizer = false;
-  // Gradients are divided by this before the reduction and multiplied by it
-  // (over the group size) after (prescale_gradients).
-  double gradient_predivide_factor = 1.0;
   // Parameters whose gradients stay whole until FinishBackward (stage 2).
   std::function<bool(const at::Tensor&)> keep_full_gradient;
   // Parameters counted in the gradient norm (false: replicas counted elsewhere).

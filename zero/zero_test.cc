@@ -67,11 +67,11 @@ TEST_P(ZeroParityTest, StepsEqualPlainDataParallelism) {
     auto sharded = Build(Tiny());
     auto plain_optimizer = MakeAdamW(Groups(*plain));
     ZeroOptions options;
-    options.stage = c.stage;
+    options.spec.set_stage(c.stage);
     options.layers = sharded.get();
     for (int64_t i = 0; i < sharded->NumLayers(); ++i) options.layer_indices.push_back(i);
-    options.reduce_bucket_bytes = 16 << 10;    // several buckets
-    options.allgather_bucket_bytes = 8 << 10;  // gathered a few at a time
+    options.spec.set_reduce_bucket_bytes(16 << 10);    // several buckets
+    options.spec.set_allgather_bucket_bytes(8 << 10);  // gathered a few at a time
     // Reduced and gathered in uneven slices; buckets over 12000 elements
     // (stage 3's blocks) reduced as soon as complete, smaller ones in flight.
     options.max_message_elements = 3000;
@@ -124,9 +124,9 @@ TEST(ZeroGatherTest, LayersFinishTheAllGathersStepStarted) {
       auto deferred = Build(Tiny());
       auto gathered = Build(Tiny());
       ZeroOptions options;
-      options.stage = stage;
-      options.reduce_bucket_bytes = 16 << 10;  // several buckets
-      options.max_message_elements = 3000;     // several messages
+      options.spec.set_stage(stage);
+      options.spec.set_reduce_bucket_bytes(16 << 10);  // several buckets
+      options.max_message_elements = 3000;             // several messages
       auto at_once = ZeroOptimizer::Create(Groups(*gathered), &dp, options, MakeAdamW);
       options.layers = deferred.get();
       for (int64_t i = 0; i < deferred->NumLayers(); ++i) options.layer_indices.push_back(i);
@@ -180,10 +180,10 @@ TEST(ZeroMemoryTest, StagesShrinkPerRankBytesByTheGroupSize) {
     for (int stage : {1, 2, 3}) {
       auto model = Build(Tiny());
       ZeroOptions options;
-      options.stage = stage;
+      options.spec.set_stage(stage);
       options.layers = model.get();
       for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
-      options.reduce_bucket_bytes = 8 << 10;
+      options.spec.set_reduce_bucket_bytes(8 << 10);
       auto zero = *ZeroOptimizer::Create(Groups(*model), &dp, options, MakeAdamW);
       model->Loss(torch::zeros({2, 8}, torch::kLong), torch::zeros({2, 8}, torch::kLong)).backward();
       ASSERT_TRUE(zero->FinishBackward().ok());
@@ -221,7 +221,7 @@ TEST(ZeroMemoryTest, StageThreeKeepsNoGatheredWeightsForBackward) {
     int64_t parameter_bytes = 0;
     for (const auto& p : model->parameters()) parameter_bytes += p.numel() * 4;
     ZeroOptions options;
-    options.stage = 3;
+    options.spec.set_stage(3);
     options.layers = model.get();
     for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
     auto zero = *ZeroOptimizer::Create(Groups(*model), &**(*topology)->Group("dp"), options, MakeAdamW);
@@ -248,7 +248,7 @@ TEST(ZeroMemoryTest, StageThreeHoldsOneBlockInBackward) {
     config.n_layer = 4;
     auto model = Build(config);
     ZeroOptions options;
-    options.stage = 3;
+    options.spec.set_stage(3);
     options.layers = model.get();
     for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
     auto zero = *ZeroOptimizer::Create(Groups(*model), &**(*topology)->Group("dp"), options, MakeAdamW);
@@ -322,7 +322,7 @@ TEST(ZeroStageThreeTest, DeferredValuesAreDrawnAndShardedLayerByLayer) {
     auto whole = Build(config);
     MaterializationWatcher watcher(*model);
     ZeroOptions options;
-    options.stage = 3;
+    options.spec.set_stage(3);
     options.layers = &watcher;
     for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
     auto zero = *ZeroOptimizer::Create(Groups(*model), &dp, options, MakeAdamW);
@@ -370,10 +370,10 @@ TEST(ZeroStageThreeTest, ViewsPassedToTheNextLayerKeepTheirValues) {
     ASSERT_TRUE(topology.ok());
     ViewPassingLayers plain, sharded;
     ZeroOptions options;
-    options.stage = 3;
+    options.spec.set_stage(3);
     options.layers = &sharded;
     options.layer_indices = {0, 1};
-    options.reduce_bucket_bytes = 16;  // a bucket per parameter
+    options.spec.set_reduce_bucket_bytes(16);  // a bucket per parameter
     auto make_sgd = [](const std::vector<std::vector<at::Tensor>>& groups) -> std::unique_ptr<torch::optim::Optimizer> {
       return std::make_unique<torch::optim::SGD>(groups.at(0), torch::optim::SGDOptions(0.1));
     };
@@ -410,16 +410,17 @@ TEST(ZeroOptimizerTest, UntestedOptimizersAreRefusedUnlessAllowed) {
     };
     auto model = Build(Tiny());
     ZeroOptions options;
+    options.spec.set_stage(1);
     EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*model), &dp, options, rmsprop).status().message()),
                 HasSubstr("set zero_allow_untested_optimizer"));
-    options.allow_untested_optimizer = true;
+    options.spec.set_allow_untested_optimizer(true);
     auto other = Build(Tiny());
     EXPECT_TRUE(ZeroOptimizer::Create(Groups(*other), &dp, options, rmsprop).ok());
-    options.stage = 4;
+    options.spec.set_stage(4);
     auto fourth = Build(Tiny());
     EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*fourth), &dp, options, rmsprop).status().message()),
                 HasSubstr("zero_stage=4 is not available"));
-    options.stage = 3;
+    options.spec.set_stage(3);
     EXPECT_THAT(std::string(ZeroOptimizer::Create(Groups(*fourth), &dp, options, rmsprop).status().message()),
                 HasSubstr("needs the model's layers"));
   });

@@ -43,17 +43,18 @@ std::vector<double> Train(const Layout& layout, const std::string& tag, std::str
     ASSERT_TRUE(topology.ok()) << topology.status();
     auto train = std::make_unique<ShapesDataset>(256, 1);
     trident::ParallelPlan plan;
-    plan.dp = layout.dp;
-    plan.pp = layout.pp;
-    plan.tp = layout.tp;
-    plan.tp_split_all = true;  // SkipNet is too small for tensor parallelism to pay: split it anyway
-    plan.schedule = layout.schedule;
-    plan.zero_stage = layout.zero_stage;
-    plan.split_method = layout.split_method;
-    plan.zero_reduce_bucket_bytes = 16 << 10;  // several buckets
-    plan.micro_batch_size = 4;
-    plan.num_micro_batches = 16 / (4 * layout.dp);
-    plan.batch_fields = train->field_names();
+    plan.set_dp(layout.dp);
+    plan.set_pp(layout.pp);
+    plan.set_tp(layout.tp);
+    plan.mutable_tensor_parallel()->set_split_all(
+        true);  // SkipNet is too small for tensor parallelism to pay: split it anyway
+    plan.mutable_pipeline()->set_schedule(layout.schedule);
+    plan.mutable_zero()->set_stage(layout.zero_stage);
+    plan.mutable_trace()->set_split_method(layout.split_method);
+    plan.mutable_zero()->set_reduce_bucket_bytes(16 << 10);  // several buckets
+    plan.set_micro_batch_size(4);
+    plan.set_num_micro_batches(16 / (4 * layout.dp));
+    for (const std::string& field : train->field_names()) plan.mutable_trace()->add_batch_fields(field);
     auto example = train->Get({0, 1, 2, 3});
     ASSERT_TRUE(example.ok());
     auto adamw = trident::MakeOptimizerFactory("adamw", trident::ComponentArgs());

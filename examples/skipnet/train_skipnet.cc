@@ -28,13 +28,13 @@ absl::Status Train() {
   auto train = std::make_unique<skipnet::ShapesDataset>(512, /*seed=*/1);
   auto val = std::make_unique<skipnet::ShapesDataset>(128, /*seed=*/2);
   trident::ParallelPlan plan;
-  plan.dp = FLAGS_dp;
-  plan.pp = FLAGS_pp;
-  plan.schedule = FLAGS_schedule;
-  plan.zero_stage = FLAGS_zero_stage;
-  plan.micro_batch_size = 4;
-  plan.num_micro_batches = 16 / (4 * FLAGS_dp);
-  plan.batch_fields = train->field_names();
+  plan.set_dp(FLAGS_dp);
+  plan.set_pp(FLAGS_pp);
+  plan.mutable_pipeline()->set_schedule(FLAGS_schedule);
+  plan.mutable_zero()->set_stage(FLAGS_zero_stage);
+  plan.set_micro_batch_size(4);
+  plan.set_num_micro_batches(16 / (4 * FLAGS_dp));
+  for (const std::string& field : train->field_names()) plan.mutable_trace()->add_batch_fields(field);
   TRIDENT_ASSIGN_OR_RETURN(trident::Batch example, train->Get({0, 1, 2, 3}));
   TRIDENT_ASSIGN_OR_RETURN(trident::OptimizerFactory adamw,
                            trident::MakeOptimizerFactory("adamw", trident::ComponentArgs()));

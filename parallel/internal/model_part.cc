@@ -83,7 +83,7 @@ Batch CheckBatch(const Batch& example) {
 }
 
 absl::Status CheckShards(int64_t shards, const ParallelPlan& plan) {
-  const int64_t stages = static_cast<int64_t>(plan.pp) * plan.virtual_stages;
+  const int64_t stages = static_cast<int64_t>(plan.pp()) * plan.virtual_stages();
   if (shards >= stages) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("pp*virtual_stages = ", stages,
                                                  " pipeline stages but the traced model split into ", shards,
@@ -92,9 +92,10 @@ absl::Status CheckShards(int64_t shards, const ParallelPlan& plan) {
 
 PartitionOptions StagePartition(const ParallelPlan& plan) {
   PartitionOptions options;
-  options.num_stages = plan.pp * plan.virtual_stages;
-  options.partition_method = plan.partition_method;
-  options.custom_split_points = plan.custom_split_points;
+  options.num_stages = plan.pp() * plan.virtual_stages();
+  options.partition_method = plan.pipeline().partition_method();
+  options.custom_split_points.assign(plan.pipeline().custom_split_points().begin(),
+                                     plan.pipeline().custom_split_points().end());
   return options;
 }
 
@@ -125,10 +126,11 @@ absl::Status BuildLayers(const ModelSource& source, const ParallelPlan& plan, co
   return absl::OkStatus();
 }
 
-// The dtype the model computes in under plan.precision: the autocast dtype,
+// The dtype the model computes in under plan.precision().mode(): the autocast dtype,
 // or the parameters' without autocast (pure_bf16).
 absl::StatusOr<at::ScalarType> ComputeDtype(const ParallelPlan& plan) {
-  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(plan.precision, plan.precision_table));
+  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision,
+                           MakePrecisionPolicy(plan.precision().mode(), plan.precision().table()));
   return precision.compute != at::kFloat ? precision.compute : precision.param;
 }
 
@@ -139,12 +141,12 @@ struct WholeModel {
   std::vector<LayerProfile> shards;       // traced: what each shard reads and computes (else empty)
   double total_flops = 0;                 // traced: forward FLOPs of one micro-batch
   std::map<std::string, std::string> aliases;
-  std::vector<std::string> untied;                          // traced with plan.no_tie_modules
+  std::vector<std::string> untied;                          // traced with plan.trace().no_tie_modules()
   std::map<std::string, ShardSpec> tensor_parallel_shards;  // traced at tp > 1
   std::string tensor_parallel_report;
-  std::vector<int> lora_target_hits;  // traced with plan.lora
-  std::vector<int> recompute_hits;    // traced with plan.checkpoint_modules
-  ReplaceReport replace_report;       // traced with plan.module_replace
+  std::vector<int> lora_target_hits;  // traced with plan.lora()
+  std::vector<int> recompute_hits;    // traced with plan.recompute().modules()
+  ReplaceReport replace_report;       // traced with plan.module_replace()
 };
 
 // The automatic tensor-parallel pass's options: its cost model at rates of
@@ -153,9 +155,9 @@ struct WholeModel {
 AutoTensorParallelOptions AutoTensorParallelCosts(const ParallelPlan& plan, bool loss_only) {
   AutoTensorParallelOptions options;
   options.loss_only = loss_only;
-  options.layers = plan.tp_layer_lists;
-  if (plan.tp_split_all) return options;
-  const bool cuda = plan.device == "cuda";
+  options.layers = plan.tensor_parallel().layer_lists();
+  if (plan.tensor_parallel().split_all()) return options;
+  const bool cuda = plan.device() == ParallelPlan::cuda;
   options.flops_per_second = cuda ? 200e12 : 50e9;
   options.bytes_per_second = cuda ? 100e9 : 1e9;
   options.collective_latency_s = cuda ? 20e-6 : 100e-6;
@@ -184,12 +186,13 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
     forward = source.forward;
     owner = source.module;
   }
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs, SelectInputs(plan.input_names, plan.batch_fields, example.size()));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs,
+                           SelectInputs(plan.trace().input_names(), plan.trace().batch_fields(), example.size()));
   if (!arguments.empty() && arguments.size() != inputs.size()) {
     std::vector<std::string> given;
     for (int f : inputs) {
-      given.push_back(f < static_cast<int>(plan.batch_fields.size()) ? plan.batch_fields[f]
-                                                                     : absl::StrCat("field ", f));
+      given.push_back(f < static_cast<int>(plan.trace().batch_fields().size()) ? plan.trace().batch_fields()[f]
+                                                                               : absl::StrCat("field ", f));
     }
     return absl::InvalidArgumentError(absl::StrCat("forward of ", source.torchscript_path, " takes ", arguments.size(),
                                                    " input(s) (", absl::StrJoin(arguments, ", "), ") but is given ",
@@ -201,18 +204,19 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<ModelGraph> graph,
                            ModelGraph::Trace(parameters, on_device, traced_forward, CheckBatch(on_device), owner));
   WholeModel whole;
-  if (plan.no_tie_modules) {  // each name of a tied parameter its own, traced again
+  if (plan.trace().no_tie_modules()) {  // each name of a tied parameter its own, traced again
     TRIDENT_ASSIGN_OR_RETURN(ModelGraph::Untied untied, graph->Untie());
     TRIDENT_ASSIGN_OR_RETURN(
         graph, ModelGraph::Trace(untied.parameters, on_device, untied.forward, CheckBatch(on_device), owner));
     whole.untied = std::move(untied.untied);
   }
   whole.aliases = graph->aliases();
-  if (plan.tp > 1) {  // this rank's part of every product the automatic pass splits, traced again
+  if (plan.tp() > 1) {  // this rank's part of every product the automatic pass splits, traced again
     TRIDENT_ASSIGN_OR_RETURN(
         TensorParallelGraph sharded,
         AutoTensorParallel(*graph,
-                           TensorParallelism{plan.tp, tp_rank, "tp", plan.sequence_parallel, plan.parallel_vocab},
+                           TensorParallelism{plan.tp(), tp_rank, "tp", plan.tensor_parallel().sequence_parallel(),
+                                             plan.tensor_parallel().parallel_vocab()},
                            AutoTensorParallelCosts(plan, !source.returns_logits)));
     // The rewritten graph holds this rank's parameters itself: a loaded
     // TorchScript module, and with it the full tensors of the split ones, is
@@ -223,29 +227,33 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
     whole.tensor_parallel_report = sharded.plan.Report();
     owner = nullptr;  // later graphs hold this rank's parameters themselves
   }
-  if (plan.lora) {  // every target linear product gains its adapter (sliced as it is), traced again
+  if (plan.has_lora()) {  // every target linear product gains its adapter (sliced as it is), traced again
     TRIDENT_ASSIGN_OR_RETURN(LoraGraph adapted,
-                             ApplyLoraToGraph(*graph, *plan.lora, plan.seed, whole.tensor_parallel_shards));
+                             ApplyLoraToGraph(*graph, plan.lora(), plan.seed(), whole.tensor_parallel_shards));
     whole.lora_target_hits = std::move(adapted.layers.target_hits);
     whole.tensor_parallel_shards.insert(adapted.layers.shards.begin(), adapted.layers.shards.end());
     TRIDENT_ASSIGN_OR_RETURN(
         graph, ModelGraph::Trace(adapted.parameters, on_device, adapted.forward, CheckBatch(on_device), owner));
   }
-  if (!plan.module_replace.empty()) {  // the pairs' operator patterns, on this rank's graph
+  if (!plan.module_replace().empty()) {  // the pairs' operator patterns, on this rank's graph
     TRIDENT_ASSIGN_OR_RETURN(at::ScalarType dtype, ComputeDtype(plan));
-    TRIDENT_ASSIGN_OR_RETURN(ReplacedGraph replaced, ReplaceInGraph(*graph, plan.module_replace, dtype));
+    TRIDENT_ASSIGN_OR_RETURN(ReplacedGraph replaced, ReplaceInGraph(*graph, ToVector(plan.module_replace()), dtype));
     TRIDENT_ASSIGN_OR_RETURN(
         graph, ModelGraph::Trace(replaced.parameters, on_device, replaced.forward, CheckBatch(on_device), owner));
     whole.replace_report = std::move(replaced.report);
   }
-  const std::string split = plan.split_method.empty() ? "farthest_min_deps" : plan.split_method;
-  const int shard_count = plan.shard_count > 0 ? plan.shard_count : DefaultShardCount(*graph);
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards, SplitIntoShards(*graph, split, shard_count, plan.leaf_modules));
+  const std::string split = plan.trace().split_method().empty() ? "farthest_min_deps" : plan.trace().split_method();
+  const int shard_count = plan.trace().shard_count() > 0 ? plan.trace().shard_count() : DefaultShardCount(*graph);
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int64_t> shards,
+                           SplitIntoShards(*graph, split, shard_count,
+                                           {plan.trace().leaf_modules().begin(), plan.trace().leaf_modules().end()}));
   whole.shards = ShardProfiles(*graph, shards);
   whole.total_flops = graph->total_flops();
   ModuleSpans recomputed;  // ATorch's checkpoint method: found by the modules' parameters
-  if (!plan.checkpoint_modules.empty()) {
-    TRIDENT_ASSIGN_OR_RETURN(recomputed, FindModuleSpans(*graph, plan.checkpoint_modules, module_types));
+  if (!plan.recompute().modules().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(
+        recomputed,
+        FindModuleSpans(*graph, {plan.recompute().modules().begin(), plan.recompute().modules().end()}, module_types));
     whole.recompute_hits = std::move(recomputed.hits);
   }
   std::shared_ptr<ModelGraph> shared(std::move(graph));
@@ -255,16 +263,16 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
 
 absl::StatusOr<WholeModel> RunWhole(const ModelSource& source, const ParallelPlan& plan, int tp_rank,
                                     const at::Device& device, const Batch& example) {
-  if (plan.trace_method == "jit") return TraceGraph(source, plan, tp_rank, device, example);
-  if (plan.trace_method != "none") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("trace_method='", plan.trace_method, "' is unknown; choose jit, layers or none"));
+  if (plan.trace().method() == TraceSpec::jit) return TraceGraph(source, plan, tp_rank, device, example);
+  if (plan.trace().method() != TraceSpec::none) {
+    return absl::InternalError("trace_method=layers runs the module's LayerSequence, never the module whole");
   }
   if (source.kind != ModelSource::Kind::kModule) {
     return absl::InvalidArgumentError(
         "trace_method=none runs a C++ module; a TorchScript file is traced (trace_method=jit)");
   }
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs, SelectInputs(plan.input_names, plan.batch_fields, example.size()));
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<int> inputs,
+                           SelectInputs(plan.trace().input_names(), plan.trace().batch_fields(), example.size()));
   WholeModel whole;
   whole.layers = std::make_shared<EagerModuleLayer>(source.module, ForwardWithLoss(source.forward, inputs, source.loss),
                                                     static_cast<int>(example.size()));
@@ -273,7 +281,7 @@ absl::StatusOr<WholeModel> RunWhole(const ModelSource& source, const ParallelPla
 
 // A module with trace_method "layers" as the layer source it is.
 absl::StatusOr<ModelSource> ResolveLayerModule(const ModelSource& source, const ParallelPlan& plan) {
-  if (source.kind != ModelSource::Kind::kModule || plan.trace_method != "layers") return source;
+  if (source.kind != ModelSource::Kind::kModule || plan.trace().method() != TraceSpec::layers) return source;
   auto layers = std::dynamic_pointer_cast<LayerSequence>(source.module);
   if (layers == nullptr) {
     return absl::InvalidArgumentError(
@@ -285,22 +293,22 @@ absl::StatusOr<ModelSource> ResolveLayerModule(const ModelSource& source, const 
   return resolved;
 }
 
-// Adds plan.lora's adapters to `module` (a layer part, or a module run
+// Adds plan.lora()'s adapters to `module` (a layer part, or a module run
 // eagerly) and records them in `part`.
 absl::Status AddAdapters(torch::nn::Module& module, const ParallelPlan& plan, ModelPart* part) {
-  TRIDENT_ASSIGN_OR_RETURN(LoraLayers adapted, ApplyLora(module, *plan.lora, plan.seed));
+  TRIDENT_ASSIGN_OR_RETURN(LoraLayers adapted, ApplyLora(module, plan.lora(), plan.seed()));
   part->lora_target_hits = std::move(adapted.target_hits);
   part->shards.insert(adapted.shards.begin(), adapted.shards.end());
   return absl::OkStatus();
 }
 
-// Turns on recomputation in the modules plan.checkpoint_modules names.
+// Turns on recomputation in the modules plan.recompute().modules() names.
 // Errors name a matched module that cannot recompute itself.
 absl::Status MarkRecomputedModules(torch::nn::Module& model, const ParallelPlan& plan, ModelPart* part) {
-  part->recompute_hits.assign(plan.checkpoint_modules.size(), 0);
+  part->recompute_hits.assign(plan.recompute().modules().size(), 0);
   for (const auto& item : model.named_modules()) {
-    for (size_t i = 0; i < plan.checkpoint_modules.size(); ++i) {
-      const std::string& pattern = plan.checkpoint_modules[i];
+    for (int i = 0; i < plan.recompute().modules().size(); ++i) {
+      const std::string& pattern = plan.recompute().modules()[i];
       if (!ModuleNameMatches(item.key(), pattern) && !ModuleTypeMatches(item.value()->name(), pattern)) continue;
       auto* recomputable = dynamic_cast<RecomputableModule*>(item.value().get());
       if (recomputable == nullptr) {
@@ -320,7 +328,7 @@ absl::Status MarkRecomputedModules(torch::nn::Module& model, const ParallelPlan&
 // per-module options (LoRA, recomputation); nullptr for traced sources.
 torch::nn::Module* ModuleOf(const ModelSource& source, const ParallelPlan& plan, const ModelPart& part) {
   if (source.kind == ModelSource::Kind::kLayers) return dynamic_cast<torch::nn::Module*>(part.layers.get());
-  if (source.kind == ModelSource::Kind::kModule && plan.trace_method == "none") return source.module.get();
+  if (source.kind == ModelSource::Kind::kModule && plan.trace().method() == TraceSpec::none) return source.module.get();
   return nullptr;
 }
 
@@ -346,7 +354,7 @@ absl::Status CheckUntied(const ModelSource& source, const ParallelPlan& plan, co
 // LoRA on a module run eagerly: through its own linear layers (ParallelLinear).
 // Traced models get theirs in the graph (TraceGraph).
 absl::Status AddAdaptersToEagerModule(const ModelSource& source, const ParallelPlan& plan, ModelPart* part) {
-  if (!plan.lora || plan.trace_method != "none" || source.kind != ModelSource::Kind::kModule) {
+  if (!plan.has_lora() || plan.trace().method() != TraceSpec::none || source.kind != ModelSource::Kind::kModule) {
     return absl::OkStatus();
   }
   return AddAdapters(*source.module, plan, part);
@@ -354,8 +362,9 @@ absl::Status AddAdaptersToEagerModule(const ModelSource& source, const ParallelP
 
 }  // namespace
 
-absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& input_names,
-                                              const std::vector<std::string>& field_names, size_t num_fields) {
+absl::StatusOr<std::vector<int>> SelectInputs(const google::protobuf::RepeatedPtrField<std::string>& input_names,
+                                              const google::protobuf::RepeatedPtrField<std::string>& field_names,
+                                              size_t num_fields) {
   std::vector<int> fields;
   if (input_names.empty()) {
     for (size_t f = 0; f < num_fields; ++f) fields.push_back(static_cast<int>(f));
@@ -388,11 +397,11 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
     if (part.traced) {
       TRIDENT_RETURN_IF_ERROR(CheckShards(static_cast<int64_t>(whole.shards.size()), plan));
       TRIDENT_ASSIGN_OR_RETURN(part.stage_plan, PlanStages(whole.shards, StagePartition(plan)));
-      part.flops_per_sample = 3.0 * whole.total_flops / std::max<int64_t>(1, plan.micro_batch_size);
+      part.flops_per_sample = 3.0 * whole.total_flops / std::max<int64_t>(1, plan.micro_batch_size());
       part.aliases = std::move(whole.aliases);
       part.shards.insert(whole.tensor_parallel_shards.begin(), whole.tensor_parallel_shards.end());
       part.tensor_parallel_report = std::move(whole.tensor_parallel_report);
-      if (plan.lora) part.lora_target_hits = std::move(whole.lora_target_hits);
+      if (plan.has_lora()) part.lora_target_hits = std::move(whole.lora_target_hits);
       part.replace_report = std::move(whole.replace_report);
       part.recompute_hits = std::move(whole.recompute_hits);
       part.untied = std::move(whole.untied);
@@ -401,19 +410,20 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
     }
   }
   LayerRanges ranges;
-  for (int c = 0; c < plan.virtual_stages; ++c) {  // chunk c is virtual stage c * pp + stage
-    const StagePlan& planned = part.stage_plan.stages(c * plan.pp + stage);
+  for (int c = 0; c < plan.virtual_stages(); ++c) {  // chunk c is virtual stage c * pp + stage
+    const StagePlan& planned = part.stage_plan.stages(c * plan.pp() + stage);
     part.chunks.push_back({planned.first_layer(), planned.end_layer()});
     ranges.emplace_back(planned.first_layer(), planned.end_layer());
   }
   if (source.kind == ModelSource::Kind::kLayers) {
     // ZeRO-3 draws the values layer by layer as it shards them, where nothing
     // reads them first (a dtype conversion, a copy to the GPU).
-    TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision, MakePrecisionPolicy(plan.precision, plan.precision_table));
+    TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision,
+                             MakePrecisionPolicy(plan.precision().mode(), plan.precision().table()));
     const bool deferred =
-        plan.zero_stage == 3 && source.build_deferred && device.is_cpu() && precision.param == at::kFloat;
+        plan.zero().stage() == 3 && source.build_deferred && device.is_cpu() && precision.param == at::kFloat;
     TRIDENT_ASSIGN_OR_RETURN(part.layers, deferred ? source.build_deferred(ranges) : source.build(ranges));
-    if (plan.lora) {
+    if (plan.has_lora()) {
       auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get());
       if (module == nullptr) {
         return absl::InvalidArgumentError(
@@ -423,8 +433,8 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
       TRIDENT_RETURN_IF_ERROR(AddAdapters(*module, plan, &part));
     }
   }
-  if (plan.no_tie_modules && !part.traced) TRIDENT_RETURN_IF_ERROR(CheckUntied(source, plan, part));
-  if (!plan.checkpoint_modules.empty() && !part.traced) {
+  if (plan.trace().no_tie_modules() && !part.traced) TRIDENT_RETURN_IF_ERROR(CheckUntied(source, plan, part));
+  if (!plan.recompute().modules().empty() && !part.traced) {
     torch::nn::Module* module = ModuleOf(source, plan, part);
     if (module == nullptr) {
       return absl::InvalidArgumentError(
@@ -433,7 +443,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
     }
     TRIDENT_RETURN_IF_ERROR(MarkRecomputedModules(*module, plan, &part));
   }
-  if (!plan.module_replace.empty() && !part.traced) {
+  if (!plan.module_replace().empty() && !part.traced) {
     torch::nn::Module* module = ModuleOf(source, plan, part);
     if (module == nullptr) {
       return absl::InvalidArgumentError(
@@ -441,7 +451,7 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
           "traced one (trace_method=jit)");
     }
     TRIDENT_ASSIGN_OR_RETURN(at::ScalarType dtype, ComputeDtype(plan));
-    TRIDENT_ASSIGN_OR_RETURN(part.replace_report, ReplaceModules(*module, plan.module_replace, dtype));
+    TRIDENT_ASSIGN_OR_RETURN(part.replace_report, ReplaceModules(*module, ToVector(plan.module_replace()), dtype));
   }
   TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the model to the device", [&] { part.layers->To(device); }));
   return part;

@@ -31,14 +31,14 @@ struct ModelPart {
   // its plan as a table.
   std::map<std::string, ShardSpec> shards;
   std::string tensor_parallel_report;
-  // With plan.lora: how many modules each target matched here (a target no
+  // With plan.lora(): how many modules each target matched here (a target no
   // stage matches is an error), and the adapters split over tp (in shards).
   std::vector<int> lora_target_hits;
-  // How many modules each plan.checkpoint_modules entry matched here.
+  // How many modules each plan.recompute().modules() entry matched here.
   std::vector<int> recompute_hits;
-  // Traced with plan.no_tie_modules: the names untied, as ModelGraph::Untie reports them.
+  // Traced with plan.trace().no_tie_modules(): the names untied, as ModelGraph::Untie reports them.
   std::vector<std::string> untied;
-  // What plan.module_replace replaced here.
+  // What plan.module_replace() replaced here.
   ReplaceReport replace_report;
   // Module sources: a given loss function runs inside the layers, its result
   // first among the last layer's outputs.
@@ -52,8 +52,9 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& source, const Parall
 
 // The batch fields `forward` takes: `input_names` looked up in `field_names`
 // (all fields, in order, when empty). Errors name an unknown input.
-absl::StatusOr<std::vector<int>> SelectInputs(const std::vector<std::string>& input_names,
-                                              const std::vector<std::string>& field_names, size_t num_fields);
+absl::StatusOr<std::vector<int>> SelectInputs(const google::protobuf::RepeatedPtrField<std::string>& input_names,
+                                              const google::protobuf::RepeatedPtrField<std::string>& field_names,
+                                              size_t num_fields);
 
 }  // namespace internal
 }  // namespace trident

@@ -45,7 +45,7 @@ class ParallelModel::Impl {
   double flops_per_sample = 0;
   bool reads_data = false;
 
-  int stages() const { return plan.pp; }
+  int stages() const { return plan.pp(); }
   bool HoldsLastStage() const {
     return stage == stages() - 1;  // the last virtual stage is chunk V-1 of the last rank
   }

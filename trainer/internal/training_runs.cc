@@ -85,7 +85,7 @@ void TrainEverywhere(const TrainerConfig& config, const std::function<void(const
     ASSERT_TRUE(plan.ok()) << plan.status();
     TopologyOptions options;
     options.mesh_axes = PlanMeshAxes(*plan);
-    options.rank_order = plan->rank_order;
+    options.rank_order = ToVector(plan->rank_order());
     auto topology = JoinTopology(options);
     ASSERT_TRUE(topology.ok()) << topology.status();
     auto trainer = Trainer::Create(resolved, *plan, topology->get());
