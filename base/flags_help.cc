@@ -40,25 +40,27 @@ std::string TypeName(const FieldDescriptorProto& field) {
                                                                : type;
 }
 
-// Every message of a file by full name, with its source path (for comments).
+// Every message of the descriptor set by full name, with its file and source
+// path there (for comments).
 struct MessageAt {
   const DescriptorProto* message;
+  int file;
   std::vector<int> path;
 };
-void IndexMessages(const DescriptorProto& message, const std::string& scope, std::vector<int> path,
+void IndexMessages(const DescriptorProto& message, const std::string& scope, int file, std::vector<int> path,
                    std::map<std::string, MessageAt>* index) {
   const std::string name = absl::StrCat(scope, ".", message.name());
-  (*index)[name] = {&message, path};
+  (*index)[name] = {&message, file, path};
   for (int i = 0; i < message.nested_type_size(); ++i) {
     std::vector<int> nested = path;
     nested.insert(nested.end(), {DescriptorProto::kNestedTypeFieldNumber, i});
-    IndexMessages(message.nested_type(i), name, nested, index);
+    IndexMessages(message.nested_type(i), name, file, nested, index);
   }
 }
 
 struct HelpWriter {
   std::map<std::string, MessageAt> messages;
-  std::map<std::vector<int>, std::string> comments;
+  std::map<std::pair<int, std::vector<int>>, std::string> comments;  // by file and source path
   std::string text;
 
   void Message(const MessageAt& at, const std::string& prefix, const std::string& heading) {
@@ -86,7 +88,7 @@ struct HelpWriter {
                         field.label() == FieldDescriptorProto::LABEL_REPEATED ? "" : absl::StrCat(", default: ", value),
                         ")\n");
       }
-      auto comment = comments.find(path);
+      auto comment = comments.find({at.file, path});
       if (comment != comments.end()) absl::StrAppend(&text, Indented(comment->second, "      "));
     }
     for (const auto& [message, flag] : nested) {
@@ -132,21 +134,24 @@ absl::StatusOr<std::string> MessageFlagsHelp(const unsigned char* descriptor_set
   if (!set.ParseFromArray(descriptor_set, static_cast<int>(size))) {
     return absl::InternalError("the embedded descriptor set does not parse (a broken build)");
   }
-  for (const google::protobuf::FileDescriptorProto& file : set.file()) {
-    HelpWriter writer;
+  HelpWriter writer;  // messages of imported files (protoc --include_imports) are listed too
+  for (int f = 0; f < set.file_size(); ++f) {
+    const google::protobuf::FileDescriptorProto& file = set.file(f);
     const std::string scope = file.package().empty() ? "" : "." + file.package();
     for (int i = 0; i < file.message_type_size(); ++i) {
-      IndexMessages(file.message_type(i), scope, {google::protobuf::FileDescriptorProto::kMessageTypeFieldNumber, i},
+      IndexMessages(file.message_type(i), scope, f, {google::protobuf::FileDescriptorProto::kMessageTypeFieldNumber, i},
                     &writer.messages);
     }
-    auto message = writer.messages.find("." + message_name);
-    if (message == writer.messages.end()) continue;
     for (const auto& location : file.source_code_info().location()) {
       std::string comment = location.leading_comments();
       if (!location.trailing_comments().empty()) absl::StrAppend(&comment, "\n", location.trailing_comments());
-      if (!comment.empty()) writer.comments[{location.path().begin(), location.path().end()}] = comment;
+      if (!comment.empty()) writer.comments[{f, {location.path().begin(), location.path().end()}}] = comment;
     }
-    writer.Message(message->second, "", absl::StrCat(message->second.message->name(), " (", file.name(), ")"));
+  }
+  auto message = writer.messages.find("." + message_name);
+  if (message != writer.messages.end()) {
+    writer.Message(message->second, "",
+                   absl::StrCat(message->second.message->name(), " (", set.file(message->second.file).name(), ")"));
     return writer.text;
   }
   return absl::NotFoundError(absl::StrCat("message ", message_name, " is not in the descriptor set"));

@@ -1,6 +1,7 @@
 #include "base/text_proto.h"
 
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <vector>
 
@@ -59,6 +60,23 @@ absl::StatusOr<int> EnumValueNamed(const google::protobuf::EnumDescriptor* type,
   for (int i = 0; i < type->value_count(); ++i) names.push_back(type->value(i)->name());
   return absl::InvalidArgumentError(
       absl::StrCat(field, "='", name, "' is unknown; choose ", absl::StrJoin(names, ", ")));
+}
+
+void OverlaySetFields(const google::protobuf::Message& from, google::protobuf::Message* to) {
+  const google::protobuf::Reflection* reflection = from.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(from, &fields);  // the set singular fields and the non-empty lists
+  std::unique_ptr<google::protobuf::Message> rest(from.New());
+  rest->CopyFrom(from);  // what MergeFrom copies: scalars, enums and lists
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    if (field->is_repeated()) {
+      to->GetReflection()->ClearField(to, field);  // the list replaces, MergeFrom would append
+    } else if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) {
+      OverlaySetFields(reflection->GetMessage(from, field), to->GetReflection()->MutableMessage(to, field));
+      rest->GetReflection()->ClearField(rest.get(), field);
+    }
+  }
+  to->MergeFrom(*rest);
 }
 
 }  // namespace trident

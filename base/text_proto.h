@@ -49,6 +49,11 @@ inline void SetStrings(google::protobuf::RepeatedPtrField<std::string>* field, c
   field->Assign(values.begin(), values.end());
 }
 
+// Copies the fields set in `from` onto `to` (messages of the same type):
+// singular sub-messages field by field, recursively; a non-empty repeated
+// field replaces `to`'s whole list; scalars and enums overwrite.
+void OverlaySetFields(const google::protobuf::Message& from, google::protobuf::Message* to);
+
 // The items of a repeated field as a vector (for APIs that take one).
 template <typename Repeated>
 std::vector<typename Repeated::value_type> ToVector(const Repeated& field) {

@@ -70,7 +70,8 @@ def trident_proto_library(name, srcs, deps = [], **kwargs):
               ("" if root == "." else "/" + root) + " " +
               " ".join([("" if root == "." else root + "/") + (pkg + "/" if pkg else "") + s for s in srcs]),
     )
-    native.filegroup(name = name + "_srcs", srcs = srcs, visibility = kwargs.get("visibility"))
+    # The .proto files with those they import, for the protoc runs of dependents.
+    native.filegroup(name = name + "_srcs", srcs = srcs + [d + "_srcs" for d in deps], visibility = kwargs.get("visibility"))
     native.cc_library(
         name = name,
         srcs = [o for o in outs if o.endswith(".cc")],
@@ -79,10 +80,11 @@ def trident_proto_library(name, srcs, deps = [], **kwargs):
         **kwargs
     )
 
-def trident_proto_descriptor(name, src, symbol, **kwargs):
+def trident_proto_descriptor(name, src, symbol, deps = [], **kwargs):
     """A cc_library defining `trident::internal::<symbol>` and `<symbol>Size`: the
-    serialized FileDescriptorSet of `src` (a .proto of this package) with its
-    comments (protoc --include_source_info), for help texts read from the proto.
+    serialized FileDescriptorSet of `src` (a .proto of this package) and the files
+    it imports (`deps`: their trident_proto_library targets) with their comments
+    (protoc --include_source_info --include_imports), for help texts read from the proto.
     """
     pkg = native.package_name()
     repository = native.repository_name()
@@ -90,10 +92,10 @@ def trident_proto_descriptor(name, src, symbol, **kwargs):
     proto = ("" if root == "." else root + "/") + (pkg + "/" if pkg else "") + src
     native.genrule(
         name = name + "_gen",
-        srcs = [src],
+        srcs = [src] + [d + "_srcs" for d in deps],
         outs = [name + ".cc"],
         tools = [Label("//bazel:embed_bytes.sh")],
-        cmd = ("protoc --proto_path=" + root + " --include_source_info --descriptor_set_out=$(@D)/" + name +
+        cmd = ("protoc --proto_path=" + root + " --include_source_info --include_imports --descriptor_set_out=$(@D)/" + name +
                ".pb " + proto + " && $(location " + str(Label("//bazel:embed_bytes.sh")) + ") $(@D)/" + name +
                ".pb " + symbol + " > $@"),
         **kwargs

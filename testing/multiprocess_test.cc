@@ -46,12 +46,14 @@ TEST(MultiProcessTest, SeveralRunsInOneTestEachRunTheirOwnBody) {
 
 TEST(MultiProcessTest, ExceptionsAndHangsBecomeFailuresNotHangs) {
   MultiProcessOptions options;
-  options.timeout = absl::Seconds(3);
+  // Long enough for rank 0 to start and throw on a loaded machine (at 3 s a
+  // busy CI host stopped it before it threw), far short of rank 1's hang.
+  options.timeout = absl::Seconds(20);
   MultiProcessResult result = SpawnRanks(
       2,
       [](int rank) {
         if (rank == 0) throw std::runtime_error("boom");
-        absl::SleepFor(absl::Seconds(60));
+        absl::SleepFor(absl::Seconds(600));
       },
       options);
   EXPECT_EQ(result.ranks[0].exit_code, 1);

@@ -170,8 +170,9 @@ absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfi
 
 namespace {
 
-// The layout the config's own fields give, before the rank count, a loaded
-// strategy and the batch arithmetic have their say.
+// The layout the config's own fields give (its flat fields, then what its
+// `plan` sets), before the rank count, a loaded strategy and the batch
+// arithmetic have their say.
 absl::StatusOr<ParallelPlan> PlanOfFields(const TrainerConfig& c) {
   ParallelPlan plan;
   plan.set_dp(c.dp());
@@ -243,6 +244,7 @@ absl::StatusOr<ParallelPlan> PlanOfFields(const TrainerConfig& c) {
     if (lora.ok()) *plan.mutable_lora() = *std::move(lora);
     plan.set_save_frozen(c.lora_save_base());
   }
+  OverlaySetFields(c.plan(), &plan);  // --plan.* wins over the flat aliases
   return plan;
 }
 
@@ -293,12 +295,17 @@ absl::Status ResolveLayout(const TrainerConfig& c, int world_size, ParallelPlan*
     return Invalid(
         absl::StrCat("run_mode=", c.run_mode(), " needs strategy=auto (compile chooses a strategy and stops)"));
   }
-  if (c.dp() < 1 || c.tp() < 1 || c.pp() < 1) {
-    return Invalid(absl::StrCat("dp=", c.dp(), ", tp=", c.tp(), ", pp=", c.pp(), ": each must be at least 1"));
+  if (plan->dp() < 1 || plan->tp() < 1 || plan->pp() < 1) {
+    return Invalid(
+        absl::StrCat("dp=", plan->dp(), ", tp=", plan->tp(), ", pp=", plan->pp(), ": each must be at least 1"));
   }
   std::optional<int64_t> global, accumulation;
   if (c.has_global_batch_size()) global = c.global_batch_size();
-  if (c.has_grad_accumulation_steps()) accumulation = c.grad_accumulation_steps();
+  if (c.plan().has_num_micro_batches()) {
+    accumulation = c.plan().num_micro_batches();
+  } else if (c.has_grad_accumulation_steps()) {
+    accumulation = c.grad_accumulation_steps();
+  }
   if (!c.load_strategy().empty()) {
     TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(c.load_strategy()));
     TRIDENT_RETURN_IF_ERROR(ApplyStrategy(strategy, world_size, plan));
@@ -449,9 +456,11 @@ absl::Status KeepGlobalBatch(int64_t global, ParallelPlan* plan) {
 }
 
 absl::StatusOr<int> ConfigWorldSize(const TrainerConfig& c) {
-  if (c.load_strategy().empty()) return static_cast<int>(c.dp() * c.tp() * c.pp());
+  TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, PlanOfFields(c));
+  const int layout = plan.dp() * plan.tp() * plan.pp();
+  if (c.load_strategy().empty()) return layout;
   TRIDENT_ASSIGN_OR_RETURN(Strategy strategy, LoadStrategy(c.load_strategy()));
-  return StrategyWorldSize(strategy, static_cast<int>(c.dp() * c.tp() * c.pp()));
+  return StrategyWorldSize(strategy, layout);
 }
 
 int64_t GlobalBatchSize(const ParallelPlan& plan) {

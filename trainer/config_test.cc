@@ -102,9 +102,36 @@ TEST(ConfigFlagsTest, FlagsTextConfigAndSavedStrategyGiveTheSamePlan) {
   from_strategy.set_global_batch_size(16);
   EXPECT_EQ(ConfigWorldSize(from_strategy).value_or(0), 4);
 
+  // The same layout in the plan's own dotted names (the flat fields left at
+  // their defaults).
+  args = {"--plan.dp=2",
+          "--plan.pp=2",
+          "--plan.zero.stage=1",
+          "--plan.precision.mode=bf16",
+          "--plan.pipeline.schedule=zb_h1",
+          "--plan.micro_batch_size=2",
+          "--global_batch_size=16",
+          "--plan.recompute.method=selected",
+          "--plan.recompute.layers=transformer.h.1",
+          "--plan.recompute.modules=attn",
+          "--plan.module_replace=fused_attention",
+          "--plan.axis_order=data",
+          "--plan.axis_order=pipeline",
+          "--plan.axis_order=tensor",
+          "--plan.rank_order=3",
+          "--plan.rank_order=2",
+          "--plan.rank_order=1",
+          "--plan.rank_order=0",
+          "--plan.precision.table=buffer=fp32",
+          "--plan.pipeline.partition_method=parameters"};
+  TrainerConfig from_dotted;
+  ASSERT_TRUE(ApplyConfigFlags(&args, &from_dotted).ok());
+  EXPECT_TRUE(args.empty());
+  EXPECT_EQ(ConfigWorldSize(from_dotted).value_or(0), 4);
+
   const std::string expected = StrategyToText(StrategyFromPlan(*plan));
   EXPECT_THAT(expected, HasSubstr("rank_order: 3"));
-  for (TrainerConfig* config : {&*from_text, &from_strategy}) {
+  for (TrainerConfig* config : {&*from_text, &from_strategy, &from_dotted}) {
     const TrainerConfig given = *config;
     auto other = ResolveConfig(config, 4);
     ASSERT_TRUE(other.ok()) << other.status();
@@ -112,7 +139,41 @@ TEST(ConfigFlagsTest, FlagsTextConfigAndSavedStrategyGiveTheSamePlan) {
     EXPECT_EQ(StrategyToText(StrategyFromPlan(*other)), expected);
     EXPECT_EQ(other->micro_batch_size(), plan->micro_batch_size());
     EXPECT_EQ(other->num_micro_batches(), 4);
+    if (config != &from_strategy) {
+      EXPECT_EQ(other->DebugString(), plan->DebugString());
+    }
   }
+}
+
+// A field of `plan` wins over the flat alias of the same knob, a list of it
+// replaces the flat list, and what it leaves unset the flat fields give.
+TEST(ConfigFlagsTest, ThePlansFieldsWinOverTheirFlatAliases) {
+  std::vector<std::string> args = {"--zero_stage=2",
+                                   "--plan.zero.stage=3",
+                                   "--plan.zero.allow_untested_optimizer",
+                                   "--dp=4",
+                                   "--axis_order=data,tensor,pipeline",
+                                   "--plan.axis_order=pipeline",
+                                   "--plan.axis_order=data",
+                                   "--plan.axis_order=tensor",
+                                   "--grad_accumulation_steps=3",
+                                   "--plan.num_micro_batches=2",
+                                   "--plan.trace.method=layers"};
+  TrainerConfig config;
+  ASSERT_TRUE(ApplyConfigFlags(&args, &config).ok());
+  auto plan = ResolveConfig(&config, 4);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->zero().stage(), 3);
+  EXPECT_TRUE(plan->zero().allow_untested_optimizer());
+  EXPECT_EQ(plan->zero().reduce_bucket_bytes(), 500000000LL * 4) << "from the flat zero_reduce_bucket_size";
+  EXPECT_EQ(plan->dp(), 4);
+  EXPECT_THAT(plan->axis_order(), ElementsAre("pipeline", "data", "tensor"));
+  EXPECT_EQ(plan->num_micro_batches(), 2);
+  EXPECT_EQ(plan->trace().method(), TraceSpec::layers);
+  args = {"--plan.recompute.method=most"};
+  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("--plan.recompute.method='most' is not a valid"));
+  args = {"--plan.zero.stages=1"};
+  EXPECT_THAT(Message(ApplyConfigFlags(&args, &config)), HasSubstr("ZeroSpec has no field 'stages'"));
 }
 
 // The plan's loss scaler as config.proto describes it.
