@@ -201,9 +201,8 @@ absl::StatusOr<ParallelPlan> PlanOfFields(const TrainerConfig& c) {
   TRIDENT_ASSIGN_OR_RETURN(RecomputeSpec::Method recompute,
                            ParseEnum<RecomputeSpec::Method>("activation_checkpointing", c.activation_checkpointing()));
   plan.mutable_recompute()->set_method(recompute);
-  for (std::string& layer : CommaList(c.checkpoint_layers())) plan.mutable_recompute()->add_layers(std::move(layer));
-  for (std::string& module : CommaList(c.checkpoint_modules()))
-    plan.mutable_recompute()->add_modules(std::move(module));
+  SetStrings(plan.mutable_recompute()->mutable_layers(), CommaList(c.checkpoint_layers()));
+  SetStrings(plan.mutable_recompute()->mutable_modules(), CommaList(c.checkpoint_modules()));
   SetStrings(plan.mutable_module_replace(), CommaList(c.module_replace()));
   plan.mutable_tensor_parallel()->set_parallel_vocab(c.parallel_vocab());
   plan.mutable_trace()->set_no_tie_modules(c.no_tie_modules());

@@ -85,12 +85,15 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   // The configuration is resolved once, here; the plan is the layout from now on.
   TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, ResolveConfig(&config, env.world_size));
   if (!blas_note.empty() && env.rank == 0) std::printf("%s\n", blas_note.c_str());
-  if (config.elastic() && plan.dp() != config.dp() && env.rank == 0) {
+  // The layout's own dp (--dp, --plan.dp or a loaded strategy's), which elastic replaced.
+  TRIDENT_ASSIGN_OR_RETURN(const int layout_ranks, ConfigWorldSize(config));
+  const int layout_dp = layout_ranks / (plan.tp() * plan.pp());
+  if (config.elastic() && plan.dp() != layout_dp && env.rank == 0) {
     std::printf(
-        "elastic: %d ranks, so dp=%d instead of %lld (tp=%d and pp=%d kept; global batch %lld in %lld "
+        "elastic: %d ranks, so dp=%d instead of %d (tp=%d and pp=%d kept; global batch %lld in %lld "
         "accumulation steps)\n",
-        env.world_size, plan.dp(), static_cast<long long>(config.dp()), plan.tp(), plan.pp(),
-        static_cast<long long>(GlobalBatchSize(plan)), static_cast<long long>(plan.num_micro_batches()));
+        env.world_size, plan.dp(), layout_dp, plan.tp(), plan.pp(), static_cast<long long>(GlobalBatchSize(plan)),
+        static_cast<long long>(plan.num_micro_batches()));
   }
   // This rank's share of the cores (CpuThreadsPerRank: Slurm's cpus per task,
   // or the CPUs this process may use over the node's ranks) goes to the pool that runs its matrix
