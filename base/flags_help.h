@@ -12,10 +12,15 @@
 #define TRIDENT_BASE_FLAGS_HELP_H_
 
 #include <cstddef>
+#include <map>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+
+namespace google::protobuf {
+class Message;
+}  // namespace google::protobuf
 
 namespace trident {
 
@@ -35,10 +40,18 @@ int PrintHelp(absl::string_view defining_file, const std::string& more = "");
 // flags, from `descriptor_set` (a serialized FileDescriptorSet written by
 // protoc --include_source_info): each field's flag name, type, default and
 // comments, its message fields by dotted name (--model_config.type, a map's
-// entries as --model_config.args.KEY) under a heading of their own. Errors
+// entries as --model.args.KEY) under a heading of their own; an enum's type
+// lists its values. Errors
 // when the set does not parse or lacks the message.
+// `extras`: the defaults a program applies over the message's own (fields
+// set in `defaults`, a message of that type, show its values) and the other
+// spellings of each flag by dotted name ("loop.lr" -> "--lr").
+struct MessageHelpExtras {
+  const google::protobuf::Message* defaults = nullptr;
+  std::multimap<std::string, std::string> aliases;
+};
 absl::StatusOr<std::string> MessageFlagsHelp(const unsigned char* descriptor_set, size_t size,
-                                             const std::string& message_name);
+                                             const std::string& message_name, const MessageHelpExtras& extras = {});
 
 }  // namespace trident
 

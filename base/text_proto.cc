@@ -28,20 +28,32 @@ class FirstError : public google::protobuf::io::ErrorCollector {
 
 }  // namespace
 
-absl::Status ReadTextProto(const std::string& path, const std::string& what, google::protobuf::Message* message) {
+absl::StatusOr<std::string> ReadTextFile(const std::string& path, const std::string& what) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", what, " file ", path));
   std::stringstream text;
   text << in.rdbuf();
+  return text.str();
+}
+
+absl::Status MergeTextProto(const std::string& text, const std::string& path, const std::string& what,
+                            google::protobuf::Message* message) {
   FirstError error;
   google::protobuf::TextFormat::Parser parser;
   parser.RecordErrorsTo(&error);
-  if (!parser.ParseFromString(text.str(), message)) {
+  if (!parser.MergeFromString(text, message)) {
     const google::protobuf::Descriptor* type = message->GetDescriptor();
     return absl::InvalidArgumentError(absl::StrCat(what, " file ", path, " is not a valid ", type->name(), " (",
                                                    error.text, "); the fields are in ", type->file()->name()));
   }
   return absl::OkStatus();
+}
+
+absl::Status ReadTextProto(const std::string& path, const std::string& what, google::protobuf::Message* message) {
+  auto text = ReadTextFile(path, what);
+  if (!text.ok()) return text.status();
+  message->Clear();
+  return MergeTextProto(*text, path, what, message);
 }
 
 bool ParseTextFieldValue(const std::string& text, const google::protobuf::FieldDescriptor* field,

@@ -25,6 +25,13 @@ namespace trident {
 // <Message> (line L column C: ...); the fields are in <its .proto>".
 absl::Status ReadTextProto(const std::string& path, const std::string& what, google::protobuf::Message* message);
 
+// The whole of text file `path`, or NotFound "cannot read <what> file <path>".
+absl::StatusOr<std::string> ReadTextFile(const std::string& path, const std::string& what);
+// Merges text-format `text` (read from `path`) into `message`, with
+// ReadTextProto's errors.
+absl::Status MergeTextProto(const std::string& text, const std::string& path, const std::string& what,
+                            google::protobuf::Message* message);
+
 // Sets `field` of `message` from its text form (a flag's value), without
 // logging; false when the text is not a value of the field's type.
 bool ParseTextFieldValue(const std::string& text, const google::protobuf::FieldDescriptor* field,

@@ -33,23 +33,23 @@ constexpr int kWarmupSteps = 3;
 constexpr int kTimedSteps = 20;
 
 TrainerConfig BenchmarkConfig(int dp, int tp, int pp, int zero_stage, bool bf16) {
-  TrainerConfig c;
-  c.set_zero_stage(zero_stage);
-  c.set_zero_reduce_bucket_size(1 << 20);
-  if (bf16) c.set_precision("bf16");
-  c.set_model("gpt");
-  c.set_preset("gpt-tiny");  // n_layer 4, n_head 4, n_embd 256, block 128, vocab 256
-  c.set_dp(dp);
-  c.set_tp(tp);
-  c.set_pp(pp);
-  c.set_global_batch_size(16);
-  c.set_micro_batch_size(pp > 1 ? 4 : 16 / dp);
-  c.set_max_steps(kWarmupSteps + kTimedSteps);
-  c.set_eval_every(0);
-  c.set_eval_steps(1);
-  c.set_sample_tokens(0);
-  c.set_enable_progress_bar(false);
-  c.set_log_every(1000);
+  TrainerConfig c = DefaultTrainerConfig();
+  c.mutable_plan()->mutable_zero()->set_stage(zero_stage);
+  c.mutable_plan()->mutable_zero()->set_reduce_bucket_bytes(int64_t{4} << 20);  // 2^20 fp32 elements
+  if (bf16) c.mutable_plan()->mutable_precision()->set_mode("bf16");
+  c.mutable_model()->set_type("gpt");
+  (*c.mutable_model()->mutable_args())["preset"] = "gpt-tiny";  // n_layer 4, n_head 4, n_embd 256, block 128, vocab 256
+  c.mutable_plan()->set_dp(dp);
+  c.mutable_plan()->set_tp(tp);
+  c.mutable_plan()->set_pp(pp);
+  c.mutable_loop()->set_global_batch_size(16);
+  c.mutable_plan()->set_micro_batch_size(pp > 1 ? 4 : 16 / dp);
+  c.mutable_loop()->set_max_steps(kWarmupSteps + kTimedSteps);
+  c.mutable_loop()->set_eval_every(0);
+  c.mutable_loop()->set_eval_steps(1);
+  c.mutable_generation()->set_sample_tokens(0);
+  c.mutable_output()->set_enable_progress_bar(false);
+  c.mutable_output()->set_log_every(1000);
   return c;
 }
 

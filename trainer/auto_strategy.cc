@@ -29,7 +29,7 @@ absl::StatusOr<ParallelPlan> Trainer::ChooseStrategy(const TrainerConfig& config
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, whole, /*open_data=*/true));
   // The first global batch, by the trainer's batch rule: what the profile and the dry runs run on.
   const int64_t global_batch_size = GlobalBatchSize(base);
-  BatchSampler sampler(parts.train_data->size(), global_batch_size, base.seed(), config.shuffle());
+  BatchSampler sampler(parts.train_data->size(), global_batch_size, base.seed(), config.dataset().shuffle());
   std::vector<int64_t> first;
   for (int64_t j = 0; j < global_batch_size; ++j) first.push_back(sampler.SampleIndex(0, j));
   TRIDENT_ASSIGN_OR_RETURN(Batch global, parts.train_data->Get(first));
@@ -37,25 +37,25 @@ absl::StatusOr<ParallelPlan> Trainer::ChooseStrategy(const TrainerConfig& config
   AutoAccelerateOptions options;
   options.base = base;
   SetStrings(options.base.mutable_trace()->mutable_batch_fields(), parts.train_data->field_names());
-  options.excluded = CommaList(config.strategy_excluded());
-  options.time_limit_s = config.strategy_time_limit_s();
-  options.memory_limit_bytes = config.memory_limit_mb() << 20;
-  options.load_strategy = config.load_strategy();
-  options.finetune_strategy = config.finetune_strategy();
-  options.save_strategy_to_file = config.save_strategy();
+  options.excluded = ToVector(config.strategy().excluded());
+  options.time_limit_s = config.strategy().time_limit_s();
+  options.memory_limit_bytes = config.strategy().memory_limit_mb() << 20;
+  options.load_strategy = config.strategy().load();
+  options.finetune_strategy = config.strategy().finetune();
+  options.save_strategy_to_file = config.strategy().save();
   options.verbose = true;
-  options.dry_runs = config.strategy_dry_runs();
-  options.allow_precision_change = config.allow_precision_change();
-  options.profile_cache_dir = config.profile_cache_dir();
+  options.dry_runs = config.strategy().dry_runs();
+  options.allow_precision_change = config.strategy().allow_precision_change();
+  options.profile_cache_dir = config.strategy().profile_cache_dir();
   options.model_fingerprint =
       absl::StrCat(Component(ModelComponent(config)), ";optimizer=", Component(OptimizerComponent(config)),
                    ";data=", internal::DataDirectory(config));
 
   // A strategy saved for this very run is reused (strategy_reuse).
-  const std::string reuse = config.strategy_reuse() != "auto" ? config.strategy_reuse()
-                            : config.run_mode() == "compile"  ? "moo"
-                                                              : "match";
-  const std::string& saved_path = config.save_strategy();
+  const std::string reuse = config.strategy().reuse() != "auto"         ? config.strategy().reuse()
+                            : config.strategy().run_mode() == "compile" ? "moo"
+                                                                        : "match";
+  const std::string& saved_path = config.strategy().save();
   std::optional<Strategy> chosen;
   if (reuse != "override" && !saved_path.empty() && std::filesystem::exists(saved_path)) {
     TRIDENT_ASSIGN_OR_RETURN(Strategy saved, LoadStrategy(saved_path));

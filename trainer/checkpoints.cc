@@ -155,15 +155,16 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
   TRIDENT_RETURN_IF_ERROR(FinishPendingSave());  // one save at a time
   const int rank = topology().rank();
   const int world_size = topology().world_size();
-  const bool async = config.async_save();
+  const bool async = config.checkpoint().async_save();
   const auto started = std::chrono::steady_clock::now();
 
   // The snapshot, on every rank at this step boundary. With async_save into
   // host buffers kept from the last save (no new memory to fault in; pinned
   // for GPU tensors).
-  TRIDENT_ASSIGN_OR_RETURN(std::vector<SlicedTensor> pieces,
-                           model->CheckpointPieces(!config.no_save_optim(), config.save_type() != "sharded"));
-  if (!config.no_save_rng()) {
+  TRIDENT_ASSIGN_OR_RETURN(
+      std::vector<SlicedTensor> pieces,
+      model->CheckpointPieces(!config.checkpoint().no_save_optim(), config.checkpoint().save_type() != "sharded"));
+  if (!config.checkpoint().no_save_rng()) {
     const at::Tensor rng = CpuRngState();
     pieces.push_back({RngName(rank), TensorSlice::Whole({rng.numel()}), rng});
   }
@@ -184,7 +185,7 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
                                                  {"world_size", absl::StrCat(world_size)},
                                                  {"global_batch_size", absl::StrCat(global_batch_size())}};
   CheckpointJob job;
-  if (config.save_type() != "merged") {
+  if (config.checkpoint().save_type() != "merged") {
     for (int r = 0; r < world_size; ++r) job.files.push_back(absl::StrCat("rank_", r, ".safetensors"));
     metadata["rank"] = absl::StrCat(rank);
     job.writes.push_back([name = job.files[rank], pieces = std::move(pieces), metadata](
@@ -232,15 +233,15 @@ absl::Status Trainer::Impl::SaveCheckpoint() {
 
   auto pending = std::make_unique<PendingSave>();
   pending->step = step;
-  pending->path = absl::StrCat(config.save_dir(), "/step_", step);
-  job.save_dir = config.save_dir();
+  pending->path = absl::StrCat(config.checkpoint().save_dir(), "/step_", step);
+  job.save_dir = config.checkpoint().save_dir();
   job.step = step;
   job.val_loss = last_val_loss;
-  job.keep_last_n = config.keep_last_n();
+  job.keep_last_n = config.checkpoint().keep_last_n();
   job.rank = rank;
   job.world_size = world_size;
   job.key = absl::StrCat("trident/checkpoint/", saves_started++, "/");
-  job.timeout = absl::Seconds(config.collective_timeout_s());
+  job.timeout = absl::Seconds(config.runtime().collective_timeout_s());
   auto write_and_commit = [job = std::move(job), store = save_store.get(), save = pending.get(), async] {
     // A background writer yields the cores to training (nice 19 for this thread only).
     if (async) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
@@ -260,35 +261,36 @@ absl::Status Trainer::Impl::FinishPendingSave() {
   const std::unique_ptr<PendingSave> save = std::move(pending_save);
   const absl::Status verdict = save->verdict.get();
   if (verdict.ok()) {
-    Print(absl::StrFormat("saved checkpoint %s (%s; %s %.2f s, training paused %.2f s)", save->path, config.save_type(),
-                          config.async_save() ? "written in the background in" : "written in", save->write_s,
-                          config.async_save() ? save->pause_s : save->pause_s + save->write_s));
+    Print(absl::StrFormat(
+        "saved checkpoint %s (%s; %s %.2f s, training paused %.2f s)", save->path, config.checkpoint().save_type(),
+        config.checkpoint().async_save() ? "written in the background in" : "written in", save->write_s,
+        config.checkpoint().async_save() ? save->pause_s : save->pause_s + save->write_s));
     ForHooks([&](TrainerHooks& h) { h.OnSaveCheckpoint(State(), save->path); });
     return absl::OkStatus();
   }
   const absl::Status failure(verdict.code(),
                              absl::StrCat("checkpoint step ", save->step, " was not saved: ", verdict.message(),
                                           "; `last` still points at the previous one"));
-  if (config.save_failure() == "fail") return failure;
+  if (config.checkpoint().save_failure() == "fail") return failure;
   Print(absl::StrCat("warning: ", failure.message(), " (save_failure=warn: training goes on)"));
   return absl::OkStatus();
 }
 
 absl::Status Trainer::Impl::LoadCheckpoint() {
-  CheckpointDirectory directory(config.save_dir());
+  CheckpointDirectory directory(config.checkpoint().save_dir());
   const auto check_started = std::chrono::steady_clock::now();
   // The ranks split the checksumming of the candidate's files and agree on the verdict.
   const int rank = topology().rank(), world_size = topology().world_size();
-  auto resolved = directory.Resolve(config.resume_from(), [&](const std::string& path) {
+  auto resolved = directory.Resolve(config.checkpoint().resume_from(), [&](const std::string& path) {
     auto manifest = CheckpointDirectory::Validate(path, rank, world_size);
     absl::Status agreed = AgreeOnFailure(topology().world(), manifest.status(), "checking the checkpoint");
     return agreed.ok() ? manifest : absl::StatusOr<CheckpointManifest>(agreed);
   });
   if (!resolved.ok()) {
-    const bool nothing_saved_yet = config.resume_from() == "last" && absl::IsNotFound(resolved.status()) &&
-                                   !fs::exists(config.save_dir() + "/last");
+    const bool nothing_saved_yet = config.checkpoint().resume_from() == "last" && absl::IsNotFound(resolved.status()) &&
+                                   !fs::exists(config.checkpoint().save_dir() + "/last");
     if (!nothing_saved_yet) return resolved.status();
-    Print(absl::StrCat("no checkpoint in ", config.save_dir(), " yet; starting from step 0"));
+    Print(absl::StrCat("no checkpoint in ", config.checkpoint().save_dir(), " yet; starting from step 0"));
     return absl::OkStatus();
   }
   for (const std::string& reason : resolved->skipped) {
@@ -297,11 +299,11 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   const double check_s = SecondsSince(check_started);
   const auto load_started = std::chrono::steady_clock::now();
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(resolved->path));
-  const bool optimizer = !config.finetune() && !config.no_load_optim();
+  const bool optimizer = !config.checkpoint().finetune() && !config.checkpoint().no_load_optim();
   TRIDENT_RETURN_IF_ERROR(model->LoadCheckpointPieces(*reader, optimizer));
   const std::string loaded = absl::StrFormat("; checksums checked in %.2f s, then rank 0 read %.1f MB in %.2f s",
                                              check_s, reader->bytes_read() / 1e6, SecondsSince(load_started));
-  if (config.finetune()) {
+  if (config.checkpoint().finetune()) {
     Print(absl::StrCat("finetune: loaded the weights of ", resolved->path, "; starting at step 0"));
     return absl::OkStatus();
   }
@@ -316,13 +318,13 @@ absl::Status Trainer::Impl::LoadCheckpoint() {
   const bool same_layout =
       value("layout") == model->Layout() && value("world_size") == absl::StrCat(topology().world_size());
   std::string rng = "kept";
-  if (config.no_load_rng()) {
+  if (config.checkpoint().no_load_rng()) {
     rng = "not loaded (no_load_rng)";
   } else if (same_layout && reader->Contains(RngName(topology().rank()))) {
     TRIDENT_ASSIGN_OR_RETURN(at::Tensor state, reader->ReadWhole(RngName(topology().rank())));
     SetCpuRngState(state);
   } else {
-    SeedCpuRng(config.seed(), step, topology().rank());
+    SeedCpuRng(config.plan().seed(), step, topology().rank());
     rng = "re-derived from the seed and the step (the per-rank streams of another layout do not carry over)";
   }
   Print(absl::StrCat("resumed from ", resolved->path, " at step ", step,
@@ -345,7 +347,7 @@ absl::Status Trainer::Impl::ExportSafetensors(const std::string& path) {
   std::string what = "the model";
   if (model->plan().has_lora()) {
     const LoraConfig& lora = model->plan().lora();
-    if (config.lora_merge_on_export()) {
+    if (config.checkpoint().lora_merge_on_export()) {
       TRIDENT_ASSIGN_OR_RETURN(tensors, MergeAdapters(tensors, lora));
       what = absl::StrCat("the model with adapter '", lora.adapter_name(), "' merged in");
     } else {
@@ -392,16 +394,16 @@ absl::Status Trainer::Impl::WriteTrace(const std::vector<internal::OperatorEvent
       if (!gathered[r][1].empty()) absl::StrAppend(&more, more.empty() ? "" : ",\n", gathered[r][1]);
     }
     std::error_code error;
-    const fs::path parent = fs::path(config.trace_file()).parent_path();
+    const fs::path parent = fs::path(config.output().trace_file()).parent_path();
     if (!parent.empty()) fs::create_directories(parent, error);
-    std::ofstream(config.trace_file()) << ChromeTraceJson(events, more);
+    std::ofstream(config.output().trace_file()) << ChromeTraceJson(events, more);
     if (!events.empty()) {
-      std::ofstream(fs::path(config.trace_file()).replace_extension(".svg"))
-          << TimelineSvg(events, absl::StrCat(model->plan().pipeline().schedule(), ", step ", config.trace_step(), ", ",
-                                              topology().world_size(), " ranks (row = rank)"));
+      std::ofstream(fs::path(config.output().trace_file()).replace_extension(".svg")) << TimelineSvg(
+          events, absl::StrCat(model->plan().pipeline().schedule(), ", step ", config.output().trace_step(), ", ",
+                               topology().world_size(), " ranks (row = rank)"));
     }
-    Print(absl::StrCat("wrote the ", operators ? "operators and " : "", "timeline of step ", config.trace_step(),
-                       " to ", config.trace_file()));
+    Print(absl::StrCat("wrote the ", operators ? "operators and " : "", "timeline of step ",
+                       config.output().trace_step(), " to ", config.output().trace_file()));
   }
   return absl::OkStatus();
 }

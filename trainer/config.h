@@ -3,6 +3,7 @@
 #ifndef TRIDENT_TRAINER_CONFIG_H_
 #define TRIDENT_TRAINER_CONFIG_H_
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -13,17 +14,35 @@
 
 namespace trident {
 
-// Parses a text-format TrainerConfig file.
+// The trainer's defaults where they differ from the messages' own: the plan's
+// dp 2, micro_batch_size 8, seed 1337 and ZeRO bucket sizes of 2e9 bytes.
+// `train`, LoadTrainerConfig and the tests start from it.
+TrainerConfig DefaultTrainerConfig();
+
+// Reads a text-format TrainerConfig file over DefaultTrainerConfig(). A config
+// in the flat form of earlier versions (lr: 3e-4, dp: 2, one field per line as
+// every saved config has them) loads too: TranslateFlatConfig reads it.
 absl::StatusOr<TrainerConfig> LoadTrainerConfig(const std::string& path);
 
-// Applies every "--field=value" / "--field value" / "--[no]bool_field" in `args`
-// that names a TrainerConfig field, and removes it from `args`. Nested fields
-// take dotted names, nnScaler's form: --model_config.args.n_layer=4 (a map's
-// key is the rest of the name), --optimizer_config.clip_gnorm=0.5,
-// --tp_layer_lists.col_para_list=c_fc (a list grows by one item per flag).
-// Other arguments stay. Errors name the flag and the value that does not
-// parse, or the part of a dotted name that is no field.
+// Applies every "--field=value" / "--field value" / "--[no]bool_field" in
+// `args` that names a TrainerConfig field, by dotted path in nnScaler's form
+// (--loop.lr=3e-4, --plan.zero.stage=3, --model.args.n_layer=4: a map's key is
+// the rest of the name; a list grows by one item per flag), or by the flat
+// alias of earlier versions (--lr, --zero_stage, --checkpoint_layers=a,b).
+// Later flags win. Other arguments stay. Errors name the flag and the value
+// that does not parse, or the part of a dotted name that is no field.
 absl::Status ApplyConfigFlags(std::vector<std::string>* args, TrainerConfig* config);
+// One flag: `name` (a dotted path or an alias) set from `value`.
+absl::Status SetConfigFlag(const std::string& name, const std::string& value, TrainerConfig* config);
+// The flat aliases by the dotted field they spell ("plan.zero.stage" ->
+// "--zero_stage"), for --help; " (converted)" marks one whose value converts
+// (bucket sizes in elements, torchscript:PATH, loss_scale's -1, ...).
+std::multimap<std::string, std::string> ConfigFlagAliases();
+// Applies the flat-form lines of a text config (top-level `alias: value`,
+// tp_layer_lists { ... }) to `config` as their flags, renames the blocks of
+// renamed messages (model_config -> model, ...) and returns the rest of the
+// text, line numbers kept, for the text-format parser. Errors name the line.
+absl::StatusOr<std::string> TranslateFlatConfig(const std::string& text, TrainerConfig* config);
 
 // The run `config` describes on `world_size` ranks, resolved once, one way:
 // every field is checked (the first problem found is the error, naming the
@@ -53,18 +72,11 @@ int64_t GlobalBatchSize(const ParallelPlan& plan);
 // an error when they do not divide it.
 absl::Status KeepGlobalBatch(int64_t global, ParallelPlan* plan);
 
-// The config's tp_layer_lists as the automatic pass takes them; errors name a
-// malformed entry.
-absl::StatusOr<TensorParallelLayerLists> LayerListsFromConfig(const TrainerConfig& config);
-
-// The model's registered type and arguments: model_config when set, else the
-// flat fields (model, preset and the size overrides; torchscript:PATH with
-// block_size and vocab_size).
+// The model's registered type and arguments (the zoo's preset defaulting to
+// <type>-tiny; no_tie_modules unties the zoo's head).
 std::pair<std::string, ComponentArgs> ModelComponent(const TrainerConfig& config);
-// The optimizer's type and arguments: optimizer_config when set, else AdamW
-// from adam_beta1, adam_beta2, adam_eps and weight_decay; and the clipping norm.
+// The optimizer's type and arguments (adamw's absent ones the trainer's defaults).
 std::pair<std::string, ComponentArgs> OptimizerComponent(const TrainerConfig& config);
-double GradientClip(const TrainerConfig& config);
 
 // The items of a comma-separated field, trimmed.
 std::vector<std::string> CommaList(const std::string& text);

@@ -23,6 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::ExpectSameLosses;
+using testing::SetFlag;
 using testing::SmallConfig;
 using testing::TestDir;
 using testing::TrainOnRanks;
@@ -33,8 +34,8 @@ constexpr double kScale = 8.0 / 4.0;  // alpha / r below
 std::string BaseModel() {
   const std::string path = TestDir() + "/lora_base/model.safetensors";
   TrainerConfig base = SmallConfig(1);
-  base.set_max_steps(5);
-  base.set_export_safetensors(path);
+  base.mutable_loop()->set_max_steps(5);
+  base.mutable_checkpoint()->set_export_safetensors(path);
   TrainOnRanks(base, "lora_base");
   return path;
 }
@@ -47,8 +48,8 @@ TrainerConfig LoraConfig(int dp, const std::string& base) {
                            "target_modules: \"c_fc\"\n";
   }
   TrainerConfig config = SmallConfig(dp);
-  config.set_lora_config(file);
-  config.set_init_from(base);
+  SetFlag(&config, "lora_config", file);
+  config.mutable_checkpoint()->set_init_from(base);
   return config;
 }
 
@@ -74,15 +75,15 @@ TEST(LoraTrainingTest, EveryLayoutTrainsTheLossesOfOneProcess) {
                           Layout{2, 1, 1, false, 0, "full"}, Layout{2, 1, 1, false, 3, "modules"},
                           Layout{1, 2, 1, true, 0, "full"}, Layout{1, 1, 2, false, 0, "stage_aware"}}) {
     TrainerConfig config = LoraConfig(l.dp, base);
-    config.set_tp(l.tp);
-    config.set_pp(l.pp);
-    config.set_sequence_parallel(l.sequence_parallel);
-    config.set_zero_stage(l.zero_stage);
-    config.set_micro_batch_size(l.pp > 1 ? 2 : 8 / l.dp);
+    config.mutable_plan()->set_tp(l.tp);
+    config.mutable_plan()->set_pp(l.pp);
+    config.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(l.sequence_parallel);
+    config.mutable_plan()->mutable_zero()->set_stage(l.zero_stage);
+    config.mutable_plan()->set_micro_batch_size(l.pp > 1 ? 2 : 8 / l.dp);
     if (std::string(l.recompute) == "modules") {
-      config.set_checkpoint_modules("attn,mlp");
+      SetFlag(&config, "checkpoint_modules", "attn,mlp");
     } else {
-      config.set_activation_checkpointing(l.recompute);
+      SetFlag(&config, "activation_checkpointing", l.recompute);
     }
     const std::string tag = absl::StrCat("lora_dp", l.dp, "_tp", l.tp, l.sequence_parallel ? "sp" : "", "_pp", l.pp,
                                          "_zero", l.zero_stage, "_recompute_", l.recompute);
@@ -98,8 +99,8 @@ TEST(LoraTrainingTest, TheBaseStaysAndExportsAreTheAdapterOrTheMergedModel) {
   const std::string adapter_path = TestDir() + "/lora_export/adapter.safetensors";
   const std::string merged_path = TestDir() + "/lora_export/merged.safetensors";
   TrainerConfig config = LoraConfig(1, base_path);
-  config.set_max_steps(5);
-  config.set_export_safetensors(adapter_path);
+  config.mutable_loop()->set_max_steps(5);
+  config.mutable_checkpoint()->set_export_safetensors(adapter_path);
   testing::RunOnRanks(1, [&](int) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok());
@@ -129,8 +130,8 @@ TEST(LoraTrainingTest, TheBaseStaysAndExportsAreTheAdapterOrTheMergedModel) {
                 static_cast<long long>(trainable));
   });
   TrainerConfig merged = config;
-  merged.set_export_safetensors(merged_path);
-  merged.set_lora_merge_on_export(true);
+  merged.mutable_checkpoint()->set_export_safetensors(merged_path);
+  merged.mutable_checkpoint()->set_lora_merge_on_export(true);
   TrainOnRanks(merged, "lora_merged");
 
   const SafetensorsContents base = Read(base_path), adapter = Read(adapter_path), model = Read(merged_path);
@@ -165,8 +166,8 @@ TEST(LoraTrainingTest, CheckpointsHoldTheAdapterAloneAndResumeExactly) {
   const std::string save_dir = TestDir() + "/lora_resume";
   if (!testing::IsRankProcess()) fs::remove_all(save_dir);
   TrainerConfig straight = LoraConfig(2, base);
-  straight.set_save_dir(save_dir);
-  straight.set_save_every(10);
+  straight.mutable_checkpoint()->set_save_dir(save_dir);
+  straight.mutable_checkpoint()->set_save_every(10);
   const std::vector<double> losses = TrainOnRanks(straight, "lora_straight");
   auto reader = CheckpointReader::Open(save_dir + "/step_10");
   ASSERT_TRUE(reader.ok()) << reader.status();
@@ -182,8 +183,8 @@ TEST(LoraTrainingTest, CheckpointsHoldTheAdapterAloneAndResumeExactly) {
   for (const std::string& name : parameters) EXPECT_TRUE(IsAdapterParameter(name)) << name;
 
   TrainerConfig resumed = straight;
-  resumed.set_resume_from(save_dir + "/step_10");
-  resumed.set_save_dir(TestDir() + "/lora_resume_again");
+  resumed.mutable_checkpoint()->set_resume_from(save_dir + "/step_10");
+  resumed.mutable_checkpoint()->set_save_dir(TestDir() + "/lora_resume_again");
   const std::vector<double> tail = TrainOnRanks(resumed, "lora_resumed");
   ASSERT_EQ(tail.size(), 10u);
   for (size_t i = 0; i < tail.size(); ++i) EXPECT_EQ(tail[i], losses[10 + i]) << "step " << 11 + i;

@@ -8,7 +8,8 @@
 //
 // A user's binary with its own models, datasets or losses registered links
 // //trainer:train_main and its registrations, and takes the same flags.
-// Every TrainerConfig field (trainer/config.proto) is a flag of the same name.
+// Every TrainerConfig field (trainer/config.proto) is a flag by its dotted
+// name (--loop.lr), and the flat flags of earlier versions (--lr) are aliases.
 // Started without RANK in the environment, train spawns dp*tp*pp local ranks
 // (or --nproc) itself and exits non-zero if any of them fails.
 #include <dlfcn.h>
@@ -64,7 +65,7 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
   if (rest_count > 1) {
     return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", rest_argv[1], "'; flags are --name=value"));
   }
-  TrainerConfig config;
+  TrainerConfig config = DefaultTrainerConfig();
   if (!FLAGS_config.empty()) {
     TRIDENT_ASSIGN_OR_RETURN(config, LoadTrainerConfig(FLAGS_config));
   }
@@ -77,10 +78,10 @@ absl::StatusOr<TrainerConfig> ConfigFromCommandLine(int* argc, char*** argv) {
 absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   // From the start, so that a SIGTERM while the job starts up also ends in a
   // checkpoint after the first step rather than in a killed rank.
-  if (config.preempt_save()) StopOnSigterm();
+  if (config.runtime().preempt_save()) StopOnSigterm();
   TRIDENT_ASSIGN_OR_RETURN(DistributedEnv env, DistributedEnvFromEnvironment());
-  if (RestartCount() > 0 && !config.save_dir().empty() && config.resume_from().empty()) {
-    config.set_resume_from("last");  // a restarted job goes on from its newest valid checkpoint
+  if (RestartCount() > 0 && !config.checkpoint().save_dir().empty() && config.checkpoint().resume_from().empty()) {
+    config.mutable_checkpoint()->set_resume_from("last");  // a restarted job goes on from its newest valid checkpoint
   }
   // The configuration is resolved once, here; the plan is the layout from now on.
   TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, ResolveConfig(&config, env.world_size));
@@ -88,7 +89,7 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   // The layout's own dp (--dp, --plan.dp or a loaded strategy's), which elastic replaced.
   TRIDENT_ASSIGN_OR_RETURN(const int layout_ranks, ConfigWorldSize(config));
   const int layout_dp = layout_ranks / (plan.tp() * plan.pp());
-  if (config.elastic() && plan.dp() != layout_dp && env.rank == 0) {
+  if (config.runtime().elastic() && plan.dp() != layout_dp && env.rank == 0) {
     std::printf(
         "elastic: %d ranks, so dp=%d instead of %d (tp=%d and pp=%d kept; global batch %lld in %lld "
         "accumulation steps)\n",
@@ -115,18 +116,20 @@ absl::Status RunRank(TrainerConfig config, const std::string& blas_note) {
   // OMP_NUM_THREADS, the user's or the launcher's share, sizes the oneDNN pool.
   const char* omp_threads = std::getenv("OMP_NUM_THREADS");
   const int pool = omp_threads != nullptr && std::atoi(omp_threads) > 0 ? std::atoi(omp_threads) : share;
-  at::set_num_threads(config.intra_op_threads() > 0 ? config.intra_op_threads() : onednn_products ? pool : 1);
+  at::set_num_threads(config.runtime().intra_op_threads() > 0 ? config.runtime().intra_op_threads()
+                      : onednn_products                       ? pool
+                                                              : 1);
   TuneAllocatorForTraining(/*sharded_parameters=*/plan.zero().stage() == 3);
   TopologyOptions options;
-  if (config.strategy().empty()) {  // else the search lays the ranks out
+  if (config.strategy().search().empty()) {  // else the search lays the ranks out
     options.mesh_axes = PlanMeshAxes(plan);
     options.rank_order = ToVector(plan.rank_order());
   }
   options.backend = plan.device() == ParallelPlan::cuda ? CommBackend::kNccl : CommBackend::kGloo;
-  options.timeout = absl::Seconds(config.collective_timeout_s());
+  options.timeout = absl::Seconds(config.runtime().collective_timeout_s());
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<Topology> topology, Topology::Create(env, options));
-  if (!config.strategy().empty()) {
-    const bool compile_only = config.run_mode() == "compile";
+  if (!config.strategy().search().empty()) {
+    const bool compile_only = config.strategy().run_mode() == "compile";
     TRIDENT_ASSIGN_OR_RETURN(plan, Trainer::ChooseStrategy(config, std::move(plan), topology.get()));
     if (compile_only) return absl::OkStatus();
   }
@@ -150,8 +153,8 @@ absl::Status Run(int argc, char** argv) {
   if (!blas_note.empty()) std::printf("%s\n", blas_note.c_str());
   if (isatty(STDOUT_FILENO)) setenv("TRIDENT_STDOUT_IS_TTY", "1", /*overwrite=*/0);
   LaunchOptions launch;
-  launch.max_restarts = config.max_restarts();
-  launch.signal_grace = absl::Seconds(config.preempt_grace_s());
+  launch.max_restarts = config.runtime().max_restarts();
+  launch.signal_grace = absl::Seconds(config.runtime().preempt_grace_s());
   return *RunAsLocalJobUnlessLaunched(nproc, argc, argv, launch);
 }
 
@@ -160,11 +163,13 @@ absl::Status Run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   gflags::SetUsageMessage(
-      "train [--config=FILE] [--FIELD=VALUE ...]: every field of TrainerConfig (trainer/config.proto) is a flag, "
-      "nested ones by dotted name");
+      "train [--config=FILE] [--GROUP.FIELD=VALUE ...]: every field of TrainerConfig (trainer/config.proto) is a "
+      "flag by its dotted name; the flat flags of earlier versions (--lr, --dp, ...) are aliases");
   if (trident::HelpRequested(argc, argv)) {
+    const trident::TrainerConfig defaults = trident::DefaultTrainerConfig();
     auto fields = trident::MessageFlagsHelp(trident::internal::kTrainerConfigDescriptor,
-                                            trident::internal::kTrainerConfigDescriptorSize, "trident.TrainerConfig");
+                                            trident::internal::kTrainerConfigDescriptorSize, "trident.TrainerConfig",
+                                            {&defaults, trident::ConfigFlagAliases()});
     if (!fields.ok()) return trident::ExitCodeFor("train", fields.status());
     return trident::PrintHelp(__FILE__, *fields);
   }

@@ -32,6 +32,7 @@ namespace trident {
 namespace {
 
 using testing::DataDir;
+using testing::SetFlag;
 using testing::SmallConfig;
 using testing::TestDir;
 
@@ -70,34 +71,32 @@ std::string TorchScriptGpt() {
 TrainerConfig Configure(const std::string& model, const Layout& layout, const Recomputation& r,
                         const std::string& precision) {
   TrainerConfig c = SmallConfig(layout.dp);
-  c.set_max_steps(kSteps);
-  c.set_tp(layout.tp);
-  c.set_pp(layout.pp);
-  c.set_zero_stage(layout.zero_stage);
-  c.set_sequence_parallel(layout.sequence_parallel);
-  c.set_micro_batch_size(layout.pp > 1 ? 2 : 8 / layout.dp);
-  c.set_precision(precision);
-  c.set_shuffle(false);
-  c.set_activation_checkpointing(r.checkpointing);
+  c.mutable_loop()->set_max_steps(kSteps);
+  c.mutable_plan()->set_tp(layout.tp);
+  c.mutable_plan()->set_pp(layout.pp);
+  c.mutable_plan()->mutable_zero()->set_stage(layout.zero_stage);
+  c.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(layout.sequence_parallel);
+  c.mutable_plan()->set_micro_batch_size(layout.pp > 1 ? 2 : 8 / layout.dp);
+  c.mutable_plan()->mutable_precision()->set_mode(precision);
+  c.mutable_dataset()->set_shuffle(false);
+  SetFlag(&c, "activation_checkpointing", r.checkpointing);
   if (model == "llama") {
-    c.set_model("llama");
-    c.set_preset("llama-tiny");
-    c.set_n_kv_head(4);
-    if (r.selected_layer) c.set_checkpoint_layers("model.layers.1");
-    if (r.by_module) c.set_checkpoint_modules("mlp");
+    SetFlag(&c, "model", "llama");
+    SetFlag(&c, "preset", "llama-tiny");
+    SetFlag(&c, "n_kv_head", 4);
+    if (r.selected_layer) SetFlag(&c, "checkpoint_layers", "model.layers.1");
+    if (r.by_module) SetFlag(&c, "checkpoint_modules", "mlp");
   } else if (model == "torchscript") {
-    c.set_model("torchscript:" + TorchScriptGpt());
-    c.clear_preset();
-    c.clear_n_layer();
-    c.clear_n_embd();
-    c.clear_n_head();
-    c.set_block_size(16);      // the traced model's
-    c.set_tp_split_all(true);  // too small for the automatic pass to split it otherwise
-    if (r.selected_layer) c.set_checkpoint_layers("shard3");
-    if (r.by_module) c.set_checkpoint_modules("Block");
+    c.mutable_model()->mutable_args()->clear();  // the zoo's sizes
+    SetFlag(&c, "model", "torchscript:" + TorchScriptGpt());
+    SetFlag(&c, "block_size", 16);  // the traced model's
+    c.mutable_plan()->mutable_tensor_parallel()->set_split_all(
+        true);  // too small for the automatic pass to split it otherwise
+    if (r.selected_layer) SetFlag(&c, "checkpoint_layers", "shard3");
+    if (r.by_module) SetFlag(&c, "checkpoint_modules", "Block");
   } else {
-    if (r.selected_layer) c.set_checkpoint_layers("transformer.h.1");
-    if (r.by_module) c.set_checkpoint_modules("attn");
+    if (r.selected_layer) SetFlag(&c, "checkpoint_layers", "transformer.h.1");
+    if (r.by_module) SetFlag(&c, "checkpoint_modules", "attn");
   }
   return c;
 }

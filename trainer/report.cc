@@ -32,7 +32,7 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps) {
   for (const auto& [part, ms] : m.wall_clock_ms) values.emplace_back(absl::StrCat("time_", part, "_ms"), ms);
   if (metrics) metrics->Write(m.step, values);
   if (tensorboard) tensorboard->Write(m.step, values);
-  if (!m.wall_clock_ms.empty() && (m.step % config.log_every() == 0 || m.step == max_steps)) {
+  if (!m.wall_clock_ms.empty() && (m.step % config.output().log_every() == 0 || m.step == max_steps)) {
     std::string parts;  // every rank prints its own
     for (const auto& [part, ms] : m.wall_clock_ms) absl::StrAppendFormat(&parts, " | %s %.1f", part, ms);
     std::printf("step %lld wall clock (ms)%s\n", static_cast<long long>(m.step), parts.c_str());
@@ -49,7 +49,7 @@ void Trainer::Impl::Report(const StepMetrics& m, int64_t max_steps) {
                 internal::FormatDuration(eta).c_str());
     if (m.step == max_steps) std::printf("\n");
     std::fflush(stdout);
-  } else if (m.step % config.log_every() == 0 || m.step == max_steps) {
+  } else if (m.step % config.output().log_every() == 0 || m.step == max_steps) {
     Print(absl::StrFormat("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s %s | %.0f ms/step | mfu %s | ETA %s",
                           m.step, max_steps, m.loss, m.lr, m.grad_norm, HumanRate(m.tokens_per_s), unit, m.step_time_ms,
                           peak_flops > 0 ? absl::StrFormat("%.1f%%", 100 * m.mfu) : "n/a",

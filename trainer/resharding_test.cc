@@ -18,6 +18,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::ExpectSameLosses;
+using testing::SetFlag;
 using testing::SmallConfig;
 using testing::TestDir;
 using testing::TrainOnRanks;
@@ -34,15 +35,15 @@ struct Layout {
 };
 
 TrainerConfig Configure(TrainerConfig config, const Layout& layout) {
-  config.set_dp(layout.dp);
-  config.set_tp(layout.tp);
-  config.set_pp(layout.pp);
-  config.set_zero_stage(layout.zero_stage);
-  config.set_zero_reduce_bucket_size(3000);  // several buckets, parameters cut between chunks
-  config.set_virtual_stages(layout.virtual_stages);
-  if (layout.virtual_stages > 1) config.set_schedule("interleaved_1f1b");
-  config.set_sequence_parallel(layout.sequence_parallel);
-  config.set_micro_batch_size(8 / layout.dp / 2);
+  config.mutable_plan()->set_dp(layout.dp);
+  config.mutable_plan()->set_tp(layout.tp);
+  config.mutable_plan()->set_pp(layout.pp);
+  config.mutable_plan()->mutable_zero()->set_stage(layout.zero_stage);
+  SetFlag(&config, "zero_reduce_bucket_size", 3000);  // several buckets, parameters cut between chunks
+  config.mutable_plan()->set_virtual_stages(layout.virtual_stages);
+  if (layout.virtual_stages > 1) config.mutable_plan()->mutable_pipeline()->set_schedule("interleaved_1f1b");
+  config.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(layout.sequence_parallel);
+  config.mutable_plan()->set_micro_batch_size(8 / layout.dp / 2);
   return config;
 }
 
@@ -54,13 +55,13 @@ std::vector<double> TrainAcross(const TrainerConfig& base, const Layout& a, cons
   const std::string save_dir = TestDir() + "/" + tag;
   if (!::trident::testing::IsRankProcess()) fs::remove_all(save_dir);
   TrainerConfig first = Configure(base, a);
-  first.set_save_dir(save_dir);
-  first.set_save_every(10);
-  first.set_save_type(save_type);
+  first.mutable_checkpoint()->set_save_dir(save_dir);
+  first.mutable_checkpoint()->set_save_every(10);
+  first.mutable_checkpoint()->set_save_type(save_type);
   std::vector<double> losses = TrainOnRanks(first, tag + "_a");
   TrainerConfig second = Configure(base, b);
-  second.set_save_dir(save_dir + "_b");
-  second.set_resume_from(save_dir + "/step_10");
+  second.mutable_checkpoint()->set_save_dir(save_dir + "_b");
+  second.mutable_checkpoint()->set_resume_from(save_dir + "/step_10");
   const std::vector<double> tail = TrainOnRanks(second, tag + "_b");
   EXPECT_EQ(tail.size(), 10u);
   losses.resize(10);
@@ -90,10 +91,11 @@ TEST(ReshardingTest, EveryLayoutChangeContinuesTheOneProcessRun) {
 // uninterrupted in one process (bf16 rounding differs between layouts: 2%).
 TEST(ReshardingTest, Bf16LossScalingCrossesALayoutChange) {
   TrainerConfig base = SmallConfig(1);
-  base.set_precision("bf16");
-  base.set_loss_scale(0);
-  base.set_initial_scale_power(8);
-  base.set_loss_scale_window(3);  // the scale grows between the checkpoints
+  base.mutable_plan()->mutable_precision()->set_mode("bf16");
+  SetFlag(&base, "loss_scale", 0);
+  base.mutable_plan()->mutable_precision()->mutable_loss_scaler()->set_initial_scale_power(8);
+  base.mutable_plan()->mutable_precision()->mutable_loss_scaler()->set_loss_scale_window(
+      3);  // the scale grows between the checkpoints
   const std::vector<double> single = TrainOnRanks(Configure(base, Layout{}), "bf16_single");
   ExpectSameLosses(single, TrainAcross(base, Layout{2, 1, 1, 1}, Layout{1, 1, 2}), 2e-2);
 }
@@ -107,9 +109,9 @@ TEST(ReshardingTest, SaveTypesHoldTheOneProcessTensors) {
     const std::string dir = TestDir() + "/types_" + layout.Name() + "_" + save_type;
     if (!::trident::testing::IsRankProcess()) fs::remove_all(dir);
     TrainerConfig config = Configure(base, layout);
-    config.set_max_steps(3);
-    config.set_save_dir(dir);
-    config.set_save_type(save_type);
+    config.mutable_loop()->set_max_steps(3);
+    config.mutable_checkpoint()->set_save_dir(dir);
+    config.mutable_checkpoint()->set_save_type(save_type);
     TrainOnRanks(config, "types_" + layout.Name() + "_" + save_type);
     return dir + "/step_3";
   };

@@ -21,6 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using testing::SetFlag;
 using testing::SmallConfig;
 using testing::TestDir;
 using testing::TrainOnRanks;
@@ -32,12 +33,12 @@ using testing::TrainOnRanks;
 void ExpectResumeIsBitExact(TrainerConfig config, const std::string& tag) {
   const std::string save_dir = TestDir() + "/" + tag;
   if (!testing::IsRankProcess()) fs::remove_all(save_dir);
-  config.set_save_dir(save_dir);
-  config.set_save_every(10);
+  config.mutable_checkpoint()->set_save_dir(save_dir);
+  config.mutable_checkpoint()->set_save_every(10);
   const std::vector<double> losses = TrainOnRanks(config, tag + "_straight");
   TrainerConfig resumed = config;
-  resumed.set_resume_from(save_dir + "/step_10");
-  resumed.set_save_dir(save_dir + "_again");
+  resumed.mutable_checkpoint()->set_resume_from(save_dir + "/step_10");
+  resumed.mutable_checkpoint()->set_save_dir(save_dir + "_again");
   const std::vector<double> tail = TrainOnRanks(resumed, tag + "_resumed");
   ASSERT_EQ(tail.size(), 10u);
   for (size_t i = 0; i < tail.size(); ++i) EXPECT_EQ(tail[i], losses[10 + i]) << "step " << 11 + i;
@@ -45,8 +46,8 @@ void ExpectResumeIsBitExact(TrainerConfig config, const std::string& tag) {
 
 TEST(TrainerCheckpointTest, ZeroResumeIsBitExact) {
   TrainerConfig config = SmallConfig(2);
-  config.set_zero_stage(3);
-  config.set_zero_reduce_bucket_size(4096);
+  config.mutable_plan()->mutable_zero()->set_stage(3);
+  SetFlag(&config, "zero_reduce_bucket_size", 4096);
   ExpectResumeIsBitExact(config, "zero_resume");
 }
 
@@ -54,11 +55,12 @@ TEST(TrainerCheckpointTest, ZeroResumeIsBitExact) {
 // resume bit-exactly.
 TEST(TrainerCheckpointTest, MixedPrecisionZeroResumeIsBitExact) {
   TrainerConfig config = SmallConfig(2);
-  config.set_precision("bf16");
-  config.set_loss_scale(0);
-  config.set_initial_scale_power(8);
-  config.set_loss_scale_window(3);  // the scale changes between the checkpoints
-  config.set_zero_stage(1);
+  config.mutable_plan()->mutable_precision()->set_mode("bf16");
+  SetFlag(&config, "loss_scale", 0);
+  config.mutable_plan()->mutable_precision()->mutable_loss_scaler()->set_initial_scale_power(8);
+  config.mutable_plan()->mutable_precision()->mutable_loss_scaler()->set_loss_scale_window(
+      3);  // the scale changes between the checkpoints
+  config.mutable_plan()->mutable_zero()->set_stage(1);
   ExpectResumeIsBitExact(config, "amp_resume");
 }
 
@@ -66,16 +68,16 @@ TEST(TrainerCheckpointTest, ResumeIsBitExactAndCorruptCheckpointsAreRefused) {
   const std::string save_dir = TestDir() + "/resume";
   if (!testing::IsRankProcess()) fs::remove_all(save_dir);
   TrainerConfig straight = SmallConfig(2);
-  straight.set_save_dir(save_dir);
-  straight.set_save_every(10);
-  straight.set_dropout(0.1);  // dropout masks must resume too
+  straight.mutable_checkpoint()->set_save_dir(save_dir);
+  straight.mutable_checkpoint()->set_save_every(10);
+  SetFlag(&straight, "dropout", 0.1);  // dropout masks must resume too
   const std::vector<double> losses = TrainOnRanks(straight, "straight");
   ASSERT_TRUE(fs::exists(save_dir + "/step_10/manifest.pbtxt"));
   ASSERT_TRUE(fs::exists(save_dir + "/step_20/rank_1.safetensors"));
 
   TrainerConfig resumed = straight;
-  resumed.set_resume_from(save_dir + "/step_10");
-  resumed.set_save_dir(TestDir() + "/resume_again");
+  resumed.mutable_checkpoint()->set_resume_from(save_dir + "/step_10");
+  resumed.mutable_checkpoint()->set_save_dir(TestDir() + "/resume_again");
   const std::vector<double> tail = TrainOnRanks(resumed, "resumed");
   ASSERT_EQ(tail.size(), 10u);
   for (size_t i = 0; i < tail.size(); ++i) EXPECT_EQ(tail[i], losses[10 + i]) << "step " << 11 + i;
@@ -90,12 +92,12 @@ TEST(TrainerCheckpointTest, ResumeIsBitExactAndCorruptCheckpointsAreRefused) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok());
     TrainerConfig bad = straight;
-    bad.set_resume_from(save_dir + "/step_20");
+    bad.mutable_checkpoint()->set_resume_from(save_dir + "/step_20");
     auto refused = Trainer::Create(bad, topology->get());
     ASSERT_FALSE(refused.ok());
     EXPECT_THAT(std::string(refused.status().message()), HasSubstr("step_20/rank_1.safetensors is corrupt"));
     TrainerConfig last = straight;
-    last.set_resume_from("last");
+    last.mutable_checkpoint()->set_resume_from("last");
     auto fallback = Trainer::Create(last, topology->get());
     ASSERT_TRUE(fallback.ok()) << fallback.status();
     EXPECT_EQ((*fallback)->step(), 10);
@@ -114,10 +116,10 @@ TEST(TrainerCheckpointTest, WriteFailuresKeepThePreviousCheckpoint) {
       fs::create_symlink("/dev/full", save_dir + "/.step_10.staging/rank_1.safetensors");
     }
     TrainerConfig config = SmallConfig(2);
-    config.set_max_steps(10);
-    config.set_save_every(5);
-    config.set_save_dir(save_dir);
-    config.set_save_failure(mode);
+    config.mutable_loop()->set_max_steps(10);
+    config.mutable_checkpoint()->set_save_every(5);
+    config.mutable_checkpoint()->set_save_dir(save_dir);
+    config.mutable_checkpoint()->set_save_failure(mode);
     testing::RunOnRanks(2, [&](int) {
       auto topology = testing::JoinTopology();
       ASSERT_TRUE(topology.ok()) << topology.status();
@@ -148,9 +150,9 @@ TEST(TrainerCheckpointTest, WriteFailuresKeepThePreviousCheckpoint) {
 // the config as given, resolving to the same plan.
 TEST(TrainerCheckpointTest, TheResolvedConfigurationIsWrittenWhereConfigReadsIt) {
   TrainerConfig config = SmallConfig(2);
-  config.set_max_steps(2);
-  config.set_save_dir(TestDir() + "/resolved/checkpoints");
-  config.set_metrics_file(TestDir() + "/resolved/metrics.jsonl");
+  config.mutable_loop()->set_max_steps(2);
+  config.mutable_checkpoint()->set_save_dir(TestDir() + "/resolved/checkpoints");
+  config.mutable_output()->set_metrics_file(TestDir() + "/resolved/metrics.jsonl");
   TrainOnRanks(config, "resolved");
   TrainerConfig given = config;
   auto plan = ResolveConfig(&given, 2);

@@ -26,7 +26,7 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
   for (uint16_t id : tokenizer.Encode(prompt)) ids.push_back(id % vocab);
   if (ids.empty()) ids.push_back(0);
   const size_t prompt_length = ids.size();
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(t.config.seed());
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(t.config.plan().seed());
   const ProcessGroup* tp = model.tensor_parallel_group();
   const ProcessGroup* pp = model.pipeline_group();
   const int64_t align =
@@ -36,7 +36,7 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
   // one position (padded to the sequence shards); once the text outgrows the
   // context every token re-reads the last `block` tokens, as without it.
   LayerSequence& layers = model.layers();
-  const bool cached = t.config.kv_cache() && layers.SupportsDecoding();
+  const bool cached = t.config.generation().kv_cache() && layers.SupportsDecoding();
   int64_t cached_positions = 0;
   model.SetTraining(false);
   absl::Status sampled = CatchExceptions("sampling", [&] {
@@ -75,9 +75,9 @@ absl::StatusOr<std::string> Trainer::Sample(const std::string& prompt, int64_t t
           TORCH_CHECK(gathered.ok(), std::string(gathered.status().message()));
           logits = *gathered;
         }
-        logits = logits / t.config.temperature();
-        if (t.config.top_k() > 0 && t.config.top_k() < logits.size(0)) {
-          const double threshold = std::get<0>(logits.topk(t.config.top_k()))[-1].item<double>();
+        logits = logits / t.config.generation().temperature();
+        if (t.config.generation().top_k() > 0 && t.config.generation().top_k() < logits.size(0)) {
+          const double threshold = std::get<0>(logits.topk(t.config.generation().top_k()))[-1].item<double>();
           logits.masked_fill_(logits < threshold, -std::numeric_limits<float>::infinity());
         }
         next = at::multinomial(at::softmax(logits.to(at::kFloat), -1), 1, false, generator);

@@ -36,9 +36,9 @@ namespace fs = std::filesystem;
 // (save_dir/config.pbtxt) and its metrics (metrics.jsonl: metrics.config.pbtxt).
 std::vector<std::string> ResolvedConfigPaths(const TrainerConfig& config) {
   std::vector<std::string> paths;
-  if (!config.save_dir().empty()) paths.push_back(config.save_dir() + "/config.pbtxt");
-  if (!config.metrics_file().empty()) {
-    paths.push_back(fs::path(config.metrics_file()).replace_extension(".config.pbtxt").string());
+  if (!config.checkpoint().save_dir().empty()) paths.push_back(config.checkpoint().save_dir() + "/config.pbtxt");
+  if (!config.output().metrics_file().empty()) {
+    paths.push_back(fs::path(config.output().metrics_file()).replace_extension(".config.pbtxt").string());
   }
   return paths;
 }
@@ -96,7 +96,7 @@ absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
   context.seed = plan.seed();
   TRIDENT_ASSIGN_OR_RETURN(internal::TrainingParts parts, internal::BuildParts(config, context, false));
   TRIDENT_RETURN_IF_ERROR(CheckSource(parts.model, plan));
-  for (const std::string& path : {config.init_from(), config.resume_from()}) {
+  for (const std::string& path : {config.checkpoint().init_from(), config.checkpoint().resume_from()}) {
     if (!path.empty() && path != "last" && path != "best" && !fs::exists(path)) {
       return absl::NotFoundError(absl::StrCat(path, " does not exist (init_from / resume_from)"));
     }
@@ -106,7 +106,7 @@ absl::Status Trainer::Preflight(TrainerConfig config, int world_size) {
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, Topology* topology) {
   TRIDENT_ASSIGN_OR_RETURN(ParallelPlan plan, ResolveConfig(&config, topology->world_size()));
-  if (!config.strategy().empty()) {
+  if (!config.strategy().search().empty()) {
     TRIDENT_ASSIGN_OR_RETURN(plan, ChooseStrategy(config, std::move(plan), topology));
   }
   return Create(std::move(config), std::move(plan), topology);
@@ -158,19 +158,20 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   t.train_data = std::move(inputs.train_data);
   t.val_data = std::move(inputs.val_data);
   t.tokenizer = std::move(inputs.tokenizer);
-  t.sampler =
-      std::make_unique<BatchSampler>(t.train_data->size(), t.global_batch_size(), t.config.seed(), t.config.shuffle());
-  if (!t.config.init_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadInitialWeights(t.config.init_from()));
-  if (!t.config.resume_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadCheckpoint());
-  if (t.is_rank0() && !t.config.metrics_file().empty()) {
-    TRIDENT_ASSIGN_OR_RETURN(t.metrics, internal::JsonLinesWriter::Open(t.config.metrics_file(), t.step));
+  t.sampler = std::make_unique<BatchSampler>(t.train_data->size(), t.global_batch_size(), t.config.plan().seed(),
+                                             t.config.dataset().shuffle());
+  if (!t.config.checkpoint().init_from().empty())
+    TRIDENT_RETURN_IF_ERROR(t.LoadInitialWeights(t.config.checkpoint().init_from()));
+  if (!t.config.checkpoint().resume_from().empty()) TRIDENT_RETURN_IF_ERROR(t.LoadCheckpoint());
+  if (t.is_rank0() && !t.config.output().metrics_file().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(t.metrics, internal::JsonLinesWriter::Open(t.config.output().metrics_file(), t.step));
   }
   if (t.is_rank0()) TRIDENT_RETURN_IF_ERROR(WriteResolvedConfig(t.config));
-  if (t.is_rank0() && !t.config.tensorboard_dir().empty()) {
-    TRIDENT_ASSIGN_OR_RETURN(t.tensorboard, internal::TensorBoardWriter::Open(t.config.tensorboard_dir()));
+  if (t.is_rank0() && !t.config.output().tensorboard_dir().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(t.tensorboard, internal::TensorBoardWriter::Open(t.config.output().tensorboard_dir()));
   }
   const char* terminal = std::getenv("TRIDENT_STDOUT_IS_TTY");
-  t.progress_bar = t.is_rank0() && t.config.enable_progress_bar() &&
+  t.progress_bar = t.is_rank0() && t.config.output().enable_progress_bar() &&
                    (isatty(STDOUT_FILENO) || (terminal != nullptr && std::string(terminal) == "1"));
   TRIDENT_ASSIGN_OR_RETURN(t.peak_flops, internal::JobPeakFlops(t.topology(), ParallelPlan::Device_Name(plan.device()),
                                                                 plan.precision().mode()));
@@ -181,11 +182,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(TrainerConfig config, T
   }
   // Under strategy=auto the search saved its choice (with the run's
   // fingerprint) and dry-ran it.
-  const bool searched = !t.config.strategy().empty();
-  if (t.is_rank0() && !searched && !t.config.save_strategy().empty()) {
-    TRIDENT_RETURN_IF_ERROR(SaveStrategy(StrategyFromPlan(plan), t.config.save_strategy()));
+  const bool searched = !t.config.strategy().search().empty();
+  if (t.is_rank0() && !searched && !t.config.strategy().save().empty()) {
+    TRIDENT_RETURN_IF_ERROR(SaveStrategy(StrategyFromPlan(plan), t.config.strategy().save()));
   }
-  if (!searched && !t.config.load_strategy().empty() && !t.config.ignore_dryrun_on_load_strategy()) {
+  if (!searched && !t.config.strategy().load().empty() && !t.config.strategy().ignore_dryrun_on_load()) {
     TRIDENT_ASSIGN_OR_RETURN(const double ms, t.DryRun(3));
     t.Print(absl::StrFormat("dry run of the loaded strategy (%s): %.0f ms/step", DescribePlan(plan), ms));
   }
@@ -219,8 +220,8 @@ absl::StatusOr<double> Trainer::Impl::DryRun(int steps) {
 absl::StatusOr<double> Trainer::Impl::Evaluate() {
   if (val_data == nullptr) return absl::NotFoundError("no validation data (val.bin in the data directory)");
   ForHooks([&](TrainerHooks& h) { h.OnValStart(State()); });
-  BatchSampler val_sampler(val_data->size(), global_batch_size(), config.seed(), /*shuffle=*/false);
-  const int64_t steps = config.max_val_steps() > 0 ? config.max_val_steps() : config.eval_steps();
+  BatchSampler val_sampler(val_data->size(), global_batch_size(), config.plan().seed(), /*shuffle=*/false);
+  const int64_t steps = config.loop().max_val_steps() > 0 ? config.loop().max_val_steps() : config.loop().eval_steps();
   double total = 0;
   model->SetTraining(false);
   for (int64_t s = 0; s < steps; ++s) {
@@ -256,7 +257,7 @@ void StopOnSigterm() {
 }
 
 absl::StatusOr<bool> Trainer::Impl::Preempted() {
-  if (!sigterm_watched || !config.preempt_save()) return false;
+  if (!sigterm_watched || !config.runtime().preempt_save()) return false;
   const ProcessGroup& world = topology().world();
   at::Tensor flag = at::full({1}, static_cast<int64_t>(sigterm_received), at::kLong);
   if (world.size() == 1 || world.device().is_cpu()) {
@@ -273,11 +274,11 @@ absl::StatusOr<bool> Trainer::Impl::Preempted() {
 absl::StatusOr<TrainResult> Trainer::Train() {
   Impl& t = *impl_;
   const TrainerConfig& c = t.config;
-  int64_t max_steps = c.max_steps();
+  int64_t max_steps = c.loop().max_steps();
   const ParallelPlan& plan = t.model->plan();
   const int64_t global_batch_size = GlobalBatchSize(plan);
   const int64_t steps_per_epoch = (t.train_data->size() + global_batch_size - 1) / global_batch_size;
-  if (c.max_epochs() > 0) max_steps = std::min(max_steps, steps_per_epoch * c.max_epochs());
+  if (c.loop().max_epochs() > 0) max_steps = std::min(max_steps, steps_per_epoch * c.loop().max_epochs());
   TrainResult result;
   result.first_step = t.step;
   if (auto* tokens = dynamic_cast<const TokenDataset*>(t.train_data.get())) {
@@ -292,7 +293,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   t.Print(absl::StrCat("layout: ", DescribePlan(plan)));
   t.Print(absl::StrCat("per rank: ", t.model->Memory().ToString()));
   t.Print(absl::StrCat("stages:\n", t.model->Describe()));
-  if (c.tp_plan_report()) return result;
+  if (c.output().tp_plan_report()) return result;
   t.Print(absl::StrFormat(
       "model%s: %s parameters | data: %d samples%s | %d rank(s), global batch %d (micro %d x "
       "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | peak RSS %.0f MB",
@@ -310,11 +311,11 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     }
     t.ForHooks([&](TrainerHooks& h) { h.OnStepStart(t.State()); });
     const auto step_start = Clock::now();
-    const bool breakdown = c.wall_clock_breakdown();
+    const bool breakdown = c.output().wall_clock_breakdown();
     const auto communication = breakdown ? CommunicationTimes() : std::map<std::string, CommunicationTime>();
     TRIDENT_ASSIGN_OR_RETURN(std::vector<Batch> batches, t.MicroBatches(*t.train_data, *t.sampler, t.step));
     const double data_s = Seconds(Clock::now() - step_start);
-    const bool profiled = t.step + 1 == c.profile_step();
+    const bool profiled = t.step + 1 == c.output().profile_step();
     if (profiled) {  // every rank starts the profiled step together
       TRIDENT_RETURN_IF_ERROR(t.topology().world().Barrier());
       TRIDENT_RETURN_IF_ERROR(internal::StartOperatorRecording(t.model->plan().device() == ParallelPlan::cuda));
@@ -328,7 +329,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       RECORD_USER_SCOPE(internal::kForwardBackwardScope);
       TRIDENT_ASSIGN_OR_RETURN(loss, t.model->ForwardBackwardWithoutWaiting(batches));
     }
-    if (!c.trace_file().empty() && t.step + 1 == c.trace_step() && !profiled) TRIDENT_RETURN_IF_ERROR(t.WriteTrace());
+    if (!c.output().trace_file().empty() && t.step + 1 == c.output().trace_step() && !profiled)
+      TRIDENT_RETURN_IF_ERROR(t.WriteTrace());
     const auto read_loss = [&]() -> absl::Status {
       m.loss = loss.Get();
       if (std::isfinite(m.loss)) return absl::OkStatus();
@@ -342,8 +344,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     if (!read_loss_late) TRIDENT_RETURN_IF_ERROR(read_loss());
     t.ForHooks([&](TrainerHooks& h) { h.AfterBackward(t.State()); });
     t.ForHooks([&](TrainerHooks& h) { h.AfterAggregateTrainStepOutputs(t.State(), m.loss); });
-    TRIDENT_ASSIGN_OR_RETURN(m.lr,
-                             LearningRate(c.lr_scheduler(), c.lr(), c.min_lr(), c.warmup_steps(), max_steps, t.step));
+    TRIDENT_ASSIGN_OR_RETURN(m.lr, LearningRate(c.loop().lr_scheduler(), c.loop().lr(), c.loop().min_lr(),
+                                                c.loop().warmup_steps(), max_steps, t.step));
     m.loss_scale = t.model->loss_scale().value_or(1.0);
     const auto optimizer_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(m.skipped, t.model->UnscaleGradients());
@@ -355,7 +357,8 @@ absl::StatusOr<TrainResult> Trainer::Train() {
                           t.step + 1, m.loss_scale, t.model->loss_scale().value_or(1.0)));
     } else {
       t.ForHooks([&](TrainerHooks& h) { h.BeforeGnormClip(t.State()); });
-      TRIDENT_ASSIGN_OR_RETURN(PendingScalar grad_norm, t.model->ClipGradNormWithoutWaiting(GradientClip(c)));
+      TRIDENT_ASSIGN_OR_RETURN(PendingScalar grad_norm,
+                               t.model->ClipGradNormWithoutWaiting(c.optimizer().clip_gnorm()));
       // Read once the update is queued (on a GPU reading it waits for the
       // backward), unless hooks want it before.
       if (!t.hooks.empty()) m.grad_norm = grad_norm.Get();
@@ -393,28 +396,33 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     const bool last = t.step == max_steps;
     const bool epoch_done = t.step == max_steps || t.epoch() != epoch;
     if (epoch_done) t.ForHooks([&](TrainerHooks& h) { h.OnEpochEnd(t.State()); });
-    const bool validate = (c.eval_every() > 0 && t.step % c.eval_every() == 0) ||
-                          (epoch_done && c.val_every_n_epochs() > 0 && (epoch + 1) % c.val_every_n_epochs() == 0);
+    const bool validate =
+        (c.loop().eval_every() > 0 && t.step % c.loop().eval_every() == 0) ||
+        (epoch_done && c.loop().val_every_n_epochs() > 0 && (epoch + 1) % c.loop().val_every_n_epochs() == 0);
     if (validate && !last && t.val_data) {
       TRIDENT_ASSIGN_OR_RETURN(const double val_loss, t.Evaluate());
       t.Print(absl::StrFormat("step %d | val_loss %.4f", t.step, val_loss));
     }
-    if (!c.save_dir().empty() && ((c.save_every() > 0 && t.step % c.save_every() == 0) || last)) {
+    if (!c.checkpoint().save_dir().empty() &&
+        ((c.checkpoint().save_every() > 0 && t.step % c.checkpoint().save_every() == 0) || last)) {
       if (last && t.val_data) {
         TRIDENT_ASSIGN_OR_RETURN(result.val_loss, t.Evaluate());
       }
       TRIDENT_RETURN_IF_ERROR(t.SaveCheckpoint());
     }
-    if (!c.export_safetensors().empty() && c.export_every() > 0 && t.step % c.export_every() == 0) {
-      TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.export_safetensors()));
+    if (!c.checkpoint().export_safetensors().empty() && c.checkpoint().export_every() > 0 &&
+        t.step % c.checkpoint().export_every() == 0) {
+      TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.checkpoint().export_safetensors()));
     }
     TRIDENT_ASSIGN_OR_RETURN(result.preempted, t.Preempted());
     if (result.preempted && !last) {
-      const bool saved_now = !c.save_dir().empty() && c.save_every() > 0 && t.step % c.save_every() == 0;
-      if (!c.save_dir().empty() && !saved_now) TRIDENT_RETURN_IF_ERROR(t.SaveCheckpoint());
+      const bool saved_now = !c.checkpoint().save_dir().empty() && c.checkpoint().save_every() > 0 &&
+                             t.step % c.checkpoint().save_every() == 0;
+      if (!c.checkpoint().save_dir().empty() && !saved_now) TRIDENT_RETURN_IF_ERROR(t.SaveCheckpoint());
       TRIDENT_RETURN_IF_ERROR(t.FinishPendingSave());
       t.Print(absl::StrCat("preempted (SIGTERM) after step ", t.step,
-                           c.save_dir().empty() ? "; no save_dir, nothing saved" : "; checkpoint saved", "; exiting"));
+                           c.checkpoint().save_dir().empty() ? "; no save_dir, nothing saved" : "; checkpoint saved",
+                           "; exiting"));
       return result;
     }
   }
@@ -429,18 +437,20 @@ absl::StatusOr<TrainResult> Trainer::Train() {
                             ? absl::StrFormat(" nats/token (unigram entropy of the data %.4f)", result.unigram_entropy)
                             : ""));
   }
-  const int64_t sample_tokens = c.text_generation() ? c.out_seq_length() : c.sample_tokens();
+  const int64_t sample_tokens =
+      c.generation().text_generation() ? c.generation().out_seq_length() : c.generation().sample_tokens();
   if (sample_tokens > 0 && t.model->source().returns_logits) {
     const auto sampling_start = Clock::now();
-    TRIDENT_ASSIGN_OR_RETURN(result.sample, Sample(c.prompt(), sample_tokens));
-    t.Print(absl::StrFormat("sample (temperature %g, top_k %d, %d tokens in %.2f s%s):\n%s", c.temperature(), c.top_k(),
-                            sample_tokens, Seconds(Clock::now() - sampling_start),
-                            c.kv_cache() && t.model->layers().SupportsDecoding() ? ", key/value cache" : "",
-                            result.sample));
+    TRIDENT_ASSIGN_OR_RETURN(result.sample, Sample(c.generation().prompt(), sample_tokens));
+    t.Print(absl::StrFormat(
+        "sample (temperature %g, top_k %d, %d tokens in %.2f s%s):\n%s", c.generation().temperature(),
+        c.generation().top_k(), sample_tokens, Seconds(Clock::now() - sampling_start),
+        c.generation().kv_cache() && t.model->layers().SupportsDecoding() ? ", key/value cache" : "", result.sample));
   } else if (sample_tokens > 0) {
     t.Print("sample: skipped (sampling needs a model whose outputs are next-token logits, such as the zoo's)");
   }
-  if (!c.export_safetensors().empty()) TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.export_safetensors()));
+  if (!c.checkpoint().export_safetensors().empty())
+    TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.checkpoint().export_safetensors()));
   at::Tensor peak = at::full({1}, PeakResidentMb(), at::kDouble);  // of the fullest rank
   TRIDENT_RETURN_IF_ERROR(t.topology().world().AllReduce(peak, ReduceOp::kMax));
   t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB (the largest of any rank)",

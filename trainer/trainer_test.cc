@@ -27,6 +27,7 @@ namespace {
 using testing::DataDir;
 using testing::ExpectSameLosses;
 using ::testing::HasSubstr;
+using testing::SetFlag;
 using testing::SmallConfig;
 using testing::TestDir;
 using testing::TrainEverywhere;
@@ -62,12 +63,12 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
         Layout{1, 4, "zb_h1", "full"}, Layout{1, 2, "interleaved_1f1b", "none", 2},
         Layout{2, 2, "interleaved_1f1b", "stage_aware", 2}, Layout{1, 2, "1f1b", "none", 1, "transformer.h.0"}}) {
     TrainerConfig config = SmallConfig(layout.dp);
-    config.set_pp(layout.pp);
-    config.set_schedule(layout.schedule);
-    config.set_virtual_stages(layout.virtual_stages);
-    config.set_custom_split_points(layout.split_points);
-    config.set_micro_batch_size(2);
-    config.set_activation_checkpointing(layout.checkpointing);
+    config.mutable_plan()->set_pp(layout.pp);
+    config.mutable_plan()->mutable_pipeline()->set_schedule(layout.schedule);
+    config.mutable_plan()->set_virtual_stages(layout.virtual_stages);
+    SetFlag(&config, "custom_split_points", layout.split_points);
+    config.mutable_plan()->set_micro_batch_size(2);
+    SetFlag(&config, "activation_checkpointing", layout.checkpointing);
     const std::string tag = absl::StrCat("dp", layout.dp, "_pp", layout.pp, "x", layout.virtual_stages, "_",
                                          layout.schedule, "_", layout.checkpointing, "_", layout.split_points);
     SCOPED_TRACE(tag);
@@ -84,12 +85,12 @@ TEST(TrainerParityTest, PipelineLossesEqualOneProcess) {
 TEST(TrainerParityTest, RecomputedModulesTrainTheSameLosses) {
   for (int pp : {1, 2}) {
     TrainerConfig config = SmallConfig(1);
-    config.set_dropout(0.1);
-    config.set_micro_batch_size(2);
-    config.set_pp(pp);
+    SetFlag(&config, "dropout", 0.1);
+    config.mutable_plan()->set_micro_batch_size(2);
+    config.mutable_plan()->set_pp(pp);
     SCOPED_TRACE(absl::StrCat("pp=", pp));
     const std::vector<double> reference = TrainOnRanks(config, absl::StrCat("recompute_reference_pp", pp));
-    config.set_checkpoint_modules(pp == 1 ? "attn,mlp" : "CausalSelfAttention,Mlp");  // by name, by class
+    SetFlag(&config, "checkpoint_modules", pp == 1 ? "attn,mlp" : "CausalSelfAttention,Mlp");  // by name, by class
     ExpectSameLosses(reference, TrainOnRanks(config, absl::StrCat("recompute_pp", pp)), 1e-6);
   }
   testing::RunOnRanks(1, [](int) {
@@ -99,14 +100,14 @@ TEST(TrainerParityTest, RecomputedModulesTrainTheSameLosses) {
              {"ln_1", "module 'transformer.h.0.ln_1' (torch::nn::LayerNormImpl) cannot recompute its forward"},
              {"attn,atn", "checkpoint_modules: entry 'atn' matches no module of the model"}}) {
       TrainerConfig config = SmallConfig(1);
-      config.set_checkpoint_modules(modules);
+      SetFlag(&config, "checkpoint_modules", modules);
       auto refused = Trainer::Create(config, topology->get());
       ASSERT_FALSE(refused.ok()) << modules;
       EXPECT_THAT(std::string(refused.status().message()), HasSubstr(message));
     }
     TrainerConfig config = SmallConfig(1);
-    config.set_activation_checkpointing("selected");
-    config.set_checkpoint_layers("transformer.h.9");
+    SetFlag(&config, "activation_checkpointing", "selected");
+    SetFlag(&config, "checkpoint_layers", "transformer.h.9");
     auto refused = Trainer::Create(config, topology->get());
     ASSERT_FALSE(refused.ok());
     EXPECT_THAT(std::string(refused.status().message()),
@@ -123,23 +124,24 @@ TEST(TrainerParityTest, ReplacedModulesTrainTheSameLosses) {
   for (const char* model : {"gpt", "llama"}) {
     auto configure = [&](int dp, int tp, int pp) {
       TrainerConfig config = SmallConfig(dp);
-      config.set_model(model);
-      config.set_preset(absl::StrCat(model, "-tiny"));
-      config.set_block_size(160);
-      config.set_tp(tp);
-      config.set_pp(pp);
-      config.set_sequence_parallel(tp > 1);
-      config.set_micro_batch_size(pp > 1 ? 2 : 8 / dp);
+      SetFlag(&config, "model", model);
+      SetFlag(&config, "preset", absl::StrCat(model, "-tiny"));
+      SetFlag(&config, "block_size", 160);
+      config.mutable_plan()->set_tp(tp);
+      config.mutable_plan()->set_pp(pp);
+      config.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(tp > 1);
+      config.mutable_plan()->set_micro_batch_size(pp > 1 ? 2 : 8 / dp);
       return config;
     };
     const std::vector<double> reference = TrainOnRanks(configure(1, 1, 1), absl::StrCat("replace_reference_", model));
     for (auto [dp, tp, pp] : std::vector<std::tuple<int, int, int>>{{1, 1, 1}, {1, 2, 1}, {1, 1, 2}, {2, 1, 1}}) {
       TrainerConfig config = configure(dp, tp, pp);
       // The loss's pair where the vocabulary is whole (tp splits it here).
-      config.set_module_replace(absl::StrCat(
-          std::string(model) == "gpt" ? "fused_attention,fused_layer_norm,fused_bias_gelu" : "fused_attention",
-          tp == 1 ? ",fused_cross_entropy" : ""));
-      if (dp > 1) config.set_zero_stage(3);
+      SetFlag(&config, "module_replace",
+              absl::StrCat(
+                  std::string(model) == "gpt" ? "fused_attention,fused_layer_norm,fused_bias_gelu" : "fused_attention",
+                  tp == 1 ? ",fused_cross_entropy" : ""));
+      if (dp > 1) config.mutable_plan()->mutable_zero()->set_stage(3);
       const std::string tag = absl::StrCat("replace_", model, "_dp", dp, "_tp", tp, "_pp", pp);
       SCOPED_TRACE(tag);
       ExpectSameLosses(reference, TrainOnRanks(config, tag), 1e-5);
@@ -161,10 +163,10 @@ TEST(TrainerParityTest, ReplacedModulesTrainTheSameLosses) {
                   "module_replace: entry 'fused_attention' matches no module of the model"},
           Refused{"gpt", 0, "fused_atention", "unknown replacement pair (module_replace) 'fused_atention'"}}) {
       TrainerConfig config = SmallConfig(1);
-      config.set_model(r.model);
-      config.set_preset(absl::StrCat(r.model, "-tiny"));
-      config.set_dropout(r.dropout);
-      config.set_module_replace(r.pairs);
+      SetFlag(&config, "model", r.model);
+      SetFlag(&config, "preset", absl::StrCat(r.model, "-tiny"));
+      SetFlag(&config, "dropout", r.dropout);
+      SetFlag(&config, "module_replace", r.pairs);
       auto refused = Trainer::Create(config, topology->get());
       ASSERT_FALSE(refused.ok()) << r.pairs;
       EXPECT_THAT(std::string(refused.status().message()), HasSubstr(r.message));
@@ -177,14 +179,14 @@ TEST(TrainerParityTest, DeallocatedPipelineOutputsTrainTheSameLosses) {
   const std::vector<double> single = TrainOnRanks(SmallConfig(1), "dealloc_reference");
   for (const char* schedule : {"gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "1f1b_pp4"}) {
     TrainerConfig config = SmallConfig(1);
-    config.set_pp(std::string(schedule) == "1f1b_pp4" ? 4 : 2);
-    if (config.pp() == 4) schedule = "1f1b";
-    config.set_schedule(schedule);
-    config.set_virtual_stages(std::string(schedule) == "interleaved_1f1b" ? 2 : 1);
-    config.set_micro_batch_size(2);
-    config.set_dealloc_pipeoutput(true);
+    config.mutable_plan()->set_pp(std::string(schedule) == "1f1b_pp4" ? 4 : 2);
+    if (config.plan().pp() == 4) schedule = "1f1b";
+    config.mutable_plan()->mutable_pipeline()->set_schedule(schedule);
+    config.mutable_plan()->set_virtual_stages(std::string(schedule) == "interleaved_1f1b" ? 2 : 1);
+    config.mutable_plan()->set_micro_batch_size(2);
+    config.mutable_plan()->mutable_pipeline()->set_dealloc_pipeoutput(true);
     SCOPED_TRACE(schedule);
-    ExpectSameLosses(single, TrainOnRanks(config, absl::StrCat("dealloc_", schedule, "_pp", config.pp())), 1e-5);
+    ExpectSameLosses(single, TrainOnRanks(config, absl::StrCat("dealloc_", schedule, "_pp", config.plan().pp())), 1e-5);
   }
 }
 
@@ -205,16 +207,16 @@ TEST(TrainerParityTest, TensorParallelLossesEqualOneProcess) {
         Layout{"llama", 1, 2, 1, false, 2, true}, Layout{"gpt", 2, 2, 2, false, 2, true}}) {
     auto configure = [&](int dp, int tp, int pp) {
       TrainerConfig config = SmallConfig(dp);
-      config.set_model(layout.model);
-      config.set_preset(std::string(layout.model) + "-tiny");
-      if (std::string(layout.model) == "llama") config.set_n_kv_head(4);
-      config.set_tp(tp);
-      config.set_pp(pp);
-      config.set_micro_batch_size(2);
-      config.set_sequence_parallel(tp > 1 && layout.sequence_parallel);
-      config.set_tp_overlapping_level(layout.overlapping_level);
+      SetFlag(&config, "model", layout.model);
+      SetFlag(&config, "preset", std::string(layout.model) + "-tiny");
+      if (std::string(layout.model) == "llama") SetFlag(&config, "n_kv_head", 4);
+      config.mutable_plan()->set_tp(tp);
+      config.mutable_plan()->set_pp(pp);
+      config.mutable_plan()->set_micro_batch_size(2);
+      config.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(tp > 1 && layout.sequence_parallel);
+      config.mutable_plan()->mutable_tensor_parallel()->set_overlapping_level(layout.overlapping_level);
       if (layout.recompute)
-        config.set_checkpoint_modules(std::string(layout.model) == "llama" ? "self_attn,mlp" : "attn,mlp");
+        SetFlag(&config, "checkpoint_modules", std::string(layout.model) == "llama" ? "self_attn,mlp" : "attn,mlp");
       return config;
     };
     if (!single.count(layout.model)) {
@@ -246,15 +248,15 @@ TEST(TrainerParityTest, WholeVocabularyLossesEqualOneProcess) {
         Layout{"gpt", 2, 1, true, true}, Layout{"llama", 2, 1, true}, Layout{"gpt", 2, 1, true, false, 257}}) {
     auto configure = [&](int tp, int pp) {
       TrainerConfig config = SmallConfig(1);
-      config.set_model(layout.model);
-      config.set_preset(absl::StrCat(layout.model, "-tiny"));
-      config.set_no_tie_modules(layout.untied);
-      config.set_vocab_size(layout.vocab_size);
-      config.set_tp(tp);
-      config.set_pp(pp);
-      config.set_micro_batch_size(pp > 1 ? 2 : 8);
-      config.set_sequence_parallel(tp > 1 && layout.sequence_parallel);
-      config.set_parallel_vocab(false);
+      SetFlag(&config, "model", layout.model);
+      SetFlag(&config, "preset", absl::StrCat(layout.model, "-tiny"));
+      config.mutable_plan()->mutable_trace()->set_no_tie_modules(layout.untied);
+      SetFlag(&config, "vocab_size", layout.vocab_size);
+      config.mutable_plan()->set_tp(tp);
+      config.mutable_plan()->set_pp(pp);
+      config.mutable_plan()->set_micro_batch_size(pp > 1 ? 2 : 8);
+      config.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(tp > 1 && layout.sequence_parallel);
+      config.mutable_plan()->mutable_tensor_parallel()->set_parallel_vocab(false);
       return config;
     };
     const std::string model = absl::StrCat(layout.model, layout.untied ? "_untied" : "", "_v", layout.vocab_size);
@@ -271,18 +273,18 @@ TEST(TrainerParityTest, WholeVocabularyLossesEqualOneProcess) {
 TEST(TrainerParityTest, UntiedHeadLossesEqualOneProcess) {
   auto untied = [](int dp, int tp, int pp, bool sequence_parallel) {
     TrainerConfig config = SmallConfig(dp);
-    config.set_no_tie_modules(true);
-    config.set_tp(tp);
-    config.set_pp(pp);
-    config.set_sequence_parallel(sequence_parallel);
-    config.set_micro_batch_size(pp > 1 ? 2 : 8 / dp);
+    config.mutable_plan()->mutable_trace()->set_no_tie_modules(true);
+    config.mutable_plan()->set_tp(tp);
+    config.mutable_plan()->set_pp(pp);
+    config.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(sequence_parallel);
+    config.mutable_plan()->set_micro_batch_size(pp > 1 ? 2 : 8 / dp);
     return config;
   };
   const std::vector<double> single = TrainOnRanks(untied(1, 1, 1, false), "untied_single");
   EXPECT_NE(single.back(), TrainOnRanks(SmallConfig(1), "tied_single").back()) << "the head is another matrix";
   const std::string exported = TestDir() + "/untied/model.safetensors";
   TrainerConfig pipeline = untied(1, 1, 2, false);
-  pipeline.set_export_safetensors(exported);
+  pipeline.mutable_checkpoint()->set_export_safetensors(exported);
   ExpectSameLosses(single, TrainOnRanks(pipeline, "untied_pp2"), 1e-5);
   ExpectSameLosses(single, TrainOnRanks(untied(1, 2, 1, true), "untied_tp2_sp"), 1e-5);
   ExpectSameLosses(single, TrainOnRanks(untied(2, 2, 1, false), "untied_dp2_tp2"), 1e-5);
@@ -311,12 +313,12 @@ TEST(TrainerParityTest, AxisAndRankOrderKeepParity) {
     SCOPED_TRACE(layout.axis_order);
     auto config = [&](const char* axis_order, const char* rank_order, const std::string& path) {
       TrainerConfig c = SmallConfig(layout.dp);
-      c.set_tp(layout.tp);
-      c.set_pp(layout.pp);
-      c.set_micro_batch_size(2);
-      c.set_axis_order(axis_order);
-      c.set_rank_order(rank_order);
-      c.set_export_safetensors(path);
+      c.mutable_plan()->set_tp(layout.tp);
+      c.mutable_plan()->set_pp(layout.pp);
+      c.mutable_plan()->set_micro_batch_size(2);
+      SetFlag(&c, "axis_order", axis_order);
+      SetFlag(&c, "rank_order", rank_order);
+      c.mutable_checkpoint()->set_export_safetensors(path);
       return c;
     };
     const std::string usual = TestDir() + "/order/usual.safetensors";
@@ -374,7 +376,7 @@ TEST(TrainerStrategyTest, StrategyMethodsTrainWithParity) {
     const std::string path = absl::StrCat(TestDir(), "/", c.tag, ".strategy");
     if (!testing::IsRankProcess()) std::ofstream(path) << c.methods;
     TrainerConfig config = SmallConfig(c.world_size);  // the data axis takes the ranks the strategy leaves
-    config.set_load_strategy(path);
+    config.mutable_strategy()->set_load(path);
     ASSERT_EQ(ConfigWorldSize(config).value_or(0), c.world_size);
     const std::vector<double> losses = TrainOnRanks(config, absl::StrCat("strategy_", c.tag));
     if (c.parity) {
@@ -400,13 +402,13 @@ TEST(TrainerParityTest, ZeroLossesEqualPlainDataParallelism) {
         Layout{2, 2, 1, 2}, Layout{1, 2, 1, 2}, Layout{3, 2, 1, 1}, Layout{3, 4, 1, 1}, Layout{3, 2, 2, 1},
         Layout{3, 2, 1, 2}, Layout{1, 2, 2, 1, true}, Layout{2, 2, 2, 1, true}, Layout{3, 2, 2, 1, true}}) {
     TrainerConfig config = SmallConfig(layout.dp);
-    config.set_tp(layout.tp);
-    config.set_pp(layout.pp);
-    if (layout.pp > 1) config.set_micro_batch_size(2);
-    config.set_zero_stage(layout.stage);
-    config.set_sequence_parallel(layout.sequence_parallel);
-    config.set_zero_reduce_bucket_size(4096);  // several buckets
-    config.set_zero_allgather_bucket_size(8192);
+    config.mutable_plan()->set_tp(layout.tp);
+    config.mutable_plan()->set_pp(layout.pp);
+    if (layout.pp > 1) config.mutable_plan()->set_micro_batch_size(2);
+    config.mutable_plan()->mutable_zero()->set_stage(layout.stage);
+    config.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(layout.sequence_parallel);
+    SetFlag(&config, "zero_reduce_bucket_size", 4096);  // several buckets
+    SetFlag(&config, "zero_allgather_bucket_size", 8192);
     const std::string tag = absl::StrCat("zero", layout.stage, "_dp", layout.dp, "_tp", layout.tp, "_pp", layout.pp,
                                          layout.sequence_parallel ? "_sp" : "");
     SCOPED_TRACE(tag);
@@ -436,9 +438,9 @@ TEST(TrainerPrecisionTest, Bf16TracksFp32) {
   const double product_error = Bf16ProductError();
   const double bound = product_error < 1e-2 ? 0.02 : 0.10;
   TrainerConfig fp32 = SmallConfig(1);
-  fp32.set_max_steps(200);
+  fp32.mutable_loop()->set_max_steps(200);
   TrainerConfig bf16 = fp32;
-  bf16.set_precision("bf16");
+  bf16.mutable_plan()->mutable_precision()->set_mode("bf16");
   const std::vector<double> reference = TrainOnRanks(fp32, "fp32_200");
   const std::vector<double> mixed = TrainOnRanks(bf16, "bf16_200");
   ASSERT_EQ(mixed.size(), 200u);
@@ -485,7 +487,7 @@ void ExpectTheInfStepSkipped(const TrainerConfig& config, const std::function<vo
     (*trainer)->AddHooks(hooks);
     auto result = (*trainer)->Train();
     ASSERT_TRUE(result.ok()) << result.status();
-    ASSERT_EQ(hooks->metrics.size(), static_cast<size_t>(config.max_steps()));
+    ASSERT_EQ(hooks->metrics.size(), static_cast<size_t>(config.loop().max_steps()));
     for (size_t i = 0; i < hooks->metrics.size(); ++i) EXPECT_EQ(hooks->metrics[i].skipped, i == 4) << "step " << i + 1;
     EXPECT_TRUE(at::equal(hooks->snapshots[4], hooks->snapshots[3])) << "skipped: no update";
     EXPECT_FALSE(at::equal(hooks->snapshots[5], hooks->snapshots[4])) << "training goes on";
@@ -496,11 +498,11 @@ void ExpectTheInfStepSkipped(const TrainerConfig& config, const std::function<vo
 
 TEST(TrainerPrecisionTest, InfOnOneRankSkipsTheStepEverywhereAndHalvesTheScale) {
   TrainerConfig config = SmallConfig(2);
-  config.set_precision("bf16");
-  config.set_loss_scale(0);  // dynamic loss scaling, asked for explicitly
-  config.set_initial_scale_power(16);
-  config.set_hysteresis(1);
-  config.set_max_steps(10);
+  config.mutable_plan()->mutable_precision()->set_mode("bf16");
+  SetFlag(&config, "loss_scale", 0);  // dynamic loss scaling, asked for explicitly
+  config.mutable_plan()->mutable_precision()->mutable_loss_scaler()->set_initial_scale_power(16);
+  config.mutable_plan()->mutable_precision()->mutable_loss_scaler()->set_hysteresis(1);
+  config.mutable_loop()->set_max_steps(10);
   ExpectTheInfStepSkipped(config, [](const InjectInf& hooks) {
     EXPECT_EQ(hooks.metrics[4].loss_scale, 65536);
     EXPECT_EQ(hooks.metrics[5].loss_scale, 32768);
@@ -510,9 +512,9 @@ TEST(TrainerPrecisionTest, InfOnOneRankSkipsTheStepEverywhereAndHalvesTheScale) 
 // amp_native's skip_if_nonfinite for bf16: the same skip, and nothing is ever scaled.
 TEST(TrainerPrecisionTest, SkipIfNonfiniteSkipsWithoutScaling) {
   TrainerConfig config = SmallConfig(2);
-  config.set_precision("bf16");
-  config.set_skip_if_nonfinite(true);
-  config.set_max_steps(8);
+  config.mutable_plan()->mutable_precision()->set_mode("bf16");
+  SetFlag(&config, "skip_if_nonfinite", true);
+  config.mutable_loop()->set_max_steps(8);
   ExpectTheInfStepSkipped(config, [](const InjectInf& hooks) {
     for (const StepMetrics& m : hooks.metrics) EXPECT_EQ(m.loss_scale, 1.0) << "step " << m.step;
   });
@@ -527,10 +529,10 @@ class RecordMetrics : public TrainerHooks {
 
 TEST(TrainerMetricsTest, WallClockBreakdownSplitsEveryRanksStep) {
   TrainerConfig config = SmallConfig(2);
-  config.set_pp(2);
-  config.set_micro_batch_size(2);
-  config.set_max_steps(3);
-  config.set_wall_clock_breakdown(true);
+  config.mutable_plan()->set_pp(2);
+  config.mutable_plan()->set_micro_batch_size(2);
+  config.mutable_loop()->set_max_steps(3);
+  config.mutable_output()->set_wall_clock_breakdown(true);
   testing::RunOnRanks(4, [&](int) {
     auto topology = testing::JoinTopology({{"data", 2}, {"pipeline", 2}});
     ASSERT_TRUE(topology.ok());
@@ -559,9 +561,9 @@ TEST(TrainerParityTest, PrescaledGradientsEqualOneProcess) {
   const std::vector<double> single = TrainOnRanks(SmallConfig(1), "prescale_reference");
   for (int zero : {0, 2}) {
     TrainerConfig config = SmallConfig(2);
-    config.set_prescale_gradients(true);
-    config.set_gradient_predivide_factor(4);
-    config.set_zero_stage(zero);
+    SetFlag(&config, "prescale_gradients", true);
+    config.mutable_plan()->mutable_zero()->set_gradient_predivide_factor(4);
+    config.mutable_plan()->mutable_zero()->set_stage(zero);
     SCOPED_TRACE(absl::StrCat("zero_stage ", zero));
     ExpectSameLosses(single, TrainOnRanks(config, absl::StrCat("prescale_zero", zero)), 1e-5);
   }
@@ -573,8 +575,8 @@ TEST(TrainerParityTest, PrescaledGradientsEqualOneProcess) {
 // tokens too, for gpt and llama.
 TEST(TrainerSampleTest, ParallelLayoutsSampleLikeOneProcess) {
   auto sample = [](TrainerConfig config, const std::string& tag) {
-    config.set_max_steps(3);
-    config.set_sample_tokens(40);
+    config.mutable_loop()->set_max_steps(3);
+    config.mutable_generation()->set_sample_tokens(40);
     const std::string path = TestDir() + "/" + tag + ".sample";
     TrainEverywhere(config, [&](const TrainResult& result) { std::ofstream(path) << result.sample; });
     std::ifstream in(path);
@@ -583,31 +585,32 @@ TEST(TrainerSampleTest, ParallelLayoutsSampleLikeOneProcess) {
   const std::string reference = sample(SmallConfig(1), "sample_reference");
   ASSERT_EQ(reference.size(), 40u);
   TrainerConfig uncached = SmallConfig(1);
-  uncached.set_kv_cache(false);
+  uncached.mutable_generation()->set_kv_cache(false);
   EXPECT_EQ(sample(uncached, "sample_uncached"), reference);
   TrainerConfig llama = SmallConfig(1);
-  llama.set_model("llama");
-  llama.set_preset("llama-tiny");
-  llama.set_n_kv_head(2);  // grouped-query attention: the cache holds 2 of 4 heads
+  SetFlag(&llama, "model", "llama");
+  SetFlag(&llama, "preset", "llama-tiny");
+  SetFlag(&llama, "n_kv_head", 2);  // grouped-query attention: the cache holds 2 of 4 heads
   const std::string llama_reference = sample(llama, "sample_llama");
-  llama.set_kv_cache(false);
+  llama.mutable_generation()->set_kv_cache(false);
   EXPECT_EQ(sample(llama, "sample_llama_uncached"), llama_reference);
   TrainerConfig layouts = SmallConfig(1);
-  layouts.set_micro_batch_size(2);
-  layouts.set_tp(2);
-  layouts.set_pp(2);
-  layouts.set_sequence_parallel(true);
+  layouts.mutable_plan()->set_micro_batch_size(2);
+  layouts.mutable_plan()->set_tp(2);
+  layouts.mutable_plan()->set_pp(2);
+  layouts.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(true);
   EXPECT_EQ(sample(layouts, "sample_tp2_pp2_sp"), reference);
-  layouts.set_parallel_vocab(false);  // the whole vocabulary's logits, on sequence shards
+  layouts.mutable_plan()->mutable_tensor_parallel()->set_parallel_vocab(
+      false);  // the whole vocabulary's logits, on sequence shards
   EXPECT_EQ(sample(layouts, "sample_tp2_pp2_sp_whole_vocabulary"), reference);
-  layouts.set_parallel_vocab(true);
-  layouts.set_tp(1);
-  layouts.set_sequence_parallel(false);
-  layouts.set_schedule("interleaved_1f1b");
-  layouts.set_virtual_stages(2);
+  layouts.mutable_plan()->mutable_tensor_parallel()->set_parallel_vocab(true);
+  layouts.mutable_plan()->set_tp(1);
+  layouts.mutable_plan()->mutable_tensor_parallel()->set_sequence_parallel(false);
+  layouts.mutable_plan()->mutable_pipeline()->set_schedule("interleaved_1f1b");
+  layouts.mutable_plan()->set_virtual_stages(2);
   EXPECT_EQ(sample(layouts, "sample_interleaved"), reference);
   TrainerConfig zero = SmallConfig(2);
-  zero.set_zero_stage(3);
+  zero.mutable_plan()->mutable_zero()->set_stage(3);
   EXPECT_EQ(sample(zero, "sample_zero3"), reference);
 }
 
@@ -621,11 +624,11 @@ TEST(TrainerExportTest, ParallelExportsEqualOneProcess) {
     const std::string tag = absl::StrCat("export_tp", tp, "_pp", pp);
     const std::string path = absl::StrCat(TestDir(), "/", tag, "/model.safetensors");
     TrainerConfig config = SmallConfig(1);
-    config.set_tp(tp);
-    config.set_pp(pp);
-    config.set_micro_batch_size(2);
-    config.set_max_steps(5);
-    config.set_export_safetensors(path);
+    config.mutable_plan()->set_tp(tp);
+    config.mutable_plan()->set_pp(pp);
+    config.mutable_plan()->set_micro_batch_size(2);
+    config.mutable_loop()->set_max_steps(5);
+    config.mutable_checkpoint()->set_export_safetensors(path);
     TrainOnRanks(config, tag);
     auto contents = ReadSafetensors(path);
     EXPECT_TRUE(contents.ok()) << contents.status();
@@ -653,17 +656,17 @@ TEST(TrainerExportTest, ParallelExportsEqualOneProcess) {
 TEST(TrainerParityTest, GradientAccumulationEqualsOneLargeMicroBatch) {
   TrainerConfig large = SmallConfig(1);
   TrainerConfig accumulated = SmallConfig(1);
-  accumulated.set_micro_batch_size(2);
-  accumulated.clear_global_batch_size();
-  accumulated.set_grad_accumulation_steps(4);
+  accumulated.mutable_plan()->set_micro_batch_size(2);
+  accumulated.mutable_loop()->clear_global_batch_size();
+  accumulated.mutable_plan()->set_num_micro_batches(4);
   ExpectSameLosses(TrainOnRanks(large, "mb8"), TrainOnRanks(accumulated, "mb2x4"), 1e-5);
 }
 
 TEST(TrainerExportTest, ExportedWeightsCarryTheReferenceNamesAndInitialiseAnotherRun) {
   const std::string exported = TestDir() + "/export/model.safetensors";
   TrainerConfig config = SmallConfig(2);
-  config.set_max_steps(3);
-  config.set_export_safetensors(exported);
+  config.mutable_loop()->set_max_steps(3);
+  config.mutable_checkpoint()->set_export_safetensors(exported);
   TrainOnRanks(config, "export");
   auto contents = ReadSafetensors(exported);
   ASSERT_TRUE(contents.ok()) << contents.status();
@@ -675,7 +678,7 @@ TEST(TrainerExportTest, ExportedWeightsCarryTheReferenceNamesAndInitialiseAnothe
 
   // A run initialised from the export starts from exactly the exported weights.
   TrainerConfig from_export = SmallConfig(1);
-  from_export.set_init_from(exported);
+  from_export.mutable_checkpoint()->set_init_from(exported);
   testing::RunOnRanks(1, [&](int) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok());
@@ -690,8 +693,8 @@ TEST(TrainerExportTest, ExportedWeightsCarryTheReferenceNamesAndInitialiseAnothe
   });
 
   TrainerConfig wrong = SmallConfig(1);
-  wrong.set_n_embd(32);
-  wrong.set_init_from(exported);
+  SetFlag(&wrong, "n_embd", 32);
+  wrong.mutable_checkpoint()->set_init_from(exported);
   testing::RunOnRanks(1, [&](int) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok());
@@ -739,10 +742,10 @@ TEST(TrainerHooksTest, HooksRunInOrder) {
     auto topology = testing::JoinTopology();
     ASSERT_TRUE(topology.ok());
     TrainerConfig config = SmallConfig(1);
-    config.set_max_steps(2);
-    config.set_save_dir(TestDir() + "/hooks");
-    config.set_metrics_file(TestDir() + "/hooks/metrics.jsonl");
-    config.set_log_every(1);
+    config.mutable_loop()->set_max_steps(2);
+    config.mutable_checkpoint()->set_save_dir(TestDir() + "/hooks");
+    config.mutable_output()->set_metrics_file(TestDir() + "/hooks/metrics.jsonl");
+    config.mutable_output()->set_log_every(1);
     auto trainer = Trainer::Create(config, topology->get());
     ASSERT_TRUE(trainer.ok()) << trainer.status();
     auto hooks = std::make_shared<RecordingHooks>();

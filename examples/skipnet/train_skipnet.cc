@@ -42,12 +42,12 @@ absl::Status Train() {
                            trident::Parallelize(skipnet::Source(/*seed=*/7), plan, topology.get(), example, adamw));
 
   trident::TrainerConfig config;  // the loop's settings; the layout comes from the plan
-  config.set_max_steps(FLAGS_steps);
-  config.set_lr(3e-3);
-  config.set_warmup_steps(5);
-  config.set_eval_every(20);
-  config.set_eval_steps(4);
-  config.set_log_every(10);
+  config.mutable_loop()->set_max_steps(FLAGS_steps);
+  config.mutable_loop()->set_lr(3e-3);
+  config.mutable_loop()->set_warmup_steps(5);
+  config.mutable_loop()->set_eval_every(20);
+  config.mutable_loop()->set_eval_steps(4);
+  config.mutable_output()->set_log_every(10);
   TRIDENT_ASSIGN_OR_RETURN(auto trainer,
                            trident::Trainer::Create(config, {std::move(model), std::move(train), std::move(val)}));
   return trainer->Train().status();

@@ -25,7 +25,7 @@ absl::StatusOr<std::unique_ptr<Dataset>> Open(const std::string& type, const std
 }  // namespace
 
 std::string DataDirectory(const TrainerConfig& config) {
-  if (!config.data().empty()) return config.data();
+  if (!config.dataset().dir().empty()) return config.dataset().dir();
   const char* home = std::getenv("HOME");
   return absl::StrCat(home != nullptr ? home : "/tmp", "/.cache/trident/data/fortunes-byte");
 }
@@ -33,10 +33,10 @@ std::string DataDirectory(const TrainerConfig& config) {
 absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const ModelContext& given, bool open_data) {
   TrainingParts parts;
   ModelContext context = given;
-  const bool token_data = !config.has_dataset_config();
+  const bool token_data = config.dataset().type().empty();
   const std::string dir = DataDirectory(config);
   if (token_data) {
-    const bool prepared_later = config.data().empty() && !open_data;  // the default corpus
+    const bool prepared_later = config.dataset().dir().empty() && !open_data;  // the default corpus
     if (!prepared_later && !fs::exists(dir + "/train.bin")) {
       return absl::NotFoundError(
           absl::StrCat("data directory ", dir, " has no train.bin; prepare it with tools/prepare_data"));
@@ -51,13 +51,13 @@ absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const Mode
   auto [type, args] = ModelComponent(config);
   TRIDENT_ASSIGN_OR_RETURN(ModelFactory factory, ModelRegistry().Find(type));
   TRIDENT_ASSIGN_OR_RETURN(parts.model, factory(args, context));
-  if (!config.loss().empty()) {
-    TRIDENT_ASSIGN_OR_RETURN(parts.model.loss, LossRegistry().Find(config.loss()));
+  if (!config.model().loss().empty()) {
+    TRIDENT_ASSIGN_OR_RETURN(parts.model.loss, LossRegistry().Find(config.model().loss()));
   }
   auto [optimizer, optimizer_args] = OptimizerComponent(config);
   TRIDENT_ASSIGN_OR_RETURN(parts.optimizer, MakeOptimizerFactory(optimizer, optimizer_args));
   if (!token_data) {
-    const auto& d = config.dataset_config();
+    const auto& d = config.dataset();
     if (!open_data) return parts;
     TRIDENT_ASSIGN_OR_RETURN(parts.train_data, Open(d.type(), "train", d.train_args()));
     if (!d.val_args().empty()) {
@@ -85,7 +85,7 @@ absl::StatusOr<TrainingParts> BuildParts(const TrainerConfig& config, const Mode
 }
 
 absl::Status PrepareDefaultCorpus(const TrainerConfig& config, const Topology& topology) {
-  if (!config.data().empty() || config.has_dataset_config()) return absl::OkStatus();
+  if (!config.dataset().dir().empty() || !config.dataset().type().empty()) return absl::OkStatus();
   const std::string dir = internal::DataDirectory(config);
   if (topology.rank() == 0 && !fs::exists(dir + "/train.bin")) {
     std::printf("preparing the default corpus (Debian's fortunes, byte tokens) in %s\n", dir.c_str());

@@ -53,26 +53,28 @@ std::string DataDir() {
   return dir;
 }
 
+void SetFlag(TrainerConfig* config, const std::string& name, const std::string& value) {
+  const absl::Status status = SetConfigFlag(name, value, config);
+  ASSERT_TRUE(status.ok()) << status;
+}
+
 TrainerConfig SmallConfig(int dp) {
-  TrainerConfig c;
-  c.set_model("gpt");
-  c.set_preset("gpt-tiny");
-  c.set_n_layer(2);
-  c.set_n_embd(64);
-  c.set_n_head(4);
-  c.set_block_size(32);
-  c.set_data(DataDir());
-  c.set_dp(dp);
-  c.set_micro_batch_size(8 / dp);
-  c.set_global_batch_size(8);
-  c.set_max_steps(20);
-  c.set_lr(3e-3);
-  c.set_warmup_steps(5);
-  c.set_eval_every(0);
-  c.set_sample_tokens(0);
-  c.set_log_every(100);
-  c.set_enable_progress_bar(false);
-  c.set_seed(5);
+  TrainerConfig c = DefaultTrainerConfig();
+  c.mutable_model()->set_type("gpt");
+  c.mutable_model()->mutable_args()->insert(
+      {{"preset", "gpt-tiny"}, {"n_layer", "2"}, {"n_embd", "64"}, {"n_head", "4"}, {"block_size", "32"}});
+  c.mutable_dataset()->set_dir(DataDir());
+  c.mutable_plan()->set_dp(dp);
+  c.mutable_plan()->set_micro_batch_size(8 / dp);
+  c.mutable_loop()->set_global_batch_size(8);
+  c.mutable_loop()->set_max_steps(20);
+  c.mutable_loop()->set_lr(3e-3);
+  c.mutable_loop()->set_warmup_steps(5);
+  c.mutable_loop()->set_eval_every(0);
+  c.mutable_generation()->set_sample_tokens(0);
+  c.mutable_output()->set_log_every(100);
+  c.mutable_output()->set_enable_progress_bar(false);
+  c.mutable_plan()->set_seed(5);
   return c;
 }
 

@@ -6,11 +6,28 @@
 
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "trainer/trainer.h"
 
 namespace trident::testing {
+
+// Sets flag `name` of `config` (a dotted path, or a flat alias with its
+// conversion: SetFlag(&c, "checkpoint_layers", "h.0,h.1")) from `value`'s
+// text; a bad flag fails the test where it is set.
+void SetFlag(TrainerConfig* config, const std::string& name, const std::string& value);
+inline void SetFlag(TrainerConfig* config, const std::string& name, const char* value) {
+  SetFlag(config, name, std::string(value));
+}
+inline void SetFlag(TrainerConfig* config, const std::string& name, bool value) {
+  SetFlag(config, name, std::string(value ? "true" : "false"));
+}
+template <typename Number, typename = std::enable_if_t<std::is_arithmetic_v<Number>>>
+void SetFlag(TrainerConfig* config, const std::string& name, Number value) {
+  SetFlag(config, name, absl::StrCat(value));
+}
 
 // TEST_TMPDIR (or /tmp).
 std::string TestDir();
