@@ -62,7 +62,7 @@ std::vector<double> Train(const Layout& layout, const std::string& tag, std::str
     auto model = trident::Parallelize(Source(7), plan, topology->get(), *example, *adamw);
     ASSERT_TRUE(model.ok()) << model.status();
     if (rank == 0) std::ofstream(stages_path) << (*model)->Describe();
-    trident::TrainerConfig config;
+    trident::TrainerConfig config = trident::DefaultTrainerConfig();
     config.mutable_loop()->set_max_steps(20);
     config.mutable_loop()->set_lr(3e-3);
     config.mutable_loop()->set_warmup_steps(5);

@@ -41,7 +41,7 @@ absl::Status Train() {
   TRIDENT_ASSIGN_OR_RETURN(auto model,
                            trident::Parallelize(skipnet::Source(/*seed=*/7), plan, topology.get(), example, adamw));
 
-  trident::TrainerConfig config;  // the loop's settings; the layout comes from the plan
+  trident::TrainerConfig config = trident::DefaultTrainerConfig();  // the loop; the layout comes from the plan
   config.mutable_loop()->set_max_steps(FLAGS_steps);
   config.mutable_loop()->set_lr(3e-3);
   config.mutable_loop()->set_warmup_steps(5);
