@@ -179,7 +179,9 @@ absl::Status CheckConfigFields(TrainerConfig* c) {
   }
   if (!LrScheduleRegistry().Contains(loop.lr_scheduler()))
     return LrScheduleRegistry().Find(loop.lr_scheduler()).status();
-  if (loop.warmup_steps() < 0) return Invalid("warmup_steps must not be negative");
+  if (loop.warmup_steps() < 0 || loop.lr_decay_steps() < 0) {
+    return Invalid("warmup_steps and lr_decay_steps must not be negative");
+  }
   if (c->optimizer().clip_gnorm() < 0) return Invalid("grad_clip must not be negative (0 turns it off)");
   if (loop.max_steps() < 1) return Invalid(absl::StrCat("max_steps=", loop.max_steps(), " must be at least 1"));
   if (loop.max_epochs() < 0 || loop.val_every_n_epochs() < 0) {

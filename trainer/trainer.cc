@@ -344,8 +344,9 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     if (!read_loss_late) TRIDENT_RETURN_IF_ERROR(read_loss());
     t.ForHooks([&](TrainerHooks& h) { h.AfterBackward(t.State()); });
     t.ForHooks([&](TrainerHooks& h) { h.AfterAggregateTrainStepOutputs(t.State(), m.loss); });
+    const int64_t decay_steps = c.loop().lr_decay_steps() > 0 ? c.loop().lr_decay_steps() : max_steps;
     TRIDENT_ASSIGN_OR_RETURN(m.lr, LearningRate(c.loop().lr_scheduler(), c.loop().lr(), c.loop().min_lr(),
-                                                c.loop().warmup_steps(), max_steps, t.step));
+                                                c.loop().warmup_steps(), decay_steps, t.step));
     m.loss_scale = t.model->loss_scale().value_or(1.0);
     const auto optimizer_start = Clock::now();
     TRIDENT_ASSIGN_OR_RETURN(m.skipped, t.model->UnscaleGradients());

@@ -737,6 +737,26 @@ class RecordingHooks : public TrainerHooks {
   std::vector<std::string> events;
 };
 
+// loop.lr_decay_steps ends the schedule early: min_lr from that step on.
+TEST(TrainerScheduleTest, TheLearningRateReachesMinLrAtLrDecaySteps) {
+  testing::RunOnRanks(1, [&](int) {
+    auto topology = testing::JoinTopology();
+    ASSERT_TRUE(topology.ok());
+    TrainerConfig config = SmallConfig(1);
+    config.mutable_loop()->set_max_steps(6);
+    config.mutable_loop()->set_warmup_steps(1);
+    config.mutable_loop()->set_lr_decay_steps(3);
+    auto trainer = Trainer::Create(config, topology->get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    auto hooks = std::make_shared<RecordMetrics>();
+    (*trainer)->AddHooks(hooks);
+    ASSERT_TRUE((*trainer)->Train().ok());
+    ASSERT_EQ(hooks->metrics.size(), 6u);
+    EXPECT_GT(hooks->metrics[2].lr, config.loop().min_lr());
+    for (int s = 3; s < 6; ++s) EXPECT_DOUBLE_EQ(hooks->metrics[s].lr, config.loop().min_lr()) << "step " << s + 1;
+  });
+}
+
 TEST(TrainerHooksTest, HooksRunInOrder) {
   testing::RunOnRanks(1, [&](int) {
     auto topology = testing::JoinTopology();
