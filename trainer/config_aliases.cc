@@ -544,10 +544,10 @@ std::multimap<std::string, std::string> ConfigFlagAliases() {
   std::multimap<std::string, std::string> aliases;
   for (const Alias& alias : Table()) {
     if (alias.conversion == Conversion::kRefused) continue;
-    const char* note = alias.conversion == Conversion::kNone                                 ? ""
-                       : alias.conversion == Conversion::kCommaList ||
-                               alias.conversion == Conversion::kRankList ? " (comma-separated)"
-                                                                           : " (converted)";
+    const char* note = alias.conversion == Conversion::kNone ? ""
+                       : alias.conversion == Conversion::kCommaList || alias.conversion == Conversion::kRankList
+                           ? " (comma-separated)"
+                           : " (converted)";
     aliases.emplace(alias.path, absl::StrCat("--", alias.flat, absl::EndsWith(alias.flat, ".") ? "FIELD" : "", note));
   }
   return aliases;
@@ -570,7 +570,8 @@ absl::StatusOr<std::string> TranslateFlatConfig(const std::string& text, Trainer
     const size_t brace = stripped.find_first_of("{<");
     std::string name(absl::StripAsciiWhitespace(stripped.substr(0, std::min(colon, brace))));
     const absl::string_view after_colon =
-        colon == std::string::npos ? "" : absl::StripLeadingAsciiWhitespace(absl::string_view(stripped).substr(colon + 1));
+        colon == std::string::npos ? ""
+                                   : absl::StripLeadingAsciiWhitespace(absl::string_view(stripped).substr(colon + 1));
     const bool scalar = colon != std::string::npos && (brace == std::string::npos || brace > colon) &&
                         !absl::StartsWith(after_colon, "{") && !absl::StartsWith(after_colon, "<");
     if (depth == 0 && scalar) {
