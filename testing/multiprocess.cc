@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -83,7 +84,17 @@ MultiProcessResult SpawnRanks(int world_size, const std::function<void(int rank)
     std::lock_guard<std::mutex> lock(mutex);
     absl::StrAppend(&result.ranks[rank].output, line, "\n");
   };
-  LaunchResult launched = RunLocalGroup(launch);
+  LaunchResult launched;
+  for (int attempt = 1;; ++attempt) {
+    for (RankOutcome& outcome : result.ranks) outcome = RankOutcome();
+    launched = RunLocalGroup(launch);
+    // The launcher picks a free port for the rendezvous store and rank 0
+    // binds it moments later; another test's process may take it in between.
+    // That is not the code under test, so the ranks start again on a new port.
+    const bool port_taken = absl::StrContains(result.ranks[0].output, "could not serve the rendezvous store") &&
+                            absl::StrContains(result.ranks[0].output, "Address already in use");
+    if (launched.status.ok() || !port_taken || attempt == 3) break;
+  }
   result.status = launched.status;
   for (const RankExit& exit : launched.exits) {
     RankOutcome& outcome = result.ranks[exit.rank];
