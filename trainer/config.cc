@@ -1,14 +1,11 @@
 #include "trainer/config.h"
 
-#include <algorithm>
 #include <optional>
 #include <set>
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/text_format.h>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"

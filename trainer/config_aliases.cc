@@ -482,19 +482,26 @@ absl::Status ApplyBlock(const std::string& block, const std::string& text, size_
   return absl::OkStatus();
 }
 
-// A line without its comment (a '#' outside double quotes), trimmed.
-std::string WithoutComment(absl::string_view line) {
+// Where the characters of `chars` stand in `text` outside double-quoted strings.
+std::vector<size_t> UnquotedPositions(absl::string_view text, absl::string_view chars) {
+  std::vector<size_t> positions;
   bool quoted = false;
-  for (size_t c = 0; c < line.size(); ++c) {
-    if (line[c] == '\\' && quoted) {
+  for (size_t c = 0; c < text.size(); ++c) {
+    if (text[c] == '\\' && quoted) {
       ++c;
-    } else if (line[c] == '"') {
+    } else if (text[c] == '"') {
       quoted = !quoted;
-    } else if (!quoted && line[c] == '#') {
-      line = line.substr(0, c);
-      break;
+    } else if (!quoted && chars.find(text[c]) != absl::string_view::npos) {
+      positions.push_back(c);
     }
   }
+  return positions;
+}
+
+// A line without its comment (a '#' outside double quotes), trimmed.
+std::string WithoutComment(absl::string_view line) {
+  const std::vector<size_t> comment = UnquotedPositions(line, "#");
+  if (!comment.empty()) line = line.substr(0, comment.front());
   return std::string(absl::StripAsciiWhitespace(line));
 }
 
@@ -592,15 +599,10 @@ absl::StatusOr<std::string> TranslateFlatConfig(const std::string& text, Trainer
         from = brace + 1;
       }
     }
-    bool quoted = false;
-    for (size_t c = 0; c < stripped.size(); ++c) {
-      if (stripped[c] == '\\' && quoted) {
-        ++c;
-      } else if (stripped[c] == '"') {
-        quoted = !quoted;
-      } else if (!quoted && (stripped[c] == '{' || stripped[c] == '<')) {
+    for (size_t c : UnquotedPositions(stripped, "{<}>")) {
+      if (stripped[c] == '{' || stripped[c] == '<') {
         ++depth;
-      } else if (!quoted && (stripped[c] == '}' || stripped[c] == '>') && --depth == 0 && !block.empty()) {
+      } else if (--depth == 0 && !block.empty()) {
         absl::StrAppend(&block_text, " ", stripped.substr(from, c - from));
         TRIDENT_RETURN_IF_ERROR(ApplyBlock(block, block_text, block_line, config));
         block.clear();
