@@ -31,8 +31,8 @@ class PieceIndex {
  public:
   PieceIndex(const NamedTensors& parameters, const std::map<std::string, ShardSpec>& shards, const NamedTensors& tied,
              const std::vector<std::vector<int>>& tied_holders, int stage, const ProcessGroup* tp,
-             const ProcessGroup* dp)
-      : shards_(shards), tp_(tp), dp_(dp) {
+             const ProcessGroup* dp, const ProcessGroup* zero_replicas)
+      : shards_(shards), tp_(tp), dp_(dp), zero_replicas_(zero_replicas) {
     for (const auto& [name, p] : parameters) name_of_[p.unsafeGetTensorImpl()] = name;
     for (size_t i = 0; i < tied.size(); ++i) {
       if (tied_holders[i].front() != stage) tied_copies_.insert(tied[i].first);
@@ -55,16 +55,18 @@ class PieceIndex {
     return part.begin == 0 && part.end == numel ? slice : slice.FlatRange(part.begin, part.end);
   }
   // Whether another rank writes the same values (when deduplicating); `zero`:
-  // the data-parallel ranks hold disjoint parts.
+  // the data-parallel ranks of a shard group hold disjoint parts (and its
+  // replicas the same ones).
   bool WrittenElsewhere(const std::string& name, bool zero) const {
     if (tied_copies_.count(name)) return true;
     if (tp_ != nullptr && tp_->rank() > 0 && shards_.count(name) == 0) return true;
-    return !zero && dp_ != nullptr && dp_->rank() > 0;
+    const ProcessGroup* copies = zero ? zero_replicas_ : dp_;
+    return copies != nullptr && copies->rank() > 0;
   }
 
  private:
   const std::map<std::string, ShardSpec>& shards_;
-  const ProcessGroup *tp_, *dp_;
+  const ProcessGroup *tp_, *dp_, *zero_replicas_;
   std::unordered_map<const c10::TensorImpl*, std::string> name_of_;
   std::set<std::string> tied_copies_;
 };
@@ -77,12 +79,13 @@ at::Tensor FlatPart(const at::Tensor& t, int64_t offset, int64_t n) { return t.v
 std::string ParallelModel::Layout() const {
   const ParallelPlan& p = impl_->plan;
   return absl::StrCat("dp", p.dp(), "_tp", p.tp(), p.tensor_parallel().sequence_parallel() ? "sp" : "", "_pp", p.pp(),
-                      "x", p.virtual_stages(), "_zero", p.zero().stage());
+                      "x", p.virtual_stages(), "_zero", p.zero().stage(),
+                      impl_->zero_shards != nullptr ? absl::StrCat("g", impl_->zero_shards->size()) : "");
 }
 
 absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool optimizer, bool deduplicate) const {
   const Impl& m = *impl_;
-  internal::PieceIndex index(m.parameters, m.shards, m.tied, m.tied_holders, m.stage, m.tp, m.dp);
+  internal::PieceIndex index(m.parameters, m.shards, m.tied, m.tied_holders, m.stage, m.tp, m.dp, m.zero_replicas);
   const bool zero = m.plan.zero().stage() > 0;
   std::vector<SlicedTensor> pieces;
   c10::NoGradGuard no_grad;
@@ -118,7 +121,8 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
       const std::string& name = index.Name(part.parameter);
       if (part.begin == part.end || (deduplicate && index.WrittenElsewhere(name, zero))) continue;
       const TensorSlice slice = index.PartSlice(name, part);
-      for (const auto& [state, tensor] : ElementwiseState(opt, part.updated)) {
+      TRIDENT_ASSIGN_OR_RETURN(auto state_of_part, m.update->OptimizerStateOf(part.updated));
+      for (const auto& [state, tensor] : state_of_part) {
         if (tensor.dim() == 0) {  // the step count: by the holder of the first element of the first shard
           const bool first = part.begin == 0 && (m.tp == nullptr || m.tp->rank() == 0 || !m.shards.count(name));
           if (first || !deduplicate) pieces.push_back({StateName(name, state), TensorSlice::Whole({}), tensor});
@@ -139,7 +143,7 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
 
 absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader, bool optimizer) {
   Impl& m = *impl_;
-  internal::PieceIndex index(m.parameters, m.shards, m.tied, m.tied_holders, m.stage, m.tp, m.dp);
+  internal::PieceIndex index(m.parameters, m.shards, m.tied, m.tied_holders, m.stage, m.tp, m.dp, m.zero_replicas);
   TRIDENT_RETURN_IF_ERROR(m.update->WaitForUpdatedParameters());  // none overwrites what is read
   std::vector<ParameterPart> parts = m.update->Parts();
   std::set<const c10::TensorImpl*> only_chunk;
@@ -180,10 +184,26 @@ absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader,
     TRIDENT_ASSIGN_OR_RETURN(at::Tensor blob, reader.ReadWhole(mine));
     TRIDENT_RETURN_IF_ERROR(m.update->LoadState({{"optimizer", blob}}));
   } else {
-    // The state of each tensor the optimizer updates, assembled from its parts.
+    // The state of each tensor the optimizer updates, assembled from its parts
+    // (consecutive) and set once they all are: one such tensor at a time.
     std::map<const c10::TensorImpl*, std::map<std::string, at::Tensor>> states;
     std::vector<std::string> missing;
-    for (const ParameterPart& part : parts) {
+    size_t assembled = 0;
+    auto set_assembled = [&](size_t end) -> absl::Status {
+      for (; assembled < end; ++assembled) {
+        auto found = states.find(parts[assembled].updated.unsafeGetTensorImpl());
+        if (found == states.end()) continue;
+        const bool last =
+            assembled + 1 == parts.size() || !parts[assembled + 1].updated.is_same(parts[assembled].updated);
+        if (!last) continue;
+        TRIDENT_RETURN_IF_ERROR(m.update->SetOptimizerStateOf(parts[assembled].updated, found->second));
+        states.erase(found);
+      }
+      return absl::OkStatus();
+    };
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const ParameterPart& part = parts[i];
+      TRIDENT_RETURN_IF_ERROR(set_assembled(i));
       if (part.begin == part.end) continue;
       const std::string& name = index.Name(part.parameter);
       const bool saved =
@@ -210,10 +230,7 @@ absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader,
                                               " holds optimizer state for some parameters but not for ",
                                               absl::StrJoin(missing, ", ")));
     }
-    for (const ParameterPart& part : parts) {
-      auto found = states.find(part.updated.unsafeGetTensorImpl());
-      if (found != states.end()) TRIDENT_RETURN_IF_ERROR(SetElementwiseState(opt, part.updated, found->second));
-    }
+    TRIDENT_RETURN_IF_ERROR(set_assembled(parts.size()));
   }
   if (m.scaler && reader.Contains("amp/loss_scale")) {
     NamedTensors state;

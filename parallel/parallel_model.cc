@@ -99,6 +99,12 @@ absl::StatusOr<std::unique_ptr<ParallelModel>> Parallelize(ModelSource source, P
   TRIDENT_ASSIGN_OR_RETURN(m.dp, AxisGroup(*topology, "data", m.plan.dp()));
   TRIDENT_ASSIGN_OR_RETURN(m.tp, AxisGroup(*topology, "tensor", m.plan.tp()));
   TRIDENT_ASSIGN_OR_RETURN(m.pp, AxisGroup(*topology, "pipeline", m.plan.pp()));
+  TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(m.plan.zero(), m.plan.dp()));
+  if (m.plan.zero().stage() > 0 && shard_group_size < m.plan.dp()) {
+    TRIDENT_ASSIGN_OR_RETURN(Topology::SplitGroups split, topology->SplitAxis("data", shard_group_size));
+    m.zero_shards = split.block;
+    m.zero_replicas = split.across;
+  }
   if (m.plan.tp() == 1) m.tp = nullptr;
   if (m.plan.pp() == 1) m.pp = nullptr;
   m.stage = m.pp != nullptr ? m.pp->rank() : 0;
@@ -141,6 +147,8 @@ absl::Status ParallelModel::Impl::Setup(OptimizerFactory make_optimizer, const B
   options.counted = counted;
   for (const auto& [name, p] : tied) options.keep_full_gradient.push_back(p);
   options.data_parallel = dp;
+  options.zero_shards = zero_shards;
+  options.zero_replicas = zero_replicas;
   options.tensor_parallel = tp;
   options.norm_group = norm;
   options.world = &topology->world();

@@ -120,12 +120,15 @@ class Zero : public ParameterUpdate {
     zero_options.spec = options.zero;
     zero_options.layers = options.layers;
     zero_options.layer_indices = options.layer_indices;
+    zero_options.replicas = options.zero_replicas;
+    zero_options.rank = options.world != nullptr ? options.world->rank() : 0;
     zero_options.keep_full_gradient = [keep](const at::Tensor& p) { return keep.count(p.unsafeGetTensorImpl()) > 0; };
     zero_options.counted_in_norm = [counted](const at::Tensor& p) {
       return counted.count(p.unsafeGetTensorImpl()) > 0;
     };
-    TRIDENT_ASSIGN_OR_RETURN(zero->zero_, ZeroOptimizer::Create(DecayGroups(options.parameters), options.data_parallel,
-                                                                zero_options, options.make_optimizer));
+    const ProcessGroup* shards = options.zero_shards != nullptr ? options.zero_shards : options.data_parallel;
+    TRIDENT_ASSIGN_OR_RETURN(zero->zero_, ZeroOptimizer::Create(DecayGroups(options.parameters), shards, zero_options,
+                                                                options.make_optimizer));
     return std::unique_ptr<ParameterUpdate>(std::move(zero));
   }
   void ZeroGrad() override { zero_->ZeroGrad(); }
@@ -147,6 +150,12 @@ class Zero : public ParameterUpdate {
   MemoryReport Memory() const override { return zero_->Memory(); }
   std::vector<ParameterPart> Parts() const override { return zero_->ChunkParts(); }
   torch::optim::Optimizer& optimizer() override { return zero_->optimizer(); }
+  absl::StatusOr<std::map<std::string, at::Tensor>> OptimizerStateOf(const at::Tensor& updated) override {
+    return zero_->ChunkState(updated);
+  }
+  absl::Status SetOptimizerStateOf(const at::Tensor& updated, const std::map<std::string, at::Tensor>& state) override {
+    return zero_->SetChunkState(updated, state);
+  }
   absl::Status GatherFullParameters() override { return zero_->GatherAllParameters(); }
   absl::Status WaitForUpdatedParameters() override { return zero_->WaitForUpdatedParameters(); }
   absl::Status ReleaseFullParameters(bool keep_changes) override { return zero_->ReleaseAllParameters(keep_changes); }

@@ -6,6 +6,7 @@
 #ifndef TRIDENT_PARALLEL_PARAMETER_UPDATE_H_
 #define TRIDENT_PARALLEL_PARAMETER_UPDATE_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,15 @@ class ParameterUpdate {
   // checkpoints in any layout), and the optimizer.
   virtual std::vector<ParameterPart> Parts() const = 0;
   virtual torch::optim::Optimizer& optimizer() = 0;
+  // The element-wise state the optimizer keeps for a part's `updated` tensor
+  // (ElementwiseState; offloaded state read where it lies), and its
+  // replacement (SetElementwiseState, then offloaded again).
+  virtual absl::StatusOr<std::map<std::string, at::Tensor>> OptimizerStateOf(const at::Tensor& updated) {
+    return ElementwiseState(optimizer(), updated);
+  }
+  virtual absl::Status SetOptimizerStateOf(const at::Tensor& updated, const std::map<std::string, at::Tensor>& state) {
+    return SetElementwiseState(optimizer(), updated, state);
+  }
   // Per-rank bytes of parameters, gradients and optimizer state, for the log.
   virtual MemoryReport Memory() const = 0;
   // ZeRO stage 3 keeps parameters sharded: these give them their full values
@@ -73,10 +83,14 @@ class ParameterUpdate {
 };
 
 struct ParameterUpdateOptions {
-  NamedTensors parameters;                        // stored once each
-  std::vector<at::Tensor> counted;                // in the gradient norm (tied copies, tp replicas once)
-  std::vector<at::Tensor> keep_full_gradient;     // ZeRO-2: summed between pipeline stages first
-  const ProcessGroup* data_parallel = nullptr;    // nullptr: dp = 1
+  NamedTensors parameters;                      // stored once each
+  std::vector<at::Tensor> counted;              // in the gradient norm (tied copies, tp replicas once)
+  std::vector<at::Tensor> keep_full_gradient;   // ZeRO-2: summed between pipeline stages first
+  const ProcessGroup* data_parallel = nullptr;  // nullptr: dp = 1
+  // Hybrid sharding: ZeRO shards over `zero_shards` (part of data_parallel)
+  // and sums over `zero_replicas` (nullptr: over all of data_parallel).
+  const ProcessGroup* zero_shards = nullptr;
+  const ProcessGroup* zero_replicas = nullptr;
   const ProcessGroup* tensor_parallel = nullptr;  // nullptr: tp = 1
   const ProcessGroup* norm_group = nullptr;       // tensor x pipeline ranks (nullptr: none)
   const ProcessGroup* world = nullptr;            // every rank (ZeRO's norm spans dp too)

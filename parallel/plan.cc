@@ -99,6 +99,16 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
     return invalid("bucket sizes must be positive");
   }
   if (!(p.zero().gradient_predivide_factor() > 0)) return invalid("gradient_predivide_factor must be positive");
+  TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(p.zero(), p.dp()));
+  if (p.zero().stage() == 0 && (shard_group_size < p.dp() || p.zero().offload_optimizer() != ZeroSpec::none)) {
+    return invalid(
+        "zero_stage=0 has no shards to group or optimizer state of its own to offload: "
+        "set zero_stage 1-3 with shard_group_size, num_shard_groups or offload_optimizer");
+  }
+  if (p.zero().prefetch_layers() < 0 || p.zero().max_inflight_reduce_scatters() < 1) {
+    return invalid("zero prefetch_layers=", p.zero().prefetch_layers(), " must be at least 0 and ",
+                   "max_inflight_reduce_scatters=", p.zero().max_inflight_reduce_scatters(), " at least 1");
+  }
   if (p.micro_batch_size() < 1 || p.num_micro_batches() < 1) {
     return invalid("micro_batch_size=", p.micro_batch_size(), " and the number of micro-batches (",
                    p.num_micro_batches(), ") must be at least 1");

@@ -4,6 +4,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "amp/amp.h"
@@ -257,7 +258,9 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
       }
     }
   }
-  return PlanZeroBuckets(*planned, plan.zero().stage(), plan.zero().reduce_bucket_bytes(), plan.dp(), layer_reads);
+  TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(plan.zero(), plan.dp()));
+  return PlanZeroBuckets(*planned, plan.zero().stage(), plan.zero().reduce_bucket_bytes(), shard_group_size,
+                         layer_reads);
 }
 
 // The most bytes rank `s` holds for backward at once, walking its schedule:
@@ -355,15 +358,25 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
     } else {
       std::vector<ZeroParameter> planned;
       TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayoutOf(costs, s, &planned));
-      state = ZeroLayoutMemory(layout, plan.dp(), state_per_element);
-      if (plan.zero().stage() == 3) {  // a layer gathered, the next prefetched, its full gradient
-        int64_t largest = 0;
-        for (const auto& [layer, buckets] : layout.layer_buckets) {
-          int64_t bytes = 0;
-          for (int b : buckets) bytes += layout.buckets[b].numel * layout.buckets[b].element_size;
-          largest = std::max(largest, bytes);
-        }
-        transient += 3 * largest;
+      TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(plan.zero(), plan.dp()));
+      state = ZeroLayoutMemory(layout, shard_group_size, state_per_element);
+      int64_t largest = 0;  // a layer's buckets, or one bucket
+      for (const auto& [layer, buckets] : layout.layer_buckets) {
+        int64_t bytes = 0;
+        for (int b : buckets) bytes += layout.buckets[b].numel * layout.buckets[b].element_size;
+        largest = std::max(largest, bytes);
+      }
+      for (const ZeroBucket& b : layout.buckets) largest = std::max(largest, b.numel * b.element_size);
+      if (plan.zero().offload_optimizer() == ZeroSpec::disk) {
+        // In its file; in memory the state of the bucket updated, the next
+        // read and the last written.
+        state.offloaded_optimizer_bytes = std::exchange(state.optimizer_bytes, 0);
+        transient += std::min<int64_t>(state.offloaded_optimizer_bytes,
+                                       3 * state_per_element * largest / std::max(1, shard_group_size));
+      }
+      if (plan.zero().stage() == 3) {
+        // Layers gathered (the one running and those prefetched), its full gradient.
+        transient += (2 + plan.zero().prefetch_layers()) * largest;
       } else {  // the step's all-gather
         transient += std::min(plan.zero().allgather_bucket_bytes(), parameter_bytes);
       }

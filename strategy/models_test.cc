@@ -26,6 +26,8 @@ struct Layout {
   RecomputeSpec::Method recompute = RecomputeSpec::none;
   std::string partition = "uniform";
   int64_t micro_batches = 1;
+  int shard_group_size = 0;  // hybrid sharding (0: every data-parallel rank)
+  bool offload = false;      // the optimizer state on disk
 };
 
 ParallelPlan PlanOf(const Layout& l) {
@@ -35,6 +37,11 @@ ParallelPlan PlanOf(const Layout& l) {
   plan.set_pp(l.pp);
   plan.mutable_tensor_parallel()->set_sequence_parallel(l.sp);
   plan.mutable_zero()->set_stage(l.zero);
+  plan.mutable_zero()->set_shard_group_size(l.shard_group_size);
+  if (l.offload) {
+    plan.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
+    plan.mutable_zero()->set_offload_dir(::testing::TempDir());
+  }
   plan.mutable_pipeline()->set_schedule(l.schedule);
   plan.set_virtual_stages(l.virtual_stages);
   plan.mutable_recompute()->set_method(l.recompute);
@@ -88,6 +95,8 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
       {.dp = 4, .zero = 1},
       {.dp = 4, .zero = 2, .micro_batches = 2},
       {.dp = 4, .zero = 3},
+      {.dp = 4, .zero = 3, .shard_group_size = 2},
+      {.dp = 4, .zero = 2, .offload = true},
       {.dp = 2, .tp = 2},
       {.dp = 2, .tp = 2, .zero = 3},
       {.dp = 2, .tp = 2, .sp = true, .zero = 1},
@@ -122,10 +131,12 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
     const MemoryReport& predicted = memory->state[(*model)->stage()];
     const std::string what =
         absl::StrCat(preset, " ", layout.dp, "x", layout.tp, layout.sp ? "sp" : "", "x", layout.pp, " zero",
-                     layout.zero, " ", layout.schedule, " ", RecomputeSpec::Method_Name(layout.recompute));
+                     layout.zero, " shard", layout.shard_group_size, layout.offload ? " offload" : "", " ",
+                     layout.schedule, " ", RecomputeSpec::Method_Name(layout.recompute));
     EXPECT_EQ(predicted.parameter_bytes, reported.parameter_bytes) << what;
     EXPECT_EQ(predicted.gradient_bytes, reported.gradient_bytes) << what;
     EXPECT_EQ(predicted.optimizer_bytes, reported.optimizer_bytes) << what;
+    EXPECT_EQ(predicted.offloaded_optimizer_bytes, reported.offloaded_optimizer_bytes) << what;
     EXPECT_GT(memory->activations[(*model)->stage()], 0) << what;
     auto time = internal::PredictStepTime(*profile, plan);
     ASSERT_TRUE(time.ok()) << time.status();

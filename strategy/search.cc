@@ -348,12 +348,14 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
   result.profile_s = Since(profile_start);
   ReleaseFreedMemory();
 
-  // Rank everything the models say fits.
-  const std::vector<ParallelPlan> plans = Candidates(profile, world, G, options, loaded ? &*loaded : nullptr);
+  // Rank everything the models say fits; when nothing does, the ZeRO
+  // candidates again with their optimizer state offloaded to disk (their
+  // time predicted as without: it leaves out the disk's transfers).
+  std::vector<ParallelPlan> plans = Candidates(profile, world, G, options, loaded ? &*loaded : nullptr);
   std::optional<CandidateReport> smallest;
-  for (const ParallelPlan& plan : plans) {
+  auto consider = [&](const ParallelPlan& plan) {
     absl::StatusOr<internal::MemoryPrediction> memory = internal::PredictMemory(profile, plan);
-    if (!memory.ok()) continue;  // a schedule that cannot run these counts, a degree not profiled
+    if (!memory.ok()) return;  // a schedule that cannot run these counts, a degree not profiled
     ++result.considered;
     CandidateReport report;
     report.plan = plan;
@@ -364,12 +366,20 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     if (memory->max_resident > result.memory_limit_bytes) {
       ++result.over_memory_limit;
       if (!smallest || report.predicted_resident_bytes < smallest->predicted_resident_bytes) smallest = report;
-      continue;
+      return;
     }
     absl::StatusOr<internal::TimePrediction> time = internal::PredictStepTime(profile, plan);
-    if (!time.ok()) continue;
+    if (!time.ok()) return;
     report.predicted_step_s = time->step_seconds;
     result.ranked.push_back(report);
+  };
+  for (const ParallelPlan& plan : plans) consider(plan);
+  if (result.ranked.empty() && !loaded) {
+    for (ParallelPlan plan : plans) {
+      if (plan.zero().stage() == 0 || plan.zero().offload_optimizer() != ZeroSpec::none) continue;
+      plan.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
+      consider(plan);
+    }
   }
   if (result.ranked.empty()) {
     if (!smallest) return absl::InvalidArgumentError("the search found no strategy for this model and world size");

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "base/text_proto.h"
+#include "zero/zero.h"
 
 namespace trident {
 namespace {
@@ -27,9 +28,9 @@ const std::map<std::string, std::set<std::string>>& MethodFields() {
        {"dtype", "skip_if_nonfinite", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
         "min_loss_scale"}},
       {"half", {"dtype", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}},
-      {"zero1", {}},
-      {"zero2", {}},
-      {"fsdp", {"wrap", "min_num_params", "ignored"}},
+      {"zero1", {"offload_optimizer"}},
+      {"zero2", {"offload_optimizer"}},
+      {"fsdp", {"wrap", "min_num_params", "ignored", "offload_optimizer"}},
       {"checkpoint", {"layers", "activation_checkpoint_ratio", "checkpoint_num_layers", "modules", "all_layers"}},
       {"module_replace", {"pairs"}},
       {"tensor_parallel", {"sequence_parallel", "overlapping_level"}},
@@ -116,12 +117,7 @@ absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size,
   }
   const int tp = sizes.count("tensor") ? sizes["tensor"] : 1;
   const int pp = sizes.count("pipeline") ? sizes["pipeline"] : 1;
-  const int zero = sizes.count("zero") ? sizes["zero"] : 1;
-  if (zero > 1 && sizes.count("data") && sizes["data"] > 1) {
-    return absl::UnimplementedError(
-        "strategy: parallel_mode with both 'data' and 'zero' ranks would shard over part of the "
-        "data-parallel ranks (hybrid sharding), which is not available; give one of them");
-  }
+  const bool hybrid = sizes.count("zero") && sizes.count("data");
   if (world_size % (tp * pp) != 0) {
     return Invalid(absl::StrCat("strategy: parallel_mode's tensor x pipeline = ", tp, " x ", pp,
                                 " does not divide the ", world_size, " ranks"));
@@ -130,6 +126,12 @@ absl::Status ApplyParallelMode(const OptimizationMethod& method, int world_size,
   plan->set_pp(pp);
   plan->set_dp(world_size / (tp * pp));  // data (or zero) takes the rest, as the reference adjusts it
   *zero_axis = sizes.count("zero") > 0;
+  // Both: ZeRO shards over blocks of `zero` ranks, replicated over `data`.
+  plan->mutable_zero()->set_shard_group_size(hybrid ? sizes["zero"] : 0);
+  if (hybrid && plan->dp() % sizes["zero"] != 0) {
+    return Invalid(absl::StrCat("strategy: parallel_mode's zero size ", sizes["zero"], " does not divide the ",
+                                plan->dp(), " data-parallel ranks"));
+  }
   for (const std::string& name : DefaultAxisOrder()) {
     if (std::find(order.begin(), order.end(), name) == order.end()) order.push_back(name);
   }
@@ -193,6 +195,16 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
     TRIDENT_RETURN_IF_ERROR(ApplyParallelMode(*by_name["parallel_mode"], world_size, plan, &zero_axis));
   }
   plan->mutable_zero()->set_stage(has("zero1") ? 1 : has("zero2") ? 2 : has("fsdp") ? 3 : zero_axis ? 1 : 0);
+  plan->mutable_zero()->set_offload_optimizer(ZeroSpec::none);
+  for (const char* zero : {"zero1", "zero2", "fsdp"}) {
+    if (!has(zero) || !by_name[zero]->has_offload_optimizer()) continue;
+    ZeroSpec::Offload offload;
+    if (!ZeroSpec::Offload_Parse(by_name[zero]->offload_optimizer(), &offload)) {
+      return Invalid(absl::StrCat("strategy: ", zero, " offload_optimizer '", by_name[zero]->offload_optimizer(),
+                                  "'; choose none, cpu or disk"));
+    }
+    plan->mutable_zero()->set_offload_optimizer(offload);
+  }
   if (has("fsdp")) {
     const OptimizationMethod& fsdp = *by_name["fsdp"];
     if (fsdp.wrap_size() > 0 || fsdp.has_min_num_params() || fsdp.ignored_size() > 0) {
@@ -295,15 +307,28 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
   const std::map<std::string, int> sizes = {{"tensor", plan.tp()}, {"pipeline", plan.pp()}, {"data", plan.dp()}};
   // In the default order axes of one rank are left out (data stays); an
   // explicit order names all three.
+  // Hybrid sharding: the data ranks as ("zero", shard group size), ("data", groups).
+  const int shard_group_size = ZeroShardGroupSize(plan.zero(), plan.dp()).value_or(plan.dp());
   for (const std::string& name : plan.axis_order().empty() ? DefaultAxisOrder() : ToVector(plan.axis_order())) {
     if (plan.axis_order().empty() && sizes.at(name) == 1 && name != "data") continue;
+    const bool hybrid = name == "data" && plan.zero().stage() > 0 && shard_group_size < plan.dp();
+    if (hybrid) {
+      ParallelAxis* zero = mode->add_parallel_mode();
+      zero->set_name("zero");
+      zero->set_size(shard_group_size);
+    }
     ParallelAxis* axis = mode->add_parallel_mode();
     axis->set_name(name);
-    axis->set_size(sizes.at(name));
+    axis->set_size(hybrid ? plan.dp() / shard_group_size : sizes.at(name));
   }
   for (int rank : plan.rank_order()) mode->add_rank_order(rank);
-  if (plan.zero().stage() > 0)
-    strategy.add_methods()->set_name(plan.zero().stage() == 1 ? "zero1" : plan.zero().stage() == 2 ? "zero2" : "fsdp");
+  if (plan.zero().stage() > 0) {
+    OptimizationMethod* zero = strategy.add_methods();
+    zero->set_name(plan.zero().stage() == 1 ? "zero1" : plan.zero().stage() == 2 ? "zero2" : "fsdp");
+    if (plan.zero().offload_optimizer() != ZeroSpec::none) {
+      zero->set_offload_optimizer(ZeroSpec::Offload_Name(plan.zero().offload_optimizer()));
+    }
+  }
   if (plan.precision().mode() == "bf16" || plan.precision().mode() == "fp16") {
     OptimizationMethod* amp = strategy.add_methods();
     amp->set_name("amp_native");
@@ -383,6 +408,11 @@ std::string DescribePlan(const ParallelPlan& plan) {
   if (!plan.rank_order().empty()) absl::StrAppend(&text, " ranks=", absl::StrJoin(plan.rank_order(), ","));
   if (plan.tensor_parallel().sequence_parallel()) absl::StrAppend(&text, " sp");
   if (plan.zero().stage() > 0) absl::StrAppend(&text, " zero", plan.zero().stage());
+  const int shard_group_size = ZeroShardGroupSize(plan.zero(), plan.dp()).value_or(plan.dp());
+  if (plan.zero().stage() > 0 && shard_group_size < plan.dp()) absl::StrAppend(&text, " shard", shard_group_size);
+  if (plan.zero().stage() > 0 && plan.zero().offload_optimizer() != ZeroSpec::none) {
+    absl::StrAppend(&text, " offload=", ZeroSpec::Offload_Name(plan.zero().offload_optimizer()));
+  }
   if (plan.precision().mode() != "fp32") absl::StrAppend(&text, " ", plan.precision().mode());
   if (plan.recompute().method() != RecomputeSpec::none) {
     absl::StrAppend(&text, " recompute=", RecomputeSpec::Method_Name(plan.recompute().method()));

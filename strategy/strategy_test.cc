@@ -77,9 +77,10 @@ TEST(StrategyTest, MethodsSetPrecisionZeroRecomputationAndTheSchedule) {
 std::string DecidedFields(const ParallelPlan& p) {
   return absl::StrCat(
       "dp=", p.dp(), " tp=", p.tp(), " pp=", p.pp(), " axes=", absl::StrJoin(p.axis_order(), ","),
-      " ranks=", absl::StrJoin(p.rank_order(), ","), " zero=", p.zero().stage(), " precision=", p.precision().mode(),
-      " table=", p.precision().table(), " scaling=", p.precision().loss_scaling(), "/",
-      p.precision().loss_scaler().loss_scale(), "/", p.precision().loss_scaler().initial_scale_power(), "/",
+      " ranks=", absl::StrJoin(p.rank_order(), ","), " zero=", p.zero().stage(), "/",
+      ZeroShardGroupSize(p.zero(), p.dp()).value_or(-1), "/", ZeroSpec::Offload_Name(p.zero().offload_optimizer()),
+      " precision=", p.precision().mode(), " table=", p.precision().table(), " scaling=", p.precision().loss_scaling(),
+      "/", p.precision().loss_scaler().loss_scale(), "/", p.precision().loss_scaler().initial_scale_power(), "/",
       p.precision().loss_scaler().loss_scale_window(), "/", p.precision().loss_scaler().hysteresis(), "/",
       p.precision().loss_scaler().min_loss_scale(), " recompute=", RecomputeSpec::Method_Name(p.recompute().method()),
       " layers=", absl::StrJoin(p.recompute().layers(), ","), " ratio=", p.recompute().ratio(),
@@ -91,7 +92,7 @@ std::string DecidedFields(const ParallelPlan& p) {
 }
 
 std::vector<ParallelPlan> PlansUsingEveryMethod() {
-  std::vector<ParallelPlan> plans(8);
+  std::vector<ParallelPlan> plans(9);
   {
     ParallelPlan& p = plans[0];  // 3D, sequence parallel, interleaved, full recomputation
     p.set_dp(2);
@@ -172,12 +173,35 @@ std::vector<ParallelPlan> PlansUsingEveryMethod() {
     p.mutable_precision()->set_mode("pure_fp16");
     p.mutable_precision()->mutable_loss_scaler()->set_loss_scale(1024);
   }
+  {
+    ParallelPlan& p = plans[8];  // hybrid sharding: ZeRO-3 over pairs, replicated twice, beside tensor ranks
+    p.set_dp(4);
+    p.set_tp(2);
+    p.mutable_zero()->set_stage(3);
+    p.mutable_zero()->set_shard_group_size(2);
+    p.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
+  }
   return plans;
 }
 
 TEST(StrategyTest, DescribePlanNamesTheLayoutInALine) {
   EXPECT_EQ(DescribePlan(PlansUsingEveryMethod()[0]),
             "dp2 x tp2 x pp2 interleaved_1f1bx2 mb1x4 sp zero1 bf16 recompute=full");
+}
+
+TEST(StrategyTest, ZeroBesideDataShardsOverBlocksOfZeroRanks) {
+  auto plan = Apply(R"(methods { name: "parallel_mode" parallel_mode { name: "zero" size: 2 }
+                       parallel_mode { name: "data" size: 2 } } methods { name: "fsdp" })",
+                    4);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->dp(), 4);
+  EXPECT_EQ(plan->zero().shard_group_size(), 2);
+  EXPECT_EQ(DescribePlan(*plan), "dp4 mb1x4 zero3 shard2");
+  auto uneven = Apply(R"(methods { name: "parallel_mode" parallel_mode { name: "zero" size: 4 }
+                         parallel_mode { name: "data" size: 2 } } methods { name: "fsdp" })",
+                      6);
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_THAT(std::string(uneven.status().message()), HasSubstr("zero size 4 does not divide the 6"));
 }
 
 TEST(StrategyTest, ApplyStrategyInvertsStrategyFromPlan) {

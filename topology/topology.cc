@@ -393,9 +393,12 @@ absl::StatusOr<std::unique_ptr<StoreClient>> Topology::ConnectStoreClient() cons
 }
 
 absl::StatusOr<ProcessGroup*> Topology::AddGroup(const std::vector<std::string>& axes, bool by_global_rank) {
-  const std::string name = absl::StrJoin(axes, "+");
   std::vector<int> ranks = mesh_.GroupRanks(axes, env_.rank);
   if (by_global_rank) std::sort(ranks.begin(), ranks.end());
+  return AddGroupOfRanks(absl::StrJoin(axes, "+"), ranks);
+}
+
+absl::StatusOr<ProcessGroup*> Topology::AddGroupOfRanks(const std::string& name, const std::vector<int>& ranks) {
   const int group_rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), env_.rank) - ranks.begin());
   Impl& impl = *impl_;
   const std::chrono::milliseconds timeout = ToChrono(impl.options.timeout);
@@ -487,6 +490,26 @@ absl::StatusOr<ProcessGroup*> Topology::GroupSpanning(const std::vector<std::str
   auto existing = groups_by_name_.find(absl::StrJoin(axes, "+"));
   if (existing != groups_by_name_.end()) return existing->second;
   return AddGroup(axes);
+}
+
+absl::StatusOr<Topology::SplitGroups> Topology::SplitAxis(const std::string& axis, int block_size) {
+  TRIDENT_ASSIGN_OR_RETURN(ProcessGroup * whole, GroupSpanning({axis}));
+  if (block_size < 1 || whole->size() % block_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("blocks of ", block_size, " ranks do not divide the ", whole->size(),
+                                                   " ranks of axis '", axis, "'"));
+  }
+  const std::string block_name = absl::StrCat(axis, ".block", block_size);
+  const std::string across_name = absl::StrCat(axis, ".across", block_size);
+  auto block = groups_by_name_.find(block_name);
+  if (block != groups_by_name_.end()) return SplitGroups{block->second, groups_by_name_.at(across_name)};
+  const std::vector<int>& members = whole->global_ranks();
+  const int first = whole->rank() / block_size * block_size, column = whole->rank() % block_size;
+  std::vector<int> in_block(members.begin() + first, members.begin() + first + block_size), across;
+  for (int i = column; i < whole->size(); i += block_size) across.push_back(members[i]);
+  SplitGroups split;
+  TRIDENT_ASSIGN_OR_RETURN(split.block, AddGroupOfRanks(block_name, in_block));
+  TRIDENT_ASSIGN_OR_RETURN(split.across, AddGroupOfRanks(across_name, across));
+  return split;
 }
 
 absl::StatusOr<ProcessGroup*> FindProcessGroup(absl::string_view name) {

@@ -112,6 +112,17 @@ class Topology {
   // rank must call this with the same axes in the same order. Later calls return
   // the same group.
   absl::StatusOr<ProcessGroup*> GroupSpanning(const std::vector<std::string>& axes);
+  // The groups of hybrid sharding: `axis`'s ranks (in its group order) in
+  // consecutive blocks of `block_size` (`block`: this rank's), and this rank
+  // with those at its place in every other block (`across`), named
+  // "AXIS.blockN" and "AXIS.acrossN". Collective over the world as
+  // GroupSpanning is; later calls return the same groups. Errors when
+  // `block_size` does not divide the axis.
+  struct SplitGroups {
+    ProcessGroup* block = nullptr;
+    ProcessGroup* across = nullptr;
+  };
+  absl::StatusOr<SplitGroups> SplitAxis(const std::string& axis, int block_size);
   // Lays the same ranks out on a new mesh (empty: one "data" axis; rank_order
   // as in TopologyOptions), keeping
   // the rendezvous store and the heartbeats: every group is replaced, so
@@ -128,6 +139,8 @@ class Topology {
   // The group of this rank spanning `axes`, its members in mesh order or, with
   // `by_global_rank`, in the order of their global ranks.
   absl::StatusOr<ProcessGroup*> AddGroup(const std::vector<std::string>& axes, bool by_global_rank = false);
+  // The group `name` of the global `ranks` (this rank among them).
+  absl::StatusOr<ProcessGroup*> AddGroupOfRanks(const std::string& name, const std::vector<int>& ranks);
   // The world group and one per mesh axis, then a barrier.
   absl::Status ConnectGroups();
 

@@ -20,6 +20,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::AllOf;
+using testing::ExpectResumeIsBitExact;
 using ::testing::HasSubstr;
 using testing::SetFlag;
 using testing::SmallConfig;
@@ -28,22 +29,6 @@ using testing::TrainOnRanks;
 
 // Under ZeRO each rank saves its chunk of the optimizer state; resuming
 // continues bit-exactly.
-// Trains `config` 20 steps saving at step 10, then from step 10 again: the
-// resumed steps equal the straight run's bit for bit.
-void ExpectResumeIsBitExact(TrainerConfig config, const std::string& tag) {
-  const std::string save_dir = TestDir() + "/" + tag;
-  if (!testing::IsRankProcess()) fs::remove_all(save_dir);
-  config.mutable_checkpoint()->set_save_dir(save_dir);
-  config.mutable_checkpoint()->set_save_every(10);
-  const std::vector<double> losses = TrainOnRanks(config, tag + "_straight");
-  TrainerConfig resumed = config;
-  resumed.mutable_checkpoint()->set_resume_from(save_dir + "/step_10");
-  resumed.mutable_checkpoint()->set_save_dir(save_dir + "_again");
-  const std::vector<double> tail = TrainOnRanks(resumed, tag + "_resumed");
-  ASSERT_EQ(tail.size(), 10u);
-  for (size_t i = 0; i < tail.size(); ++i) EXPECT_EQ(tail[i], losses[10 + i]) << "step " << 11 + i;
-}
-
 TEST(TrainerCheckpointTest, ZeroResumeIsBitExact) {
   TrainerConfig config = SmallConfig(2);
   config.mutable_plan()->mutable_zero()->set_stage(3);

@@ -454,9 +454,16 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.checkpoint().export_safetensors()));
   at::Tensor peak = at::full({1}, PeakResidentMb(), at::kDouble);  // of the fullest rank
   TRIDENT_RETURN_IF_ERROR(t.topology().world().AllReduce(peak, ReduceOp::kMax));
-  t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB (the largest of any rank)",
-                          t.step - result.first_step, internal::FormatDuration(Seconds(Clock::now() - start)),
-                          peak.item<double>()));
+  const int64_t steps = t.step - result.first_step;
+  std::string offload;
+  const MemoryReport memory = t.model->Memory();
+  if (memory.offload_bytes_written > 0 && steps > 0) {
+    offload = absl::StrFormat(" | optimizer state on disk: %.1f MB written, %.1f MB read per step on rank %d",
+                              memory.offload_bytes_written / 1e6 / steps, memory.offload_bytes_read / 1e6 / steps,
+                              t.topology().rank());
+  }
+  t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB (the largest of any rank)%s", steps,
+                          internal::FormatDuration(Seconds(Clock::now() - start)), peak.item<double>(), offload));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainEnd(t.State()); });
   return result;
 }

@@ -2,6 +2,9 @@
 #include <algorithm>
 #include <map>
 
+#include <string>
+
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/gradient_hooks.h"
 #include "zero/zero.h"
@@ -86,8 +89,32 @@ MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int stat
 }
 
 std::string MemoryReport::ToString() const {
-  return absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB", parameter_bytes / 1e6,
-                         gradient_bytes / 1e6, optimizer_bytes / 1e6);
+  std::string text = absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
+                                     parameter_bytes / 1e6, gradient_bytes / 1e6, optimizer_bytes / 1e6);
+  if (offloaded_optimizer_bytes > 0)
+    absl::StrAppendFormat(&text, " (%.1f MB on disk)", offloaded_optimizer_bytes / 1e6);
+  return text;
+}
+
+absl::StatusOr<int> ZeroShardGroupSize(const ZeroSpec& spec, int data_parallel_size) {
+  const int dp = std::max(1, data_parallel_size);
+  auto refuse = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("zero shard_group_size=", spec.shard_group_size(),
+                                                   " num_shard_groups=", spec.num_shard_groups(), " with dp=", dp, ": ",
+                                                   why));
+  };
+  if (spec.shard_group_size() < 0 || spec.num_shard_groups() < 0) return refuse("they must not be negative");
+  int size = dp;
+  if (spec.num_shard_groups() > 0) {
+    if (dp % spec.num_shard_groups() != 0) return refuse("the groups must divide the data-parallel ranks");
+    size = dp / spec.num_shard_groups();
+  }
+  if (spec.shard_group_size() > 0) {
+    if (dp % spec.shard_group_size() != 0) return refuse("the group size must divide the data-parallel ranks");
+    if (spec.num_shard_groups() > 0 && spec.shard_group_size() != size) return refuse("give one of them");
+    size = spec.shard_group_size();
+  }
+  return size;
 }
 
 }  // namespace trident

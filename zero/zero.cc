@@ -10,109 +10,18 @@
 #include "absl/strings/str_cat.h"
 #include "base/host_copy.h"
 #include "base/status.h"
+#include "zero/internal/buckets.h"
+#include "zero/internal/offload.h"
 
 namespace trident {
-namespace {
 
-int64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
-
-// Columns [offset, offset + length) of a bucket seen as [group size, chunk]:
-// element offset.. of every rank's chunk.
-struct ChunkColumns {
-  int64_t offset = 0, length = 0;
-};
-
-// A chunk of `chunk` elements in column ranges of at most `most` elements.
-std::vector<ChunkColumns> SplitChunk(int64_t chunk, int64_t most) {
-  std::vector<ChunkColumns> columns;
-  for (int64_t offset = 0; offset < chunk; offset += most) {
-    columns.push_back({offset, std::min(most, chunk - offset)});
-  }
-  return columns;
-}
-
-}  // namespace
-
-struct ZeroOptimizer::Bucket {
-  std::vector<at::Tensor> params;
-  std::vector<int64_t> offsets;
-  int64_t numel = 0;       // padded to a multiple of the group size
-  bool keep_full = false;  // gradients accumulate whole until FinishBackward
-  at::Tensor buffer;       // the parameters' values, flat
-  at::Tensor chunk;        // this rank's chunk of `buffer`: what the optimizer updates
-  // The averaged gradient of `chunk`: from the first reduction of a step to
-  // ZeroGrad (a keep_full bucket's is its part of full_grad, always there).
-  at::Tensor chunk_grad;
-  at::Tensor full_grad;  // whole gradients (kept, or stage 2 while the bucket fills)
-  // The chunk's elements [begin, end) that belong to parameters counted in the
-  // gradient norm (ranges, not a mask: a mask would be as large as the chunk).
-  std::vector<std::pair<int64_t, int64_t>> counted;
-  // Stage 2 and 3: a round is complete when every parameter's gradient has
-  // arrived (backward accumulates each once; a further arrival before the
-  // round completes is summed into it too).
-  int pending = 0;            // parameters whose gradient has not arrived in this round
-  std::vector<bool> arrived;  // per parameter, in this round
-  void StartRound() {
-    pending = static_cast<int>(params.size());
-    arrived.assign(params.size(), false);
-  }
-  bool gradients_arrived = false;  // every gradient of this backward has arrived
-  // Stage 3: the parameters are released at rest (empty tensors, `buffer`'s
-  // storage freed, `chunk` a tensor of its own), gathered while `holders` > 0.
-  bool sharded = false;
-  std::vector<std::vector<int64_t>> shapes;  // the parameters' shapes
-  int holders = 0;
-  // A tensor sharing `buffer`'s storage left the layer that gathered it (a
-  // transposed weight passed to the next traced shard), or backward may reach
-  // that layer unannounced: Release then leaves the storage to that tensor
-  // and gives the bucket a new one.
-  bool escaped = false;
-  std::optional<PendingWork> prefetch;  // an all-gather into `buffer` under way
-  // Stage 2 and 3: a reduce-scatter into `reduced` under way (issued from the
-  // gradient hook, so backward goes on while the gradients travel).
-  std::optional<PendingWork> reducing;
-  at::Tensor reduced;
-};
-
-// One all-gather of Step's updated chunks: columns of one bucket (straight
-// into its buffer) or of several (through `gathered`).
-struct ZeroOptimizer::Gathering {
-  struct Piece {
-    int bucket;
-    ChunkColumns columns;
-  };
-  std::vector<Piece> pieces;
-  at::Tensor gathered;  // [group size, the pieces' columns], where there are several
-  PendingWork work;
-};
-
-// Stage 3 frees a released bucket's memory inside its buffer's storage
-// instead of dropping the buffer: views autograd saved of the gathered
-// parameters (a transposed weight) share that storage, so they hold no memory
-// while the bucket is released, and see the values again once Gather has
-// refilled it, as it does before the layer's backward (BackwardReached).
-void FreeStorage(const at::Tensor& buffer) {
-  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, buffer.device()));
-  storage->set_nbytes(0);
-}
-
-// A buffer of `numel` elements whose storage holds no memory yet.
-at::Tensor UnallocatedBuffer(int64_t numel, const at::TensorOptions& options) {
-  at::Tensor buffer = at::empty({0}, options);
-  buffer.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
-  return buffer;
-}
-
-bool HasStorage(const at::Tensor& buffer) { return buffer.storage().nbytes() > 0; }
-
-void AllocateStorage(const at::Tensor& buffer) {
-  if (HasStorage(buffer)) return;
-  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
-  const size_t bytes = buffer.numel() * buffer.element_size();
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
-  storage->set_nbytes(bytes);
-}
+using zero_internal::AllocateStorage;
+using zero_internal::Bytes;
+using zero_internal::ChunkColumns;
+using zero_internal::FreeStorage;
+using zero_internal::HasStorage;
+using zero_internal::SplitChunk;
+using zero_internal::UnallocatedBuffer;
 
 absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector<std::vector<at::Tensor>> groups,
                                                                      const ProcessGroup* data_parallel,
@@ -128,6 +37,11 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
   }
   if (data_parallel == nullptr) {
     return absl::InvalidArgumentError("ZeRO needs a data-parallel group: pass the topology's \"dp\" group");
+  }
+  if (options.spec.prefetch_layers() < 0 || options.spec.max_inflight_reduce_scatters() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("zero prefetch_layers=", options.spec.prefetch_layers(),
+                                                   " must be at least 0 and max_inflight_reduce_scatters=",
+                                                   options.spec.max_inflight_reduce_scatters(), " at least 1"));
   }
   std::unique_ptr<ZeroOptimizer> zero(new ZeroOptimizer());
   zero->group_ = data_parallel;
@@ -272,11 +186,26 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
   if (o.spec.stage() == 3 || !zero->gathers_before_layer_.empty()) o.layers->SetObserver(zero.get());
   TRIDENT_RETURN_IF_ERROR(
       CatchExceptions("building the sharded optimizer", [&] { zero->optimizer_ = make_optimizer(shards); }));
-  if (!ElementwiseStateNames(*zero->optimizer_).ok() && !o.spec.allow_untested_optimizer()) {
+  const bool elementwise = ElementwiseStateNames(*zero->optimizer_).ok();
+  if (!elementwise && !o.spec.allow_untested_optimizer()) {
     return absl::InvalidArgumentError(
         "ZeRO shards optimizer state element by element, which is known to be exact for Adam, "
         "AdamW and SGD only; this optimizer is untested: set zero_allow_untested_optimizer to "
         "use it anyway");
+  }
+  if (o.spec.offload_optimizer() != ZeroSpec::none) {
+    const bool on_cpu = std::all_of(zero->buckets_.begin(), zero->buckets_.end(),
+                                    [](const Bucket& b) { return b.chunk.device().is_cpu(); });
+    if (!on_cpu || !elementwise) {
+      return absl::UnimplementedError(
+          absl::StrCat("offload_optimizer=", ZeroSpec::Offload_Name(o.spec.offload_optimizer()),
+                       !on_cpu ? " is implemented for CPU training only (the GPU's host-side update is not written yet)"
+                               : " needs an optimizer with element-wise state (Adam, AdamW, SGD)",
+                       "; use offload_optimizer=none"));
+    }
+  }
+  if (o.spec.offload_optimizer() == ZeroSpec::disk) {
+    TRIDENT_ASSIGN_OR_RETURN(zero->offloaded_, zero_internal::OffloadedTensors::Create(o.spec.offload_dir(), o.rank));
   }
   return zero;
 }
@@ -344,9 +273,11 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
   }
   if (options_.spec.stage() < 3) return;
   GatherLayer(layer);
-  // The next layer's chunks travel while this one computes.
+  // The next layers' chunks travel while this one computes.
   auto next = layout_.layer_buckets.upper_bound(layer);
-  if (next != layout_.layer_buckets.end()) Prefetch(next->first);
+  for (int k = 0; k < options_.spec.prefetch_layers() && next != layout_.layer_buckets.end(); ++k, ++next) {
+    Prefetch(next->first);
+  }
 }
 
 void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) {
@@ -377,9 +308,11 @@ void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values
 
 void ZeroOptimizer::BackwardReached(int64_t layer) {
   if (backward_held_.insert(layer).second) GatherLayer(layer);
-  // Backward goes down the layers: prefetch the one below.
+  // Backward goes down the layers: prefetch those below.
   auto below = layout_.layer_buckets.lower_bound(layer);
-  if (below != layout_.layer_buckets.begin()) Prefetch(std::prev(below)->first);
+  for (int k = 0; k < options_.spec.prefetch_layers() && below != layout_.layer_buckets.begin(); ++k) {
+    Prefetch((--below)->first);
+  }
   // Layers two or more above are done with backward: release those still held
   // (a parameter that got no gradient this time keeps its layer until here).
   for (auto it = backward_held_.upper_bound(layer + 1); it != backward_held_.end();) {
@@ -466,7 +399,8 @@ void ZeroOptimizer::OnGradientReady(int index, int slot) {
   bucket.gradients_arrived = true;
   ReleaseLayersWithGradients();
   if (!in_slices) reducing_.push_back(index);
-  for (; status.ok() && reducing_.size() > kReduceScattersInFlight; reducing_.pop_front()) {
+  const size_t in_flight = static_cast<size_t>(options_.spec.max_inflight_reduce_scatters());
+  for (; status.ok() && reducing_.size() > in_flight; reducing_.pop_front()) {
     status = FinishReduceScatter(buckets_[reducing_.front()]);
   }
   if (!status.ok() && first_error_.ok()) first_error_ = status;
@@ -540,12 +474,23 @@ absl::Status ZeroOptimizer::FinishBackward() {
       bucket.full_grad = at::Tensor();
       bucket.StartRound();
     }
+    TRIDENT_RETURN_IF_ERROR(SumOverReplicas(ChunkGrad(bucket)));  // zeros where no gradient arrived
     const double f = options_.spec.gradient_predivide_factor();
+    const int64_t ranks = group_->size() * (options_.replicas != nullptr ? options_.replicas->size() : 1);
     if (f == 1.0) {
-      ChunkGrad(bucket).div_(group_->size());  // zeros where no gradient arrived
+      ChunkGrad(bucket).div_(ranks);
     } else {
-      ChunkGrad(bucket).mul_(f / group_->size());
+      ChunkGrad(bucket).mul_(f / ranks);
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ZeroOptimizer::SumOverReplicas(at::Tensor grad) const {
+  if (options_.replicas == nullptr || options_.replicas->size() == 1) return absl::OkStatus();
+  for (const ChunkColumns& c : SplitChunk(grad.numel(), options_.max_message_elements)) {
+    at::Tensor slice = grad.narrow(0, c.offset, c.length);
+    TRIDENT_RETURN_IF_ERROR(options_.replicas->AllReduce(slice));
   }
   return absl::OkStatus();
 }
@@ -582,6 +527,8 @@ at::Tensor ZeroOptimizer::LocalSquaredGradNorm() const {
   // their squares summed in fp64: as plain data parallelism sums its
   // parameters' norms.
   std::vector<at::Tensor> ranges;
+  // Replicas hold the same chunks: the first of them counts them.
+  if (options_.replicas != nullptr && options_.replicas->rank() > 0) return at::zeros({1}, at::kDouble);
   for (const Bucket& bucket : buckets_) {
     for (const auto& [begin, end] : bucket.counted) ranges.push_back(bucket.chunk_grad.narrow(0, begin, end - begin));
   }
@@ -606,179 +553,6 @@ bool ZeroOptimizer::LocalGradientsNonFinite() const {
     if (!at::isfinite(bucket.chunk_grad).all().item<bool>()) return true;
   }
   return false;
-}
-
-absl::Status ZeroOptimizer::Step(double lr) {
-  TRIDENT_RETURN_IF_ERROR(WaitForUpdatedParameters());  // the chunks are about to change
-  TRIDENT_RETURN_IF_ERROR(std::exchange(first_error_, absl::OkStatus()));
-  TRIDENT_RETURN_IF_ERROR(CatchExceptions("the sharded optimizer step", [&] {
-    for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
-    optimizer_->step();
-  }));
-  TRIDENT_RETURN_IF_ERROR(StartGathers());
-  // Without the layers nothing would finish them before they are read.
-  if (gathers_before_layer_.empty()) TRIDENT_RETURN_IF_ERROR(WaitForUpdatedParameters());
-  return absl::OkStatus();
-}
-
-// The updated chunks go back into every bucket's buffer (stage 3's sharded
-// buckets are gathered as layers run instead) in messages of at most
-// zero_allgather_bucket_size of chunks: columns of one bucket, straight into
-// its buffer, or of several through a gathered copy. Given the layers, the
-// columns go in the order the layers first read them (those no layer reads
-// first), and each layer waits for the messages up to the last it reads.
-void ZeroOptimizer::PlanGathers(const std::vector<std::pair<int64_t, std::vector<std::pair<int, int>>>>& layer_slots) {
-  const int64_t parts = group_->size();
-  struct Planned {
-    Gathering::Piece piece;
-    std::vector<int64_t> readers;  // the layers reading some of its columns, in order
-  };
-  std::vector<Planned> planned;
-  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
-    const Bucket& bucket = buckets_[b];
-    if (bucket.sharded) continue;
-    const int64_t chunk = bucket.chunk.numel();
-    for (const ChunkColumns& c : SplitChunk(chunk, MostGatheredColumns(bucket))) {
-      Planned p{{b, c}, {}};
-      auto covers = [&](const std::pair<int, int>& slot) {
-        if (slot.first != b) return false;
-        const int64_t begin = bucket.offsets[slot.second], end = begin + bucket.params[slot.second].numel();
-        for (int64_t r = 0; r < parts; ++r) {
-          if (begin < r * chunk + c.offset + c.length && r * chunk + c.offset < end) return true;
-        }
-        return false;
-      };
-      for (const auto& [layer, slots] : layer_slots) {
-        if (std::any_of(slots.begin(), slots.end(), covers)) p.readers.push_back(layer);
-      }
-      planned.push_back(std::move(p));
-    }
-  }
-  if (!layer_slots.empty()) {
-    const int64_t first_layer = layer_slots.front().first;
-    for (Planned& p : planned) {
-      if (p.readers.empty()) p.readers.push_back(first_layer);  // read by a loss, say: before any layer
-    }
-    std::stable_sort(planned.begin(), planned.end(),
-                     [](const Planned& a, const Planned& b) { return a.readers.front() < b.readers.front(); });
-  }
-  int64_t in_message = 0;
-  for (const Planned& p : planned) {
-    const Bucket& bucket = buckets_[p.piece.bucket];
-    if (gather_plan_.empty() || in_message + p.piece.columns.length > MostGatheredColumns(bucket) ||
-        buckets_[gather_plan_.back().pieces.front().bucket].chunk.scalar_type() != bucket.chunk.scalar_type()) {
-      gather_plan_.emplace_back();
-      in_message = 0;
-    }
-    gather_plan_.back().pieces.push_back(p.piece);
-    in_message += p.piece.columns.length;
-    for (int64_t layer : p.readers) {
-      size_t& needed = gathers_before_layer_[layer];
-      needed = std::max(needed, gather_plan_.size());
-    }
-  }
-}
-
-int64_t ZeroOptimizer::MostGatheredColumns(const Bucket& bucket) const {
-  const int64_t element_bytes = static_cast<int64_t>(bucket.chunk.element_size());
-  return std::max<int64_t>(1, std::min(options_.spec.allgather_bucket_bytes() / element_bytes,
-                                       options_.max_message_elements / group_->size()));
-}
-
-// At most kGatheredInFlight messages with a gathered copy travel at once.
-absl::Status ZeroOptimizer::StartGathers() {
-  c10::NoGradGuard no_grad;
-  constexpr int kGatheredInFlight = 2;
-  const int64_t parts = group_->size();
-  gathering_.clear();
-  gathered_ = 0;
-  for (const Gathering& planned : gather_plan_) {
-    Gathering message;
-    message.pieces = planned.pieces;
-    std::vector<at::Tensor> pieces, outputs;
-    for (const Gathering::Piece& piece : message.pieces) {
-      pieces.push_back(buckets_[piece.bucket].chunk.narrow(0, piece.columns.offset, piece.columns.length));
-    }
-    if (pieces.size() == 1) {
-      const Bucket& bucket = buckets_[message.pieces.front().bucket];
-      const ChunkColumns& c = message.pieces.front().columns;
-      for (int64_t r = 0; r < parts; ++r) {
-        outputs.push_back(bucket.buffer.narrow(0, r * bucket.chunk.numel() + c.offset, c.length));
-      }
-    } else {
-      auto gathered_in_flight = [&] {
-        return std::count_if(gathering_.begin() + gathered_, gathering_.end(),
-                             [](const Gathering& g) { return g.gathered.defined(); });
-      };
-      while (gathered_in_flight() >= kGatheredInFlight) TRIDENT_RETURN_IF_ERROR(FinishOldestGather());
-      pieces = {at::cat(pieces)};
-      message.gathered = at::empty({parts, pieces.front().numel()}, pieces.front().options());
-      outputs = message.gathered.unbind(0);
-    }
-    TRIDENT_ASSIGN_OR_RETURN(message.work, group_->IAllGather(pieces.front(), outputs));
-    gathering_.push_back(std::move(message));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ZeroOptimizer::FinishOldestGather() {
-  Gathering& message = gathering_[gathered_++];
-  absl::Status waited = message.work.Wait();
-  at::Tensor gathered = std::exchange(message.gathered, at::Tensor());
-  if (!waited.ok()) {
-    if (first_error_.ok()) first_error_ = waited;
-    return waited;
-  }
-  if (!gathered.defined()) return absl::OkStatus();
-  c10::NoGradGuard no_grad;
-  int64_t offset = 0;
-  for (const Gathering::Piece& piece : message.pieces) {
-    const Bucket& bucket = buckets_[piece.bucket];
-    bucket.buffer.view({group_->size(), bucket.chunk.numel()})
-        .narrow(1, piece.columns.offset, piece.columns.length)
-        .copy_(gathered.narrow(1, offset, piece.columns.length));
-    offset += piece.columns.length;
-  }
-  return absl::OkStatus();
-}
-
-size_t ZeroOptimizer::GathersUnderWay() const { return gathering_.size() - gathered_; }
-
-absl::Status ZeroOptimizer::WaitForUpdatedParameters() {
-  while (gathered_ < gathering_.size()) TRIDENT_RETURN_IF_ERROR(FinishOldestGather());
-  return absl::OkStatus();
-}
-
-MemoryReport ZeroOptimizer::Memory() const {
-  MemoryReport report = ZeroLayoutMemory(layout_, group_->size(), /*state_per_element=*/0);
-  int64_t chunk_bytes = 0;
-  for (const Bucket& bucket : buckets_) chunk_bytes += Bytes(bucket.chunk);
-  report.optimizer_bytes = OptimizerStateBytes(*optimizer_, chunk_bytes);
-  return report;
-}
-
-std::vector<ParameterPart> ZeroOptimizer::ChunkParts() const {
-  std::vector<ParameterPart> parts;
-  const int64_t rank = group_->rank();
-  for (const Bucket& bucket : buckets_) {
-    const int64_t chunk_size = bucket.chunk.numel(), chunk_begin = rank * chunk_size;
-    for (size_t i = 0; i < bucket.params.size(); ++i) {
-      const int64_t numel = c10::multiply_integers(bucket.shapes[i]);
-      const int64_t begin = std::max<int64_t>(chunk_begin, bucket.offsets[i]);
-      const int64_t end = std::min<int64_t>(chunk_begin + chunk_size, bucket.offsets[i] + numel);
-      if (begin >= end && !bucket.sharded) continue;
-      // Stage 3 lists every sharded parameter, empty where the chunk misses it.
-      parts.push_back({bucket.params[i], bucket.shapes[i], begin - bucket.offsets[i],
-                       std::max(begin, end) - bucket.offsets[i], bucket.chunk, begin - chunk_begin, bucket.sharded});
-    }
-  }
-  return parts;
-}
-
-NamedTensors ZeroOptimizer::State() const { return SerializeOptimizer(*optimizer_, "zero_optimizer"); }
-
-absl::Status ZeroOptimizer::LoadState(const NamedTensors& state) {
-  return DeserializeOptimizer(state, "zero_optimizer", *optimizer_);
 }
 
 }  // namespace trident

@@ -88,7 +88,22 @@ struct ZeroOptions {
   // Step gathers every bucket before it returns.
   LayerSequence* layers = nullptr;
   std::vector<int64_t> layer_indices;
+  // Hybrid sharding (spec.shard_group_size): the ranks holding the same
+  // chunks as this one, whose chunk gradients are summed after the
+  // reduce-scatter (nullptr or one rank: none).
+  const ProcessGroup* replicas = nullptr;
+  // This rank's place in the job, naming its offload file.
+  int rank = 0;
 };
+
+// The ranks each shard group of `spec` has under `data_parallel_size` ranks
+// (shard_group_size, or dp / num_shard_groups, or all of them); errors when
+// the two disagree or do not divide the data-parallel ranks.
+absl::StatusOr<int> ZeroShardGroupSize(const ZeroSpec& spec, int data_parallel_size);
+
+namespace zero_internal {
+class OffloadedTensors;
+}  // namespace zero_internal
 
 // Builds an optimizer over lists of parameters, one list per parameter group
 // (by convention [0] the parameters weight decay applies to, the matrices,
@@ -102,6 +117,10 @@ struct MemoryReport {
   int64_t parameter_bytes = 0;
   int64_t gradient_bytes = 0;
   int64_t optimizer_bytes = 0;
+  // offload_optimizer=disk: the state in the file (not counted above), and
+  // the bytes written to and read from it so far.
+  int64_t offloaded_optimizer_bytes = 0;
+  int64_t offload_bytes_written = 0, offload_bytes_read = 0;
   int64_t total() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
   std::string ToString() const;
 };
@@ -241,6 +260,12 @@ class ZeroOptimizer : private LayerObserver {
   // rank's chunk holds none of it).
   std::vector<ParameterPart> ChunkParts() const;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  // The element-wise state (ElementwiseState) the optimizer keeps for `chunk`
+  // (a ParameterPart's `updated`); with offload_optimizer=disk mapped
+  // read-only from the file while the tensors live. SetChunkState replaces it
+  // (and puts it back in the file).
+  absl::StatusOr<std::map<std::string, at::Tensor>> ChunkState(const at::Tensor& chunk) const;
+  absl::Status SetChunkState(const at::Tensor& chunk, const std::map<std::string, at::Tensor>& state);
   // The optimizer's state for this rank's chunks, and its restoration (the same
   // layout must load it).
   NamedTensors State() const;
@@ -278,6 +303,14 @@ class ZeroOptimizer : private LayerObserver {
   int64_t MostGatheredColumns(const Bucket& bucket) const;  // of each rank's chunk, in one message
   absl::Status StartGathers();
   absl::Status FinishOldestGather();
+  // Hybrid sharding: sums `grad` (a chunk gradient) over the replicas.
+  absl::Status SumOverReplicas(at::Tensor grad) const;
+  // The optimizer step, a bucket at a time with its state read from and
+  // written back to the offload file.
+  absl::Status OffloadedStep();
+  int BucketOfChunk(const at::Tensor& chunk) const;  // -1: none
+  // The state tensors of a bucket's chunk that offload moves (not the step).
+  std::vector<at::Tensor> OffloadedStateOf(int bucket) const;
 
   const ProcessGroup* group_ = nullptr;
   ZeroOptions options_;
@@ -289,10 +322,10 @@ class ZeroOptimizer : private LayerObserver {
   bool last_micro_batch_ = false;
   absl::Status first_error_;
   // Buckets whose reduce-scatter was issued from the gradient hook, oldest
-  // first: at most kReduceScattersInFlight travel at once, since each holds
-  // its bucket's whole gradient (all of them: a whole model's gradients).
-  static constexpr size_t kReduceScattersInFlight = 2;
+  // first: at most spec.max_inflight_reduce_scatters travel at once, since
+  // each holds its bucket's whole gradient.
   std::deque<int> reducing_;
+  std::unique_ptr<zero_internal::OffloadedTensors> offloaded_;  // offload_optimizer=disk
   // Step's all-gathers: the planned messages, how many of them each layer
   // needs finished before it runs (none without the layers: Step finishes
   // them), and those the last Step started, of which the first `gathered_`

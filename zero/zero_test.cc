@@ -2,6 +2,7 @@
 // rank holding its share of the optimizer state (and gradients).
 #include "zero/zero.h"
 
+#include <cstdlib>
 #include <numeric>
 
 #include <gmock/gmock.h>
@@ -110,6 +111,65 @@ INSTANTIATE_TEST_SUITE_P(StagesAndRanks, ZeroParityTest,
                                   std::to_string(info.param.ranks) + "_accumulation" +
                                   std::to_string(info.param.accumulation);
                          });
+
+// offload_optimizer=disk: every step reads each bucket's state from the file
+// and writes it back, the update is the in-memory one bit for bit, no state
+// stays in memory between steps, and ChunkState reads it where it lies.
+TEST(ZeroOffloadTest, DiskOffloadStreamsTheStateAndUpdatesBitIdentically) {
+  testing::RunOnRanks(2, [](int rank) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    const ProcessGroup& dp = **(*topology)->Group("dp");
+    auto in_memory = Build(Tiny()), offloaded = Build(Tiny());
+    ZeroOptions options;
+    options.spec.set_stage(2);
+    options.spec.set_reduce_bucket_bytes(16 << 10);
+    auto reference = ZeroOptimizer::Create(Groups(*in_memory), &dp, options, MakeAdamW);
+    options.spec.set_offload_optimizer(ZeroSpec::disk);
+    options.spec.set_offload_dir(std::getenv("TEST_TMPDIR"));
+    options.rank = rank;
+    auto zero = ZeroOptimizer::Create(Groups(*offloaded), &dp, options, MakeAdamW);
+    ASSERT_TRUE(reference.ok() && zero.ok()) << zero.status();
+    constexpr int kSteps = 3;
+    for (int step = 0; step < kSteps; ++step) {
+      torch::manual_seed(100 + step);
+      auto mine = torch::randint(64, {4, 8}, torch::kLong).chunk(2)[rank];
+      for (auto* z : {&*reference, &*zero}) {
+        (*z)->ZeroGrad();
+        (*z)->PrepareForBackward(true);
+      }
+      in_memory->Loss(mine, mine).backward();
+      offloaded->Loss(mine, mine).backward();
+      for (auto* z : {&*reference, &*zero}) {
+        ASSERT_TRUE((*z)->FinishBackward().ok());
+        ASSERT_TRUE((*z)->Step(1e-3).ok());
+      }
+    }
+    auto expected = in_memory->named_parameters();
+    for (const auto& item : offloaded->named_parameters()) {
+      EXPECT_TRUE(at::equal(item.value(), expected[item.key()])) << item.key();
+    }
+    // The same buckets on both: their chunks in the same order.
+    const std::vector<ParameterPart> parts = (*zero)->ChunkParts(), reference_parts = (*reference)->ChunkParts();
+    ASSERT_EQ(parts.size(), reference_parts.size());
+    int64_t state_bytes = 0;  // Adam's two moments of this rank's chunks
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (i > 0 && parts[i].updated.is_same(parts[i - 1].updated)) continue;
+      auto state = (*zero)->ChunkState(parts[i].updated);
+      ASSERT_TRUE(state.ok()) << state.status();
+      const auto held = ElementwiseState((*reference)->optimizer(), reference_parts[i].updated);
+      for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+        EXPECT_TRUE(at::equal(state->at(name), held.at(name))) << name;
+        state_bytes += held.at(name).numel() * 4;
+      }
+    }
+    const MemoryReport memory = (*zero)->Memory();
+    EXPECT_EQ(memory.offload_bytes_written, kSteps * state_bytes);
+    EXPECT_EQ(memory.offload_bytes_read, (kSteps - 1) * state_bytes);
+    EXPECT_EQ(memory.optimizer_bytes, 0);
+    EXPECT_EQ(memory.offloaded_optimizer_bytes, state_bytes);
+  });
+}
 
 // Given the layers, Step only starts its all-gathers, and each layer finishes
 // those of the buckets it reads before it runs: the embedding's first, the

@@ -24,6 +24,9 @@ class ParallelModel::Impl {
   ParallelPlan plan;
   Topology* topology = nullptr;
   const ProcessGroup *dp = nullptr, *tp = nullptr, *pp = nullptr, *norm = nullptr;
+  // Hybrid sharding (plan.zero.shard_group_size < dp): the data-parallel
+  // ranks ZeRO shards over, and those holding the same chunks (else nullptr).
+  const ProcessGroup *zero_shards = nullptr, *zero_replicas = nullptr;
   int stage = 0;
   at::Device device{at::kCPU};
   ModelSource source;

@@ -114,4 +114,18 @@ void ExpectSameLosses(const std::vector<double>& expected, const std::vector<dou
   std::printf("largest relative loss difference over %zu steps: %.3g\n", expected.size(), worst);
 }
 
+void ExpectResumeIsBitExact(TrainerConfig config, const std::string& tag) {
+  const std::string save_dir = TestDir() + "/" + tag;
+  if (!IsRankProcess()) std::filesystem::remove_all(save_dir);
+  config.mutable_checkpoint()->set_save_dir(save_dir);
+  config.mutable_checkpoint()->set_save_every(10);
+  const std::vector<double> losses = TrainOnRanks(config, tag + "_straight");
+  TrainerConfig resumed = config;
+  resumed.mutable_checkpoint()->set_resume_from(save_dir + "/step_10");
+  resumed.mutable_checkpoint()->set_save_dir(save_dir + "_again");
+  const std::vector<double> tail = TrainOnRanks(resumed, tag + "_resumed");
+  ASSERT_EQ(tail.size(), 10u);
+  for (size_t i = 0; i < tail.size(); ++i) EXPECT_EQ(tail[i], losses[10 + i]) << "step " << 11 + i;
+}
+
 }  // namespace trident::testing

@@ -40,6 +40,10 @@ TrainerConfig SmallConfig(int dp);
 void TrainEverywhere(const TrainerConfig& config, const std::function<void(const TrainResult&)>& on_rank0);
 // The per-step losses of TrainEverywhere (through TEST_TMPDIR/`tag`.txt).
 std::vector<double> TrainOnRanks(const TrainerConfig& config, const std::string& tag);
+// Trains `config` 20 steps saving at step 10 (under TEST_TMPDIR/`tag`), then
+// from step 10 again: expects the resumed steps to equal the straight run's
+// bit for bit.
+void ExpectResumeIsBitExact(TrainerConfig config, const std::string& tag);
 // Compares per-step losses to `relative` tolerance and prints the largest difference.
 void ExpectSameLosses(const std::vector<double>& expected, const std::vector<double>& actual, double relative);
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The cost of ZeRO's optimizer-state offload to disk: the same ZeRO-3 run of
+# PRESET (default gpt2-124m, byte vocabulary, block 256, micro-batch 1) at
+# dp=2 for STEPS steps (default 10) with the state in memory and under
+# --offload_optimizer=disk in DIR (default $TMPDIR): step time (the median
+# of the logged steps after the first), peak resident memory of the largest
+# rank, and bytes moved to and from disk per step. Then hybrid sharding at
+# dp=4 (groups of 2) beside ZeRO-3 over all four.
+#
+#   bazel build -c opt //benchmarks:zero_offload
+#   bazel-bin/benchmarks/zero_offload [PRESET] [STEPS] [DIR]
+set -euo pipefail
+here="${BASH_SOURCE[0]}.runfiles/trident"
+[ -d "$here" ] || here="$(cd "$(dirname "$0")/.." && pwd)"
+preset="${1:-gpt2-124m}"
+steps="${2:-10}"
+dir="${3:-${TMPDIR:-/tmp}}"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$here/tools/prepare_data" --output_dir="$work/data" >/dev/null
+run() {  # NAME DP FLAGS...: prints "| NAME | ms/step | peak MB | offload |"
+  local name="$1" dp="$2"
+  shift 2
+  local log="$work/$name.log"
+  "$here/trainer/train" --data="$work/data" --preset="$preset" --block_size=256 --vocab_size=256 \
+    --micro_batch_size=1 --global_batch_size="$dp" --nproc="$dp" --dp="$dp" --zero_stage=3 --max_steps="$steps" \
+    --eval_every=0 --sample_tokens=0 --log_every=1 --enable_progress_bar=false "$@" >"$log" 2>&1 ||
+    { tail -5 "$log"; exit 1; }
+  local ms peak offload
+  ms=$(sed -n 's/.*step \([0-9]*\)\/.* \([0-9.]*\) ms\/step.*/\1 \2/p' "$log" | awk '$1 > 1 { print $2 }' | sort -n |
+    awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
+  peak=$(sed -n 's/.*done:.*peak RSS \([0-9]*\) MB.*/\1/p' "$log")
+  offload=$(sed -n 's/.*optimizer state on disk: \(.*\) per step.*/\1/p' "$log")
+  echo "| $name | $ms | $peak | ${offload:--} |"
+}
+echo "| run | ms/step (median) | peak RSS MB | disk per step (rank 0) |"
+echo "|---|---|---|---|"
+run "dp2 zero3" 2
+run "dp2 zero3 offload_optimizer=disk" 2 --offload_optimizer=disk --offload_dir="$dir"
+run "dp4 zero3" 4
+run "dp4 zero3 shard groups of 2" 4 --zero_shard_group_size=2
