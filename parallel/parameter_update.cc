@@ -116,6 +116,9 @@ class Zero : public ParameterUpdate {
     std::unordered_set<const c10::TensorImpl*> counted, keep;
     for (const at::Tensor& p : options.counted) counted.insert(p.unsafeGetTensorImpl());
     for (const at::Tensor& p : options.keep_full_gradient) keep.insert(p.unsafeGetTensorImpl());
+    for (const auto& [name, p] : options.parameters) {
+      if (ZeroKeepsWhole(options.zero, name)) keep.insert(p.unsafeGetTensorImpl());
+    }
     ZeroOptions zero_options;
     zero_options.spec = options.zero;
     zero_options.layers = options.layers;

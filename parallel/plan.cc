@@ -105,6 +105,11 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
         "zero_stage=0 has no shards to group or optimizer state of its own to offload: "
         "set zero_stage 1-3 with shard_group_size, num_shard_groups or offload_optimizer");
   }
+  if (p.zero().ignored_size() > 0 && p.zero().stage() != 3) {
+    return invalid(
+        "zero ignored (atorch_ignored_cls) keeps parameters whole under zero_stage=3; the other stages "
+        "hold every parameter whole already: leave it out or set zero_stage=3");
+  }
   if (p.zero().prefetch_layers() < 0 || p.zero().max_inflight_reduce_scatters() < 1) {
     return invalid("zero prefetch_layers=", p.zero().prefetch_layers(), " must be at least 0 and ",
                    "max_inflight_reduce_scatters=", p.zero().max_inflight_reduce_scatters(), " at least 1");

@@ -244,7 +244,8 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
       if ((p->dim() >= 2 ? 0 : 1) != group) continue;
       index_of[p->name()] = static_cast<int>(planned->size());
       planned->push_back(
-          {p->numel(), costs.ElementSize(*p), group, plan.zero().stage() == 1 || elsewhere.count(p->name()) > 0});
+          {p->numel(), costs.ElementSize(*p), group,
+           plan.zero().stage() == 1 || elsewhere.count(p->name()) > 0 || ZeroKeepsWhole(plan.zero(), p->name())});
     }
   }
   std::vector<std::pair<int64_t, std::vector<int>>> layer_reads;

@@ -28,6 +28,7 @@ struct Layout {
   int64_t micro_batches = 1;
   int shard_group_size = 0;  // hybrid sharding (0: every data-parallel rank)
   bool offload = false;      // the optimizer state on disk
+  std::string ignored;       // parameters kept whole under ZeRO-3
 };
 
 ParallelPlan PlanOf(const Layout& l) {
@@ -38,6 +39,7 @@ ParallelPlan PlanOf(const Layout& l) {
   plan.mutable_tensor_parallel()->set_sequence_parallel(l.sp);
   plan.mutable_zero()->set_stage(l.zero);
   plan.mutable_zero()->set_shard_group_size(l.shard_group_size);
+  if (!l.ignored.empty()) plan.mutable_zero()->add_ignored(l.ignored);
   if (l.offload) {
     plan.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
     plan.mutable_zero()->set_offload_dir(::testing::TempDir());
@@ -95,7 +97,7 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
       {.dp = 4, .zero = 1},
       {.dp = 4, .zero = 2, .micro_batches = 2},
       {.dp = 4, .zero = 3},
-      {.dp = 4, .zero = 3, .shard_group_size = 2},
+      {.dp = 4, .zero = 3, .shard_group_size = 2, .ignored = "transformer.h.0"},
       {.dp = 4, .zero = 2, .offload = true},
       {.dp = 2, .tp = 2},
       {.dp = 2, .tp = 2, .zero = 3},

@@ -205,13 +205,15 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
     }
     plan->mutable_zero()->set_offload_optimizer(offload);
   }
+  plan->mutable_zero()->clear_ignored();
   if (has("fsdp")) {
     const OptimizationMethod& fsdp = *by_name["fsdp"];
-    if (fsdp.wrap_size() > 0 || fsdp.has_min_num_params() || fsdp.ignored_size() > 0) {
+    if (fsdp.wrap_size() > 0 || fsdp.has_min_num_params()) {
       return absl::UnimplementedError(
-          "strategy: fsdp's wrap, min_num_params and ignored are not available: ZeRO-3 wraps every "
+          "strategy: fsdp's wrap and min_num_params are not available: ZeRO-3 wraps every "
           "layer of a LayerSequence (every shard of a traced model); leave them out");
     }
+    *plan->mutable_zero()->mutable_ignored() = fsdp.ignored();
   }
   if (has("amp_native")) {
     const OptimizationMethod& amp = *by_name["amp_native"];
@@ -328,6 +330,7 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
     if (plan.zero().offload_optimizer() != ZeroSpec::none) {
       zero->set_offload_optimizer(ZeroSpec::Offload_Name(plan.zero().offload_optimizer()));
     }
+    *zero->mutable_ignored() = plan.zero().ignored();
   }
   if (plan.precision().mode() == "bf16" || plan.precision().mode() == "fp16") {
     OptimizationMethod* amp = strategy.add_methods();

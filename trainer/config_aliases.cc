@@ -129,6 +129,7 @@ const std::vector<Alias>& Table() {
       {"zero_max_inflight_reduce_scatters", "plan.zero.max_inflight_reduce_scatters"},
       {"offload_optimizer", "plan.zero.offload_optimizer"},
       {"offload_dir", "plan.zero.offload_dir"},
+      {"atorch_ignored_cls", "plan.zero.ignored", C::kCommaList},
       {"precision", "plan.precision.mode"},
       {"precision_table", "plan.precision.table"},
       {"loss_scale", "plan.precision.loss_scaler.loss_scale", C::kLossScale},

@@ -11,8 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "testing/multiprocess.h"
-#include "trainer/internal/training_runs.h"
 #include "trainer/config.h"
+#include "trainer/internal/training_runs.h"
 #include "trainer/trainer.h"
 
 namespace trident {
@@ -52,6 +52,14 @@ TEST(ZeroParityTest, HybridShardGroupsTrainTheSameLosses) {
   TrainerConfig groups = ZeroConfig(4, 2);
   SetFlag(&groups, "zero_ngroups", 2);
   ExpectSameLosses(single, TrainOnRanks(groups, "hybrid_ngroups"), 1e-5);
+}
+
+// A block kept whole (ATorch's atorch_ignored_cls) beside sharded ones.
+TEST(ZeroParityTest, IgnoredModulesStayWholeAndTrainTheSameLosses) {
+  const std::vector<double> single = TrainOnRanks(SmallConfig(1), "ignored_reference");
+  TrainerConfig config = ZeroConfig(2, 3);
+  SetFlag(&config, "atorch_ignored_cls", "transformer.h.0");
+  ExpectSameLosses(single, TrainOnRanks(config, "zero3_ignored"), 1e-5);
 }
 
 // A deeper prefetch and more reduce-scatters in flight change when

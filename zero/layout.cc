@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/gradient_hooks.h"
@@ -94,6 +95,13 @@ std::string MemoryReport::ToString() const {
   if (offloaded_optimizer_bytes > 0)
     absl::StrAppendFormat(&text, " (%.1f MB on disk)", offloaded_optimizer_bytes / 1e6);
   return text;
+}
+
+bool ZeroKeepsWhole(const ZeroSpec& spec, const std::string& name) {
+  for (const std::string& ignored : spec.ignored()) {
+    if (name == ignored || absl::StartsWith(name, ignored + ".")) return true;
+  }
+  return false;
 }
 
 absl::StatusOr<int> ZeroShardGroupSize(const ZeroSpec& spec, int data_parallel_size) {

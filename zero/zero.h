@@ -100,6 +100,9 @@ struct ZeroOptions {
 // (shard_group_size, or dp / num_shard_groups, or all of them); errors when
 // the two disagree or do not divide the data-parallel ranks.
 absl::StatusOr<int> ZeroShardGroupSize(const ZeroSpec& spec, int data_parallel_size);
+// Whether `spec.ignored` keeps the parameter `name` whole (a name given, or a
+// module name prefix of it).
+bool ZeroKeepsWhole(const ZeroSpec& spec, const std::string& name);
 
 namespace zero_internal {
 class OffloadedTensors;

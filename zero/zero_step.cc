@@ -92,7 +92,6 @@ absl::Status ZeroOptimizer::SetChunkState(const at::Tensor& chunk, const std::ma
   return offloaded_->WaitAll();
 }
 
-
 // The updated chunks go back into every bucket's buffer (stage 3's sharded
 // buckets are gathered as layers run instead) in messages of at most
 // zero_allgather_bucket_size of chunks: columns of one bucket, straight into

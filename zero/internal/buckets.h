@@ -15,7 +15,9 @@
 namespace trident {
 namespace zero_internal {
 
-inline int64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+inline int64_t Bytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
 
 // Columns [offset, offset + length) of a bucket seen as [group size, chunk]:
 // element offset.. of every rank's chunk.

@@ -105,9 +105,8 @@ void OffloadedTensors::StartWrite(int slot, std::vector<at::Tensor> tensors) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       const char* data = static_cast<const char*>(tensors[i].data_ptr());
       absl::Status written =
-          WholeTransfer("writing", path_, places[i].bytes, places[i].offset, [&](int64_t done, size_t n, off_t at) {
-            return pwrite(fd_, data + done, n, at);
-          });
+          WholeTransfer("writing", path_, places[i].bytes, places[i].offset,
+                        [&](int64_t done, size_t n, off_t at) { return pwrite(fd_, data + done, n, at); });
       if (!written.ok()) return written;
       bytes_written_ += places[i].bytes;
       FreeStorage(tensors[i]);

@@ -76,7 +76,7 @@ class OffloadedTensors {
 
   int fd_ = -1;
   std::string path_;
-  int64_t end_ = 0;                          // the file's used length
+  int64_t end_ = 0;                           // the file's used length
   std::map<int, std::vector<Place>> places_;  // by slot
   std::mutex mutex_;
   std::condition_variable changed_;
