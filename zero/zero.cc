@@ -1,7 +1,6 @@
 #include "zero/zero.h"
 
 #include <algorithm>
-#include <optional>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -16,7 +15,6 @@
 namespace trident {
 
 using zero_internal::AllocateStorage;
-using zero_internal::Bytes;
 using zero_internal::ChunkColumns;
 using zero_internal::FreeStorage;
 using zero_internal::HasStorage;

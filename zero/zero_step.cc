@@ -1,14 +1,11 @@
 #include "zero/zero.h"
 
 #include <algorithm>
-#include <optional>
-#include <unordered_set>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "absl/strings/str_cat.h"
-#include "base/host_copy.h"
 #include "base/status.h"
 #include "zero/internal/buckets.h"
 #include "zero/internal/offload.h"
@@ -54,11 +51,14 @@ absl::Status ZeroOptimizer::OffloadedStep() {
   for (int b = 0; b < n && status.ok(); ++b) {
     read(b + 1);
     status = offloaded_->Wait(b);
-    if (!status.ok() || !grads[b].defined()) continue;
-    buckets_[b].chunk.mutable_grad() = grads[b];
-    status = CatchExceptions("the sharded optimizer step", [&] { optimizer_->step(); });
-    buckets_[b].chunk.mutable_grad() = at::Tensor();
-    if (status.ok()) offloaded_->StartWrite(b, OffloadedStateOf(b));
+    if (status.ok() && grads[b].defined()) {
+      buckets_[b].chunk.mutable_grad() = grads[b];
+      status = CatchExceptions("the sharded optimizer step", [&] { optimizer_->step(); });
+      buckets_[b].chunk.mutable_grad() = at::Tensor();
+    }
+    // Back to the file, also where no gradient changed it (it was read).
+    std::vector<at::Tensor> state = OffloadedStateOf(b);
+    if (status.ok() && !state.empty()) offloaded_->StartWrite(b, std::move(state));
   }
   absl::Status written = offloaded_->WaitAll();
   for (int b = 0; b < n; ++b) buckets_[b].chunk.mutable_grad() = grads[b];
