@@ -50,6 +50,7 @@ const std::vector<Preset>& Presets() {
       {"llama", "llama-tiny", Sizes("llama", 4, 4, 256, 128, 256, 2, 688)},
       {"llama", "llama-160m", Sizes("llama", 12, 12, 768, 2048, 32000, 4, 2048)},
       {"llama", "llama-1b", Sizes("llama", 22, 32, 2048, 2048, 32000, 4, 5632)},
+      {"llama", "llama-3b", Sizes("llama", 28, 24, 3072, 2048, 128256, 8, 8192)},  // Llama 3.2 3B's shape
       {"llama", "llama-7b", Sizes("llama", 32, 32, 4096, 2048, 32000, 32, 11008)},
       {"mlp", "mlp-tiny", Sizes("mlp", 4, 1, 128, 64, 256)},
       {"mlp", "mlp-small", Sizes("mlp", 8, 1, 256, 128, 256)},

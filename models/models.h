@@ -59,7 +59,7 @@ struct ModelConfig {
 };
 
 // The named sizes of `model`: gpt-tiny, gpt2-124m, gpt2-350m, gpt2-774m; llama-tiny,
-// llama-160m, llama-1b, llama-7b; mlp-tiny, mlp-small.
+// llama-160m, llama-1b, llama-3b, llama-7b; mlp-tiny, mlp-small.
 absl::StatusOr<ModelConfig> PresetModelConfig(absl::string_view model, absl::string_view preset);
 std::vector<std::string> PresetNames(absl::string_view model);
 

@@ -90,7 +90,7 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
   std::vector<SlicedTensor> pieces;
   c10::NoGradGuard no_grad;
   TRIDENT_RETURN_IF_ERROR(m.update->WaitForUpdatedParameters());  // no all-gather writes them meanwhile
-  std::vector<ParameterPart> parts = m.update->Parts();
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<ParameterPart> parts, m.update->Parts());
   // Values: whole parameters where this rank holds them whole, else its parts.
   std::set<const c10::TensorImpl*> only_chunk;
   for (const ParameterPart& part : parts) {
@@ -101,7 +101,7 @@ absl::StatusOr<std::vector<SlicedTensor>> ParallelModel::CheckpointPieces(bool o
       const std::string& name = index.Name(part.parameter);
       if (part.begin == part.end || (deduplicate && index.WrittenElsewhere(name, true))) continue;
       pieces.push_back(
-          {name, index.PartSlice(name, part), internal::FlatPart(part.updated, part.offset, part.end - part.begin)});
+          {name, index.PartSlice(name, part), internal::FlatPart(part.values, part.offset, part.end - part.begin)});
     }
   }
   for (const auto& [name, p] : m.parameters) {  // whole: frozen ones (if saved), all without ZeRO
@@ -145,7 +145,7 @@ absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader,
   Impl& m = *impl_;
   internal::PieceIndex index(m.parameters, m.shards, m.tied, m.tied_holders, m.stage, m.tp, m.dp, m.zero_replicas);
   TRIDENT_RETURN_IF_ERROR(m.update->WaitForUpdatedParameters());  // none overwrites what is read
-  std::vector<ParameterPart> parts = m.update->Parts();
+  TRIDENT_ASSIGN_OR_RETURN(std::vector<ParameterPart> parts, m.update->Parts());
   std::set<const c10::TensorImpl*> only_chunk;
   c10::NoGradGuard no_grad;
   // Reads the slice of `name` into the contiguous `into` (any device).
@@ -163,7 +163,7 @@ absl::Status ParallelModel::LoadCheckpointPieces(const CheckpointReader& reader,
     if (part.begin == part.end) continue;
     const std::string& name = index.Name(part.parameter);
     TRIDENT_RETURN_IF_ERROR(
-        read(name, index.PartSlice(name, part), internal::FlatPart(part.updated, part.offset, part.end - part.begin)));
+        read(name, index.PartSlice(name, part), internal::FlatPart(part.values, part.offset, part.end - part.begin)));
   }
   for (auto& [name, p] : m.parameters) {
     if (only_chunk.count(p.unsafeGetTensorImpl())) continue;

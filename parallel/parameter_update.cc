@@ -83,9 +83,9 @@ class PlainDataParallel : public ParameterUpdate {
   absl::Status LoadState(const NamedTensors& state) override {
     return DeserializeOptimizer(state, "optimizer", *optimizer_);
   }
-  std::vector<ParameterPart> Parts() const override {
+  absl::StatusOr<std::vector<ParameterPart>> Parts() const override {
     std::vector<ParameterPart> parts;
-    for (const at::Tensor& p : list_) parts.push_back({p, p.sizes().vec(), 0, p.numel(), p, 0, false});
+    for (const at::Tensor& p : list_) parts.push_back({p, p.sizes().vec(), 0, p.numel(), p, 0, false, p});
     return parts;
   }
   torch::optim::Optimizer& optimizer() override { return *optimizer_; }
@@ -151,7 +151,7 @@ class Zero : public ParameterUpdate {
   NamedTensors State() const override { return zero_->State(); }
   absl::Status LoadState(const NamedTensors& state) override { return zero_->LoadState(state); }
   MemoryReport Memory() const override { return zero_->Memory(); }
-  std::vector<ParameterPart> Parts() const override { return zero_->ChunkParts(); }
+  absl::StatusOr<std::vector<ParameterPart>> Parts() const override { return zero_->ChunkParts(); }
   torch::optim::Optimizer& optimizer() override { return zero_->optimizer(); }
   absl::StatusOr<std::map<std::string, at::Tensor>> OptimizerStateOf(const at::Tensor& updated) override {
     return zero_->ChunkState(updated);

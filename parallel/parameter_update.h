@@ -52,7 +52,7 @@ class ParameterUpdate {
   virtual absl::Status LoadState(const NamedTensors& state) = 0;
   // Where this rank's optimizer keeps each parameter's values and state (for
   // checkpoints in any layout), and the optimizer.
-  virtual std::vector<ParameterPart> Parts() const = 0;
+  virtual absl::StatusOr<std::vector<ParameterPart>> Parts() const = 0;
   virtual torch::optim::Optimizer& optimizer() = 0;
   // The element-wise state the optimizer keeps for a part's `updated` tensor
   // (ElementwiseState; offloaded state read where it lies), and its

@@ -105,6 +105,10 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
         "zero_stage=0 has no shards to group or optimizer state of its own to offload: "
         "set zero_stage 1-3 with shard_group_size, num_shard_groups or offload_optimizer");
   }
+  if (p.zero().offload_params() != ZeroSpec::none && p.zero().stage() != 3) {
+    return invalid("offload_params=", ZeroSpec::Offload_Name(p.zero().offload_params()),
+                   " moves ZeRO-3's parameter shards off the device: set zero_stage=3 (it is ", p.zero().stage(), ")");
+  }
   if (p.zero().ignored_size() > 0 && p.zero().stage() != 3) {
     return invalid(
         "zero ignored (atorch_ignored_cls) keeps parameters whole under zero_stage=3; the other stages "

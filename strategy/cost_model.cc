@@ -375,6 +375,17 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
         transient += std::min<int64_t>(state.offloaded_optimizer_bytes,
                                        3 * state_per_element * largest / std::max(1, shard_group_size));
       }
+      if (plan.zero().stage() == 3 && plan.zero().offload_params() == ZeroSpec::disk) {
+        // The sharded chunks in their file; in memory those of the layers
+        // gathered and the one read ahead.
+        int64_t sharded = 0;
+        for (const ZeroBucket& b : layout.buckets) {
+          if (b.sharded) sharded += b.numel / shard_group_size * b.element_size;
+        }
+        state.offloaded_parameter_bytes = sharded;
+        state.parameter_bytes -= sharded;
+        transient += std::min<int64_t>(sharded, (2 + plan.zero().prefetch_layers()) * largest / shard_group_size);
+      }
       if (plan.zero().stage() == 3) {
         // Layers gathered (the one running and those prefetched), its full gradient.
         transient += (2 + plan.zero().prefetch_layers()) * largest;

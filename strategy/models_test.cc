@@ -26,9 +26,10 @@ struct Layout {
   RecomputeSpec::Method recompute = RecomputeSpec::none;
   std::string partition = "uniform";
   int64_t micro_batches = 1;
-  int shard_group_size = 0;  // hybrid sharding (0: every data-parallel rank)
-  bool offload = false;      // the optimizer state on disk
-  std::string ignored;       // parameters kept whole under ZeRO-3
+  int shard_group_size = 0;     // hybrid sharding (0: every data-parallel rank)
+  bool offload = false;         // the optimizer state on disk
+  bool offload_params = false;  // ZeRO-3's parameter chunks on disk
+  std::string ignored;          // parameters kept whole under ZeRO-3
 };
 
 ParallelPlan PlanOf(const Layout& l) {
@@ -40,10 +41,9 @@ ParallelPlan PlanOf(const Layout& l) {
   plan.mutable_zero()->set_stage(l.zero);
   plan.mutable_zero()->set_shard_group_size(l.shard_group_size);
   if (!l.ignored.empty()) plan.mutable_zero()->add_ignored(l.ignored);
-  if (l.offload) {
-    plan.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
-    plan.mutable_zero()->set_offload_dir(::testing::TempDir());
-  }
+  if (l.offload) plan.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
+  if (l.offload_params) plan.mutable_zero()->set_offload_params(ZeroSpec::disk);
+  plan.mutable_zero()->set_offload_dir(::testing::TempDir());
   plan.mutable_pipeline()->set_schedule(l.schedule);
   plan.set_virtual_stages(l.virtual_stages);
   plan.mutable_recompute()->set_method(l.recompute);
@@ -100,7 +100,7 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
       {.dp = 4, .zero = 3, .shard_group_size = 2, .ignored = "transformer.h.0"},
       {.dp = 4, .zero = 2, .offload = true},
       {.dp = 2, .tp = 2},
-      {.dp = 2, .tp = 2, .zero = 3},
+      {.dp = 2, .tp = 2, .zero = 3, .offload = true, .offload_params = true},
       {.dp = 2, .tp = 2, .sp = true, .zero = 1},
       {.tp = 2, .pp = 2, .sp = true, .micro_batches = 2},
       {.tp = 4},
@@ -131,14 +131,15 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
     ASSERT_TRUE(memory.ok()) << memory.status();
     const MemoryReport reported = (*model)->Memory();
     const MemoryReport& predicted = memory->state[(*model)->stage()];
-    const std::string what =
-        absl::StrCat(preset, " ", layout.dp, "x", layout.tp, layout.sp ? "sp" : "", "x", layout.pp, " zero",
-                     layout.zero, " shard", layout.shard_group_size, layout.offload ? " offload" : "", " ",
-                     layout.schedule, " ", RecomputeSpec::Method_Name(layout.recompute));
+    const std::string what = absl::StrCat(
+        preset, " ", layout.dp, "x", layout.tp, layout.sp ? "sp" : "", "x", layout.pp, " zero", layout.zero, " shard",
+        layout.shard_group_size, layout.offload ? " offload" : "", layout.offload_params ? " offload_params" : "", " ",
+        layout.schedule, " ", RecomputeSpec::Method_Name(layout.recompute));
     EXPECT_EQ(predicted.parameter_bytes, reported.parameter_bytes) << what;
     EXPECT_EQ(predicted.gradient_bytes, reported.gradient_bytes) << what;
     EXPECT_EQ(predicted.optimizer_bytes, reported.optimizer_bytes) << what;
     EXPECT_EQ(predicted.offloaded_optimizer_bytes, reported.offloaded_optimizer_bytes) << what;
+    EXPECT_EQ(predicted.offloaded_parameter_bytes, reported.offloaded_parameter_bytes) << what;
     EXPECT_GT(memory->activations[(*model)->stage()], 0) << what;
     auto time = internal::PredictStepTime(*profile, plan);
     ASSERT_TRUE(time.ok()) << time.status();

@@ -374,10 +374,15 @@ absl::StatusOr<SearchResult> SearchStrategy(const SourceFactory& make_source, co
     result.ranked.push_back(report);
   };
   for (const ParallelPlan& plan : plans) consider(plan);
-  if (result.ranked.empty() && !loaded) {
+  // Nothing fits: the ZeRO candidates with their optimizer state on disk,
+  // then ZeRO-3's with their parameter chunks there too.
+  for (bool params_too : {false, true}) {
+    if (!result.ranked.empty() || loaded) break;
     for (ParallelPlan plan : plans) {
       if (plan.zero().stage() == 0 || plan.zero().offload_optimizer() != ZeroSpec::none) continue;
+      if (params_too && plan.zero().stage() != 3) continue;
       plan.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
+      if (params_too) plan.mutable_zero()->set_offload_params(ZeroSpec::disk);
       consider(plan);
     }
   }

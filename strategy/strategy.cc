@@ -30,7 +30,7 @@ const std::map<std::string, std::set<std::string>>& MethodFields() {
       {"half", {"dtype", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}},
       {"zero1", {"offload_optimizer"}},
       {"zero2", {"offload_optimizer"}},
-      {"fsdp", {"wrap", "min_num_params", "ignored", "offload_optimizer"}},
+      {"fsdp", {"wrap", "min_num_params", "ignored", "offload_optimizer", "offload_params"}},
       {"checkpoint", {"layers", "activation_checkpoint_ratio", "checkpoint_num_layers", "modules", "all_layers"}},
       {"module_replace", {"pairs"}},
       {"tensor_parallel", {"sequence_parallel", "overlapping_level"}},
@@ -196,14 +196,23 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
   }
   plan->mutable_zero()->set_stage(has("zero1") ? 1 : has("zero2") ? 2 : has("fsdp") ? 3 : zero_axis ? 1 : 0);
   plan->mutable_zero()->set_offload_optimizer(ZeroSpec::none);
+  plan->mutable_zero()->set_offload_params(ZeroSpec::none);
+  auto parse_offload = [](const char* method, const char* field, const std::string& value,
+                          ZeroSpec::Offload* offload) -> absl::Status {
+    if (ZeroSpec::Offload_Parse(value, offload)) return absl::OkStatus();
+    return Invalid(absl::StrCat("strategy: ", method, " ", field, " '", value, "'; choose none, cpu or disk"));
+  };
   for (const char* zero : {"zero1", "zero2", "fsdp"}) {
-    if (!has(zero) || !by_name[zero]->has_offload_optimizer()) continue;
+    if (!has(zero)) continue;
     ZeroSpec::Offload offload;
-    if (!ZeroSpec::Offload_Parse(by_name[zero]->offload_optimizer(), &offload)) {
-      return Invalid(absl::StrCat("strategy: ", zero, " offload_optimizer '", by_name[zero]->offload_optimizer(),
-                                  "'; choose none, cpu or disk"));
+    if (by_name[zero]->has_offload_optimizer()) {
+      TRIDENT_RETURN_IF_ERROR(parse_offload(zero, "offload_optimizer", by_name[zero]->offload_optimizer(), &offload));
+      plan->mutable_zero()->set_offload_optimizer(offload);
     }
-    plan->mutable_zero()->set_offload_optimizer(offload);
+    if (by_name[zero]->has_offload_params()) {
+      TRIDENT_RETURN_IF_ERROR(parse_offload(zero, "offload_params", by_name[zero]->offload_params(), &offload));
+      plan->mutable_zero()->set_offload_params(offload);
+    }
   }
   plan->mutable_zero()->clear_ignored();
   if (has("fsdp")) {
@@ -330,6 +339,9 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
     if (plan.zero().offload_optimizer() != ZeroSpec::none) {
       zero->set_offload_optimizer(ZeroSpec::Offload_Name(plan.zero().offload_optimizer()));
     }
+    if (plan.zero().offload_params() != ZeroSpec::none) {
+      zero->set_offload_params(ZeroSpec::Offload_Name(plan.zero().offload_params()));
+    }
     *zero->mutable_ignored() = plan.zero().ignored();
   }
   if (plan.precision().mode() == "bf16" || plan.precision().mode() == "fp16") {
@@ -415,6 +427,9 @@ std::string DescribePlan(const ParallelPlan& plan) {
   if (plan.zero().stage() > 0 && shard_group_size < plan.dp()) absl::StrAppend(&text, " shard", shard_group_size);
   if (plan.zero().stage() > 0 && plan.zero().offload_optimizer() != ZeroSpec::none) {
     absl::StrAppend(&text, " offload=", ZeroSpec::Offload_Name(plan.zero().offload_optimizer()));
+  }
+  if (plan.zero().stage() == 3 && plan.zero().offload_params() != ZeroSpec::none) {
+    absl::StrAppend(&text, " offload_params=", ZeroSpec::Offload_Name(plan.zero().offload_params()));
   }
   if (plan.precision().mode() != "fp32") absl::StrAppend(&text, " ", plan.precision().mode());
   if (plan.recompute().method() != RecomputeSpec::none) {

@@ -79,11 +79,11 @@ std::string DecidedFields(const ParallelPlan& p) {
       "dp=", p.dp(), " tp=", p.tp(), " pp=", p.pp(), " axes=", absl::StrJoin(p.axis_order(), ","),
       " ranks=", absl::StrJoin(p.rank_order(), ","), " zero=", p.zero().stage(), "/",
       ZeroShardGroupSize(p.zero(), p.dp()).value_or(-1), "/", ZeroSpec::Offload_Name(p.zero().offload_optimizer()), "/",
-      absl::StrJoin(p.zero().ignored(), ","), " precision=", p.precision().mode(), " table=", p.precision().table(),
-      " scaling=", p.precision().loss_scaling(), "/", p.precision().loss_scaler().loss_scale(), "/",
-      p.precision().loss_scaler().initial_scale_power(), "/", p.precision().loss_scaler().loss_scale_window(), "/",
-      p.precision().loss_scaler().hysteresis(), "/", p.precision().loss_scaler().min_loss_scale(),
-      " recompute=", RecomputeSpec::Method_Name(p.recompute().method()),
+      ZeroSpec::Offload_Name(p.zero().offload_params()), "/", absl::StrJoin(p.zero().ignored(), ","),
+      " precision=", p.precision().mode(), " table=", p.precision().table(), " scaling=", p.precision().loss_scaling(),
+      "/", p.precision().loss_scaler().loss_scale(), "/", p.precision().loss_scaler().initial_scale_power(), "/",
+      p.precision().loss_scaler().loss_scale_window(), "/", p.precision().loss_scaler().hysteresis(), "/",
+      p.precision().loss_scaler().min_loss_scale(), " recompute=", RecomputeSpec::Method_Name(p.recompute().method()),
       " layers=", absl::StrJoin(p.recompute().layers(), ","), " ratio=", p.recompute().ratio(),
       " segment=", p.recompute().num_layers(), " modules=", absl::StrJoin(p.recompute().modules(), ","),
       " replace=", absl::StrJoin(p.module_replace(), ","), " sp=", p.tensor_parallel().sequence_parallel(),
@@ -181,6 +181,7 @@ std::vector<ParallelPlan> PlansUsingEveryMethod() {
     p.mutable_zero()->set_stage(3);
     p.mutable_zero()->set_shard_group_size(2);
     p.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
+    p.mutable_zero()->set_offload_params(ZeroSpec::disk);
     p.mutable_zero()->add_ignored("transformer.wte");
   }
   return plans;

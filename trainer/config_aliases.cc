@@ -129,6 +129,7 @@ const std::vector<Alias>& Table() {
       {"zero_max_inflight_reduce_scatters", "plan.zero.max_inflight_reduce_scatters"},
       {"offload_optimizer", "plan.zero.offload_optimizer"},
       {"offload_dir", "plan.zero.offload_dir"},
+      {"offload_params", "plan.zero.offload_params"},
       {"atorch_ignored_cls", "plan.zero.ignored", C::kCommaList},
       {"precision", "plan.precision.mode"},
       {"precision_table", "plan.precision.table"},

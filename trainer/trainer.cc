@@ -458,7 +458,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   std::string offload;
   const MemoryReport memory = t.model->Memory();
   if (memory.offload_bytes_written > 0 && steps > 0) {
-    offload = absl::StrFormat(" | optimizer state on disk: %.1f MB written, %.1f MB read per step on rank %d",
+    offload = absl::StrFormat(" | offload files: %.1f MB written, %.1f MB read per step on rank %d",
                               memory.offload_bytes_written / 1e6 / steps, memory.offload_bytes_read / 1e6 / steps,
                               t.topology().rank());
   }

@@ -1,7 +1,7 @@
 // ZeRO for models larger than a rank's share: hybrid sharding (shard groups
 // replicated across the data-parallel ranks), the bounded working set
-// (prefetch depth, reduce-scatters in flight) and the optimizer state
-// offloaded to disk train the single process's losses, and resume
+// (prefetch depth, reduce-scatters in flight) and the optimizer state and
+// parameters offloaded to disk train the single process's losses, and resume
 // bit-exactly.
 #include <string>
 #include <vector>
@@ -89,11 +89,33 @@ TEST(ZeroOffloadTest, DiskOffloadedOptimizerStateTrainsBitIdentically) {
   }
 }
 
-// Checkpoints read offloaded state where it lies and put loaded state back
-// there; hybrid replicas write their chunks once.
+// ZeRO-3's parameter chunks on disk (ZeRO-Infinity), alone and with the
+// optimizer state: read for each gather and around the update, the same
+// values: the losses of the in-memory run bit for bit, the single process's
+// to 1e-5, and the same again on a second run.
+TEST(ZeroOffloadTest, DiskOffloadedParametersTrainBitIdentically) {
+  const std::vector<double> single = TrainOnRanks(SmallConfig(1), "offload_params_reference");
+  const std::vector<double> in_memory = TrainOnRanks(ZeroConfig(2, 3), "offload_params_memory");
+  ExpectSameLosses(single, in_memory, 1e-5);
+  for (bool state_too : {false, true}) {
+    TrainerConfig config = ZeroConfig(2, 3);
+    SetFlag(&config, "offload_params", "disk");
+    if (state_too) SetFlag(&config, "offload_optimizer", "disk");
+    SetFlag(&config, "offload_dir", TestDir());
+    const std::string tag = state_too ? "offload_params_and_state" : "offload_params";
+    SCOPED_TRACE(tag);
+    const std::vector<double> losses = TrainOnRanks(config, tag);
+    ExpectSameLosses(in_memory, losses, 0);
+    if (state_too) ExpectSameLosses(losses, TrainOnRanks(config, tag + "_again"), 0);
+  }
+}
+
+// Checkpoints read offloaded state and parameter chunks where they lie and
+// put loaded ones back there; hybrid replicas write their chunks once.
 TEST(ZeroOffloadTest, OffloadedAndHybridRunsResumeBitExactly) {
   TrainerConfig offloaded = ZeroConfig(2, 3);
   SetFlag(&offloaded, "offload_optimizer", "disk");
+  SetFlag(&offloaded, "offload_params", "disk");
   SetFlag(&offloaded, "offload_dir", TestDir());
   ExpectResumeIsBitExact(offloaded, "offload_resume");
   TrainerConfig hybrid = ZeroConfig(4, 3);
@@ -109,6 +131,10 @@ TEST(ZeroOffloadTest, BadShardGroupsAndOffloadDirectoriesAreRefusedByName) {
   config = ZeroConfig(2, 0);
   SetFlag(&config, "offload_optimizer", "disk");
   EXPECT_THAT(std::string(ResolveConfig(&config, 2).status().message()), ::testing::HasSubstr("zero_stage=0"));
+  config = ZeroConfig(2, 2);
+  SetFlag(&config, "offload_params", "disk");
+  EXPECT_THAT(std::string(ResolveConfig(&config, 2).status().message()),
+              ::testing::HasSubstr("offload_params=disk moves ZeRO-3's parameter shards"));
 }
 
 }  // namespace

@@ -90,11 +90,10 @@ MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int stat
 }
 
 std::string MemoryReport::ToString() const {
-  std::string text = absl::StrFormat("parameters %.1f MB, gradients %.1f MB, optimizer state %.1f MB",
-                                     parameter_bytes / 1e6, gradient_bytes / 1e6, optimizer_bytes / 1e6);
-  if (offloaded_optimizer_bytes > 0)
-    absl::StrAppendFormat(&text, " (%.1f MB on disk)", offloaded_optimizer_bytes / 1e6);
-  return text;
+  auto on_disk = [](int64_t bytes) { return bytes > 0 ? absl::StrFormat(" (%.1f MB on disk)", bytes / 1e6) : ""; };
+  return absl::StrFormat("parameters %.1f MB%s, gradients %.1f MB, optimizer state %.1f MB%s", parameter_bytes / 1e6,
+                         on_disk(offloaded_parameter_bytes), gradient_bytes / 1e6, optimizer_bytes / 1e6,
+                         on_disk(offloaded_optimizer_bytes));
 }
 
 bool ZeroKeepsWhole(const ZeroSpec& spec, const std::string& name) {

@@ -1,5 +1,5 @@
 // OffloadedTensors: tensors written to the offload file give their memory
-// back, are read back exactly, can be read in place (mapped), and a bad
+// back, are read back exactly, can be read and written in place (mapped), and a bad
 // directory is named in the error.
 #include "zero/internal/offload.h"
 
@@ -19,7 +19,7 @@ std::string Dir() {
 }
 
 TEST(OffloadedTensorsTest, WrittenTensorsFreeTheirMemoryAndReadBackExactly) {
-  auto file = OffloadedTensors::Create(Dir(), 0);
+  auto file = OffloadedTensors::Create(Dir(), 0, "test");
   ASSERT_TRUE(file.ok()) << file.status();
   torch::manual_seed(3);
   const at::Tensor a = torch::randn({1000}), b = torch::randn({7, 3});
@@ -51,8 +51,24 @@ TEST(OffloadedTensorsTest, WrittenTensorsFreeTheirMemoryAndReadBackExactly) {
   EXPECT_TRUE(at::equal(c, torch::full({10}, 2.5)));
 }
 
+TEST(OffloadedTensorsTest, AWritableMappingChangesWhatTheNextReadSees) {
+  auto file = OffloadedTensors::Create(Dir(), 0, "test");
+  ASSERT_TRUE(file.ok()) << file.status();
+  const at::Tensor a = torch::zeros({5000});
+  (*file)->StartWrite(0, {a});
+  ASSERT_TRUE((*file)->WaitAll().ok());
+  {
+    auto mapped = (*file)->Mapped(0, 0, /*writable=*/true);
+    ASSERT_TRUE(mapped.ok()) << mapped.status();
+    mapped->narrow(0, 4990, 10).fill_(7.0);
+  }
+  (*file)->StartRead(0, {a});
+  ASSERT_TRUE((*file)->WaitAll().ok());
+  EXPECT_EQ(a.sum().item<float>(), 70.0f);
+}
+
 TEST(OffloadedTensorsTest, AMissingDirectoryIsNamed) {
-  auto file = OffloadedTensors::Create("/nonexistent/offload", 1);
+  auto file = OffloadedTensors::Create("/nonexistent/offload", 1, "test");
   ASSERT_FALSE(file.ok());
   EXPECT_THAT(std::string(file.status().message()), ::testing::HasSubstr("offload_dir '/nonexistent/offload'"));
 }

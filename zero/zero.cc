@@ -105,6 +105,24 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
       });
     }
   };
+  const bool on_cpu = std::all_of(flat.begin(), flat.end(), [](const at::Tensor& p) { return p.device().is_cpu(); });
+  for (const auto& [knob, offload] : {std::pair("offload_optimizer", o.spec.offload_optimizer()),
+                                      std::pair("offload_params", o.spec.offload_params())}) {
+    if (offload != ZeroSpec::none && !on_cpu) {
+      return absl::UnimplementedError(absl::StrCat(knob, "=", ZeroSpec::Offload_Name(offload),
+                                                   " is implemented for CPU training only (the GPU's host-side "
+                                                   "update is not written yet); use ",
+                                                   knob, "=none"));
+    }
+  }
+  if (o.spec.offload_params() != ZeroSpec::none && o.spec.stage() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("offload_params=", ZeroSpec::Offload_Name(o.spec.offload_params()),
+                                                   " needs zero_stage=3 (only stage 3 shards the parameters)"));
+  }
+  if (o.spec.offload_params() == ZeroSpec::disk) {
+    TRIDENT_ASSIGN_OR_RETURN(zero->offloaded_params_,
+                             zero_internal::OffloadedTensors::Create(o.spec.offload_dir(), o.rank, "params"));
+  }
   // Stage 3: a part built with deferred values draws a layer's values just
   // before the first bucket it reads is sliced (and its parameters freed).
   std::map<int, int64_t> first_reader;
@@ -167,6 +185,8 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     if (zero->buckets_.back().sharded) {  // released: the parameters' storage goes (Release)
       zero->buckets_.back().holders = 1;
       zero->Release(zero->buckets_.back());
+      if (zero->offloaded_params_)
+        zero->offloaded_params_->StartWrite(static_cast<int>(m), {zero->buckets_.back().chunk});
     }
   }
   // Which (bucket, parameter) each layer reads, for Step's all-gathers.
@@ -191,20 +211,16 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
         "AdamW and SGD only; this optimizer is untested: set zero_allow_untested_optimizer to "
         "use it anyway");
   }
-  if (o.spec.offload_optimizer() != ZeroSpec::none) {
-    const bool on_cpu = std::all_of(zero->buckets_.begin(), zero->buckets_.end(),
-                                    [](const Bucket& b) { return b.chunk.device().is_cpu(); });
-    if (!on_cpu || !elementwise) {
-      return absl::UnimplementedError(
-          absl::StrCat("offload_optimizer=", ZeroSpec::Offload_Name(o.spec.offload_optimizer()),
-                       !on_cpu ? " is implemented for CPU training only (the GPU's host-side update is not written yet)"
-                               : " needs an optimizer with element-wise state (Adam, AdamW, SGD)",
-                       "; use offload_optimizer=none"));
-    }
+  if (!elementwise && (o.spec.offload_optimizer() != ZeroSpec::none || o.spec.offload_params() != ZeroSpec::none)) {
+    return absl::UnimplementedError(
+        "offload_optimizer and offload_params update a bucket at a time, which needs an optimizer with "
+        "element-wise state (Adam, AdamW, SGD); use offload_optimizer=none and offload_params=none");
   }
   if (o.spec.offload_optimizer() == ZeroSpec::disk) {
-    TRIDENT_ASSIGN_OR_RETURN(zero->offloaded_, zero_internal::OffloadedTensors::Create(o.spec.offload_dir(), o.rank));
+    TRIDENT_ASSIGN_OR_RETURN(zero->offloaded_state_,
+                             zero_internal::OffloadedTensors::Create(o.spec.offload_dir(), o.rank, "optimizer"));
   }
+  if (zero->offloaded_params_) TRIDENT_RETURN_IF_ERROR(zero->offloaded_params_->WaitAll());
   return zero;
 }
 
@@ -214,15 +230,51 @@ ZeroOptimizer::~ZeroOptimizer() {
   if (options_.spec.stage() == 3 || !gathers_before_layer_.empty()) options_.layers->SetObserver(nullptr);
 }
 
+bool ZeroOptimizer::ChunkOffloaded(int b) const { return offloaded_params_ && buckets_[b].sharded; }
+
+void ZeroOptimizer::StartChunkRead(int b) {
+  if (ChunkOffloaded(b) && !HasStorage(buckets_[b].chunk)) offloaded_params_->StartRead(b, {buckets_[b].chunk});
+}
+
+absl::Status ZeroOptimizer::ReadChunk(int b) {
+  if (!ChunkOffloaded(b)) return absl::OkStatus();
+  StartChunkRead(b);
+  return offloaded_params_->Wait(b);
+}
+
+void ZeroOptimizer::DropChunk(int b) {
+  if (ChunkOffloaded(b)) zero_internal::FreeStorage(buckets_[b].chunk);
+}
+
+absl::Status ZeroOptimizer::SettleOffloadedChunks() {
+  if (!offloaded_params_) return absl::OkStatus();
+  TRIDENT_RETURN_IF_ERROR(offloaded_params_->WaitAll());
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    Bucket& bucket = buckets_[b];
+    if (!ChunkOffloaded(b) || bucket.holders > 0) continue;
+    if (bucket.prefetch) {  // its all-gather reads the chunk: finish it (it is gathered again when needed)
+      absl::Status waited = bucket.prefetch->Wait();
+      bucket.prefetch.reset();
+      FreeStorage(bucket.buffer);
+      TRIDENT_RETURN_IF_ERROR(waited);
+    }
+    DropChunk(b);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
   if (!bucket.sharded || bucket.holders++ > 0) return absl::OkStatus();
+  const int b = static_cast<int>(&bucket - buckets_.data());
   if (!bucket.prefetch) {
+    TRIDENT_RETURN_IF_ERROR(ReadChunk(b));
     AllocateStorage(bucket.buffer);
     TRIDENT_ASSIGN_OR_RETURN(bucket.prefetch, group_->IAllGather(bucket.chunk, bucket.buffer));
   }
   absl::Status waited = bucket.prefetch->Wait();
   bucket.prefetch.reset();
   TRIDENT_RETURN_IF_ERROR(waited);
+  DropChunk(b);  // in the buffer now, and in its file
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < bucket.params.size(); ++i) {
     at::Tensor param = bucket.params[i];
@@ -256,6 +308,8 @@ void ZeroOptimizer::Prefetch(int64_t layer) {
   for (int b : layout_.layer_buckets[layer]) {
     Bucket& bucket = buckets_[b];
     if (!bucket.sharded || bucket.holders > 0 || bucket.prefetch) continue;
+    absl::Status read = ReadChunk(b);
+    TORCH_CHECK(read.ok(), std::string(read.message()));
     AllocateStorage(bucket.buffer);
     auto started = group_->IAllGather(bucket.chunk, bucket.buffer);
     TORCH_CHECK(started.ok(), std::string(started.status().message()));
@@ -276,6 +330,11 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
   for (int k = 0; k < options_.spec.prefetch_layers() && next != layout_.layer_buckets.end(); ++k, ++next) {
     Prefetch(next->first);
   }
+  if (next != layout_.layer_buckets.end()) ReadAhead(next->first);
+}
+
+void ZeroOptimizer::ReadAhead(int64_t layer) {
+  for (int b : layout_.layer_buckets[layer]) StartChunkRead(b);
 }
 
 void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) {
@@ -311,6 +370,7 @@ void ZeroOptimizer::BackwardReached(int64_t layer) {
   for (int k = 0; k < options_.spec.prefetch_layers() && below != layout_.layer_buckets.begin(); ++k) {
     Prefetch((--below)->first);
   }
+  if (below != layout_.layer_buckets.begin()) ReadAhead(std::prev(below)->first);
   // Layers two or more above are done with backward: release those still held
   // (a parameter that got no gradient this time keeps its layer until here).
   for (auto it = backward_held_.upper_bound(layer + 1); it != backward_held_.end();) {
@@ -344,14 +404,18 @@ absl::Status ZeroOptimizer::GatherAllParameters() {
 
 absl::Status ZeroOptimizer::ReleaseAllParameters(bool keep_changes) {
   const int64_t rank = group_->rank();
-  for (Bucket& bucket : buckets_) {
+  if (offloaded_params_) TRIDENT_RETURN_IF_ERROR(offloaded_params_->WaitAll());  // no read overwrites the copy
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    Bucket& bucket = buckets_[b];
     if (!bucket.sharded) continue;
     if (keep_changes && HasStorage(bucket.buffer)) {
+      AllocateStorage(bucket.chunk);  // an offloaded chunk: then back to its file
       bucket.chunk.detach().copy_(bucket.buffer.narrow(0, rank * bucket.chunk.numel(), bucket.chunk.numel()));
+      if (ChunkOffloaded(b)) offloaded_params_->StartWrite(b, {bucket.chunk});
     }
     Release(bucket);
   }
-  return absl::OkStatus();
+  return offloaded_params_ ? offloaded_params_->WaitAll() : absl::OkStatus();
 }
 
 void ZeroOptimizer::ZeroGrad() {

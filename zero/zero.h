@@ -120,9 +120,11 @@ struct MemoryReport {
   int64_t parameter_bytes = 0;
   int64_t gradient_bytes = 0;
   int64_t optimizer_bytes = 0;
-  // offload_optimizer=disk: the state in the file (not counted above), and
-  // the bytes written to and read from it so far.
+  // offload_optimizer=disk and offload_params=disk: the state and the
+  // parameter chunks in their files (not counted above), and the bytes
+  // written to and read from both files so far.
   int64_t offloaded_optimizer_bytes = 0;
+  int64_t offloaded_parameter_bytes = 0;
   int64_t offload_bytes_written = 0, offload_bytes_read = 0;
   int64_t total() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
   std::string ToString() const;
@@ -201,6 +203,8 @@ absl::Status SetElementwiseState(torch::optim::Optimizer& optimizer, const at::T
 // optimizer holds state for (the parameter itself, whole, under plain data
 // parallelism; a ZeRO chunk). `only_chunk`: at rest the parameter exists
 // only as this part (ZeRO stage 3); otherwise it is whole on this rank.
+// `values` holds `updated`'s values to read or overwrite: `updated` itself, or
+// with offload_params=disk its file, mapped (writes reach the file).
 struct ParameterPart {
   at::Tensor parameter;
   std::vector<int64_t> shape;
@@ -208,6 +212,7 @@ struct ParameterPart {
   at::Tensor updated;
   int64_t offset = 0;
   bool only_chunk = false;
+  at::Tensor values;
 };
 
 class ZeroOptimizer : private LayerObserver {
@@ -245,6 +250,7 @@ class ZeroOptimizer : private LayerObserver {
   // parameter holds its updated value: before reading or writing parameters
   // other than through the layers. Waits only (no rank need call it with
   // another); a failure is also returned by the next FinishBackward or Step.
+  // offload_params=disk: the chunks read ahead go back to their file only.
   absl::Status WaitForUpdatedParameters();
   // How many of those all-gathers are not finished yet.
   size_t GathersUnderWay() const;
@@ -260,8 +266,8 @@ class ZeroOptimizer : private LayerObserver {
   MemoryReport Memory() const;
   // This rank's chunk of each parameter (only_chunk: stage 3's sharded
   // buckets, whose every parameter is listed, with begin == end where this
-  // rank's chunk holds none of it).
-  std::vector<ParameterPart> ChunkParts() const;
+  // rank's chunk holds none of it). Call WaitForUpdatedParameters first.
+  absl::StatusOr<std::vector<ParameterPart>> ChunkParts() const;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   // The element-wise state (ElementwiseState) the optimizer keeps for `chunk`
   // (a ParameterPart's `updated`); with offload_optimizer=disk mapped
@@ -290,11 +296,23 @@ class ZeroOptimizer : private LayerObserver {
   // The bucket's chunk gradient, made at its first use in a step: `first`
   // itself when given, else zeros.
   at::Tensor& ChunkGrad(Bucket& bucket, const at::Tensor& first = at::Tensor());
+  // offload_params=disk: whether bucket b's chunk lives in the params file at
+  // rest; starts reading it (where it has no memory); reads it and waits;
+  // frees its memory (the file holds the same values).
+  bool ChunkOffloaded(int b) const;
+  void StartChunkRead(int b);
+  absl::Status ReadChunk(int b);
+  void DropChunk(int b);
+  // Frees the chunks read ahead and not gathered (their all-gathers finished).
+  absl::Status SettleOffloadedChunks();
   // Stage 3: reference-counted gathering and releasing of a bucket.
   absl::Status Gather(Bucket& bucket);
   void Release(Bucket& bucket);
   void GatherLayer(int64_t layer);
   void Prefetch(int64_t layer);  // starts the all-gathers of a layer's buckets
+  // offload_params=disk: starts reading `layer`'s chunks (the layer after
+  // those prefetched), so the disk works while this layer computes.
+  void ReadAhead(int64_t layer);
   void BeforeLayer(int64_t layer) override;
   void AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) override;
   void BackwardReached(int64_t layer);
@@ -308,8 +326,8 @@ class ZeroOptimizer : private LayerObserver {
   absl::Status FinishOldestGather();
   // Hybrid sharding: sums `grad` (a chunk gradient) over the replicas.
   absl::Status SumOverReplicas(at::Tensor grad) const;
-  // The optimizer step, a bucket at a time with its state read from and
-  // written back to the offload file.
+  // The optimizer step, a bucket at a time with its state and its chunk read
+  // from and written back to their offload files.
   absl::Status OffloadedStep();
   int BucketOfChunk(const at::Tensor& chunk) const;  // -1: none
   // The state tensors of a bucket's chunk that offload moves (not the step).
@@ -328,7 +346,8 @@ class ZeroOptimizer : private LayerObserver {
   // first: at most spec.max_inflight_reduce_scatters travel at once, since
   // each holds its bucket's whole gradient.
   std::deque<int> reducing_;
-  std::unique_ptr<zero_internal::OffloadedTensors> offloaded_;  // offload_optimizer=disk
+  // offload_optimizer=disk and offload_params=disk: slot b is bucket b's.
+  std::unique_ptr<zero_internal::OffloadedTensors> offloaded_state_, offloaded_params_;
   // Step's all-gathers: the planned messages, how many of them each layer
   // needs finished before it runs (none without the layers: Step finishes
   // them), and those the last Step started, of which the first `gathered_`

@@ -14,14 +14,16 @@ namespace trident {
 
 using zero_internal::Bytes;
 using zero_internal::ChunkColumns;
+using zero_internal::HasStorage;
 using zero_internal::SplitChunk;
 
 absl::Status ZeroOptimizer::Step(double lr) {
   TRIDENT_RETURN_IF_ERROR(WaitForUpdatedParameters());  // the chunks are about to change
   TRIDENT_RETURN_IF_ERROR(std::exchange(first_error_, absl::OkStatus()));
   for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
-  TRIDENT_RETURN_IF_ERROR(offloaded_ ? OffloadedStep()
-                                     : CatchExceptions("the sharded optimizer step", [&] { optimizer_->step(); }));
+  TRIDENT_RETURN_IF_ERROR(offloaded_state_ || offloaded_params_
+                              ? OffloadedStep()
+                              : CatchExceptions("the sharded optimizer step", [&] { optimizer_->step(); }));
   TRIDENT_RETURN_IF_ERROR(StartGathers());
   // Without the layers nothing would finish them before they are read.
   if (gathers_before_layer_.empty()) TRIDENT_RETURN_IF_ERROR(WaitForUpdatedParameters());
@@ -44,25 +46,33 @@ absl::Status ZeroOptimizer::OffloadedStep() {
   std::vector<at::Tensor> grads;
   for (Bucket& bucket : buckets_) grads.push_back(std::exchange(bucket.chunk.mutable_grad(), at::Tensor()));
   auto read = [&](int b) {
-    if (b < n && offloaded_->InFile(b)) offloaded_->StartRead(b, OffloadedStateOf(b));
+    if (b >= n) return;
+    if (offloaded_state_ && offloaded_state_->InFile(b)) offloaded_state_->StartRead(b, OffloadedStateOf(b));
+    StartChunkRead(b);
   };
   read(0);
   absl::Status status;
   for (int b = 0; b < n && status.ok(); ++b) {
     read(b + 1);
-    status = offloaded_->Wait(b);
+    if (offloaded_state_) status = offloaded_state_->Wait(b);
+    if (status.ok()) status = ReadChunk(b);
     if (status.ok() && grads[b].defined()) {
       buckets_[b].chunk.mutable_grad() = grads[b];
       status = CatchExceptions("the sharded optimizer step", [&] { optimizer_->step(); });
       buckets_[b].chunk.mutable_grad() = at::Tensor();
     }
-    // Back to the file, also where no gradient changed it (it was read).
-    std::vector<at::Tensor> state = OffloadedStateOf(b);
-    if (status.ok() && !state.empty()) offloaded_->StartWrite(b, std::move(state));
+    if (!status.ok()) break;
+    // Back to their files, also where no gradient changed them (they were read).
+    std::vector<at::Tensor> state = offloaded_state_ ? OffloadedStateOf(b) : std::vector<at::Tensor>();
+    if (!state.empty()) offloaded_state_->StartWrite(b, std::move(state));
+    if (ChunkOffloaded(b)) offloaded_params_->StartWrite(b, {buckets_[b].chunk});
   }
-  absl::Status written = offloaded_->WaitAll();
+  for (auto* file : {offloaded_state_.get(), offloaded_params_.get()}) {
+    absl::Status written = file != nullptr ? file->WaitAll() : absl::OkStatus();
+    if (status.ok()) status = written;
+  }
   for (int b = 0; b < n; ++b) buckets_[b].chunk.mutable_grad() = grads[b];
-  return status.ok() ? written : status;
+  return status;
 }
 
 int ZeroOptimizer::BucketOfChunk(const at::Tensor& chunk) const {
@@ -75,11 +85,11 @@ int ZeroOptimizer::BucketOfChunk(const at::Tensor& chunk) const {
 absl::StatusOr<std::map<std::string, at::Tensor>> ZeroOptimizer::ChunkState(const at::Tensor& chunk) const {
   std::map<std::string, at::Tensor> state = ElementwiseState(*optimizer_, chunk);
   const int b = BucketOfChunk(chunk);
-  if (!offloaded_ || b < 0 || !offloaded_->InFile(b)) return state;
+  if (!offloaded_state_ || b < 0 || !offloaded_state_->InFile(b)) return state;
   size_t index = 0;  // the order OffloadedStateOf wrote them in
   for (auto& [name, tensor] : state) {
     if (tensor.dim() == 0) continue;
-    TRIDENT_ASSIGN_OR_RETURN(tensor, offloaded_->Mapped(b, index++));
+    TRIDENT_ASSIGN_OR_RETURN(tensor, offloaded_state_->Mapped(b, index++));
   }
   return state;
 }
@@ -87,9 +97,9 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ZeroOptimizer::ChunkState(cons
 absl::Status ZeroOptimizer::SetChunkState(const at::Tensor& chunk, const std::map<std::string, at::Tensor>& state) {
   TRIDENT_RETURN_IF_ERROR(SetElementwiseState(*optimizer_, chunk, state));
   const int b = BucketOfChunk(chunk);
-  if (!offloaded_ || b < 0 || state.empty()) return absl::OkStatus();
-  offloaded_->StartWrite(b, OffloadedStateOf(b));
-  return offloaded_->WaitAll();
+  if (!offloaded_state_ || b < 0 || state.empty()) return absl::OkStatus();
+  offloaded_state_->StartWrite(b, OffloadedStateOf(b));
+  return offloaded_state_->WaitAll();
 }
 
 // The updated chunks go back into every bucket's buffer (stage 3's sharded
@@ -217,7 +227,7 @@ size_t ZeroOptimizer::GathersUnderWay() const { return gathering_.size() - gathe
 
 absl::Status ZeroOptimizer::WaitForUpdatedParameters() {
   while (gathered_ < gathering_.size()) TRIDENT_RETURN_IF_ERROR(FinishOldestGather());
-  return absl::OkStatus();
+  return SettleOffloadedChunks();
 }
 
 MemoryReport ZeroOptimizer::Memory() const {
@@ -225,19 +235,33 @@ MemoryReport ZeroOptimizer::Memory() const {
   int64_t chunk_bytes = 0;
   for (const Bucket& bucket : buckets_) chunk_bytes += Bytes(bucket.chunk);
   report.optimizer_bytes = OptimizerStateBytes(*optimizer_, chunk_bytes);
-  if (offloaded_) {  // in its file, a few buckets' worth at a time in memory
+  if (offloaded_state_) {  // in its file, a few buckets' worth at a time in memory
     report.offloaded_optimizer_bytes = std::exchange(report.optimizer_bytes, 0);
-    report.offload_bytes_written = offloaded_->bytes_written();
-    report.offload_bytes_read = offloaded_->bytes_read();
+  }
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    if (!ChunkOffloaded(b)) continue;
+    report.offloaded_parameter_bytes += Bytes(buckets_[b].chunk);
+    report.parameter_bytes -= Bytes(buckets_[b].chunk);
+  }
+  for (const auto* file : {offloaded_state_.get(), offloaded_params_.get()}) {
+    if (file == nullptr) continue;
+    report.offload_bytes_written += file->bytes_written();
+    report.offload_bytes_read += file->bytes_read();
   }
   return report;
 }
 
-std::vector<ParameterPart> ZeroOptimizer::ChunkParts() const {
+absl::StatusOr<std::vector<ParameterPart>> ZeroOptimizer::ChunkParts() const {
   std::vector<ParameterPart> parts;
   const int64_t rank = group_->rank();
-  for (const Bucket& bucket : buckets_) {
+  if (offloaded_params_) TRIDENT_RETURN_IF_ERROR(offloaded_params_->WaitAll());
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    const Bucket& bucket = buckets_[b];
     const int64_t chunk_size = bucket.chunk.numel(), chunk_begin = rank * chunk_size;
+    at::Tensor values = bucket.chunk;
+    if (ChunkOffloaded(b) && !HasStorage(bucket.chunk)) {
+      TRIDENT_ASSIGN_OR_RETURN(values, offloaded_params_->Mapped(b, 0, /*writable=*/true));
+    }
     for (size_t i = 0; i < bucket.params.size(); ++i) {
       const int64_t numel = c10::multiply_integers(bucket.shapes[i]);
       const int64_t begin = std::max<int64_t>(chunk_begin, bucket.offsets[i]);
@@ -245,7 +269,8 @@ std::vector<ParameterPart> ZeroOptimizer::ChunkParts() const {
       if (begin >= end && !bucket.sharded) continue;
       // Stage 3 lists every sharded parameter, empty where the chunk misses it.
       parts.push_back({bucket.params[i], bucket.shapes[i], begin - bucket.offsets[i],
-                       std::max(begin, end) - bucket.offsets[i], bucket.chunk, begin - chunk_begin, bucket.sharded});
+                       std::max(begin, end) - bucket.offsets[i], bucket.chunk, begin - chunk_begin, bucket.sharded,
+                       values});
     }
   }
   return parts;

@@ -150,7 +150,9 @@ TEST(ZeroOffloadTest, DiskOffloadStreamsTheStateAndUpdatesBitIdentically) {
       EXPECT_TRUE(at::equal(item.value(), expected[item.key()])) << item.key();
     }
     // The same buckets on both: their chunks in the same order.
-    const std::vector<ParameterPart> parts = (*zero)->ChunkParts(), reference_parts = (*reference)->ChunkParts();
+    auto offloaded_parts = (*zero)->ChunkParts(), held_parts = (*reference)->ChunkParts();
+    ASSERT_TRUE(offloaded_parts.ok() && held_parts.ok());
+    const std::vector<ParameterPart>&parts = *offloaded_parts, &reference_parts = *held_parts;
     ASSERT_EQ(parts.size(), reference_parts.size());
     int64_t state_bytes = 0;  // Adam's two moments of this rank's chunks
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -168,6 +170,92 @@ TEST(ZeroOffloadTest, DiskOffloadStreamsTheStateAndUpdatesBitIdentically) {
     EXPECT_EQ(memory.offload_bytes_read, (kSteps - 1) * state_bytes);
     EXPECT_EQ(memory.optimizer_bytes, 0);
     EXPECT_EQ(memory.offloaded_optimizer_bytes, state_bytes);
+  });
+}
+
+// offload_params=disk (stage 3): each rank's chunks live in a file at rest,
+// are read for the layer's all-gathers and around the update, and the run is
+// the in-memory one bit for bit, with and without the optimizer state on disk
+// too. Checkpoints see the chunks where they lie (mapped) and can overwrite
+// them there; a gathered change kept on release goes back to the file.
+TEST(ZeroOffloadTest, DiskOffloadedParametersStreamAndUpdateBitIdentically) {
+  for (bool state_too : {false, true}) {
+    testing::RunOnRanks(2, [state_too](int rank) {
+      auto topology = testing::JoinTopology({{"data", 2}});
+      ASSERT_TRUE(topology.ok()) << topology.status();
+      const ProcessGroup& dp = **(*topology)->Group("dp");
+      auto in_memory = Build(Tiny()), offloaded = Build(Tiny());
+      ZeroOptions options;
+      options.spec.set_stage(3);
+      options.layers = in_memory.get();
+      for (int64_t i = 0; i < in_memory->NumLayers(); ++i) options.layer_indices.push_back(i);
+      auto reference = ZeroOptimizer::Create(Groups(*in_memory), &dp, options, MakeAdamW);
+      options.layers = offloaded.get();
+      options.spec.set_offload_params(ZeroSpec::disk);
+      if (state_too) options.spec.set_offload_optimizer(ZeroSpec::disk);
+      options.spec.set_offload_dir(std::getenv("TEST_TMPDIR"));
+      options.rank = rank;
+      auto zero = ZeroOptimizer::Create(Groups(*offloaded), &dp, options, MakeAdamW);
+      ASSERT_TRUE(reference.ok() && zero.ok()) << zero.status();
+      const MemoryReport before = (*zero)->Memory(), held = (*reference)->Memory();
+      EXPECT_GT(before.offloaded_parameter_bytes, 0);
+      EXPECT_EQ(before.parameter_bytes + before.offloaded_parameter_bytes, held.parameter_bytes);
+      for (int step = 0; step < 3; ++step) {
+        torch::manual_seed(100 + step);
+        auto mine = torch::randint(64, {4, 8}, torch::kLong).chunk(2)[rank];
+        for (auto* z : {&*reference, &*zero}) {
+          (*z)->ZeroGrad();
+          (*z)->PrepareForBackward(true);
+        }
+        const at::Tensor expected_loss = in_memory->Loss(mine, mine), loss = offloaded->Loss(mine, mine);
+        EXPECT_TRUE(at::equal(loss, expected_loss)) << "step " << step;
+        expected_loss.backward();
+        loss.backward();
+        for (auto* z : {&*reference, &*zero}) {
+          ASSERT_TRUE((*z)->FinishBackward().ok());
+          ASSERT_TRUE((*z)->Step(1e-3).ok());
+        }
+      }
+      // What a checkpoint reads, and writes back.
+      ASSERT_TRUE((*zero)->WaitForUpdatedParameters().ok());
+      auto parts = (*zero)->ChunkParts(), reference_parts = (*reference)->ChunkParts();
+      ASSERT_TRUE(parts.ok() && reference_parts.ok()) << parts.status();
+      ASSERT_EQ(parts->size(), reference_parts->size());
+      for (size_t i = 0; i < parts->size(); ++i) {
+        EXPECT_EQ((*parts)[i].updated.storage().nbytes(), 0u) << "a chunk stayed in memory";
+        EXPECT_TRUE(at::equal((*parts)[i].values, (*reference_parts)[i].values)) << i;
+      }
+      (*parts)[0].values.narrow(0, 0, 1).fill_(0.5);
+      (*reference_parts)[0].values.narrow(0, 0, 1).fill_(0.5);
+      parts->clear();
+      for (auto [model, z] : {std::pair{offloaded.get(), zero->get()}, {in_memory.get(), reference->get()}}) {
+        ASSERT_TRUE(z->GatherAllParameters().ok());
+        for (auto& p : model->parameters()) p.detach().mul_(2.0);
+        ASSERT_TRUE(z->ReleaseAllParameters(/*keep_changes=*/true).ok());
+        ASSERT_TRUE(z->GatherAllParameters().ok());
+      }
+      auto expected = in_memory->named_parameters();
+      for (const auto& item : offloaded->named_parameters()) {
+        EXPECT_TRUE(at::equal(item.value(), expected[item.key()])) << item.key();
+      }
+      const MemoryReport after = (*zero)->Memory();
+      EXPECT_GE(after.offload_bytes_read, 3 * 2 * before.offloaded_parameter_bytes);  // forward and backward
+      EXPECT_EQ(after.offloaded_optimizer_bytes > 0, state_too);
+    });
+  }
+}
+
+TEST(ZeroOffloadTest, ParameterOffloadNeedsStageThree) {
+  testing::RunOnRanks(1, [](int) {
+    auto topology = testing::JoinTopology({{"data", 1}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    auto model = Build(Tiny());
+    ZeroOptions options;
+    options.spec.set_stage(2);
+    options.spec.set_offload_params(ZeroSpec::disk);
+    auto zero = ZeroOptimizer::Create(Groups(*model), *(*topology)->Group("dp"), options, MakeAdamW);
+    ASSERT_FALSE(zero.ok());
+    EXPECT_THAT(std::string(zero.status().message()), HasSubstr("offload_params=disk needs zero_stage=3"));
   });
 }
 

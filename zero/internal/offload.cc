@@ -41,8 +41,9 @@ absl::Status WholeTransfer(const char* what, const std::string& path, int64_t by
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<OffloadedTensors>> OffloadedTensors::Create(const std::string& dir, int rank) {
-  std::string path = absl::StrCat(dir, "/trident-offload-rank", rank, "-XXXXXX");
+absl::StatusOr<std::unique_ptr<OffloadedTensors>> OffloadedTensors::Create(const std::string& dir, int rank,
+                                                                           const std::string& what) {
+  std::string path = absl::StrCat(dir, "/trident-offload-", what, "-rank", rank, "-XXXXXX");
   const int fd = mkstemp(path.data());
   if (fd < 0) {
     return absl::FailedPreconditionError(absl::StrCat("cannot create an offload file in offload_dir '", dir,
@@ -147,10 +148,11 @@ absl::Status OffloadedTensors::WaitAll() {
   return std::exchange(failure_, absl::OkStatus());
 }
 
-absl::StatusOr<at::Tensor> OffloadedTensors::Mapped(int slot, size_t index) const {
+absl::StatusOr<at::Tensor> OffloadedTensors::Mapped(int slot, size_t index, bool writable) const {
   const Place& place = places_.at(slot).at(index);
   const int64_t begin = place.offset / kPage * kPage, length = place.offset + place.bytes - begin;
-  void* base = mmap(nullptr, static_cast<size_t>(length), PROT_READ, MAP_SHARED, fd_, static_cast<off_t>(begin));
+  void* base = mmap(nullptr, static_cast<size_t>(length), writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED,
+                    fd_, static_cast<off_t>(begin));
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(
         absl::StrCat("mapping ", length, " bytes of the offload file ", path_, ": ", std::strerror(errno)));

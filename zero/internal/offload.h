@@ -35,9 +35,11 @@ namespace zero_internal {
 
 class OffloadedTensors {
  public:
-  // A new file under `dir` for this process and `rank`, unlinked at once (its
-  // space is freed when the process ends, however it ends). Errors name `dir`.
-  static absl::StatusOr<std::unique_ptr<OffloadedTensors>> Create(const std::string& dir, int rank);
+  // A new file under `dir` for this process, `rank` and `what` it holds
+  // ("optimizer", "params"), unlinked at once (its space is freed when the
+  // process ends, however it ends). Errors name `dir`.
+  static absl::StatusOr<std::unique_ptr<OffloadedTensors>> Create(const std::string& dir, int rank,
+                                                                  const std::string& what);
   ~OffloadedTensors();  // finishes the I/O under way
 
   // Queues writing `tensors` (contiguous CPU tensors; the slot's first write
@@ -52,10 +54,11 @@ class OffloadedTensors {
   // WaitAll); returns the first failure since the last wait.
   absl::Status Wait(int slot);
   absl::Status WaitAll();
-  // `slot`'s tensor `index` as it is in the file, read-only and mapped (the
-  // kernel pages it in and out; no copy is made), shaped like the tensor
-  // written. WaitAll first.
-  absl::StatusOr<at::Tensor> Mapped(int slot, size_t index) const;
+  // `slot`'s tensor `index` as it is in the file, mapped (the kernel pages it
+  // in and out; no copy is made), shaped like the tensor written: read-only,
+  // or `writable` (what is written there is in the file, as the next read
+  // sees it). WaitAll first, and no I/O on the slot while the tensor is used.
+  absl::StatusOr<at::Tensor> Mapped(int slot, size_t index, bool writable = false) const;
   // Bytes written and read so far.
   int64_t bytes_written() const { return bytes_written_.load(); }
   int64_t bytes_read() const { return bytes_read_.load(); }
