@@ -21,6 +21,7 @@ steps="${2:-10}"
 dir="${3:-${TMPDIR:-/tmp}}"
 runs="${4:-all}"
 block="${5:-256}"
+case "$preset" in llama-*) model=llama ;; mlp-*) model=mlp ;; *) model=gpt ;; esac
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$here/tools/prepare_data" --output_dir="$work/data" >/dev/null
@@ -28,7 +29,7 @@ run() {  # NAME DP FLAGS...: prints "| NAME | ms/step | peak MB | offload |"
   local name="$1" dp="$2"
   shift 2
   local log="$work/$name.log"
-  "$here/trainer/train" --data="$work/data" --preset="$preset" --block_size="$block" --vocab_size=256 \
+  "$here/trainer/train" --data="$work/data" --model="$model" --preset="$preset" --block_size="$block" --vocab_size=256 \
     --micro_batch_size=1 --global_batch_size="$dp" --nproc="$dp" --dp="$dp" --zero_stage=3 --max_steps="$steps" \
     --eval_every=0 --sample_tokens=0 --log_every=1 --enable_progress_bar=false "$@" >"$log" 2>&1 ||
     { tail -5 "$log"; exit 1; }

@@ -109,6 +109,15 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
     return invalid("offload_params=", ZeroSpec::Offload_Name(p.zero().offload_params()),
                    " moves ZeRO-3's parameter shards off the device: set zero_stage=3 (it is ", p.zero().stage(), ")");
   }
+  if ((p.zero().wrap_size() > 0 || p.zero().min_num_params() != 0 || p.zero().limit_all_gathers()) &&
+      p.zero().stage() != 3) {
+    return invalid(
+        "zero wrap (atorch_wrap_cls), min_num_params (atorch_size_based_min_num_params) and "
+        "limit_all_gathers shape ZeRO-3's gather units: set zero_stage=3 (it is ",
+        p.zero().stage(), ") or leave them out");
+  }
+  if (p.zero().min_num_params() < 0)
+    return invalid("zero min_num_params=", p.zero().min_num_params(), " must be at least 0");
   if (p.zero().ignored_size() > 0 && p.zero().stage() != 3) {
     return invalid(
         "zero ignored (atorch_ignored_cls) keeps parameters whole under zero_stage=3; the other stages "

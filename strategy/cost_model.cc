@@ -239,10 +239,14 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
     for (const ProfiledParameter* p : costs.Parameters(other)) elsewhere.insert(p->name());
   }
   std::map<std::string, int> index_of;
+  std::vector<std::string> names;
+  std::vector<int64_t> numels;
   for (int group : {0, 1}) {  // weight-decay group (matrices) first
     for (const ProfiledParameter* p : costs.Parameters(s)) {
       if ((p->dim() >= 2 ? 0 : 1) != group) continue;
       index_of[p->name()] = static_cast<int>(planned->size());
+      names.push_back(p->name());
+      numels.push_back(p->numel());
       planned->push_back(
           {p->numel(), costs.ElementSize(*p), group,
            plan.zero().stage() == 1 || elsewhere.count(p->name()) > 0 || ZeroKeepsWhole(plan.zero(), p->name())});
@@ -261,7 +265,7 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
   }
   TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(plan.zero(), plan.dp()));
   return PlanZeroBuckets(*planned, plan.zero().stage(), plan.zero().reduce_bucket_bytes(), shard_group_size,
-                         layer_reads);
+                         PlanGatherUnits(plan.zero(), layer_reads, names, numels).reads);
 }
 
 // The most bytes rank `s` holds for backward at once, walking its schedule:
@@ -308,6 +312,15 @@ double PeakActivations(const PlanCosts& costs, int s) {
 // The factor scales the pipeline by the share of a core the ranks busy on
 // average get, against the share they had when profiled (the profiler
 // starts every timed run on all ranks at once).
+// Reading `read` and writing `written` bytes of offload files, at the
+// profile's measured bandwidth (free where it was not measured).
+double DiskSeconds(const ModelProfile& profile, double read, double written) {
+  double seconds = 0;
+  if (profile.disk_read_bytes_per_second() > 0) seconds += read / profile.disk_read_bytes_per_second();
+  if (profile.disk_write_bytes_per_second() > 0) seconds += written / profile.disk_write_bytes_per_second();
+  return seconds;
+}
+
 double OversubscriptionFactor(const ModelProfile& profile, const ParallelPlan& plan, double bubble_fraction) {
   const double ranks = profile.ranks_per_node(), cores = profile.cores_per_node();
   if (plan.device() != ParallelPlan::cpu || cores <= 0 || ranks <= cores) return 1;
@@ -384,11 +397,11 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
         }
         state.offloaded_parameter_bytes = sharded;
         state.parameter_bytes -= sharded;
-        transient += std::min<int64_t>(sharded, (2 + plan.zero().prefetch_layers()) * largest / shard_group_size);
+        transient += std::min<int64_t>(sharded, (2 + ZeroPrefetchDepth(plan.zero())) * largest / shard_group_size);
       }
       if (plan.zero().stage() == 3) {
-        // Layers gathered (the one running and those prefetched), its full gradient.
-        transient += (2 + plan.zero().prefetch_layers()) * largest;
+        // Units gathered (the one running and those prefetched), its full gradient.
+        transient += (2 + ZeroPrefetchDepth(plan.zero())) * largest;
       } else {  // the step's all-gather
         transient += std::min(plan.zero().allgather_bucket_bytes(), parameter_bytes);
       }
@@ -432,11 +445,27 @@ absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, cons
     if (plan.zero().stage() > 0) {
       std::vector<ZeroParameter> planned;
       TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayoutOf(costs, s, &planned));
+      TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(plan.zero(), dp));
+      // Offload files: a sharded chunk is read for forward, for backward and
+      // for the update, and written after it; the state is read and written
+      // around the update (on an I/O thread, beside it).
+      const bool params_on_disk = plan.zero().stage() == 3 && plan.zero().offload_params() == ZeroSpec::disk;
+      double update_read_bytes = 0, update_written_bytes = 0;
       for (const ZeroBucket& bucket : layout.buckets) {
-        const double bytes = static_cast<double>(bucket.numel * bucket.element_size);
+        const double bytes = static_cast<double>(bucket.numel * bucket.element_size), chunk = bytes / shard_group_size;
         if (bucket.sharded) {  // stage 3: gathered for forward and for backward
           forward += CollectiveSeconds(profile, "all_gather", dp, bytes);
           backward += CollectiveSeconds(profile, "all_gather", dp, bytes);
+        }
+        if (bucket.sharded && params_on_disk) {
+          forward += DiskSeconds(profile, chunk, 0);
+          backward += DiskSeconds(profile, chunk, 0);
+          update_read_bytes += chunk;
+          update_written_bytes += chunk;
+        }
+        if (plan.zero().offload_optimizer() == ZeroSpec::disk) {
+          update_read_bytes += profile.optimizer_state_per_element() * chunk;
+          update_written_bytes += profile.optimizer_state_per_element() * chunk;
         }
         if (bucket.keep_full) {
           after[s] += CollectiveSeconds(profile, "reduce_scatter", dp, bytes);
@@ -445,7 +474,9 @@ absl::StatusOr<TimePrediction> PredictStepTime(const ModelProfile& profile, cons
         }
         if (!bucket.sharded) after[s] += CollectiveSeconds(profile, "all_gather", dp, bytes);
       }
-      optimizer[s] = profile.optimizer_seconds_per_element() * static_cast<double>(costs.ParameterCount(s)) / dp;
+      optimizer[s] =
+          std::max(profile.optimizer_seconds_per_element() * static_cast<double>(costs.ParameterCount(s)) / dp,
+                   DiskSeconds(profile, update_read_bytes, update_written_bytes));
     } else {
       for (int64_t left = parameter_bytes; left > 0; left -= plan.zero().bucket_bytes()) {
         after[s] += CollectiveSeconds(profile, "all_reduce", dp,

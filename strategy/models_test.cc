@@ -30,6 +30,7 @@ struct Layout {
   bool offload = false;         // the optimizer state on disk
   bool offload_params = false;  // ZeRO-3's parameter chunks on disk
   std::string ignored;          // parameters kept whole under ZeRO-3
+  std::string wrap;             // ZeRO-3's layers gathered as one unit
 };
 
 ParallelPlan PlanOf(const Layout& l) {
@@ -41,6 +42,7 @@ ParallelPlan PlanOf(const Layout& l) {
   plan.mutable_zero()->set_stage(l.zero);
   plan.mutable_zero()->set_shard_group_size(l.shard_group_size);
   if (!l.ignored.empty()) plan.mutable_zero()->add_ignored(l.ignored);
+  if (!l.wrap.empty()) plan.mutable_zero()->add_wrap(l.wrap);
   if (l.offload) plan.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
   if (l.offload_params) plan.mutable_zero()->set_offload_params(ZeroSpec::disk);
   plan.mutable_zero()->set_offload_dir(::testing::TempDir());
@@ -77,6 +79,7 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
   internal::ProfileRequest request;
   request.make_source = make_source;
   SetStrings(request.plan.mutable_trace()->mutable_batch_fields(), {"tokens", "targets"});
+  request.plan.mutable_zero()->set_offload_dir(::testing::TempDir());  // where the disk is timed
   at::manual_seed(3);
   at::Tensor tokens = at::randint(256, {8, 128}, at::kLong);
   request.batch = {tokens, tokens.roll(-1, 1)};
@@ -98,6 +101,7 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
       {.dp = 4, .zero = 2, .micro_batches = 2},
       {.dp = 4, .zero = 3},
       {.dp = 4, .zero = 3, .shard_group_size = 2, .ignored = "transformer.h.0"},
+      {.dp = 4, .zero = 3, .wrap = "transformer.h"},
       {.dp = 4, .zero = 2, .offload = true},
       {.dp = 2, .tp = 2},
       {.dp = 2, .tp = 2, .zero = 3, .offload = true, .offload_params = true},
@@ -146,6 +150,14 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
     EXPECT_GT(time->step_seconds, 0) << what;
   }
   EXPECT_GE(checked, degrees == 1 ? 8 : 10) << preset;
+  // Offload costs the disk's time at its measured bandwidth.
+  EXPECT_GT(profile->disk_read_bytes_per_second(), 0);
+  EXPECT_GT(profile->disk_write_bytes_per_second(), 0);
+  auto in_memory = internal::PredictStepTime(*profile, PlanOf({.dp = 4, .zero = 3}));
+  auto offloaded =
+      internal::PredictStepTime(*profile, PlanOf({.dp = 4, .zero = 3, .offload = true, .offload_params = true}));
+  ASSERT_TRUE(in_memory.ok() && offloaded.ok());
+  EXPECT_GT(offloaded->step_seconds, in_memory->step_seconds) << preset;
 }
 
 TEST(StrategyModelsTest, PredictedStateBytesEqualTheReportOfEveryLayout) {

@@ -23,6 +23,7 @@
 #include "google/protobuf/text_format.h"
 #include "pipeline/weight_gradients.h"
 #include "strategy/internal/profile.h"
+#include "zero/zero.h"
 
 namespace trident {
 namespace internal {
@@ -396,6 +397,13 @@ absl::StatusOr<ModelProfile> ProfileModel(const ProfileRequest& request, Topolog
   profile.set_cores_per_node(sched_getaffinity(0, sizeof(cores), &cores) == 0
                                  ? CPU_COUNT(&cores)
                                  : static_cast<int>(std::thread::hardware_concurrency()));
+  if (topology->rank() == 0) {
+    absl::StatusOr<DiskBandwidth> disk = MeasureOffloadBandwidth(request.plan.zero().offload_dir());
+    if (disk.ok()) {
+      profile.set_disk_write_bytes_per_second(disk->write_bytes_per_second);
+      profile.set_disk_read_bytes_per_second(disk->read_bytes_per_second);
+    }
+  }
   for (int64_t b : request.micro_batch_sizes) profile.add_micro_batch_sizes(b);
   TRIDENT_RETURN_IF_ERROR(topology->Reshape({}));
   absl::Status layers = ProfileLayers(request, TensorParallelism{}, request.bf16, topology->world(), &profile);

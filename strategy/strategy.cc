@@ -30,7 +30,7 @@ const std::map<std::string, std::set<std::string>>& MethodFields() {
       {"half", {"dtype", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}},
       {"zero1", {"offload_optimizer"}},
       {"zero2", {"offload_optimizer"}},
-      {"fsdp", {"wrap", "min_num_params", "ignored", "offload_optimizer", "offload_params"}},
+      {"fsdp", {"wrap", "min_num_params", "ignored", "offload_optimizer", "offload_params", "limit_all_gathers"}},
       {"checkpoint", {"layers", "activation_checkpoint_ratio", "checkpoint_num_layers", "modules", "all_layers"}},
       {"module_replace", {"pairs"}},
       {"tensor_parallel", {"sequence_parallel", "overlapping_level"}},
@@ -215,14 +215,15 @@ absl::Status ApplyStrategy(const Strategy& strategy, int world_size, ParallelPla
     }
   }
   plan->mutable_zero()->clear_ignored();
+  plan->mutable_zero()->clear_wrap();
+  plan->mutable_zero()->clear_min_num_params();
+  plan->mutable_zero()->clear_limit_all_gathers();
   if (has("fsdp")) {
     const OptimizationMethod& fsdp = *by_name["fsdp"];
-    if (fsdp.wrap_size() > 0 || fsdp.has_min_num_params()) {
-      return absl::UnimplementedError(
-          "strategy: fsdp's wrap and min_num_params are not available: ZeRO-3 wraps every "
-          "layer of a LayerSequence (every shard of a traced model); leave them out");
-    }
     *plan->mutable_zero()->mutable_ignored() = fsdp.ignored();
+    *plan->mutable_zero()->mutable_wrap() = fsdp.wrap();
+    if (fsdp.has_min_num_params()) plan->mutable_zero()->set_min_num_params(fsdp.min_num_params());
+    if (fsdp.has_limit_all_gathers()) plan->mutable_zero()->set_limit_all_gathers(fsdp.limit_all_gathers());
   }
   if (has("amp_native")) {
     const OptimizationMethod& amp = *by_name["amp_native"];
@@ -343,6 +344,11 @@ Strategy StrategyFromPlan(const ParallelPlan& plan) {
       zero->set_offload_params(ZeroSpec::Offload_Name(plan.zero().offload_params()));
     }
     *zero->mutable_ignored() = plan.zero().ignored();
+    if (plan.zero().stage() == 3) {
+      *zero->mutable_wrap() = plan.zero().wrap();
+      if (plan.zero().min_num_params() > 0) zero->set_min_num_params(plan.zero().min_num_params());
+      if (plan.zero().limit_all_gathers()) zero->set_limit_all_gathers(true);
+    }
   }
   if (plan.precision().mode() == "bf16" || plan.precision().mode() == "fp16") {
     OptimizationMethod* amp = strategy.add_methods();

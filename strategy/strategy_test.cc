@@ -79,7 +79,8 @@ std::string DecidedFields(const ParallelPlan& p) {
       "dp=", p.dp(), " tp=", p.tp(), " pp=", p.pp(), " axes=", absl::StrJoin(p.axis_order(), ","),
       " ranks=", absl::StrJoin(p.rank_order(), ","), " zero=", p.zero().stage(), "/",
       ZeroShardGroupSize(p.zero(), p.dp()).value_or(-1), "/", ZeroSpec::Offload_Name(p.zero().offload_optimizer()), "/",
-      ZeroSpec::Offload_Name(p.zero().offload_params()), "/", absl::StrJoin(p.zero().ignored(), ","),
+      ZeroSpec::Offload_Name(p.zero().offload_params()), "/", absl::StrJoin(p.zero().ignored(), ","), "/",
+      absl::StrJoin(p.zero().wrap(), ","), "/", p.zero().min_num_params(), "/", p.zero().limit_all_gathers(),
       " precision=", p.precision().mode(), " table=", p.precision().table(), " scaling=", p.precision().loss_scaling(),
       "/", p.precision().loss_scaler().loss_scale(), "/", p.precision().loss_scaler().initial_scale_power(), "/",
       p.precision().loss_scaler().loss_scale_window(), "/", p.precision().loss_scaler().hysteresis(), "/",
@@ -183,6 +184,9 @@ std::vector<ParallelPlan> PlansUsingEveryMethod() {
     p.mutable_zero()->set_offload_optimizer(ZeroSpec::disk);
     p.mutable_zero()->set_offload_params(ZeroSpec::disk);
     p.mutable_zero()->add_ignored("transformer.wte");
+    p.mutable_zero()->add_wrap("transformer.h");
+    p.mutable_zero()->set_min_num_params(100000);
+    p.mutable_zero()->set_limit_all_gathers(true);
   }
   return plans;
 }
@@ -272,7 +276,6 @@ TEST(StrategyTest, BadStrategiesNameTheMethodOrThePair) {
   EXPECT_THAT(Error(R"(methods { name: "parallel_mode" parallel_mode { name: "tensor" size: 3 } })", 4),
               HasSubstr("tensor x pipeline = 3 x 1 does not divide the 4 ranks"));
   EXPECT_THAT(Error(R"(methods { name: "tensor_parallel" })", 2), HasSubstr("tensor_parallel needs tensor ranks"));
-  EXPECT_THAT(Error(R"(methods { name: "fsdp" wrap: "h" })", 2), HasSubstr("fsdp's wrap"));
   EXPECT_THAT(Error(R"(methods { name: "amp_native" dtype: "fp8" })", 2), HasSubstr("choose bf16 or fp16"));
   EXPECT_THAT(Error(R"(methods { name: "module_replace" })", 2), HasSubstr("module_replace names no pairs"));
   EXPECT_THAT(Error(R"(methods { name: "checkpoint" all_layers: true layers: "h.1" })", 2),

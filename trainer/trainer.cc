@@ -303,6 +303,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       t.peak_flops / 1e9, PeakResidentMb()));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
   const auto start = Clock::now();
+  int64_t offload_written = 0, offload_read = 0;  // by the training steps (not evaluation)
   const double samples_per_step = static_cast<double>(global_batch_size);
   while (t.step < max_steps) {
     const int64_t epoch = t.epoch();
@@ -311,6 +312,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     }
     t.ForHooks([&](TrainerHooks& h) { h.OnStepStart(t.State()); });
     const auto step_start = Clock::now();
+    const MemoryReport step_memory = t.model->Memory();
     const bool breakdown = c.output().wall_clock_breakdown();
     const auto communication = breakdown ? CommunicationTimes() : std::map<std::string, CommunicationTime>();
     TRIDENT_ASSIGN_OR_RETURN(std::vector<Batch> batches, t.MicroBatches(*t.train_data, *t.sampler, t.step));
@@ -380,6 +382,9 @@ absl::StatusOr<TrainResult> Trainer::Train() {
     ++t.step;
     t.ForHooks([&](TrainerHooks& h) { h.AfterOptimizerStep(t.State()); });
     const double seconds = Seconds(Clock::now() - step_start);
+    const MemoryReport stepped = t.model->Memory();
+    offload_written += stepped.offload_bytes_written - step_memory.offload_bytes_written;
+    offload_read += stepped.offload_bytes_read - step_memory.offload_bytes_read;
     m.step = t.step;
     m.step_time_ms = 1000 * seconds;
     if (breakdown) {
@@ -456,11 +461,9 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   TRIDENT_RETURN_IF_ERROR(t.topology().world().AllReduce(peak, ReduceOp::kMax));
   const int64_t steps = t.step - result.first_step;
   std::string offload;
-  const MemoryReport memory = t.model->Memory();
-  if (memory.offload_bytes_written > 0 && steps > 0) {
+  if (offload_written > 0 && steps > 0) {
     offload = absl::StrFormat(" | offload files: %.1f MB written, %.1f MB read per step on rank %d",
-                              memory.offload_bytes_written / 1e6 / steps, memory.offload_bytes_read / 1e6 / steps,
-                              t.topology().rank());
+                              offload_written / 1e6 / steps, offload_read / 1e6 / steps, t.topology().rank());
   }
   t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB (the largest of any rank)%s", steps,
                           internal::FormatDuration(Seconds(Clock::now() - start)), peak.item<double>(), offload));

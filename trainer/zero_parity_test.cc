@@ -62,6 +62,27 @@ TEST(ZeroParityTest, IgnoredModulesStayWholeAndTrainTheSameLosses) {
   ExpectSameLosses(single, TrainOnRanks(config, "zero3_ignored"), 1e-5);
 }
 
+// Gather units wider than a layer: every block in one (ATorch's
+// atorch_wrap_cls), and layers merged up to a parameter count
+// (atorch_size_based_min_num_params) under limit_all_gathers; each run twice.
+TEST(ZeroParityTest, WrappedGatherUnitsTrainTheSameLosses) {
+  const std::vector<double> single = TrainOnRanks(SmallConfig(1), "wrap_reference");
+  for (const char* policy : {"wrap", "size"}) {
+    TrainerConfig config = ZeroConfig(2, 3);
+    if (std::string(policy) == "wrap") {
+      SetFlag(&config, "atorch_wrap_cls", "transformer.h");
+    } else {
+      SetFlag(&config, "atorch_size_based_min_num_params", 50000);
+      SetFlag(&config, "limit_all_gathers", true);
+    }
+    const std::string tag = absl::StrCat("zero3_", policy, "_units");
+    SCOPED_TRACE(tag);
+    const std::vector<double> losses = TrainOnRanks(config, tag);
+    ExpectSameLosses(single, losses, 1e-5);
+    ExpectSameLosses(losses, TrainOnRanks(config, tag + "_again"), 0);
+  }
+}
+
 // A deeper prefetch and more reduce-scatters in flight change when
 // collectives run, not what they compute.
 TEST(ZeroParityTest, PrefetchDepthAndReductionsInFlightKeepTheLosses) {

@@ -74,6 +74,62 @@ absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& par
   return layout;
 }
 
+ZeroGatherUnits PlanGatherUnits(const ZeroSpec& spec,
+                                const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads,
+                                const std::vector<std::string>& names, const std::vector<int64_t>& numels) {
+  // The wrap name every parameter of a layer lies under ("" for none or several).
+  auto wrapped_by = [&](const std::vector<int>& reads) -> std::string {
+    std::string common;
+    for (int i : reads) {
+      auto under = std::find_if(spec.wrap().begin(), spec.wrap().end(), [&](const std::string& prefix) {
+        return names[i] == prefix || absl::StartsWith(names[i], prefix + ".");
+      });
+      if (under == spec.wrap().end() || (!common.empty() && common != *under)) return "";
+      common = *under;
+    }
+    return common;
+  };
+  ZeroGatherUnits units;
+  std::vector<std::string> unit_wrap;
+  std::vector<int64_t> unit_numel;
+  for (const auto& [layer, reads] : layer_reads) {
+    const std::string wrap = wrapped_by(reads);
+    const bool adjacent = !units.layers.empty() && units.layers.back().back() + 1 == layer;
+    if (!adjacent || !(reads.empty() || (!wrap.empty() && wrap == unit_wrap.back()))) {
+      units.layers.emplace_back();
+      units.reads.emplace_back(layer, std::vector<int>());
+      unit_wrap.push_back(wrap);
+      unit_numel.push_back(0);
+    }
+    units.layers.back().push_back(layer);
+    for (int i : reads) {
+      units.reads.back().second.push_back(i);
+      unit_numel.back() += numels[i];
+    }
+  }
+  if (spec.min_num_params() <= 0) return units;
+  ZeroGatherUnits merged;
+  int64_t merged_numel = 0;
+  for (size_t u = 0; u < units.layers.size(); ++u) {
+    const bool adjacent = !merged.layers.empty() && merged.layers.back().back() + 1 == units.layers[u].front();
+    if (adjacent && merged_numel < spec.min_num_params()) {
+      merged.layers.back().insert(merged.layers.back().end(), units.layers[u].begin(), units.layers[u].end());
+      std::vector<int>& reads = merged.reads.back().second;
+      reads.insert(reads.end(), units.reads[u].second.begin(), units.reads[u].second.end());
+      merged_numel += unit_numel[u];
+    } else {
+      merged.layers.push_back(units.layers[u]);
+      merged.reads.push_back(units.reads[u]);
+      merged_numel = unit_numel[u];
+    }
+  }
+  return merged;
+}
+
+int ZeroPrefetchDepth(const ZeroSpec& spec) {
+  return spec.limit_all_gathers() ? std::min(1, spec.prefetch_layers()) : spec.prefetch_layers();
+}
+
 MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int state_per_element) {
   MemoryReport report;
   int64_t largest_scratch = 0, chunk_bytes = 0;

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/host_copy.h"
 #include "base/status.h"
@@ -64,19 +65,45 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     }
   }
   std::vector<std::pair<int64_t, std::vector<int>>> layer_reads;
+  std::vector<std::string> names(flat.size());
   if (o.layers != nullptr) {
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("listing the layers' parameters", [&] {
       for (int64_t layer : o.layer_indices) {
         layer_reads.emplace_back(layer, std::vector<int>());
         for (const auto& [name, p] : o.layers->LayerParameters(layer)) {
           auto found = index_of.find(p.unsafeGetTensorImpl());
-          if (found != index_of.end()) layer_reads.back().second.push_back(found->second);
+          if (found == index_of.end()) continue;
+          layer_reads.back().second.push_back(found->second);
+          names[found->second] = name;
         }
       }
     }));
   }
-  TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, PlanZeroBuckets(planned, o.spec.stage(), o.spec.reduce_bucket_bytes(),
-                                                              static_cast<int>(parts), layer_reads));
+  // A rank holding every layer can tell a wrap name that matches nothing.
+  const bool whole_model = o.layers != nullptr && static_cast<int64_t>(o.layer_indices.size()) == o.layers->NumLayers();
+  for (const std::string& wrap : whole_model ? o.spec.wrap() : google::protobuf::RepeatedPtrField<std::string>()) {
+    const bool matches = std::any_of(names.begin(), names.end(), [&](const std::string& name) {
+      return name == wrap || absl::StartsWith(name, wrap + ".");
+    });
+    if (!matches) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("zero wrap (atorch_wrap_cls) '", wrap,
+                       "' names no module of the layers this rank holds (their parameters are ",
+                       names.empty() ? std::string("none") : absl::StrCat("named like '", names.front(), "'"),
+                       "); give a module name or prefix of a layer's parameters"));
+    }
+  }
+  // Stage 3 gathers units of layers (each layer, unless wrapped together).
+  std::vector<int64_t> numels;
+  for (const ZeroParameter& p : planned) numels.push_back(p.numel);
+  const ZeroGatherUnits units = PlanGatherUnits(o.spec, layer_reads, names, numels);
+  for (const std::vector<int64_t>& unit : units.layers) {
+    for (int64_t layer : unit) zero->unit_of_[layer] = unit.front();
+    zero->unit_last_[unit.front()] = unit.back();
+  }
+  TRIDENT_ASSIGN_OR_RETURN(
+      ZeroLayout layout, PlanZeroBuckets(planned, o.spec.stage(), o.spec.reduce_bucket_bytes(), static_cast<int>(parts),
+                                         o.spec.stage() == 3 ? units.reads : layer_reads));
   zero->layout_ = std::move(layout);
   std::vector<std::vector<at::Tensor>> members;
   std::vector<size_t> member_group;
@@ -131,9 +158,10 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
   }
   for (size_t m = 0; m < members.size(); ++m) {
     if (o.spec.stage() == 3) {
-      const int64_t layer = first_reader.at(static_cast<int>(m));
-      TRIDENT_RETURN_IF_ERROR(
-          CatchExceptions("drawing the parameters' values", [&] { o.layers->MaterializeLayer(layer); }));
+      const int64_t unit = first_reader.at(static_cast<int>(m));
+      TRIDENT_RETURN_IF_ERROR(CatchExceptions("drawing the parameters' values", [&] {
+        for (int64_t layer = unit; layer <= zero->unit_last_.at(unit); ++layer) o.layers->MaterializeLayer(layer);
+      }));
     }
     Bucket bucket;
     bucket.params = members[m];
@@ -296,7 +324,7 @@ void ZeroOptimizer::Release(Bucket& bucket) {
   }
 }
 
-// Gathers a layer's buckets and starts the all-gathers of the next layer's.
+// Gathers the buckets of the unit whose first layer is `layer`.
 void ZeroOptimizer::GatherLayer(int64_t layer) {
   for (int b : layout_.layer_buckets[layer]) {
     absl::Status status = Gather(buckets_[b]);  // thrown: the layer cannot run without it
@@ -323,11 +351,11 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
     absl::Status finished = FinishOldestGather();  // thrown: the layer cannot run without it
     TORCH_CHECK(finished.ok(), std::string(finished.message()));
   }
-  if (options_.spec.stage() < 3) return;
+  if (options_.spec.stage() < 3 || unit_of_.at(layer) != layer) return;  // a unit is gathered at its first layer
   GatherLayer(layer);
-  // The next layers' chunks travel while this one computes.
+  // The next units' chunks travel while this one computes.
   auto next = layout_.layer_buckets.upper_bound(layer);
-  for (int k = 0; k < options_.spec.prefetch_layers() && next != layout_.layer_buckets.end(); ++k, ++next) {
+  for (int k = 0; k < ZeroPrefetchDepth(options_.spec) && next != layout_.layer_buckets.end(); ++k, ++next) {
     Prefetch(next->first);
   }
   if (next != layout_.layer_buckets.end()) ReadAhead(next->first);
@@ -353,27 +381,31 @@ void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values
     });
     announced = true;
   }
-  for (int b : layout_.layer_buckets[layer]) {
+  const int64_t unit = unit_of_.at(layer);
+  for (int b : layout_.layer_buckets[unit]) {
     Bucket& bucket = buckets_[b];
     bucket.escaped |= !announced && at::GradMode::is_enabled();
     for (const at::Tensor& output : outputs) {
       bucket.escaped |= output.defined() && output.storage().is_alias_of(bucket.buffer.storage());
     }
-    Release(bucket);
+    if (layer == unit_last_.at(unit)) Release(bucket);
   }
 }
 
 void ZeroOptimizer::BackwardReached(int64_t layer) {
-  if (backward_held_.insert(layer).second) GatherLayer(layer);
-  // Backward goes down the layers: prefetch those below.
-  auto below = layout_.layer_buckets.lower_bound(layer);
-  for (int k = 0; k < options_.spec.prefetch_layers() && below != layout_.layer_buckets.begin(); ++k) {
+  const int64_t unit = unit_of_.at(layer);
+  if (backward_held_.insert(unit).second) GatherLayer(unit);
+  // Backward goes down the units: prefetch those below.
+  auto below = layout_.layer_buckets.lower_bound(unit);
+  for (int k = 0; k < ZeroPrefetchDepth(options_.spec) && below != layout_.layer_buckets.begin(); ++k) {
     Prefetch((--below)->first);
   }
   if (below != layout_.layer_buckets.begin()) ReadAhead(std::prev(below)->first);
-  // Layers two or more above are done with backward: release those still held
-  // (a parameter that got no gradient this time keeps its layer until here).
-  for (auto it = backward_held_.upper_bound(layer + 1); it != backward_held_.end();) {
+  // Units two or more above are done with backward: release those still held
+  // (a parameter that got no gradient this time keeps its unit until here).
+  auto above = unit_of_.find(unit_last_.at(unit) + 1);
+  const int64_t last_kept = above == unit_of_.end() ? unit_last_.at(unit) + 1 : above->second;
+  for (auto it = backward_held_.upper_bound(last_kept); it != backward_held_.end();) {
     for (int b : layout_.layer_buckets[*it]) Release(buckets_[b]);
     it = backward_held_.erase(it);
   }

@@ -108,6 +108,15 @@ namespace zero_internal {
 class OffloadedTensors;
 }  // namespace zero_internal
 
+// The sequential bandwidth of the disk under `dir` as offload sees it:
+// `bytes` written and synced, then read back with the page cache dropped (so
+// the disk, not memory, is timed). The strategy's time model prices offload
+// with it.
+struct DiskBandwidth {
+  double write_bytes_per_second = 0, read_bytes_per_second = 0;
+};
+absl::StatusOr<DiskBandwidth> MeasureOffloadBandwidth(const std::string& dir, int64_t bytes = int64_t{64} << 20);
+
 // Builds an optimizer over lists of parameters, one list per parameter group
 // (by convention [0] the parameters weight decay applies to, the matrices,
 // and [1] the others): one torch::optim param group each. ZeRO calls it with
@@ -159,6 +168,22 @@ struct ZeroLayout {
 absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& parameters, int stage,
                                            int64_t reduce_bucket_bytes, int group_size,
                                            const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads);
+// Stage 3's gather units (ZeroSpec's wrap and min_num_params) over
+// `layer_reads` (as PlanZeroBuckets takes them, in order); `names` and
+// `numels` describe the parameters by index. `layers` lists each unit's
+// layers in order; `reads` each unit's parameters under its first layer (what
+// PlanZeroBuckets takes to make a unit's buckets). A layer without parameters
+// joins the unit before it.
+struct ZeroGatherUnits {
+  std::vector<std::vector<int64_t>> layers;
+  std::vector<std::pair<int64_t, std::vector<int>>> reads;
+};
+ZeroGatherUnits PlanGatherUnits(const ZeroSpec& spec,
+                                const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads,
+                                const std::vector<std::string>& names, const std::vector<int64_t>& numels);
+// Stage 3's units gathered ahead of the one running: prefetch_layers, at
+// most 1 under limit_all_gathers.
+int ZeroPrefetchDepth(const ZeroSpec& spec);
 // A rank's parameter, gradient and optimizer bytes under `layout` before the
 // first step, `state_per_element` state values per parameter value (Adam: 2).
 MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int state_per_element);
@@ -309,7 +334,7 @@ class ZeroOptimizer : private LayerObserver {
   absl::Status Gather(Bucket& bucket);
   void Release(Bucket& bucket);
   void GatherLayer(int64_t layer);
-  void Prefetch(int64_t layer);  // starts the all-gathers of a layer's buckets
+  void Prefetch(int64_t layer);  // starts the all-gathers of a unit's buckets (`layer` its first)
   // offload_params=disk: starts reading `layer`'s chunks (the layer after
   // those prefetched), so the disk works while this layer computes.
   void ReadAhead(int64_t layer);
@@ -337,9 +362,13 @@ class ZeroOptimizer : private LayerObserver {
   ZeroOptions options_;
   std::vector<Bucket> buckets_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  GradientAccumulatedHooks hooks_;   // stage 2 and 3: gradients move into buckets
-  ZeroLayout layout_;                // stage 3: layout_.layer_buckets are the buckets a layer reads
-  std::set<int64_t> backward_held_;  // stage 3: layers gathered for backward
+  GradientAccumulatedHooks hooks_;  // stage 2 and 3: gradients move into buckets
+  // Stage 3: layout_.layer_buckets are the buckets each gather unit reads,
+  // under the unit's first layer; unit_of_ maps every layer to that first
+  // layer, unit_last_ each unit to its last layer.
+  ZeroLayout layout_;
+  std::map<int64_t, int64_t> unit_of_, unit_last_;
+  std::set<int64_t> backward_held_;  // stage 3: units gathered for backward
   bool last_micro_batch_ = false;
   absl::Status first_error_;
   // Buckets whose reduce-scatter was issued from the gradient hook, oldest

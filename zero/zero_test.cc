@@ -239,10 +239,58 @@ TEST(ZeroOffloadTest, DiskOffloadedParametersStreamAndUpdateBitIdentically) {
         EXPECT_TRUE(at::equal(item.value(), expected[item.key()])) << item.key();
       }
       const MemoryReport after = (*zero)->Memory();
-      EXPECT_GE(after.offload_bytes_read, 3 * 2 * before.offloaded_parameter_bytes);  // forward and backward
+      // Each chunk read at least for the forward and the update of each of the
+      // 3 steps (and the state for the updates of steps 2 and 3).
+      const int64_t state_read = state_too ? 2 * after.offloaded_optimizer_bytes : 0;
+      EXPECT_GE(after.offload_bytes_read, 3 * 2 * before.offloaded_parameter_bytes + state_read);
       EXPECT_EQ(after.offloaded_optimizer_bytes > 0, state_too);
     });
   }
+}
+
+// Wrapped layers form one unit while adjacent, a layer without parameters
+// joins the unit before it, and small units merge up to min_num_params but
+// never across a gap in the layer indices (another pipeline chunk).
+TEST(ZeroGatherUnitsTest, WrapAndSizePoliciesMergeAdjacentLayers) {
+  // Parameters: 0 wte, 1-2 h.0, 3 h.1, 4 h.2, 5 ln_f; layers 0-4 then 8.
+  const std::vector<std::string> names = {"wte.weight", "h.0.a", "h.0.b", "h.1.a", "h.2.a", "ln_f.weight"};
+  const std::vector<int64_t> numels = {100, 10, 10, 30, 40, 5};
+  const std::vector<std::pair<int64_t, std::vector<int>>> reads = {{0, {0}}, {1, {1, 2}}, {2, {3}},
+                                                                   {3, {}},  {4, {4}},    {8, {5}}};
+  auto layers_of = [](const ZeroGatherUnits& units) {
+    std::vector<std::vector<int64_t>> layers = units.layers;
+    EXPECT_EQ(units.reads.size(), layers.size());
+    for (size_t u = 0; u < layers.size(); ++u) EXPECT_EQ(units.reads[u].first, layers[u].front());
+    return layers;
+  };
+  ZeroSpec spec;
+  using Units = std::vector<std::vector<int64_t>>;
+  EXPECT_EQ(layers_of(PlanGatherUnits(spec, reads, names, numels)), (Units{{0}, {1}, {2, 3}, {4}, {8}}));
+  spec.add_wrap("h");
+  const ZeroGatherUnits wrapped = PlanGatherUnits(spec, reads, names, numels);
+  EXPECT_EQ(layers_of(wrapped), (Units{{0}, {1, 2, 3, 4}, {8}}));
+  EXPECT_EQ(wrapped.reads[1].second, (std::vector<int>{1, 2, 3, 4}));
+  spec.clear_wrap();
+  spec.set_min_num_params(25);
+  EXPECT_EQ(layers_of(PlanGatherUnits(spec, reads, names, numels)), (Units{{0}, {1, 2, 3}, {4}, {8}}));
+  spec.set_min_num_params(1000);
+  EXPECT_EQ(layers_of(PlanGatherUnits(spec, reads, names, numels)), (Units{{0, 1, 2, 3, 4}, {8}}));
+}
+
+TEST(ZeroGatherUnitsTest, AWrapNameThatMatchesNoLayerIsRefused) {
+  testing::RunOnRanks(1, [](int) {
+    auto topology = testing::JoinTopology({{"data", 1}});
+    ASSERT_TRUE(topology.ok()) << topology.status();
+    auto model = Build(Tiny());
+    ZeroOptions options;
+    options.spec.set_stage(3);
+    options.spec.add_wrap("transformer.blocks");
+    options.layers = model.get();
+    for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
+    auto zero = ZeroOptimizer::Create(Groups(*model), *(*topology)->Group("dp"), options, MakeAdamW);
+    ASSERT_FALSE(zero.ok());
+    EXPECT_THAT(std::string(zero.status().message()), HasSubstr("wrap (atorch_wrap_cls) 'transformer.blocks'"));
+  });
 }
 
 TEST(ZeroOffloadTest, ParameterOffloadNeedsStageThree) {

@@ -4,14 +4,18 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "zero/internal/buckets.h"
 
 namespace trident {
@@ -164,4 +168,38 @@ absl::StatusOr<at::Tensor> OffloadedTensors::Mapped(int slot, size_t index, bool
 }
 
 }  // namespace zero_internal
+
+absl::StatusOr<DiskBandwidth> MeasureOffloadBandwidth(const std::string& dir, int64_t bytes) {
+  std::string path = absl::StrCat(dir, "/trident-offload-probe-XXXXXX");
+  const int fd = mkstemp(path.data());
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create a file in offload_dir '", dir, "': ", std::strerror(errno)));
+  }
+  unlink(path.c_str());
+  std::vector<char> data(static_cast<size_t>(bytes), 1);
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point start) {
+    return std::max(1e-9, std::chrono::duration<double>(Clock::now() - start).count());
+  };
+  DiskBandwidth bandwidth;
+  auto start = Clock::now();
+  absl::Status status = zero_internal::WholeTransfer("writing", path, bytes, 0, [&](int64_t done, size_t n, off_t at) {
+    return pwrite(fd, data.data() + done, n, at);
+  });
+  if (status.ok() && fdatasync(fd) != 0) status = absl::DataLossError(absl::StrCat("syncing ", path));
+  bandwidth.write_bytes_per_second = static_cast<double>(bytes) / seconds_since(start);
+  posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);  // read from the disk, not the page cache
+  start = Clock::now();
+  if (status.ok()) {
+    status = zero_internal::WholeTransfer("reading", path, bytes, 0, [&](int64_t done, size_t n, off_t at) {
+      return pread(fd, data.data() + done, n, at);
+    });
+  }
+  bandwidth.read_bytes_per_second = static_cast<double>(bytes) / seconds_since(start);
+  close(fd);
+  TRIDENT_RETURN_IF_ERROR(status);
+  return bandwidth;
+}
+
 }  // namespace trident
