@@ -306,12 +306,6 @@ double PeakActivations(const PlanCosts& costs, int s) {
   return peak;
 }
 
-// Layers were timed with every rank of a node busy at once. Where a node has
-// more ranks than cores, ranks share the cores only while they are busy
-// together: a pipeline's ranks, idle in its bubbles, run faster than profiled.
-// The factor scales the pipeline by the share of a core the ranks busy on
-// average get, against the share they had when profiled (the profiler
-// starts every timed run on all ranks at once).
 // Reading `read` and writing `written` bytes of offload files, at the
 // profile's measured bandwidth (free where it was not measured).
 double DiskSeconds(const ModelProfile& profile, double read, double written) {
@@ -321,6 +315,12 @@ double DiskSeconds(const ModelProfile& profile, double read, double written) {
   return seconds;
 }
 
+// Layers were timed with every rank of a node busy at once. Where a node has
+// more ranks than cores, ranks share the cores only while they are busy
+// together: a pipeline's ranks, idle in its bubbles, run faster than profiled.
+// The factor scales the pipeline by the share of a core the ranks busy on
+// average get, against the share they had when profiled (the profiler
+// starts every timed run on all ranks at once).
 double OversubscriptionFactor(const ModelProfile& profile, const ParallelPlan& plan, double bubble_fraction) {
   const double ranks = profile.ranks_per_node(), cores = profile.cores_per_node();
   if (plan.device() != ParallelPlan::cpu || cores <= 0 || ranks <= cores) return 1;

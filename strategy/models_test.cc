@@ -75,7 +75,9 @@ internal::SourceFactory TracedGpt(const std::string& preset) {
 }
 
 // `degrees`: the tensor-parallel degrees the model's shapes allow (of 1, 2, 4).
-void CheckModel(Topology& topology, const std::string& preset, internal::SourceFactory make_source, int degrees) {
+// `blocks`: the module name the model's transformer blocks are under.
+void CheckModel(Topology& topology, const std::string& preset, internal::SourceFactory make_source, int degrees,
+                const std::string& blocks) {
   internal::ProfileRequest request;
   request.make_source = make_source;
   SetStrings(request.plan.mutable_trace()->mutable_batch_fields(), {"tokens", "targets"});
@@ -100,8 +102,8 @@ void CheckModel(Topology& topology, const std::string& preset, internal::SourceF
       {.dp = 4, .zero = 1},
       {.dp = 4, .zero = 2, .micro_batches = 2},
       {.dp = 4, .zero = 3},
-      {.dp = 4, .zero = 3, .shard_group_size = 2, .ignored = "transformer.h.0"},
-      {.dp = 4, .zero = 3, .wrap = "transformer.h"},
+      {.dp = 4, .zero = 3, .shard_group_size = 2, .ignored = blocks + ".0"},
+      {.dp = 4, .zero = 3, .wrap = blocks},
       {.dp = 4, .zero = 2, .offload = true},
       {.dp = 2, .tp = 2},
       {.dp = 2, .tp = 2, .zero = 3, .offload = true, .offload_params = true},
@@ -168,9 +170,9 @@ TEST(StrategyModelsTest, PredictedStateBytesEqualTheReportOfEveryLayout) {
       [](int) {
         auto topology = testing::JoinTopology();
         ASSERT_TRUE(topology.ok()) << topology.status();
-        CheckModel(**topology, "gpt-tiny", ZooSource("gpt", "gpt-tiny"), 3);
-        CheckModel(**topology, "llama-tiny", ZooSource("llama", "llama-tiny"), 2);
-        CheckModel(**topology, "traced gpt-tiny", TracedGpt("gpt-tiny"), 1);
+        CheckModel(**topology, "gpt-tiny", ZooSource("gpt", "gpt-tiny"), 3, "transformer.h");
+        CheckModel(**topology, "llama-tiny", ZooSource("llama", "llama-tiny"), 2, "model.layers");
+        CheckModel(**topology, "traced gpt-tiny", TracedGpt("gpt-tiny"), 1, "transformer.h");
       },
       options);
 }

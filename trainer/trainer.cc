@@ -460,13 +460,26 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   at::Tensor peak = at::full({1}, PeakResidentMb(), at::kDouble);  // of the fullest rank
   TRIDENT_RETURN_IF_ERROR(t.topology().world().AllReduce(peak, ReduceOp::kMax));
   const int64_t steps = t.step - result.first_step;
-  std::string offload;
+  std::string memory_details;
   if (offload_written > 0 && steps > 0) {
-    offload = absl::StrFormat(" | offload files: %.1f MB written, %.1f MB read per step on rank %d",
-                              offload_written / 1e6 / steps, offload_read / 1e6 / steps, t.topology().rank());
+    memory_details = absl::StrFormat(" | offload files: %.1f MB written, %.1f MB read per step on rank %d",
+                                     offload_written / 1e6 / steps, offload_read / 1e6 / steps, t.topology().rank());
+  }
+  // ZeRO's working set beside its state: this rank's peak, taken apart (the
+  // parts' peaks need not coincide, so the rest is at least what is left).
+  const MemoryReport memory = t.model->Memory();
+  if (memory.peak_gathered_bytes + memory.peak_gradients_in_flight_bytes > 0) {
+    constexpr double kMiB = 1048576.0;
+    const double mine = PeakResidentMb(), state = (memory.total() - memory.gradient_scratch_bytes) / kMiB;
+    const double gathered = memory.peak_gathered_bytes / kMiB, in_flight = memory.peak_gradients_in_flight_bytes / kMiB;
+    memory_details += absl::StrFormat(
+        " | rank %d's peak %.0f MiB: state %.0f, gathered parameters %.0f, gradients in flight %.0f, the rest "
+        "(activations, allocator, process) %.0f",
+        t.topology().rank(), mine, state, gathered, in_flight, mine - state - gathered - in_flight);
   }
   t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB (the largest of any rank)%s", steps,
-                          internal::FormatDuration(Seconds(Clock::now() - start)), peak.item<double>(), offload));
+                          internal::FormatDuration(Seconds(Clock::now() - start)), peak.item<double>(),
+                          memory_details));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainEnd(t.State()); });
   return result;
 }

@@ -141,6 +141,7 @@ MemoryReport ZeroLayoutMemory(const ZeroLayout& layout, int group_size, int stat
     chunk_bytes += chunk;
   }
   report.gradient_bytes += largest_scratch;  // one stage-2 bucket fills at a time
+  report.gradient_scratch_bytes = largest_scratch;
   report.optimizer_bytes = state_per_element * chunk_bytes;
   return report;
 }

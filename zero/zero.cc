@@ -125,7 +125,10 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
       zero->hooks_.Add(bucket.params[i], [self, index, slot] {
         Bucket& bucket = self->buckets_[index];
         at::Tensor param = bucket.params[slot];
-        if (!bucket.full_grad.defined()) bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
+        if (!bucket.full_grad.defined()) {
+          bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
+          self->NoteWorkingSet();
+        }
         bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(param.grad().reshape({-1}));
         param.mutable_grad() = at::Tensor();  // the whole gradient is not kept
         self->OnGradientReady(index, slot);
@@ -160,7 +163,7 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     if (o.spec.stage() == 3) {
       const int64_t unit = first_reader.at(static_cast<int>(m));
       TRIDENT_RETURN_IF_ERROR(CatchExceptions("drawing the parameters' values", [&] {
-        for (int64_t layer = unit; layer <= zero->unit_last_.at(unit); ++layer) o.layers->MaterializeLayer(layer);
+        for (int64_t layer = unit; layer <= zero->UnitLast(unit); ++layer) o.layers->MaterializeLayer(layer);
       }));
     }
     Bucket bucket;
@@ -271,7 +274,7 @@ absl::Status ZeroOptimizer::ReadChunk(int b) {
 }
 
 void ZeroOptimizer::DropChunk(int b) {
-  if (ChunkOffloaded(b)) zero_internal::FreeStorage(buckets_[b].chunk);
+  if (ChunkOffloaded(b)) FreeStorage(buckets_[b].chunk);
 }
 
 absl::Status ZeroOptimizer::SettleOffloadedChunks() {
@@ -303,6 +306,7 @@ absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
   bucket.prefetch.reset();
   TRIDENT_RETURN_IF_ERROR(waited);
   DropChunk(b);  // in the buffer now, and in its file
+  NoteWorkingSet();
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < bucket.params.size(); ++i) {
     at::Tensor param = bucket.params[i];
@@ -324,6 +328,27 @@ void ZeroOptimizer::Release(Bucket& bucket) {
   }
 }
 
+void ZeroOptimizer::NoteWorkingSet() {
+  int64_t gathered = 0, in_flight = 0;
+  for (const Bucket& bucket : buckets_) {
+    if (bucket.sharded && HasStorage(bucket.buffer)) gathered += zero_internal::Bytes(bucket.buffer);
+    if (!bucket.keep_full) in_flight += zero_internal::Bytes(bucket.full_grad);
+    if (bucket.reducing) in_flight += bucket.numel * static_cast<int64_t>(bucket.chunk.element_size());
+  }
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered);
+  peak_gradients_in_flight_bytes_ = std::max(peak_gradients_in_flight_bytes_, in_flight);
+}
+
+int64_t ZeroOptimizer::UnitOf(int64_t layer) const {
+  auto found = unit_of_.find(layer);
+  return found == unit_of_.end() ? layer : found->second;
+}
+
+int64_t ZeroOptimizer::UnitLast(int64_t unit) const {
+  auto found = unit_last_.find(unit);
+  return found == unit_last_.end() ? unit : found->second;
+}
+
 // Gathers the buckets of the unit whose first layer is `layer`.
 void ZeroOptimizer::GatherLayer(int64_t layer) {
   for (int b : layout_.layer_buckets[layer]) {
@@ -342,6 +367,7 @@ void ZeroOptimizer::Prefetch(int64_t layer) {
     auto started = group_->IAllGather(bucket.chunk, bucket.buffer);
     TORCH_CHECK(started.ok(), std::string(started.status().message()));
     bucket.prefetch = *std::move(started);
+    NoteWorkingSet();
   }
 }
 
@@ -351,7 +377,7 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
     absl::Status finished = FinishOldestGather();  // thrown: the layer cannot run without it
     TORCH_CHECK(finished.ok(), std::string(finished.message()));
   }
-  if (options_.spec.stage() < 3 || unit_of_.at(layer) != layer) return;  // a unit is gathered at its first layer
+  if (options_.spec.stage() < 3 || UnitOf(layer) != layer) return;  // a unit is gathered at its first layer
   GatherLayer(layer);
   // The next units' chunks travel while this one computes.
   auto next = layout_.layer_buckets.upper_bound(layer);
@@ -381,19 +407,19 @@ void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values
     });
     announced = true;
   }
-  const int64_t unit = unit_of_.at(layer);
+  const int64_t unit = UnitOf(layer);
   for (int b : layout_.layer_buckets[unit]) {
     Bucket& bucket = buckets_[b];
     bucket.escaped |= !announced && at::GradMode::is_enabled();
     for (const at::Tensor& output : outputs) {
       bucket.escaped |= output.defined() && output.storage().is_alias_of(bucket.buffer.storage());
     }
-    if (layer == unit_last_.at(unit)) Release(bucket);
+    if (layer == UnitLast(unit)) Release(bucket);
   }
 }
 
 void ZeroOptimizer::BackwardReached(int64_t layer) {
-  const int64_t unit = unit_of_.at(layer);
+  const int64_t unit = UnitOf(layer);
   if (backward_held_.insert(unit).second) GatherLayer(unit);
   // Backward goes down the units: prefetch those below.
   auto below = layout_.layer_buckets.lower_bound(unit);
@@ -403,9 +429,7 @@ void ZeroOptimizer::BackwardReached(int64_t layer) {
   if (below != layout_.layer_buckets.begin()) ReadAhead(std::prev(below)->first);
   // Units two or more above are done with backward: release those still held
   // (a parameter that got no gradient this time keeps its unit until here).
-  auto above = unit_of_.find(unit_last_.at(unit) + 1);
-  const int64_t last_kept = above == unit_of_.end() ? unit_last_.at(unit) + 1 : above->second;
-  for (auto it = backward_held_.upper_bound(last_kept); it != backward_held_.end();) {
+  for (auto it = backward_held_.upper_bound(UnitLast(unit) + 1); it != backward_held_.end();) {
     for (int b : layout_.layer_buckets[*it]) Release(buckets_[b]);
     it = backward_held_.erase(it);
   }

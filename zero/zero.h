@@ -135,6 +135,13 @@ struct MemoryReport {
   int64_t offloaded_optimizer_bytes = 0;
   int64_t offloaded_parameter_bytes = 0;
   int64_t offload_bytes_written = 0, offload_bytes_read = 0;
+  // Stages 2 and 3, the working set's peaks so far (they need not coincide):
+  // gathered parameters (stage 3's buffers) and whole gradients held while
+  // their buckets fill or are reduce-scattered.
+  int64_t peak_gathered_bytes = 0, peak_gradients_in_flight_bytes = 0;
+  // Of gradient_bytes, the one bucket's whole gradient counted for a bucket
+  // that fills (part of what is in flight).
+  int64_t gradient_scratch_bytes = 0;
   int64_t total() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
   std::string ToString() const;
 };
@@ -330,9 +337,15 @@ class ZeroOptimizer : private LayerObserver {
   void DropChunk(int b);
   // Frees the chunks read ahead and not gathered (their all-gathers finished).
   absl::Status SettleOffloadedChunks();
+  // Updates the working set's peaks (MemoryReport) from the buffers held now.
+  void NoteWorkingSet();
   // Stage 3: reference-counted gathering and releasing of a bucket.
   absl::Status Gather(Bucket& bucket);
   void Release(Bucket& bucket);
+  // Stage 3: the unit (its first layer) of `layer` (a layer in none: its
+  // own), and the last layer of `unit`.
+  int64_t UnitOf(int64_t layer) const;
+  int64_t UnitLast(int64_t unit) const;
   void GatherLayer(int64_t layer);
   void Prefetch(int64_t layer);  // starts the all-gathers of a unit's buckets (`layer` its first)
   // offload_params=disk: starts reading `layer`'s chunks (the layer after
@@ -369,6 +382,7 @@ class ZeroOptimizer : private LayerObserver {
   ZeroLayout layout_;
   std::map<int64_t, int64_t> unit_of_, unit_last_;
   std::set<int64_t> backward_held_;  // stage 3: units gathered for backward
+  int64_t peak_gathered_bytes_ = 0, peak_gradients_in_flight_bytes_ = 0;
   bool last_micro_batch_ = false;
   absl::Status first_error_;
   // Buckets whose reduce-scatter was issued from the gradient hook, oldest

@@ -248,6 +248,8 @@ MemoryReport ZeroOptimizer::Memory() const {
     report.offload_bytes_written += file->bytes_written();
     report.offload_bytes_read += file->bytes_read();
   }
+  report.peak_gathered_bytes = peak_gathered_bytes_;
+  report.peak_gradients_in_flight_bytes = peak_gradients_in_flight_bytes_;
   return report;
 }
 
