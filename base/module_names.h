@@ -14,6 +14,14 @@ inline bool ModuleNameMatches(const std::string& name, const std::string& patter
                              name.compare(name.size() - pattern.size(), pattern.size(), pattern) == 0);
 }
 
+// Whether parameter or module `name` ("transformer.h.0.attn.c_attn.weight")
+// lies under module `module` ("transformer.h", "transformer.h.0"): the module
+// itself or a name below it.
+inline bool IsUnderModule(const std::string& name, const std::string& module) {
+  return name.size() >= module.size() && name.compare(0, module.size(), module) == 0 &&
+         (name.size() == module.size() || name[module.size()] == '.');
+}
+
 // Whether a module of class `type_name` is meant by `pattern`: the class's
 // own name after any namespace or module path ("trident::BlockImpl",
 // "__torch__.model.Block"), with or without a C++ module's "Impl" suffix.

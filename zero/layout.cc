@@ -4,10 +4,10 @@
 
 #include <string>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/gradient_hooks.h"
+#include "base/module_names.h"
 #include "zero/zero.h"
 
 namespace trident {
@@ -81,9 +81,8 @@ ZeroGatherUnits PlanGatherUnits(const ZeroSpec& spec,
   auto wrapped_by = [&](const std::vector<int>& reads) -> std::string {
     std::string common;
     for (int i : reads) {
-      auto under = std::find_if(spec.wrap().begin(), spec.wrap().end(), [&](const std::string& prefix) {
-        return names[i] == prefix || absl::StartsWith(names[i], prefix + ".");
-      });
+      auto under = std::find_if(spec.wrap().begin(), spec.wrap().end(),
+                                [&](const std::string& module) { return IsUnderModule(names[i], module); });
       if (under == spec.wrap().end() || (!common.empty() && common != *under)) return "";
       common = *under;
     }
@@ -155,7 +154,7 @@ std::string MemoryReport::ToString() const {
 
 bool ZeroKeepsWhole(const ZeroSpec& spec, const std::string& name) {
   for (const std::string& ignored : spec.ignored()) {
-    if (name == ignored || absl::StartsWith(name, ignored + ".")) return true;
+    if (IsUnderModule(name, ignored)) return true;
   }
   return false;
 }

@@ -6,9 +6,9 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/host_copy.h"
+#include "base/module_names.h"
 #include "base/status.h"
 #include "zero/internal/buckets.h"
 #include "zero/internal/offload.h"
@@ -82,9 +82,8 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
   // A rank holding every layer can tell a wrap name that matches nothing.
   const bool whole_model = o.layers != nullptr && static_cast<int64_t>(o.layer_indices.size()) == o.layers->NumLayers();
   for (const std::string& wrap : whole_model ? o.spec.wrap() : google::protobuf::RepeatedPtrField<std::string>()) {
-    const bool matches = std::any_of(names.begin(), names.end(), [&](const std::string& name) {
-      return name == wrap || absl::StartsWith(name, wrap + ".");
-    });
+    const bool matches =
+        std::any_of(names.begin(), names.end(), [&](const std::string& name) { return IsUnderModule(name, wrap); });
     if (!matches) {
       return absl::InvalidArgumentError(
           absl::StrCat("zero wrap (atorch_wrap_cls) '", wrap,
