@@ -191,4 +191,11 @@ std::vector<int> GraphLayers::BatchFields(int64_t i) const { return batch_fields
 
 NamedTensors GraphLayers::LayerParameters(int64_t i) { return parameters_.at(i); }
 
+void GraphLayers::MaterializeLayer(int64_t i) {
+  if (!read_values_) return;
+  std::vector<at::Tensor> tensors;
+  for (const auto& [name, tensor] : parameters_.at(i)) tensors.push_back(tensor);
+  read_values_(tensors);
+}
+
 }  // namespace trident

@@ -21,6 +21,7 @@
 #define TRIDENT_GRAPH_GRAPH_LAYERS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -73,6 +74,15 @@ class GraphLayers : public LayerSequence {
   Values ForwardLayer(int64_t i, const Values& inputs, const Batch& batch) override;
   std::vector<int> BatchFields(int64_t i) const override;
   NamedTensors LayerParameters(int64_t i) override;
+  // Reads shard i's parameter values through the function DeferValues gave.
+  void MaterializeLayer(int64_t i) override;
+
+  // The graph's parameters were loaded without their values (a TorchScript
+  // file loaded with defer_values): MaterializeLayer(i) reads those of shard
+  // i with `read_values` (TorchScriptModule::read_values).
+  void DeferValues(std::function<void(const std::vector<at::Tensor>&)> read_values) {
+    read_values_ = std::move(read_values);
+  }
 
   const ModelGraph& graph() const { return *graph_; }
   const std::vector<int64_t>& boundaries() const { return boundaries_; }
@@ -94,6 +104,7 @@ class GraphLayers : public LayerSequence {
   std::vector<std::vector<int64_t>> crossing_;
   std::vector<NamedTensors> parameters_;        // per shard
   std::vector<std::vector<int>> batch_fields_;  // per shard
+  std::function<void(const std::vector<at::Tensor>&)> read_values_;
 };
 
 }  // namespace trident

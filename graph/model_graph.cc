@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "graph/internal/deferred_records.h"
 
 namespace trident {
 namespace {
@@ -256,10 +257,25 @@ void MoveDeviceConstants(torch::jit::Module& module, const at::Device& device) {
 
 }  // namespace
 
-absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& path) {
+absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& path, bool defer_values) {
   auto module = std::make_shared<torch::jit::Module>();
-  TRIDENT_RETURN_IF_ERROR(
-      CatchExceptions(absl::StrCat("loading TorchScript module ", path), [&] { *module = torch::jit::load(path); }));
+  TorchScriptModule loaded;
+  absl::Status deferred = absl::UnknownError("not deferred");
+  if (defer_values) {
+    absl::StatusOr<graph_internal::DeferredRecords::Loaded> lazy = graph_internal::DeferredRecords::Load(path);
+    deferred = lazy.status();
+    if (lazy.ok()) {
+      *module = std::move(lazy->module);
+      loaded.read_values = [records = std::move(lazy->records)](const std::vector<at::Tensor>& tensors) {
+        records->Read(tensors);
+      };
+    }
+  }
+  if (!deferred.ok()) {
+    TRIDENT_RETURN_IF_ERROR(
+        CatchExceptions(absl::StrCat("loading TorchScript module ", path), [&] { *module = torch::jit::load(path); }));
+    if (defer_values) LOG(WARNING) << deferred.message() << "; loaded it whole instead";
+  }
   // A scripted forward whose control flow reads tensor values traces one path
   // only (the interpreter runs its `if` without the tracer seeing it): refuse.
   std::string value_read;
@@ -278,7 +294,6 @@ absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& pat
         "forward of ", path, " reads a tensor's value (", value_read,
         "), so its control flow may depend on the data and a trace would record one branch only. ", kUseLayerSequence));
   }
-  TorchScriptModule loaded;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     loaded.parameters.emplace_back(item.name, item.value);
   }

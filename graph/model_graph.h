@@ -91,8 +91,13 @@ struct TensorFlow {
 // A TorchScript module saved from Python (torch.jit.save of a torch.jit.trace
 // or torch.jit.script result), loaded for tracing.
 struct TorchScriptModule {
-  // Loads `path`; errors name the file.
-  static absl::StatusOr<TorchScriptModule> Load(const std::string& path);
+  // Loads `path`; errors name the file. With `defer_values` the parameters'
+  // saved values are not read (the tensors read as zeros and hold no resident
+  // memory) until read_values asks for them: a model of any size traces in
+  // the memory of its activations, and each rank reads only what it keeps.
+  // Buffers are read at once. A file the deferred reader cannot take (a
+  // compressed archive) is loaded whole, with a warning.
+  static absl::StatusOr<TorchScriptModule> Load(const std::string& path, bool defer_values = false);
   // Every parameter under every name (tied names share one tensor).
   std::vector<std::pair<std::string, at::Tensor>> parameters;
   // The names of forward's arguments, without self.
@@ -104,6 +109,10 @@ struct TorchScriptModule {
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
   // Moves parameters and buffers to `device`.
   std::function<void(const at::Device&)> to;
+  // Loaded with defer_values: reads the saved values of the parameters among
+  // `tensors` (any tensor sharing one's storage) not read yet; anything else is
+  // left alone. Throws on an I/O error. Empty when loaded whole.
+  std::function<void(const std::vector<at::Tensor>&)> read_values;
   std::shared_ptr<void> module;  // keeps the loaded module alive
 };
 

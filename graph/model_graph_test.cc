@@ -170,3 +170,59 @@ TEST(ModelGraphTest, TorchScriptModulesFromThePythonEcosystemTrace) {
 
 }  // namespace
 }  // namespace trident
+
+#include "base/memory_counter.h"
+
+namespace trident {
+namespace {
+
+// Loaded with defer_values, a TorchScript file's parameters hold no resident
+// memory and read as zeros until read_values reads them (each once, to the
+// values saved); buffers and small records are read at once; the forward of
+// the deferred module then matches the whole load's.
+TEST(ModelGraphTest, TorchScriptParameterValuesAreReadOnlyWhenAsked) {
+  torch::manual_seed(0);
+  torch::jit::Module scripted("Wide");
+  scripted.register_parameter("w", torch::randn({4096, 2048}).requires_grad_(), false);  // 32 MiB
+  scripted.register_parameter("b", torch::randn({16}).requires_grad_(), false);
+  scripted.register_buffer("scale", torch::rand({2048}) + 0.5);  // 8 KiB: deferred size, not a parameter
+  scripted.define(R"(
+    def forward(self, x):
+        return (torch.matmul(x, self.w) * self.scale).sum() + self.b.sum()
+  )");
+  const char* dir = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(dir ? dir : "/tmp") + "/wide.pt";
+  scripted.save(path);
+  const torch::jit::Module whole = torch::jit::load(path);
+  const at::Tensor x = torch::randn({3, 4096});
+  const at::Tensor expected = const_cast<torch::jit::Module&>(whole).forward({x}).toTensor();
+
+  const int64_t before = ResidentBytes();
+  auto loaded = TorchScriptModule::Load(path, /*defer_values=*/true);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_TRUE(loaded->read_values);
+  EXPECT_LT(ResidentBytes() - before, 8 << 20) << "the 32 MiB weight was read on load";
+  std::map<std::string, at::Tensor> parameters(loaded->parameters.begin(), loaded->parameters.end());
+  EXPECT_EQ(parameters.at("w").abs().sum().item<float>(), 0.0f);
+  EXPECT_TRUE(torch::equal(parameters.at("b"), whole.attr("b").toTensor()));
+  // The trace runs on the zeros: the buffer was read, the weight was not.
+  EXPECT_NEAR(loaded->forward({x})[0].item<float>(), whole.attr("b").toTensor().sum().item<float>(), 1e-4);
+
+  loaded->read_values({parameters.at("w").view({-1}), parameters.at("b")});
+  EXPECT_GT(ResidentBytes() - before, 24 << 20) << "reading the weight made it resident";
+  EXPECT_TRUE(torch::equal(parameters.at("w"), whole.attr("w").toTensor()));
+  EXPECT_NEAR(loaded->forward({x})[0].item<float>(), expected.item<float>(), 1e-3);
+  // A second read leaves values written since alone.
+  {
+    torch::NoGradGuard no_grad;
+    parameters.at("w").fill_(1.0f);
+  }
+  loaded->read_values({parameters.at("w")});
+  EXPECT_EQ(parameters.at("w").min().item<float>(), 1.0f);
+
+  EXPECT_THAT(std::string(TorchScriptModule::Load("/nonexistent.pt", true).status().message()),
+              HasSubstr("loading TorchScript module /nonexistent.pt"));
+}
+
+}  // namespace
+}  // namespace trident

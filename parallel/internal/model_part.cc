@@ -164,15 +164,27 @@ AutoTensorParallelOptions AutoTensorParallelCosts(const ParallelPlan& plan, bool
   return options;
 }
 
+// Whether a TorchScript file's parameter values are read layer by layer, by
+// the ranks that keep each layer, rather than whole on load: on the CPU, where
+// no pass reads them before the layers are built (tensor parallelism slices
+// them, untying and module replacement copy them).
+bool DefersValues(const ModelSource& source, const ParallelPlan& plan, const at::Device& device) {
+  return source.kind == ModelSource::Kind::kTorchScript && device.is_cpu() && plan.tp() == 1 &&
+         !plan.trace().no_tie_modules() && plan.module_replace().empty();
+}
+
 absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelPlan& plan, int tp_rank,
                                       const at::Device& device, const Batch& example) {
   NamedTensors parameters;
   std::function<Values(const Values&)> forward;
   std::shared_ptr<void> owner;
-  std::vector<std::string> arguments;               // TorchScript: forward's argument names
-  std::map<std::string, std::string> module_types;  // for checkpoint_modules by class
+  std::vector<std::string> arguments;                               // TorchScript: forward's argument names
+  std::map<std::string, std::string> module_types;                  // for checkpoint_modules by class
+  std::function<void(const std::vector<at::Tensor>&)> read_values;  // deferred values
   if (source.kind == ModelSource::Kind::kTorchScript) {
-    TRIDENT_ASSIGN_OR_RETURN(TorchScriptModule module, TorchScriptModule::Load(source.torchscript_path));
+    TRIDENT_ASSIGN_OR_RETURN(TorchScriptModule module,
+                             TorchScriptModule::Load(source.torchscript_path, DefersValues(source, plan, device)));
+    read_values = module.read_values;
     TRIDENT_RETURN_IF_ERROR(CatchExceptions("moving the module to the device", [&] { module.to(device); }));
     parameters = module.parameters;
     forward = module.forward;
@@ -257,7 +269,9 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
     whole.recompute_hits = std::move(recomputed.hits);
   }
   std::shared_ptr<ModelGraph> shared(std::move(graph));
-  TRIDENT_ASSIGN_OR_RETURN(whole.layers, GraphLayers::Create(shared, shards, recomputed.spans));
+  TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<GraphLayers> layers, GraphLayers::Create(shared, shards, recomputed.spans));
+  if (read_values) layers->DeferValues(std::move(read_values));
+  whole.layers = std::move(layers);
   return whole;
 }
 
@@ -415,13 +429,21 @@ absl::StatusOr<ModelPart> BuildModelPart(const ModelSource& given, const Paralle
     part.chunks.push_back({planned.first_layer(), planned.end_layer()});
     ranges.emplace_back(planned.first_layer(), planned.end_layer());
   }
+  // ZeRO-3 draws the values layer by layer as it shards them, where nothing
+  // reads them first (a dtype conversion, a copy to the GPU); otherwise a
+  // traced part loaded without its values reads its own layers' now.
+  TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision,
+                           MakePrecisionPolicy(plan.precision().mode(), plan.precision().table()));
+  const bool zero_draws = plan.zero().stage() == 3 && device.is_cpu() && precision.param == at::kFloat;
+  if (part.traced && !zero_draws) {
+    TRIDENT_RETURN_IF_ERROR(CatchExceptions("reading the model's values", [&] {
+      for (const auto& [first, end] : ranges) {
+        for (int64_t i = first; i < end; ++i) part.layers->MaterializeLayer(i);
+      }
+    }));
+  }
   if (source.kind == ModelSource::Kind::kLayers) {
-    // ZeRO-3 draws the values layer by layer as it shards them, where nothing
-    // reads them first (a dtype conversion, a copy to the GPU).
-    TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy precision,
-                             MakePrecisionPolicy(plan.precision().mode(), plan.precision().table()));
-    const bool deferred =
-        plan.zero().stage() == 3 && source.build_deferred && device.is_cpu() && precision.param == at::kFloat;
+    const bool deferred = zero_draws && source.build_deferred;
     TRIDENT_ASSIGN_OR_RETURN(part.layers, deferred ? source.build_deferred(ranges) : source.build(ranges));
     if (plan.has_lora()) {
       auto* module = dynamic_cast<torch::nn::Module*>(part.layers.get());
