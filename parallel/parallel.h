@@ -162,6 +162,10 @@ absl::Status CheckSource(const ModelSource& source, const ParallelPlan& plan);
 struct SourceLayers {
   ModelSource layers;  // kind kLayers
   std::vector<double> forward_flops;
+  // A TorchScript file loaded without its parameter values (read layer by
+  // layer by the ranks that keep them, as a layer source's build_deferred
+  // draws them): Parallelize never holds the whole model under this plan.
+  bool values_deferred = false;
 };
 absl::StatusOr<SourceLayers> LayersOf(const ModelSource& source, const ParallelPlan& plan, const Batch& example);
 

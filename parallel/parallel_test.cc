@@ -473,3 +473,56 @@ TEST(ParallelModelTest, SetupErrorsReachEveryRank) {
 
 }  // namespace
 }  // namespace trident
+
+#include <torch/script.h>
+
+namespace trident {
+namespace {
+
+// A TorchScript file's layers hold no parameter values until a rank that keeps
+// a layer reads them (MaterializeLayer), where nothing reads them first: at
+// tp=1; a plan that copies them first (no_tie_modules) loads the file whole.
+TEST(ParallelizeTest, TorchScriptValuesAreReadByTheLayersThatKeepThem) {
+  torch::manual_seed(5);
+  torch::jit::Module scripted("TwoLayers");
+  scripted.register_parameter("w1", torch::randn({4, 1024}).requires_grad_(), false);
+  scripted.register_parameter("w2", torch::randn({1024, 1}).requires_grad_(), false);
+  scripted.define(R"(
+    def forward(self, x, target):
+        h = torch.tanh(torch.matmul(x, self.w1))
+        return (torch.matmul(h, self.w2) - target).pow(2).mean()
+  )");
+  const char* dir = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(dir ? dir : "/tmp") + "/two_layers.pt";
+  scripted.save(path);
+  ParallelPlan plan;
+  plan.mutable_trace()->set_shard_count(2);
+  auto layers = LayersOf(ModelSource::FromTorchScript(path), plan, MicroBatch(0));
+  ASSERT_TRUE(layers.ok()) << layers.status();
+  EXPECT_TRUE(layers->values_deferred);
+  auto part = layers->layers.build({});
+  ASSERT_TRUE(part.ok()) << part.status();
+  ASSERT_EQ((*part)->NumLayers(), 2);
+  for (int64_t i = 0; i < 2; ++i) {
+    for (const auto& [name, p] : (*part)->LayerParameters(i)) {
+      EXPECT_EQ(p.abs().sum().item<float>(), 0.0f) << name << " was read before its layer asked";
+    }
+  }
+  (*part)->MaterializeLayer(1);
+  for (const auto& [name, p] : (*part)->LayerParameters(1)) {
+    EXPECT_TRUE(torch::equal(p, scripted.attr(name).toTensor())) << name;
+  }
+  for (const auto& [name, p] : (*part)->LayerParameters(0)) {
+    if (name != "w2") {
+      EXPECT_EQ(p.abs().sum().item<float>(), 0.0f) << name << " was read with layer 1";
+    }
+  }
+
+  plan.mutable_trace()->set_no_tie_modules(true);
+  auto whole = LayersOf(ModelSource::FromTorchScript(path), plan, MicroBatch(0));
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_FALSE(whole->values_deferred);
+}
+
+}  // namespace
+}  // namespace trident

@@ -193,7 +193,7 @@ absl::Status ProfileLayers(const ProfileRequest& request, const TensorParallelis
   }
   const bool traced = !sources[0].forward_flops.empty();
   const ModelSource& source = sources[0].layers;
-  profile->set_builds_deferred(static_cast<bool>(source.build_deferred));
+  profile->set_builds_deferred(source.build_deferred || sources[0].values_deferred);
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy fp32, MakePrecisionPolicy("fp32", ""));
   TRIDENT_ASSIGN_OR_RETURN(PrecisionPolicy bf16_policy, MakePrecisionPolicy("bf16", ""));
   std::vector<Values> inputs(sizes.size()), inputs_bf16(sizes.size());

@@ -294,13 +294,16 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   t.Print(absl::StrCat("per rank: ", t.model->Memory().ToString()));
   t.Print(absl::StrCat("stages:\n", t.model->Describe()));
   if (c.output().tp_plan_report()) return result;
+  at::Tensor setup_peak = at::full({1}, PeakResidentMb(), at::kDouble);  // of the fullest rank
+  TRIDENT_RETURN_IF_ERROR(t.topology().world().AllReduce(setup_peak, ReduceOp::kMax));
   t.Print(absl::StrFormat(
       "model%s: %s parameters | data: %d samples%s | %d rank(s), global batch %d (micro %d x "
-      "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | peak RSS %.0f MB",
+      "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | setup's peak RSS %.0f MB (the "
+      "largest of any rank)",
       t.model_name.empty() ? "" : " " + t.model_name, HumanCount(t.model->num_parameters()), t.train_data->size(),
       tokens_per_sample > 0 ? absl::StrCat(" of ", tokens_per_sample, " tokens") : "", t.topology().world_size(),
       global_batch_size, plan.micro_batch_size(), plan.num_micro_batches(), plan.dp(), at::get_num_threads(),
-      t.peak_flops / 1e9, PeakResidentMb()));
+      t.peak_flops / 1e9, setup_peak.item<double>()));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
   const auto start = Clock::now();
   int64_t offload_written = 0, offload_read = 0;  // by the training steps (not evaluation)

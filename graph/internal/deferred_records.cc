@@ -41,8 +41,8 @@ void ZeroWithoutTouching(void* data, size_t bytes) {
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const uintptr_t begin = reinterpret_cast<uintptr_t>(data), end = begin + bytes;
   const uintptr_t inner_begin = (begin + page - 1) / page * page, inner_end = end / page * page;
-  if (inner_end <= inner_begin || madvise(reinterpret_cast<void*>(inner_begin), inner_end - inner_begin,
-                                          MADV_DONTNEED) != 0) {
+  if (inner_end <= inner_begin ||
+      madvise(reinterpret_cast<void*>(inner_begin), inner_end - inner_begin, MADV_DONTNEED) != 0) {
     std::memset(data, 0, bytes);
     return;
   }
@@ -96,8 +96,8 @@ bool IsDataRecord(const std::string& name) {
 void AddStorage(const c10::IValue& value, std::map<const void*, c10::intrusive_ptr<c10::StorageImpl>>* storages) {
   auto add = [&](const at::Tensor& t) {
     if (t.defined() && t.has_storage()) {
-      storages->emplace(t.storage().data(), c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
-                                                t.storage().unsafeGetStorageImpl()));
+      storages->emplace(t.storage().data(),
+                        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl()));
     }
   };
   if (value.isTensor()) add(value.toTensor());
@@ -142,8 +142,7 @@ absl::StatusOr<DeferredRecords::Loaded> DeferredRecords::Load(const std::string&
       records->deferred_.emplace(it->second.get(), Record{c10::weak_intrusive_ptr<c10::StorageImpl>(it->second),
                                                           skipped.offset, skipped.bytes});
     } else if (others.count(skipped.destination) > 0) {
-      TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("loading TorchScript module ", path),
-                                              [&] {
+      TRIDENT_RETURN_IF_ERROR(CatchExceptions(absl::StrCat("loading TorchScript module ", path), [&] {
         records->ReadRecord(skipped.destination, skipped.offset, skipped.bytes);
       }));
     } else {

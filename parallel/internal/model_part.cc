@@ -147,6 +147,7 @@ struct WholeModel {
   std::vector<int> lora_target_hits;  // traced with plan.lora()
   std::vector<int> recompute_hits;    // traced with plan.recompute().modules()
   ReplaceReport replace_report;       // traced with plan.module_replace()
+  bool values_deferred = false;       // a TorchScript file's, read by MaterializeLayer
 };
 
 // The automatic tensor-parallel pass's options: its cost model at rates of
@@ -270,6 +271,7 @@ absl::StatusOr<WholeModel> TraceGraph(const ModelSource& source, const ParallelP
   }
   std::shared_ptr<ModelGraph> shared(std::move(graph));
   TRIDENT_ASSIGN_OR_RETURN(std::unique_ptr<GraphLayers> layers, GraphLayers::Create(shared, shards, recomputed.spans));
+  whole.values_deferred = static_cast<bool>(read_values);
   if (read_values) layers->DeferValues(std::move(read_values));
   whole.layers = std::move(layers);
   return whole;
@@ -488,6 +490,7 @@ absl::StatusOr<SourceLayers> LayersOf(const ModelSource& given, const ParallelPl
   TRIDENT_ASSIGN_OR_RETURN(internal::WholeModel whole,
                            internal::RunWhole(result.layers, plan, /*tp_rank=*/0, at::kCPU, example));
   for (const LayerProfile& shard : whole.shards) result.forward_flops.push_back(shard.forward_flops);
+  result.values_deferred = whole.values_deferred;
   std::shared_ptr<LayerSequence> layers = std::move(whole.layers);
   ModelSource source = ModelSource::FromLayerBuilder(
       layers->NumLayers(),
