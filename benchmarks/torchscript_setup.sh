@@ -14,6 +14,7 @@
 set -euo pipefail
 here="${BASH_SOURCE[0]}.runfiles/trident"
 [ -d "$here" ] || here="$(cd "$(dirname "$0")/.." && pwd)"
+source "$here/benchmarks/train_logs.sh"
 preset="${1:-llama-1b}"
 dp="${2:-4}"
 steps="${3:-2}"
@@ -32,8 +33,7 @@ run() {  # NAME FLAGS...: prints "| NAME | setup peak MB | run peak MB | ms/step
   local setup peak ms
   setup=$(sed -n "s/.*setup's peak RSS \([0-9]*\) MB.*/\1/p" "$log")
   peak=$(sed -n 's/.*done:.*peak RSS \([0-9]*\) MB.*/\1/p' "$log")
-  ms=$(sed -n 's/.*step \([0-9]*\)\/.* \([0-9.]*\) ms\/step.*/\1 \2/p' "$log" | awk '$1 > 1 { print $2 }' | sort -n |
-    awk '{ v[NR] = $1 } END { if (NR == 0) print "-"; else print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
+  ms=$(median_step_ms "$log")
   echo "| $name | $setup | $peak | $ms |"
 }
 echo "TorchScript file: $(($(stat -c %s "$work/model.pt") / 1048576)) MiB"

@@ -16,6 +16,7 @@
 set -euo pipefail
 here="${BASH_SOURCE[0]}.runfiles/trident"
 [ -d "$here" ] || here="$(cd "$(dirname "$0")/.." && pwd)"
+source "$here/benchmarks/train_logs.sh"
 preset="${1:-gpt2-124m}"
 steps="${2:-10}"
 dir="${3:-${TMPDIR:-/tmp}}"
@@ -34,8 +35,7 @@ run() {  # NAME DP FLAGS...: prints "| NAME | ms/step | peak MB | offload |"
     --eval_every=0 --sample_tokens=0 --log_every=1 --enable_progress_bar=false "$@" >"$log" 2>&1 ||
     { tail -5 "$log"; exit 1; }
   local ms peak offload
-  ms=$(sed -n 's/.*step \([0-9]*\)\/.* \([0-9.]*\) ms\/step.*/\1 \2/p' "$log" | awk '$1 > 1 { print $2 }' | sort -n |
-    awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
+  ms=$(median_step_ms "$log")
   peak=$(sed -n 's/.*done:.*peak RSS \([0-9]*\) MB.*/\1/p' "$log")
   offload=$(sed -n 's/.*offload files: \(.*\) per step.*/\1/p' "$log")
   echo "| $name | $ms | $peak | ${offload:--} |"

@@ -12,6 +12,7 @@
 set -euo pipefail
 here="${BASH_SOURCE[0]}.runfiles/trident"
 [ -d "$here" ] || here="$(cd "$(dirname "$0")/.." && pwd)"
+source "$here/benchmarks/train_logs.sh"
 preset="${1:-gpt-tiny}"
 steps="${2:-40}"
 rounds="${3:-2}"
@@ -20,14 +21,13 @@ case "$preset" in llama-*) model=llama ;; mlp-*) model=mlp ;; *) model=gpt ;; es
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$here/tools/prepare_data" --output_dir="$work/data" >/dev/null
-median() { sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 run() {  # STAGE: prints the run's median ms/step
   local log="$work/zero$1.log"
   "$here/trainer/train" --data="$work/data" --model="$model" --preset="$preset" --block_size="$block" \
     --vocab_size=256 --micro_batch_size=4 --global_batch_size=8 --nproc=2 --dp=2 --zero_stage="$1" \
     --max_steps="$steps" --eval_every=0 --sample_tokens=0 --log_every=1 --enable_progress_bar=false >"$log" 2>&1 ||
     { tail -5 "$log" >&2; exit 1; }
-  sed -n 's/.*step \([0-9]*\)\/.* \([0-9.]*\) ms\/step.*/\1 \2/p' "$log" | awk '$1 > 1 { print $2 }' | median
+  median_step_ms "$log"
 }
 echo "$preset, dp=2, block $block, micro-batch 4, $steps steps, $rounds rounds (ms/step, median of steps 2-$steps)"
 declare -A runs

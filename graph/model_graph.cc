@@ -260,21 +260,22 @@ void MoveDeviceConstants(torch::jit::Module& module, const at::Device& device) {
 absl::StatusOr<TorchScriptModule> TorchScriptModule::Load(const std::string& path, bool defer_values) {
   auto module = std::make_shared<torch::jit::Module>();
   TorchScriptModule loaded;
-  absl::Status deferred = absl::UnknownError("not deferred");
+  absl::Status not_deferred;  // why a deferred load failed
   if (defer_values) {
     absl::StatusOr<graph_internal::DeferredRecords::Loaded> lazy = graph_internal::DeferredRecords::Load(path);
-    deferred = lazy.status();
     if (lazy.ok()) {
       *module = std::move(lazy->module);
       loaded.read_values = [records = std::move(lazy->records)](const std::vector<at::Tensor>& tensors) {
         records->Read(tensors);
       };
+    } else {
+      not_deferred = lazy.status();
     }
   }
-  if (!deferred.ok()) {
+  if (!loaded.read_values) {
     TRIDENT_RETURN_IF_ERROR(
         CatchExceptions(absl::StrCat("loading TorchScript module ", path), [&] { *module = torch::jit::load(path); }));
-    if (defer_values) LOG(WARNING) << deferred.message() << "; loaded it whole instead";
+    if (!not_deferred.ok()) LOG(WARNING) << not_deferred.message() << "; loaded it whole instead";
   }
   // A scripted forward whose control flow reads tensor values traces one path
   // only (the interpreter runs its `if` without the tracer seeing it): refuse.

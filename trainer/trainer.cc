@@ -62,6 +62,13 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 // The process's, sections of a strategy search included.
 double PeakResidentMb() { return PeakResidentBytes() / 1048576.0; }
 
+// The largest PeakResidentMb of any rank of `world` (every rank calls it).
+absl::StatusOr<double> LargestPeakResidentMb(const ProcessGroup& world) {
+  at::Tensor peak = at::full({1}, PeakResidentMb(), at::kDouble);
+  TRIDENT_RETURN_IF_ERROR(world.AllReduce(peak, ReduceOp::kMax));
+  return peak.item<double>();
+}
+
 std::string HumanCount(double value) {
   if (value >= 1e9) return absl::StrFormat("%.2fG", value / 1e9);
   if (value >= 1e6) return absl::StrFormat("%.2fM", value / 1e6);
@@ -294,8 +301,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   t.Print(absl::StrCat("per rank: ", t.model->Memory().ToString()));
   t.Print(absl::StrCat("stages:\n", t.model->Describe()));
   if (c.output().tp_plan_report()) return result;
-  at::Tensor setup_peak = at::full({1}, PeakResidentMb(), at::kDouble);  // of the fullest rank
-  TRIDENT_RETURN_IF_ERROR(t.topology().world().AllReduce(setup_peak, ReduceOp::kMax));
+  TRIDENT_ASSIGN_OR_RETURN(const double setup_peak_mb, LargestPeakResidentMb(t.topology().world()));
   t.Print(absl::StrFormat(
       "model%s: %s parameters | data: %d samples%s | %d rank(s), global batch %d (micro %d x "
       "accumulation %d x dp %d) | %d thread(s) per rank, job peak %.1f GFLOP/s | setup's peak RSS %.0f MB (the "
@@ -303,7 +309,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       t.model_name.empty() ? "" : " " + t.model_name, HumanCount(t.model->num_parameters()), t.train_data->size(),
       tokens_per_sample > 0 ? absl::StrCat(" of ", tokens_per_sample, " tokens") : "", t.topology().world_size(),
       global_batch_size, plan.micro_batch_size(), plan.num_micro_batches(), plan.dp(), at::get_num_threads(),
-      t.peak_flops / 1e9, setup_peak.item<double>()));
+      t.peak_flops / 1e9, setup_peak_mb));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
   const auto start = Clock::now();
   int64_t offload_written = 0, offload_read = 0;  // by the training steps (not evaluation)
@@ -460,8 +466,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
   }
   if (!c.checkpoint().export_safetensors().empty())
     TRIDENT_RETURN_IF_ERROR(t.ExportSafetensors(c.checkpoint().export_safetensors()));
-  at::Tensor peak = at::full({1}, PeakResidentMb(), at::kDouble);  // of the fullest rank
-  TRIDENT_RETURN_IF_ERROR(t.topology().world().AllReduce(peak, ReduceOp::kMax));
+  TRIDENT_ASSIGN_OR_RETURN(const double peak_mb, LargestPeakResidentMb(t.topology().world()));
   const int64_t steps = t.step - result.first_step;
   std::string memory_details;
   if (offload_written > 0 && steps > 0) {
@@ -481,8 +486,7 @@ absl::StatusOr<TrainResult> Trainer::Train() {
         t.topology().rank(), mine, state, gathered, in_flight, mine - state - gathered - in_flight);
   }
   t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB (the largest of any rank)%s", steps,
-                          internal::FormatDuration(Seconds(Clock::now() - start)), peak.item<double>(),
-                          memory_details));
+                          internal::FormatDuration(Seconds(Clock::now() - start)), peak_mb, memory_details));
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainEnd(t.State()); });
   return result;
 }

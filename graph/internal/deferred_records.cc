@@ -176,17 +176,5 @@ void DeferredRecords::Read(const std::vector<at::Tensor>& tensors) {
   }
 }
 
-size_t DeferredRecords::pending() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return deferred_.size();
-}
-
-int64_t DeferredRecords::pending_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  int64_t bytes = 0;
-  for (const auto& [impl, record] : deferred_) bytes += static_cast<int64_t>(record.bytes);
-  return bytes;
-}
-
 }  // namespace graph_internal
 }  // namespace trident

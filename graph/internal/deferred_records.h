@@ -48,10 +48,6 @@ class DeferredRecords {
   // record not read yet (each once; anything else is left alone). Throws on a
   // short read or I/O error, naming the file. Thread-safe.
   void Read(const std::vector<at::Tensor>& tensors);
-  // Deferred records not read yet.
-  size_t pending() const;
-  // Bytes of the records still deferred.
-  int64_t pending_bytes() const;
 
  private:
   struct Record {

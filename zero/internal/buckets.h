@@ -76,16 +76,13 @@ class GatherPool {
   void Allocate(const at::Tensor& buffer) {
     if (HasStorage(buffer)) return;
     const size_t bytes = buffer.numel() * buffer.element_size();
-    c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
     auto kept = free_.find(bytes);
-    if (kept == free_.end() || !buffer.device().is_cpu()) {
-      storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
-    } else {
-      storage->set_data_ptr_noswap(std::move(kept->second));
-      free_.erase(kept);
-      held_ -= bytes;
-    }
+    if (kept == free_.end() || !buffer.device().is_cpu()) return AllocateStorage(buffer);
+    c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(std::move(kept->second));
     storage->set_nbytes(bytes);
+    free_.erase(kept);
+    held_ -= bytes;
   }
   // FreeStorage, keeping the block (dropping the largest kept ones past max_bytes).
   void Free(const at::Tensor& buffer) {
