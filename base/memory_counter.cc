@@ -13,6 +13,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/version.h>
 
+#include "base/cpu_block_cache.h"
+
 namespace trident {
 namespace {
 
@@ -115,7 +117,10 @@ void MemoryCounter::Uninstall() {
   if (base_allocator != nullptr) c10::SetCPUAllocator(base_allocator, /*priority=*/255);
 }
 
-void ReleaseFreedMemory() { malloc_trim(0); }
+void ReleaseFreedMemory() {
+  TrimCpuBlockCache();
+  malloc_trim(0);
+}
 
 namespace {
 

@@ -9,3 +9,8 @@ median() {
 median_step_ms() {
   sed -n 's/.*step \([0-9]*\)\/.* \([0-9.]*\) ms\/step.*/\1 \2/p' "$1" | awk '$1 > 1 { print $2 }' | median
 }
+
+# The largest rank's peak resident MB that LOG's last line reports ("-" if none).
+peak_rss_mb() {
+  sed -n 's/.*done: .* peak RSS \([0-9]*\) MB.*/\1/p' "$1" | tail -1 | grep . || echo -
+}

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/cpu_block_cache.h"
 #include "base/host_copy.h"
 #include "base/memory_counter.h"
 #include "base/rng.h"
@@ -310,6 +311,11 @@ absl::StatusOr<TrainResult> Trainer::Train() {
       tokens_per_sample > 0 ? absl::StrCat(" of ", tokens_per_sample, " tokens") : "", t.topology().world_size(),
       global_batch_size, plan.micro_batch_size(), plan.num_micro_batches(), plan.dp(), at::get_num_threads(),
       t.peak_flops / 1e9, setup_peak_mb));
+  // ZeRO-3 on the CPU gathers and frees the same large tensors layer after
+  // layer: from the first step on they come from the block cache. Not during
+  // setup: a deferred build allocates the model untouched and draws it layer
+  // by layer, and the cache would keep every drawn layer's freed blocks.
+  if (plan.zero().stage() == 3 && t.topology().world().device().is_cpu()) InstallCpuBlockCache();
   t.ForHooks([&](TrainerHooks& h) { h.OnTrainStart(t.State()); });
   const auto start = Clock::now();
   int64_t offload_written = 0, offload_read = 0;  // by the training steps (not evaluation)

@@ -171,10 +171,14 @@ void StopOnSigterm();
 // below 1 GiB of free space. A training step allocates and frees the same
 // activations every step; returning them to the kernel costs page faults each
 // time (measured: 376 -> 314 ms per gpt-tiny step on one CPU rank). With
-// `sharded_parameters` (ZeRO-3) allocations from 1 MiB are mapped instead, so
-// the layers gathered and released each step go back to the system (kept,
-// they made gpt2-124m's ZeRO-3 ranks at dp=4 peak at 1,606 MB rather than
-// 1,007). Process-wide; call once at the start of a training process.
+// `sharded_parameters` (ZeRO-3) allocations from 1 MiB are mapped instead:
+// the layers gathered and released each step would leave the heap larger than
+// the step's peak (1,606 against 1,007 MB for gpt2-124m's ZeRO-3 ranks at
+// dp=4). Its steps then take LibTorch's tensors of 1 MiB and more from the CPU
+// block cache (Train installs it), since mapped afresh each time their pages
+// fault in again (gpt2-124m at dp=2: 7,156 ms a step against 5,984 from the
+// cache, at 1,348 and 1,388 MB). Process-wide; call once at the start of a
+// training process.
 void TuneAllocatorForTraining(bool sharded_parameters = false);
 
 }  // namespace trident

@@ -1,7 +1,6 @@
 // OffloadedTensors: tensors written to the offload file give their memory
 // back, are read back exactly, can be read and written in place (mapped), and a bad
-// directory is named in the error. GatherPool: a released buffer's memory
-// serves the next gather of its size.
+// directory is named in the error.
 #include "zero/internal/offload.h"
 
 #include <cstdlib>
@@ -10,8 +9,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
-#include "zero/internal/buckets.h"
 
 namespace trident::zero_internal {
 namespace {
@@ -77,39 +74,4 @@ TEST(OffloadedTensorsTest, AMissingDirectoryIsNamed) {
 }
 
 }  // namespace
-// A freed block serves the next buffer of its size; the pool keeps at most
-// its limit (dropping blocks past it, never keeping one larger than it), and
-// Trim drops everything.
-TEST(GatherPoolTest, FreedBlocksServeTheNextBufferOfTheirSize) {
-  constexpr int64_t kFloats = 4096, kBytes = kFloats * 4;
-  GatherPool pool(/*max_bytes=*/2 * kBytes);
-  at::Tensor a = UnallocatedBuffer(kFloats, at::kFloat), b = UnallocatedBuffer(kFloats, at::kFloat);
-  pool.Allocate(a);
-  ASSERT_TRUE(HasStorage(a));
-  a.fill_(7);
-  const void* block = a.data_ptr();
-  pool.Free(a);
-  EXPECT_FALSE(HasStorage(a));
-  EXPECT_EQ(pool.held_bytes(), kBytes);
-  pool.Allocate(b);
-  EXPECT_EQ(b.data_ptr(), block);
-  EXPECT_EQ(pool.held_bytes(), 0);
-  b.fill_(1);
-  EXPECT_EQ(b.sum().item<float>(), kFloats);
-
-  std::vector<at::Tensor> three;
-  for (int i = 0; i < 3; ++i) {
-    three.push_back(UnallocatedBuffer(kFloats, at::kFloat));
-    pool.Allocate(three.back());
-  }
-  for (const at::Tensor& t : three) pool.Free(t);
-  EXPECT_EQ(pool.held_bytes(), 2 * kBytes);
-  at::Tensor large = UnallocatedBuffer(3 * kFloats, at::kFloat);
-  pool.Allocate(large);
-  pool.Free(large);
-  EXPECT_EQ(pool.held_bytes(), 2 * kBytes);
-  pool.Trim();
-  EXPECT_EQ(pool.held_bytes(), 0);
-}
-
 }  // namespace trident::zero_internal

@@ -158,7 +158,6 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
   for (const auto& [layer, buckets] : zero->layout_.layer_buckets) {
     for (int b : buckets) first_reader.emplace(b, layer);
   }
-  zero->gather_pool_ = std::make_shared<zero_internal::GatherPool>(0);  // sized once the units are known
   for (size_t m = 0; m < members.size(); ++m) {
     if (o.spec.stage() == 3) {
       const int64_t unit = first_reader.at(static_cast<int>(m));
@@ -232,16 +231,6 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     for (int i : reads) layer_slots.back().second.push_back(slot_of[i]);
   }
   zero->PlanGathers(layer_slots);
-  size_t largest_unit = 0;
-  for (const auto& [layer, buckets] : zero->layout_.layer_buckets) {
-    size_t unit = 0;
-    for (int b : buckets) {
-      const Bucket& bucket = zero->buckets_[b];
-      if (bucket.sharded) unit += bucket.numel * bucket.chunk.element_size();
-    }
-    largest_unit = std::max(largest_unit, unit);
-  }
-  zero->gather_pool_ = std::make_shared<zero_internal::GatherPool>(largest_unit);
   if (o.spec.stage() == 3 || !zero->gathers_before_layer_.empty()) o.layers->SetObserver(zero.get());
   TRIDENT_RETURN_IF_ERROR(
       CatchExceptions("building the sharded optimizer", [&] { zero->optimizer_ = make_optimizer(shards); }));
@@ -296,7 +285,7 @@ absl::Status ZeroOptimizer::SettleOffloadedChunks() {
     if (bucket.prefetch) {  // its all-gather reads the chunk: finish it (it is gathered again when needed)
       absl::Status waited = bucket.prefetch->Wait();
       bucket.prefetch.reset();
-      gather_pool_->Free(bucket.buffer);
+      FreeStorage(bucket.buffer);
       TRIDENT_RETURN_IF_ERROR(waited);
     }
     DropChunk(b);
@@ -309,7 +298,7 @@ absl::Status ZeroOptimizer::Gather(Bucket& bucket) {
   const int b = static_cast<int>(&bucket - buckets_.data());
   if (!bucket.prefetch) {
     TRIDENT_RETURN_IF_ERROR(ReadChunk(b));
-    gather_pool_->Allocate(bucket.buffer);
+    AllocateStorage(bucket.buffer);
     TRIDENT_ASSIGN_OR_RETURN(bucket.prefetch, group_->IAllGather(bucket.chunk, bucket.buffer));
   }
   absl::Status waited = bucket.prefetch->Wait();
@@ -334,7 +323,7 @@ void ZeroOptimizer::Release(Bucket& bucket) {
     bucket.buffer = UnallocatedBuffer(bucket.numel, bucket.chunk.options());
     bucket.escaped = false;
   } else {
-    gather_pool_->Free(bucket.buffer);
+    FreeStorage(bucket.buffer);
   }
 }
 
@@ -373,7 +362,7 @@ void ZeroOptimizer::Prefetch(int64_t layer) {
     if (!bucket.sharded || bucket.holders > 0 || bucket.prefetch) continue;
     absl::Status read = ReadChunk(b);
     TORCH_CHECK(read.ok(), std::string(read.message()));
-    gather_pool_->Allocate(bucket.buffer);
+    AllocateStorage(bucket.buffer);
     auto started = group_->IAllGather(bucket.chunk, bucket.buffer);
     TORCH_CHECK(started.ok(), std::string(started.status().message()));
     bucket.prefetch = *std::move(started);
@@ -582,10 +571,9 @@ absl::Status ZeroOptimizer::FinishBackward() {
     if (!bucket.prefetch) continue;  // prefetched for a layer that did not run
     absl::Status waited = bucket.prefetch->Wait();
     bucket.prefetch.reset();
-    gather_pool_->Free(bucket.buffer);  // no holders: a Gather would have taken the prefetch
+    FreeStorage(bucket.buffer);  // no holders: a Gather would have taken the prefetch
     if (!waited.ok() && first_error_.ok()) first_error_ = waited;
   }
-  gather_pool_->Trim();  // the optimizer step holds no gathered memory
   for (Bucket& bucket : buckets_) {
     absl::Status reduced = FinishReduceScatter(bucket);
     if (!reduced.ok() && first_error_.ok()) first_error_ = reduced;

@@ -105,7 +105,6 @@ absl::StatusOr<int> ZeroShardGroupSize(const ZeroSpec& spec, int data_parallel_s
 bool ZeroKeepsWhole(const ZeroSpec& spec, const std::string& name);
 
 namespace zero_internal {
-class GatherPool;
 class OffloadedTensors;
 }  // namespace zero_internal
 
@@ -392,9 +391,6 @@ class ZeroOptimizer : private LayerObserver {
   std::deque<int> reducing_;
   // offload_optimizer=disk and offload_params=disk: slot b is bucket b's.
   std::unique_ptr<zero_internal::OffloadedTensors> offloaded_state_, offloaded_params_;
-  // Stage 3: the memory of released buffers, reused by the next gathers of
-  // the forward and backward (trimmed as the backward finishes).
-  std::shared_ptr<zero_internal::GatherPool> gather_pool_;
   // Step's all-gathers: the planned messages, how many of them each layer
   // needs finished before it runs (none without the layers: Step finishes
   // them), and those the last Step started, of which the first `gathered_`

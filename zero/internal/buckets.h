@@ -4,8 +4,6 @@
 #define TRIDENT_ZERO_INTERNAL_BUCKETS_H_
 
 #include <algorithm>
-#include <iterator>
-#include <map>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -56,59 +54,16 @@ inline at::Tensor UnallocatedBuffer(int64_t numel, const at::TensorOptions& opti
 
 inline bool HasStorage(const at::Tensor& buffer) { return buffer.storage().nbytes() > 0; }
 
+// Memory for a buffer FreeStorage emptied, from the device's allocator now (a
+// CPU allocator installed after the buffer was made, such as train's block
+// cache, serves it).
 inline void AllocateStorage(const at::Tensor& buffer) {
   if (HasStorage(buffer)) return;
   c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
   const size_t bytes = buffer.numel() * buffer.element_size();
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_data_ptr_noswap(c10::GetAllocator(buffer.device().type())->allocate(bytes));
   storage->set_nbytes(bytes);
 }
-
-// Stage 3's gathered buffers on the CPU: the memory of a released bucket is
-// kept for the next gather of a bucket of the same size, so the kernel need
-// not fault its pages in again (under train's low mmap threshold every block
-// of a MB or more is a fresh mapping). Holds at most `max_bytes` (one gather
-// unit's buffers) at a time; Trim frees what it holds.
-class GatherPool {
- public:
-  explicit GatherPool(size_t max_bytes) : max_bytes_(max_bytes) {}
-  // AllocateStorage, from the pool where it holds a block of the size.
-  void Allocate(const at::Tensor& buffer) {
-    if (HasStorage(buffer)) return;
-    const size_t bytes = buffer.numel() * buffer.element_size();
-    auto kept = free_.find(bytes);
-    if (kept == free_.end() || !buffer.device().is_cpu()) return AllocateStorage(buffer);
-    c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
-    storage->set_data_ptr_noswap(std::move(kept->second));
-    storage->set_nbytes(bytes);
-    free_.erase(kept);
-    held_ -= bytes;
-  }
-  // FreeStorage, keeping the block (dropping the largest kept ones past max_bytes).
-  void Free(const at::Tensor& buffer) {
-    c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
-    const size_t bytes = storage->nbytes();
-    at::DataPtr block = storage->set_data_ptr(at::DataPtr(nullptr, buffer.device()));
-    storage->set_nbytes(0);
-    if (bytes == 0 || bytes > max_bytes_ || !buffer.device().is_cpu()) return;
-    while (held_ + bytes > max_bytes_) {
-      auto largest = std::prev(free_.end());
-      held_ -= largest->first;
-      free_.erase(largest);
-    }
-    free_.emplace(bytes, std::move(block));
-    held_ += bytes;
-  }
-  void Trim() {
-    free_.clear();
-    held_ = 0;
-  }
-  size_t held_bytes() const { return held_; }
-
- private:
-  size_t max_bytes_, held_ = 0;
-  std::multimap<size_t, at::DataPtr> free_;
-};
 
 }  // namespace zero_internal
 
