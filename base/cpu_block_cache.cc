@@ -13,7 +13,8 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
-#include <torch/version.h>
+
+#include "base/function_allocator.h"
 
 namespace trident {
 namespace {
@@ -108,17 +109,6 @@ c10::DataPtr Allocate(size_t bytes) {
   return {data, data, &Free, c10::Device(c10::DeviceType::CPU)};
 }
 
-class CachingAllocator : public c10::Allocator {
- public:
-#if TORCH_VERSION_MAJOR >= 2
-  c10::DataPtr allocate(size_t n) override { return Allocate(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-#else
-  c10::DataPtr allocate(size_t n) const override { return Allocate(n); }
-#endif
-  c10::DeleterFnPtr raw_deleter() const override { return &Free; }
-};
-
 }  // namespace
 
 void InstallCpuBlockCache() {
@@ -127,7 +117,7 @@ void InstallCpuBlockCache() {
     State& s = TheState();
     s.small = c10::GetCPUAllocator();
     s.small_raw_deleter = s.small->raw_deleter();
-    c10::SetCPUAllocator(new CachingAllocator, /*priority=*/255);
+    c10::SetCPUAllocator(new base_internal::FunctionAllocator<&Allocate, &Free>, /*priority=*/255);
   });
 }
 

@@ -7,8 +7,8 @@
 
 #include <thread>
 
-#include <gtest/gtest.h>
 #include <c10/core/CPUAllocator.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 namespace trident {

@@ -11,9 +11,8 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
-#include <torch/version.h>
-
 #include "base/cpu_block_cache.h"
+#include "base/function_allocator.h"
 
 namespace trident {
 namespace {
@@ -52,36 +51,22 @@ void DeleteCounted(void* data) {
   allocation.deleter(data);
 }
 
-class CountingAllocator : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-  // LibTorch 2.x made allocate non-const and added copy_data; 1.13 (Debian's) has neither.
-#if TORCH_VERSION_MAJOR >= 2
-  c10::DataPtr allocate(size_t n) override { return Allocate(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-#else
-  c10::DataPtr allocate(size_t n) const override { return Allocate(n); }
-#endif
-  c10::DeleterFnPtr raw_deleter() const override { return &DeleteCounted; }
+c10::Allocator* base_allocator = nullptr;  // the allocator the counter is in front of
 
- private:
-  c10::DataPtr Allocate(size_t n) const {
-    c10::DataPtr original = base_->allocate(n);
-    void* data = original.get();
-    if (data == nullptr || original.get_context() != data) return original;  // not ours to count
-    const c10::Device device = original.device();
-    c10::DeleterFnPtr deleter = original.get_deleter();
-    original.release_context();
-    {
-      std::lock_guard<std::mutex> lock(TableMutex());
-      Table()[data] = {static_cast<int64_t>(n), deleter};
-    }
-    counter_instance->Add(static_cast<int64_t>(n));
-    return {data, data, &DeleteCounted, device};
+c10::DataPtr AllocateCounted(size_t n) {
+  c10::DataPtr original = base_allocator->allocate(n);
+  void* data = original.get();
+  if (data == nullptr || original.get_context() != data) return original;  // not ours to count
+  const c10::Device device = original.device();
+  c10::DeleterFnPtr deleter = original.get_deleter();
+  original.release_context();
+  {
+    std::lock_guard<std::mutex> lock(TableMutex());
+    Table()[data] = {static_cast<int64_t>(n), deleter};
   }
-
-  c10::Allocator* base_;
-};
+  counter_instance->Add(static_cast<int64_t>(n));
+  return {data, data, &DeleteCounted, device};
+}
 
 }  // namespace
 
@@ -95,8 +80,7 @@ void MemoryCounter::Add(int64_t bytes) {
 
 namespace {
 
-c10::Allocator* base_allocator = nullptr;
-CountingAllocator* counting_allocator = nullptr;
+c10::Allocator* counting_allocator = nullptr;
 
 }  // namespace
 
@@ -107,7 +91,7 @@ MemoryCounter& MemoryCounter::Install() {
     counter_instance = counter;
     base_allocator = c10::GetCPUAllocator();
     base_raw_deleter = base_allocator->raw_deleter();
-    counting_allocator = new CountingAllocator(base_allocator);
+    counting_allocator = new base_internal::FunctionAllocator<&AllocateCounted, &DeleteCounted>;
   });
   c10::SetCPUAllocator(counting_allocator, /*priority=*/255);
   return *counter;
