@@ -25,7 +25,7 @@ constexpr size_t kPage = 4096;
 // (raw_allocate), so a block is found by its address.
 struct State {
   std::mutex mu;
-  c10::Allocator* small = nullptr;  // where requests below kLargeBytes go
+  c10::Allocator* small = nullptr;  // where requests below kCpuBlockCacheMinBytes go
   c10::DeleterFnPtr small_raw_deleter = nullptr;
   std::unordered_map<void*, size_t> blocks;  // every mapped block, by address: its bytes
   std::multimap<size_t, void*> free;         // the free ones, by size
@@ -55,22 +55,21 @@ void Unmap(const std::vector<std::pair<void*, size_t>>& blocks) {
   for (const auto& [base, bytes] : blocks) munmap(base, bytes);
 }
 
+// Returns a block to the free list: in use and free together stay what they
+// were, so within the peak.
 void Free(void* data) {
   State& s = TheState();
-  std::vector<std::pair<void*, size_t>> dropped;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     auto block = s.blocks.find(data);
-    if (block == s.blocks.end()) {  // the small allocator's (through raw_deleter)
-      if (s.small_raw_deleter != nullptr) s.small_raw_deleter(data);
+    if (block != s.blocks.end()) {
+      s.in_use -= block->second;
+      s.free.emplace(block->second, data);
+      s.free_bytes += block->second;
       return;
     }
-    s.in_use -= block->second;
-    s.free.emplace(block->second, data);
-    s.free_bytes += block->second;
-    dropped = FitPeakLocked(s);  // after a Trim the peak may be below what is kept
   }
-  Unmap(dropped);
+  if (s.small_raw_deleter != nullptr) s.small_raw_deleter(data);  // the small allocator's, through raw_deleter
 }
 
 c10::DataPtr Allocate(size_t bytes) {
