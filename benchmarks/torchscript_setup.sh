@@ -32,7 +32,7 @@ run() {  # NAME FLAGS...: prints "| NAME | setup peak MB | run peak MB | ms/step
     --sample_tokens=0 --log_every=1 --enable_progress_bar=false "$@" >"$log" 2>&1 || { tail -5 "$log"; exit 1; }
   local setup peak ms
   setup=$(sed -n "s/.*setup's peak RSS \([0-9]*\) MB.*/\1/p" "$log")
-  peak=$(sed -n 's/.*done:.*peak RSS \([0-9]*\) MB.*/\1/p' "$log")
+  peak=$(peak_rss_mb "$log")
   ms=$(median_step_ms "$log")
   echo "| $name | $setup | $peak | $ms |"
 }

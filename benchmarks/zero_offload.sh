@@ -36,7 +36,7 @@ run() {  # NAME DP FLAGS...: prints "| NAME | ms/step | peak MB | offload |"
     { tail -5 "$log"; exit 1; }
   local ms peak offload
   ms=$(median_step_ms "$log")
-  peak=$(sed -n 's/.*done:.*peak RSS \([0-9]*\) MB.*/\1/p' "$log")
+  peak=$(peak_rss_mb "$log")
   offload=$(sed -n 's/.*offload files: \(.*\) per step.*/\1/p' "$log")
   echo "| $name | $ms | $peak | ${offload:--} |"
 }
