@@ -125,13 +125,8 @@ void TrimCpuBlockCache() {
   std::vector<std::pair<void*, size_t>> dropped;
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    for (const auto& [bytes, base] : s.free) {
-      dropped.emplace_back(base, bytes);
-      s.blocks.erase(base);
-    }
-    s.free.clear();
-    s.free_bytes = 0;
     s.peak_in_use = s.in_use;
+    dropped = FitPeakLocked(s);  // every free block
   }
   Unmap(dropped);
 }
