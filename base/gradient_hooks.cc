@@ -57,10 +57,12 @@ class AccumulatedHook : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-void GradientAccumulatedHooks::Add(const at::Tensor& parameter, std::function<void()> callback) {
+const torch::autograd::Node* GradientAccumulatedHooks::Add(const at::Tensor& parameter,
+                                                           std::function<void()> callback) {
   std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(parameter);
   accumulator->add_post_hook(std::make_unique<AccumulatedHook>(std::move(callback)));
   accumulators_.push_back(std::move(accumulator));
+  return accumulators_.back().get();
 }
 
 GradientAccumulatedHooks::~GradientAccumulatedHooks() {

@@ -38,8 +38,9 @@ class GradientAccumulatedHooks {
   ~GradientAccumulatedHooks();
 
   // Calls `callback` after each accumulation into `parameter`'s .grad. Makes
-  // the parameter's grad accumulator now, which records the parameter's shape.
-  void Add(const at::Tensor& parameter, std::function<void()> callback);
+  // the parameter's grad accumulator now, which records the parameter's shape,
+  // and returns it (the node backward runs for the parameter, kept alive here).
+  const torch::autograd::Node* Add(const at::Tensor& parameter, std::function<void()> callback);
 
  private:
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;

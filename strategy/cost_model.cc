@@ -264,7 +264,7 @@ absl::StatusOr<ZeroLayout> ZeroLayoutOf(const PlanCosts& costs, int s, std::vect
     }
   }
   TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(plan.zero(), plan.dp()));
-  return PlanZeroBuckets(*planned, plan.zero().stage(), plan.zero().reduce_bucket_bytes(), shard_group_size,
+  return PlanZeroBuckets(*planned, plan.zero().stage(), ZeroBucketBytes(plan.zero()), shard_group_size,
                          PlanGatherUnits(plan.zero(), layer_reads, names, numels).reads);
 }
 
@@ -374,13 +374,14 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
       TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout, ZeroLayoutOf(costs, s, &planned));
       TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(plan.zero(), plan.dp()));
       state = ZeroLayoutMemory(layout, shard_group_size, state_per_element);
-      int64_t largest = 0;  // a layer's buckets, or one bucket
+      int64_t largest_unit = 0, largest_bucket = 0;  // a unit's buckets; one bucket
       for (const auto& [layer, buckets] : layout.layer_buckets) {
         int64_t bytes = 0;
         for (int b : buckets) bytes += layout.buckets[b].numel * layout.buckets[b].element_size;
-        largest = std::max(largest, bytes);
+        largest_unit = std::max(largest_unit, bytes);
       }
-      for (const ZeroBucket& b : layout.buckets) largest = std::max(largest, b.numel * b.element_size);
+      for (const ZeroBucket& b : layout.buckets) largest_bucket = std::max(largest_bucket, b.numel * b.element_size);
+      const int64_t largest = std::max(largest_unit, largest_bucket);
       if (plan.zero().offload_optimizer() == ZeroSpec::disk) {
         // In its file; in memory the state of the bucket updated, the next
         // read and the last written.
@@ -400,8 +401,11 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
         transient += std::min<int64_t>(sharded, (2 + ZeroPrefetchDepth(plan.zero())) * largest / shard_group_size);
       }
       if (plan.zero().stage() == 3) {
-        // Units gathered (the one running and those prefetched), its full gradient.
-        transient += (2 + ZeroPrefetchDepth(plan.zero())) * largest;
+        // Backward: the bucket read and those prefetched gathered, a bucket's
+        // whole gradient made and the last one's reduced. Forward: the units
+        // running and prefetched, while no chunk gradient exists yet.
+        const int depth = ZeroPrefetchDepth(plan.zero());
+        transient += std::max((3 + depth) * largest_bucket, (1 + depth) * largest_unit - state.gradient_bytes);
       } else {  // the step's all-gather
         transient += std::min(plan.zero().allgather_bucket_bytes(), parameter_bytes);
       }

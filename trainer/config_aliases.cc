@@ -127,6 +127,7 @@ const std::vector<Alias>& Table() {
       {"zero_ngroups", "plan.zero.num_shard_groups"},
       {"zero_prefetch_layers", "plan.zero.prefetch_layers"},
       {"zero_max_inflight_reduce_scatters", "plan.zero.max_inflight_reduce_scatters"},
+      {"zero_gather_bucket_bytes", "plan.zero.gather_bucket_bytes"},
       {"offload_optimizer", "plan.zero.offload_optimizer"},
       {"offload_dir", "plan.zero.offload_dir"},
       {"offload_params", "plan.zero.offload_params"},

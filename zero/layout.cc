@@ -12,8 +12,13 @@
 
 namespace trident {
 
+int64_t ZeroBucketBytes(const ZeroSpec& spec) {
+  if (spec.stage() < 3 || spec.gather_bucket_bytes() <= 0) return spec.reduce_bucket_bytes();
+  return std::min(spec.reduce_bucket_bytes(), spec.gather_bucket_bytes());
+}
+
 absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& parameters, int stage,
-                                           int64_t reduce_bucket_bytes, int group_size,
+                                           int64_t bucket_bytes, int group_size,
                                            const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads) {
   ZeroLayout layout;
   auto open = [&](int group, bool keep) {
@@ -37,7 +42,7 @@ absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& par
         bytes.push_back(parameters[i].numel * parameters[i].element_size);
         kinds.push_back(parameters[i].keep_full ? 1 : 0);
       }
-      for (const std::vector<int>& bucket : BucketIndicesInBackwardOrder(bytes, reduce_bucket_bytes, kinds)) {
+      for (const std::vector<int>& bucket : BucketIndicesInBackwardOrder(bytes, bucket_bytes, kinds)) {
         const int b = open(g, parameters[members[bucket.front()]].keep_full);
         for (int k : bucket) layout.buckets[b].parameters.push_back(members[k]);
       }
@@ -45,13 +50,28 @@ absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& par
   } else {
     std::vector<int> bucket_of(parameters.size(), -1);
     for (const auto& [layer, reads] : layer_reads) {
-      std::map<std::pair<int, bool>, int> opened;  // (group, keep) -> bucket
+      // The unit's new parameters by kind (group, keep), in buckets of at most
+      // bucket_bytes in backward order, so a bucket's gradient is
+      // reduced, and its values released, while backward goes on in the unit.
+      std::vector<std::pair<std::pair<int, bool>, std::vector<int>>> kinds;
       for (int i : reads) {
         if (bucket_of[i] >= 0) continue;
         const auto key = std::make_pair(parameters[i].group, parameters[i].keep_full);
-        if (!opened.count(key)) opened[key] = open(key.first, key.second);
-        bucket_of[i] = opened[key];
-        layout.buckets[bucket_of[i]].parameters.push_back(i);
+        auto kind = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == key; });
+        if (kind == kinds.end()) kind = kinds.insert(kinds.end(), {key, {}});
+        kind->second.push_back(i);
+        bucket_of[i] = -2;  // placed below
+      }
+      for (const auto& [key, members] : kinds) {
+        std::vector<int64_t> bytes;
+        for (int i : members) bytes.push_back(parameters[i].numel * parameters[i].element_size);
+        for (const std::vector<int>& bucket : BucketIndicesInBackwardOrder(bytes, bucket_bytes)) {
+          const int b = open(key.first, key.second);
+          for (int k : bucket) {
+            bucket_of[members[k]] = b;
+            layout.buckets[b].parameters.push_back(members[k]);
+          }
+        }
       }
     }
     if (std::count(bucket_of.begin(), bucket_of.end(), -1) > 0) {

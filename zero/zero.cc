@@ -4,6 +4,7 @@
 #include <unordered_set>
 
 #include <ATen/ATen.h>
+#include <ATen/SequenceNumber.h>
 #include <c10/core/GradMode.h>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,24 @@
 #include "zero/internal/offload.h"
 
 namespace trident {
+namespace {
+
+// The one layer of `layer_reads` that reads all of `parameters` (indices),
+// none of which another layer reads; -1 where there is none.
+int64_t SoleReader(const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads,
+                   const std::vector<int>& parameters) {
+  int64_t reader = -1;
+  for (const auto& [layer, reads] : layer_reads) {
+    const auto read = std::count_if(parameters.begin(), parameters.end(),
+                                    [&](int i) { return std::find(reads.begin(), reads.end(), i) != reads.end(); });
+    if (read == 0) continue;
+    if (reader >= 0 || read != static_cast<int64_t>(parameters.size())) return -1;
+    reader = layer;
+  }
+  return reader;
+}
+
+}  // namespace
 
 using zero_internal::AllocateStorage;
 using zero_internal::ChunkColumns;
@@ -100,9 +119,9 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     for (int64_t layer : unit) zero->unit_of_[layer] = unit.front();
     zero->unit_last_[unit.front()] = unit.back();
   }
-  TRIDENT_ASSIGN_OR_RETURN(
-      ZeroLayout layout, PlanZeroBuckets(planned, o.spec.stage(), o.spec.reduce_bucket_bytes(), static_cast<int>(parts),
-                                         o.spec.stage() == 3 ? units.reads : layer_reads));
+  TRIDENT_ASSIGN_OR_RETURN(ZeroLayout layout,
+                           PlanZeroBuckets(planned, o.spec.stage(), ZeroBucketBytes(o.spec), static_cast<int>(parts),
+                                           o.spec.stage() == 3 ? units.reads : layer_reads));
   zero->layout_ = std::move(layout);
   std::vector<std::vector<at::Tensor>> members;
   std::vector<size_t> member_group;
@@ -121,17 +140,25 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     ZeroOptimizer* self = zero.get();
     for (size_t i = 0; i < bucket.params.size(); ++i) {
       const int slot = static_cast<int>(i);
-      zero->hooks_.Add(bucket.params[i], [self, index, slot] {
+      const torch::autograd::Node* accumulator = zero->hooks_.Add(bucket.params[i], [self, index, slot] {
         Bucket& bucket = self->buckets_[index];
         at::Tensor param = bucket.params[slot];
-        if (!bucket.full_grad.defined()) {
-          bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
+        const at::Tensor& grad = param.grad();
+        if (!bucket.full_grad.defined() && bucket.params.size() == 1 && grad.numel() == bucket.numel &&
+            grad.is_contiguous() && grad.dtype() == bucket.chunk.dtype()) {
+          bucket.full_grad = grad.view({-1});  // a bucket of one parameter, unpadded: its gradient as it is
           self->NoteWorkingSet();
+        } else {
+          if (!bucket.full_grad.defined()) {
+            bucket.full_grad = at::zeros({bucket.numel}, bucket.chunk.options());
+            self->NoteWorkingSet();
+          }
+          bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(grad.reshape({-1}));
         }
-        bucket.full_grad.narrow(0, bucket.offsets[slot], param.numel()).add_(param.grad().reshape({-1}));
         param.mutable_grad() = at::Tensor();  // the whole gradient is not kept
         self->OnGradientReady(index, slot);
       });
+      if (bucket.sharded) zero->slot_of_accumulator_[accumulator] = {index, slot};
     }
   };
   const bool on_cpu = std::all_of(flat.begin(), flat.end(), [](const at::Tensor& p) { return p.device().is_cpu(); });
@@ -167,6 +194,10 @@ absl::StatusOr<std::unique_ptr<ZeroOptimizer>> ZeroOptimizer::Create(std::vector
     }
     Bucket bucket;
     bucket.params = members[m];
+    if (o.spec.stage() == 3) {
+      bucket.unit = first_reader.at(static_cast<int>(m));
+      bucket.read_by = SoleReader(layer_reads, zero->layout_.buckets[m].parameters);
+    }
     bucket.keep_full = keep_full(bucket.params.front());
     bucket.sharded = o.spec.stage() == 3 && !bucket.keep_full;
     for (const at::Tensor& p : bucket.params) {
@@ -356,21 +387,26 @@ void ZeroOptimizer::GatherLayer(int64_t layer) {
   }
 }
 
-void ZeroOptimizer::Prefetch(int64_t layer) {
+void ZeroOptimizer::Prefetch(int64_t layer, bool unhooked_only) {
   for (int b : layout_.layer_buckets[layer]) {
-    Bucket& bucket = buckets_[b];
-    if (!bucket.sharded || bucket.holders > 0 || bucket.prefetch) continue;
-    absl::Status read = ReadChunk(b);
-    TORCH_CHECK(read.ok(), std::string(read.message()));
-    AllocateStorage(bucket.buffer);
-    auto started = group_->IAllGather(bucket.chunk, bucket.buffer);
-    TORCH_CHECK(started.ok(), std::string(started.status().message()));
-    bucket.prefetch = *std::move(started);
-    NoteWorkingSet();
+    if (!unhooked_only || !buckets_[b].hooked) PrefetchBucket(b);
   }
 }
 
+void ZeroOptimizer::PrefetchBucket(int b) {
+  Bucket& bucket = buckets_[b];
+  if (!bucket.sharded || bucket.holders > 0 || bucket.prefetch) return;
+  absl::Status read = ReadChunk(b);
+  TORCH_CHECK(read.ok(), std::string(read.message()));
+  AllocateStorage(bucket.buffer);
+  auto started = group_->IAllGather(bucket.chunk, bucket.buffer);
+  TORCH_CHECK(started.ok(), std::string(started.status().message()));
+  bucket.prefetch = *std::move(started);
+  NoteWorkingSet();
+}
+
 void ZeroOptimizer::BeforeLayer(int64_t layer) {
+  layer_first_node_ = at::sequence_number::peek();  // the nodes this layer's forward makes come after
   auto needed = gathers_before_layer_.find(layer);  // the updated values it reads, from the last Step
   while (needed != gathers_before_layer_.end() && gathered_ < std::min(needed->second, gathering_.size())) {
     absl::Status finished = FinishOldestGather();  // thrown: the layer cannot run without it
@@ -381,7 +417,7 @@ void ZeroOptimizer::BeforeLayer(int64_t layer) {
   // The next units' chunks travel while this one computes.
   auto next = layout_.layer_buckets.upper_bound(layer);
   for (int k = 0; k < ZeroPrefetchDepth(options_.spec) && next != layout_.layer_buckets.end(); ++k, ++next) {
-    Prefetch(next->first);
+    Prefetch(next->first, /*unhooked_only=*/false);
   }
   if (next != layout_.layer_buckets.end()) ReadAhead(next->first);
 }
@@ -415,40 +451,7 @@ void ZeroOptimizer::AfterLayer(int64_t layer, const Values& inputs, const Values
     }
     if (layer == UnitLast(unit)) Release(bucket);
   }
-}
-
-void ZeroOptimizer::BackwardReached(int64_t layer) {
-  const int64_t unit = UnitOf(layer);
-  if (backward_held_.insert(unit).second) GatherLayer(unit);
-  // Backward goes down the units: prefetch those below.
-  auto below = layout_.layer_buckets.lower_bound(unit);
-  for (int k = 0; k < ZeroPrefetchDepth(options_.spec) && below != layout_.layer_buckets.begin(); ++k) {
-    Prefetch((--below)->first);
-  }
-  if (below != layout_.layer_buckets.begin()) ReadAhead(std::prev(below)->first);
-  // Units two or more above are done with backward: release those still held
-  // (a parameter that got no gradient this time keeps its unit until here).
-  for (auto it = backward_held_.upper_bound(UnitLast(unit) + 1); it != backward_held_.end();) {
-    for (int b : layout_.layer_buckets[*it]) Release(buckets_[b]);
-    it = backward_held_.erase(it);
-  }
-}
-
-// Every node of backward that reads a parameter has run once its gradient is
-// accumulated, so a layer whose gradients have all arrived needs its
-// parameters no more in this backward.
-void ZeroOptimizer::ReleaseLayersWithGradients() {
-  for (auto it = backward_held_.begin(); it != backward_held_.end();) {
-    const std::vector<int>& needed = layout_.layer_buckets[*it];
-    const bool done = std::all_of(needed.begin(), needed.end(),
-                                  [&](int b) { return !buckets_[b].sharded || buckets_[b].gradients_arrived; });
-    if (!done) {
-      ++it;
-      continue;
-    }
-    for (int b : needed) Release(buckets_[b]);
-    it = backward_held_.erase(it);
-  }
+  if (announced && at::GradMode::is_enabled()) HookBackwardReaders(layer, outputs);
 }
 
 absl::Status ZeroOptimizer::GatherAllParameters() {
@@ -498,6 +501,7 @@ at::Tensor& ZeroOptimizer::ChunkGrad(Bucket& bucket, const at::Tensor& first) {
 
 void ZeroOptimizer::PrepareForBackward(bool last_micro_batch) {
   last_micro_batch_ = last_micro_batch;
+  last_reader_gather_ = -1;
   for (Bucket& bucket : buckets_) bucket.gradients_arrived = false;
 }
 
@@ -514,7 +518,9 @@ void ZeroOptimizer::OnGradientReady(int index, int slot) {
   bucket.full_grad = at::Tensor();
   bucket.StartRound();
   bucket.gradients_arrived = true;
-  ReleaseLayersWithGradients();
+  // Every node of backward that reads a parameter has run once its gradient
+  // is accumulated: the bucket's values are not needed again in this backward.
+  ReleaseAfterBackward(bucket);
   if (!in_slices) reducing_.push_back(index);
   const size_t in_flight = static_cast<size_t>(options_.spec.max_inflight_reduce_scatters());
   for (; status.ok() && reducing_.size() > in_flight; reducing_.pop_front()) {
@@ -563,10 +569,7 @@ absl::Status ZeroOptimizer::ReduceScatterInSlices(Bucket& bucket, const at::Tens
 
 absl::Status ZeroOptimizer::FinishBackward() {
   (void)WaitForUpdatedParameters();  // a failure is kept in first_error_, returned below
-  for (int64_t layer : backward_held_) {
-    for (int b : layout_.layer_buckets[layer]) Release(buckets_[b]);
-  }
-  backward_held_.clear();
+  for (Bucket& bucket : buckets_) ReleaseAfterBackward(bucket);
   for (Bucket& bucket : buckets_) {
     if (!bucket.prefetch) continue;  // prefetched for a layer that did not run
     absl::Status waited = bucket.prefetch->Wait();

@@ -20,13 +20,17 @@
 //            rank's chunk is kept (parameters named `keep_full_gradient`, such
 //            as pipeline-tied embeddings that are summed between stages first,
 //            follow stage 1)
-//   stage 3  buckets are a layer's parameters, and at rest each rank holds only
-//            its chunks: a layer's buckets are all-gathered just before it runs
-//            and released after, gathered again when backward reaches the layer
-//            and released as soon as its gradients have all arrived (two layers
-//            later where one got none); the next layer's all-gathers start
-//            early (prefetch) in both directions. Gradients as in stage 2, no
-//            all-gather after the update. A released bucket frees the memory
+//   stage 3  buckets are a layer's parameters (in buckets of at most
+//            gather_bucket_bytes), and at rest each rank holds only its
+//            chunks: a layer's buckets are all-gathered just before it runs
+//            and released after; in backward each is gathered again just
+//            before the first node reading it runs (or when backward reaches
+//            the layer, where the forward could not find those nodes) and
+//            released as soon as its gradients have all arrived (two layers
+//            later where one got none); the next layer's all-gathers (in
+//            backward, the next bucket's) start early (prefetch). Gradients
+//            as in stage 2, no all-gather after the update. A released bucket
+//            frees the memory
 //            inside its buffer's storage, so the views autograd saves of a
 //            layer's weights (a transposed matrix) hold none either until
 //            backward gathers the layer again (a view that leaves the layer,
@@ -48,10 +52,10 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <set>
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -168,12 +172,14 @@ struct ZeroLayout {
   std::map<int64_t, std::vector<int>> layer_buckets;  // stage 3: the buckets each layer reads
 };
 // Stages 1 and 2: each group's parameters, in reverse order, in buckets of at
-// most `reduce_bucket_bytes` of one gradient kind. Stage 3: a layer's
-// parameters (each in the first of `layer_reads` that reads it; `layer_reads`
-// lists the layers in order, each with the parameters it reads). Stage 1
-// keeps every gradient whole.
+// most `bucket_bytes` of one gradient kind. Stage 3: a layer's parameters
+// (each in the first of `layer_reads` that reads it; `layer_reads` lists the
+// layers in order, each with the parameters it reads), by group and kind, in
+// reverse order in buckets of at most `bucket_bytes`. Stage 1 keeps every
+// gradient whole. ZeroBucketBytes gives `bucket_bytes` for a spec.
+int64_t ZeroBucketBytes(const ZeroSpec& spec);
 absl::StatusOr<ZeroLayout> PlanZeroBuckets(const std::vector<ZeroParameter>& parameters, int stage,
-                                           int64_t reduce_bucket_bytes, int group_size,
+                                           int64_t bucket_bytes, int group_size,
                                            const std::vector<std::pair<int64_t, std::vector<int>>>& layer_reads);
 // Stage 3's gather units (ZeroSpec's wrap and min_num_params) over
 // `layer_reads` (as PlanZeroBuckets takes them, in order); `names` and
@@ -276,7 +282,8 @@ class ZeroOptimizer : private LayerObserver {
   // Whether any chunk gradient is inf or NaN on this rank.
   bool LocalGradientsNonFinite() const;
   // Updates this rank's chunks with learning rate `lr`, then all-gathers them
-  // (stages 1 and 2; given the layers, only starts to: see the top).
+  // (stages 1 and 2; given the layers, only starts to: see the top). The
+  // chunks' gradients go (stage 1's whole ones stay until ZeroGrad).
   absl::Status Step(double lr);
   // Stages 1 and 2: finishes the all-gathers Step left under way, so every
   // parameter holds its updated value: before reading or writing parameters
@@ -347,15 +354,30 @@ class ZeroOptimizer : private LayerObserver {
   int64_t UnitOf(int64_t layer) const;
   int64_t UnitLast(int64_t unit) const;
   void GatherLayer(int64_t layer);
-  void Prefetch(int64_t layer);  // starts the all-gathers of a unit's buckets (`layer` its first)
+  // Starts the all-gathers of a unit's buckets (`layer` its first; those
+  // without reader hooks only), of one bucket.
+  void Prefetch(int64_t layer, bool unhooked_only);
+  void PrefetchBucket(int b);
   // offload_params=disk: starts reading `layer`'s chunks (the layer after
   // those prefetched), so the disk works while this layer computes.
   void ReadAhead(int64_t layer);
   void BeforeLayer(int64_t layer) override;
   void AfterLayer(int64_t layer, const Values& inputs, const Values& outputs) override;
+  // Stage 3 in backward (zero_backward.cc). A unit's buckets are gathered
+  // when backward reaches its last layer, except those whose reading nodes
+  // the forward found (HookBackwardReaders): each of those is gathered just
+  // before the first of its readers runs (GatherForReaders), and the next
+  // one gathered that way in the last backward is prefetched. A bucket held
+  // for backward is released once its gradients have all arrived
+  // (ReleaseAfterBackward), or two units below, or at FinishBackward.
   void BackwardReached(int64_t layer);
-  // Stage 3: releases the layers held for backward whose gradients have all arrived.
-  void ReleaseLayersWithGradients();
+  void HookBackwardReaders(int64_t layer, const Values& outputs);
+  void GatherForReaders(const std::vector<int>& buckets);
+  void HoldForBackward(Bucket& bucket);
+  // Adds the reduce-scatters issued in backward that have finished (oldest
+  // first, up to the first still under way) to their chunks' gradients.
+  absl::Status FinishCompletedReduceScatters();
+  void ReleaseAfterBackward(Bucket& bucket);
   // Step's all-gathers: planned once (the layers' (bucket, parameter index)
   // reads give their order), started by Step, finished oldest first.
   void PlanGathers(const std::vector<std::pair<int64_t, std::vector<std::pair<int, int>>>>& layer_slots);
@@ -381,7 +403,12 @@ class ZeroOptimizer : private LayerObserver {
   // layer, unit_last_ each unit to its last layer.
   ZeroLayout layout_;
   std::map<int64_t, int64_t> unit_of_, unit_last_;
-  std::set<int64_t> backward_held_;  // stage 3: units gathered for backward
+  // Stage 3: each sharded parameter's grad accumulator -> (bucket, slot);
+  // the first sequence number of the nodes the running layer's forward
+  // makes; the bucket a reader gathered last in this backward (-1: none yet).
+  std::unordered_map<const torch::autograd::Node*, std::pair<int, int>> slot_of_accumulator_;
+  uint64_t layer_first_node_ = 0;
+  int last_reader_gather_ = -1;
   int64_t peak_gathered_bytes_ = 0, peak_gradients_in_flight_bytes_ = 0;
   bool last_micro_batch_ = false;
   absl::Status first_error_;

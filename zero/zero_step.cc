@@ -24,6 +24,13 @@ absl::Status ZeroOptimizer::Step(double lr) {
   TRIDENT_RETURN_IF_ERROR(offloaded_state_ || offloaded_params_
                               ? OffloadedStep()
                               : CatchExceptions("the sharded optimizer step", [&] { optimizer_->step(); }));
+  // The chunks' gradients are spent: their memory goes now rather than at the
+  // next ZeroGrad (an evaluation or a checkpoint may come first).
+  for (Bucket& bucket : buckets_) {
+    if (bucket.keep_full) continue;
+    bucket.chunk_grad = at::Tensor();
+    bucket.chunk.mutable_grad() = at::Tensor();
+  }
   TRIDENT_RETURN_IF_ERROR(StartGathers());
   // Without the layers nothing would finish them before they are read.
   if (gathers_before_layer_.empty()) TRIDENT_RETURN_IF_ERROR(WaitForUpdatedParameters());

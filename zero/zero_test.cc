@@ -481,6 +481,66 @@ TEST(ZeroMemoryTest, StageThreeHoldsOneBlockInBackward) {
   });
 }
 
+// Buckets smaller than a block (reduce_bucket_bytes): each is gathered in
+// backward just before the first node reading it runs and released once its
+// gradients arrive, so when either matrix of a block gets its gradient the
+// other is not gathered (fc2's is computed first; fc1's is needed only
+// after), in the first backward and in those that prefetch along the order
+// the first one found; and the steps still equal one process's.
+TEST(ZeroMemoryTest, StageThreeGathersAPartOfABlockInBackward) {
+  testing::RunOnRanks(2, [](int rank) {
+    auto topology = testing::JoinTopology({{"data", 2}});
+    ASSERT_TRUE(topology.ok());
+    const ProcessGroup& dp = **(*topology)->Group("dp");
+    testing::TinyModelOptions config = Tiny();
+    config.n_layer = 3;
+    auto model = Build(config);
+    auto plain = Build(config);
+    auto plain_optimizer = MakeAdamW(Groups(*plain));
+    ZeroOptions options;
+    options.spec.set_stage(3);
+    options.spec.set_reduce_bucket_bytes(16 << 10);  // a block's matrices, 16 KiB each, in two buckets
+    options.layers = model.get();
+    for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
+    auto zero = *ZeroOptimizer::Create(Groups(*model), &dp, options, MakeAdamW);
+    int checked = 0;
+    for (int64_t i = 1; i <= config.n_layer; ++i) {
+      const NamedTensors params = model->LayerParameters(i);
+      auto find = [&](const std::string& suffix) {
+        return std::find_if(params.begin(), params.end(),
+                            [&](const auto& p) {
+                              return p.first.size() >= suffix.size() &&
+                                     p.first.compare(p.first.size() - suffix.size(), suffix.size(), suffix) == 0;
+                            })
+            ->second;
+      };
+      at::Tensor fc1 = find("fc1.weight"), fc2 = find("fc2.weight");
+      fc2.register_hook([fc1, &checked](const at::Tensor&) { checked += fc1.numel() == 0; });
+      fc1.register_hook([fc2, &checked](const at::Tensor&) { checked += fc2.numel() == 0; });
+    }
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(10 + step);
+      at::Tensor tokens = torch::randint(64, {4, 8}, torch::kLong);
+      at::Tensor mine = tokens.chunk(2)[rank];
+      zero->ZeroGrad();
+      zero->PrepareForBackward(true);
+      model->Loss(mine, mine).backward();
+      ASSERT_TRUE(zero->FinishBackward().ok());
+      ASSERT_TRUE(zero->Step(1e-3).ok());
+      plain_optimizer->zero_grad();
+      plain->Loss(mine, mine).backward();
+      for (auto& p : plain->parameters()) ASSERT_TRUE(dp.AllReduce(p.mutable_grad(), ReduceOp::kAvg).ok());
+      plain_optimizer->step();
+    }
+    EXPECT_EQ(checked, 3 * 2 * static_cast<int>(config.n_layer));
+    ASSERT_TRUE(zero->GatherAllParameters().ok());
+    auto expected = plain->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_LE((item.value() - expected[item.key()]).abs().max().item<double>(), 1e-5) << item.key();
+    }
+  });
+}
+
 // A model built with deferred values: stage 3 draws each layer's values just
 // before slicing it and frees them before drawing the next, so no more than
 // one layer's values are ever whole on a rank; the chunks equal those of the

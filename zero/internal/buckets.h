@@ -102,6 +102,15 @@ struct ZeroOptimizer::Bucket {
   // and gives the bucket a new one.
   bool escaped = false;
   std::optional<PendingWork> prefetch;  // an all-gather into `buffer` under way
+  // Stage 3 in backward (zero_backward.cc): the unit that gathers the bucket
+  // (its first layer), the one layer reading all its parameters (-1: several
+  // or none); `hooked` while the last forward of that layer found every node
+  // of backward that reads them (they gather it just before they run);
+  // whether this backward holds it gathered; the bucket a reader gathered
+  // next in the last backward (-1: none), which its own gather prefetches.
+  int64_t unit = -1, read_by = -1;
+  bool hooked = false, backward_held = false;
+  int next_in_backward = -1;
   // Stage 2 and 3: a reduce-scatter into `reduced` under way (issued from the
   // gradient hook, so backward goes on while the gradients travel).
   std::optional<PendingWork> reducing;
