@@ -480,16 +480,18 @@ absl::StatusOr<TrainResult> Trainer::Train() {
                                      offload_written / 1e6 / steps, offload_read / 1e6 / steps, t.topology().rank());
   }
   // ZeRO's working set beside its state: this rank's peak, taken apart (the
-  // parts' peaks need not coincide, so the rest is at least what is left).
+  // working set at its largest need not coincide with the peak, so the rest
+  // is at least what is left).
   const MemoryReport memory = t.model->Memory();
   if (memory.peak_gathered_bytes + memory.peak_gradients_in_flight_bytes > 0) {
     constexpr double kMiB = 1048576.0;
     const double mine = PeakResidentMb(), state = (memory.total() - memory.gradient_scratch_bytes) / kMiB;
     const double gathered = memory.peak_gathered_bytes / kMiB, in_flight = memory.peak_gradients_in_flight_bytes / kMiB;
     memory_details += absl::StrFormat(
-        " | rank %d's peak %.0f MiB: state %.0f, gathered parameters %.0f, gradients in flight %.0f, the rest "
-        "(activations, allocator, process) %.0f",
-        t.topology().rank(), mine, state, gathered, in_flight, mine - state - gathered - in_flight);
+        " | rank %d's peak %.0f MiB: state %.0f, working set at its largest %.0f (gathered parameters %.0f, "
+        "gradients in flight %.0f), the rest (activations, allocator, process) at least %.0f",
+        t.topology().rank(), mine, state, gathered + in_flight, gathered, in_flight,
+        mine - state - gathered - in_flight);
   }
   t.Print(absl::StrFormat("done: %d steps in %s | peak RSS %.0f MB (the largest of any rank)%s", steps,
                           internal::FormatDuration(Seconds(Clock::now() - start)), peak_mb, memory_details));

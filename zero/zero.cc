@@ -365,8 +365,10 @@ void ZeroOptimizer::NoteWorkingSet() {
     if (!bucket.keep_full) in_flight += zero_internal::Bytes(bucket.full_grad);
     if (bucket.reducing) in_flight += bucket.numel * static_cast<int64_t>(bucket.chunk.element_size());
   }
-  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered);
-  peak_gradients_in_flight_bytes_ = std::max(peak_gradients_in_flight_bytes_, in_flight);
+  if (gathered + in_flight > peak_gathered_bytes_ + peak_gradients_in_flight_bytes_) {
+    peak_gathered_bytes_ = gathered;
+    peak_gradients_in_flight_bytes_ = in_flight;
+  }
 }
 
 int64_t ZeroOptimizer::UnitOf(int64_t layer) const {

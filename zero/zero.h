@@ -139,9 +139,9 @@ struct MemoryReport {
   int64_t offloaded_optimizer_bytes = 0;
   int64_t offloaded_parameter_bytes = 0;
   int64_t offload_bytes_written = 0, offload_bytes_read = 0;
-  // Stages 2 and 3, the working set's peaks so far (they need not coincide):
-  // gathered parameters (stage 3's buffers) and whole gradients held while
-  // their buckets fill or are reduce-scattered.
+  // Stages 2 and 3, the working set at its largest so far: gathered
+  // parameters (stage 3's buffers) and whole gradients held while their
+  // buckets fill or are reduce-scattered, at the same moment.
   int64_t peak_gathered_bytes = 0, peak_gradients_in_flight_bytes = 0;
   // Of gradient_bytes, the one bucket's whole gradient counted for a bucket
   // that fills (part of what is in flight).
