@@ -98,6 +98,10 @@ absl::Status ValidatePlan(const ParallelPlan& p) {
   if (p.zero().reduce_bucket_bytes() < 1 || p.zero().allgather_bucket_bytes() < 1 || p.zero().bucket_bytes() < 1) {
     return invalid("bucket sizes must be positive");
   }
+  if (p.zero().gather_bucket_bytes() < 0) {
+    return invalid("zero gather_bucket_bytes=", p.zero().gather_bucket_bytes(),
+                   " is negative: give a size in bytes, or 0 for a bucket per layer");
+  }
   if (!(p.zero().gradient_predivide_factor() > 0)) return invalid("gradient_predivide_factor must be positive");
   TRIDENT_ASSIGN_OR_RETURN(const int shard_group_size, ZeroShardGroupSize(p.zero(), p.dp()));
   if (p.zero().stage() == 0 && (shard_group_size < p.dp() || p.zero().offload_optimizer() != ZeroSpec::none)) {

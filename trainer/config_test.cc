@@ -444,6 +444,8 @@ TEST(ResolveConfigTest, BadConfigurationsNameTheFieldAndTheFix) {
                   },
                   2),
               HasSubstr("zero_stage=3 with schedule zb_h1"));
+  EXPECT_THAT(error([](TrainerConfig& c) { c.mutable_plan()->mutable_zero()->set_gather_bucket_bytes(-1); }, 1),
+              HasSubstr("gather_bucket_bytes=-1 is negative: give a size in bytes, or 0 for a bucket per layer"));
   // Pipeline schedules are checked against pp and the micro-batch count.
   EXPECT_THAT(error([](TrainerConfig& c) { c.mutable_plan()->mutable_pipeline()->set_schedule("zigzag"); }, 1),
               HasSubstr("unknown schedule 'zigzag'"));
