@@ -401,11 +401,14 @@ absl::StatusOr<MemoryPrediction> PredictMemory(const ModelProfile& profile, cons
         transient += std::min<int64_t>(sharded, (2 + ZeroPrefetchDepth(plan.zero())) * largest / shard_group_size);
       }
       if (plan.zero().stage() == 3) {
-        // Backward: the bucket read and those prefetched gathered, a bucket's
-        // whole gradient made and the last one's reduced. Forward: the units
-        // running and prefetched, while no chunk gradient exists yet.
+        // Backward: the bucket read and those prefetched gathered, and
+        // max_inflight_reduce_scatters whole gradients (the one being made
+        // counts). Forward: the units running and prefetched, while no chunk
+        // gradient exists yet.
         const int depth = ZeroPrefetchDepth(plan.zero());
-        transient += std::max((3 + depth) * largest_bucket, (1 + depth) * largest_unit - state.gradient_bytes);
+        const int whole_gradients = plan.zero().max_inflight_reduce_scatters();
+        transient +=
+            std::max((1 + depth + whole_gradients) * largest_bucket, (1 + depth) * largest_unit - state.gradient_bytes);
       } else {  // the step's all-gather
         transient += std::min(plan.zero().allgather_bucket_bytes(), parameter_bytes);
       }

@@ -524,11 +524,15 @@ void ZeroOptimizer::OnGradientReady(int index, int slot) {
   // is accumulated: the bucket's values are not needed again in this backward.
   ReleaseAfterBackward(bucket);
   if (!in_slices) reducing_.push_back(index);
-  const size_t in_flight = static_cast<size_t>(options_.spec.max_inflight_reduce_scatters());
-  for (; status.ok() && reducing_.size() > in_flight; reducing_.pop_front()) {
-    status = FinishReduceScatter(buckets_[reducing_.front()]);
-  }
+  if (status.ok()) status = LimitReduceScatters(options_.spec.max_inflight_reduce_scatters());
   if (!status.ok() && first_error_.ok()) first_error_ = status;
+}
+
+absl::Status ZeroOptimizer::LimitReduceScatters(int most) {
+  for (; static_cast<int>(reducing_.size()) > most; reducing_.pop_front()) {
+    TRIDENT_RETURN_IF_ERROR(FinishReduceScatter(buckets_[reducing_.front()]));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ZeroOptimizer::StartReduceScatter(Bucket& bucket, const at::Tensor& full) {

@@ -293,6 +293,9 @@ class ZeroOptimizer : private LayerObserver {
   absl::Status WaitForUpdatedParameters();
   // How many of those all-gathers are not finished yet.
   size_t GathersUnderWay() const;
+  // Stages 2 and 3: the reduce-scatters backward issued that are not yet
+  // added to their chunks' gradients (each holds a bucket's whole gradient).
+  size_t ReduceScattersUnderWay() const { return reducing_.size(); }
   // Stage 3: gives every parameter its full value (to save, load or export),
   // and back to the chunks; `keep_changes` first copies the (possibly
   // overwritten) full values into the chunks. Stages 1 and 2: the first is
@@ -373,10 +376,16 @@ class ZeroOptimizer : private LayerObserver {
   void BackwardReached(int64_t layer);
   void HookBackwardReaders(int64_t layer, const Values& outputs);
   void GatherForReaders(const std::vector<int>& buckets);
+  // Prefetches up to `count` buckets after `bucket` in the order readers
+  // gathered them in the last backward.
+  void PrefetchAlongBackward(int bucket, int count);
   void HoldForBackward(Bucket& bucket);
   // Adds the reduce-scatters issued in backward that have finished (oldest
   // first, up to the first still under way) to their chunks' gradients.
   absl::Status FinishCompletedReduceScatters();
+  // Waits for the oldest reduce-scatters issued in backward until at most
+  // `most` travel.
+  absl::Status LimitReduceScatters(int most);
   void ReleaseAfterBackward(Bucket& bucket);
   // Step's all-gathers: planned once (the layers' (bucket, parameter index)
   // reads give their order), started by Step, finished oldest first.

@@ -122,7 +122,8 @@ void ZeroOptimizer::HookBackwardReaders(int64_t layer, const Values& outputs) {
 }
 
 void ZeroOptimizer::GatherForReaders(const std::vector<int>& buckets) {
-  // The node about to run may make a gradient: first free those already reduced.
+  // The node about to run makes a gradient of a bucket's size: first free
+  // those already reduced.
   absl::Status finished = FinishCompletedReduceScatters();
   if (!finished.ok() && first_error_.ok()) first_error_ = finished;
   for (int b : buckets) {
@@ -130,12 +131,19 @@ void ZeroOptimizer::GatherForReaders(const std::vector<int>& buckets) {
     HoldForBackward(buckets_[b]);
     if (last_reader_gather_ >= 0) buckets_[last_reader_gather_].next_in_backward = b;
     last_reader_gather_ = b;
-    int next = b;
-    for (int k = 0; k < ZeroPrefetchDepth(options_.spec); ++k) {
-      next = buckets_[next].next_in_backward;
-      if (next < 0) break;
-      PrefetchBucket(next);
-    }
+    PrefetchAlongBackward(b, ZeroPrefetchDepth(options_.spec));
+  }
+  // The gradient it makes counts as one in flight: wait for older ones to
+  // leave room (a prefetch travels meanwhile).
+  finished = LimitReduceScatters(options_.spec.max_inflight_reduce_scatters() - 1);
+  if (!finished.ok() && first_error_.ok()) first_error_ = finished;
+}
+
+void ZeroOptimizer::PrefetchAlongBackward(int bucket, int count) {
+  for (int k = 0, next = bucket; k < count; ++k) {
+    next = buckets_[next].next_in_backward;
+    if (next < 0) return;
+    PrefetchBucket(next);
   }
 }
 

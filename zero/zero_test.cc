@@ -486,7 +486,9 @@ TEST(ZeroMemoryTest, StageThreeHoldsOneBlockInBackward) {
 // gradients arrive, so when either matrix of a block gets its gradient the
 // other is not gathered (fc2's is computed first; fc1's is needed only
 // after), in the first backward and in those that prefetch along the order
-// the first one found; and the steps still equal one process's.
+// the first one found; at most one whole gradient at a time
+// (max_inflight_reduce_scatters 1: fc2's reduce-scatter is settled before
+// fc1's gradient is made); and the steps still equal one process's.
 TEST(ZeroMemoryTest, StageThreeGathersAPartOfABlockInBackward) {
   testing::RunOnRanks(2, [](int rank) {
     auto topology = testing::JoinTopology({{"data", 2}});
@@ -503,7 +505,7 @@ TEST(ZeroMemoryTest, StageThreeGathersAPartOfABlockInBackward) {
     options.layers = model.get();
     for (int64_t i = 0; i < model->NumLayers(); ++i) options.layer_indices.push_back(i);
     auto zero = *ZeroOptimizer::Create(Groups(*model), &dp, options, MakeAdamW);
-    int checked = 0;
+    int checked = 0, settled = 0;
     for (int64_t i = 1; i <= config.n_layer; ++i) {
       const NamedTensors params = model->LayerParameters(i);
       auto find = [&](const std::string& suffix) {
@@ -516,7 +518,12 @@ TEST(ZeroMemoryTest, StageThreeGathersAPartOfABlockInBackward) {
       };
       at::Tensor fc1 = find("fc1.weight"), fc2 = find("fc2.weight");
       fc2.register_hook([fc1, &checked](const at::Tensor&) { checked += fc1.numel() == 0; });
-      fc1.register_hook([fc2, &checked](const at::Tensor&) { checked += fc2.numel() == 0; });
+      // fc1's gradient counts as the one whole gradient allowed: fc2's
+      // reduce-scatter was settled before fc1's reader ran.
+      fc1.register_hook([fc2, &checked, &settled, zero = zero.get()](const at::Tensor&) {
+        checked += fc2.numel() == 0;
+        settled += zero->ReduceScattersUnderWay() == 0;
+      });
     }
     for (int step = 0; step < 3; ++step) {
       torch::manual_seed(10 + step);
@@ -533,6 +540,7 @@ TEST(ZeroMemoryTest, StageThreeGathersAPartOfABlockInBackward) {
       plain_optimizer->step();
     }
     EXPECT_EQ(checked, 3 * 2 * static_cast<int>(config.n_layer));
+    EXPECT_EQ(settled, 3 * static_cast<int>(config.n_layer));
     ASSERT_TRUE(zero->GatherAllParameters().ok());
     auto expected = plain->named_parameters();
     for (const auto& item : model->named_parameters()) {
