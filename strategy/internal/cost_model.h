@@ -21,7 +21,10 @@ struct MemoryPrediction {
   // Per pipeline rank (tensor- and data-parallel rank 0).
   std::vector<MemoryReport> state;   // what ParallelModel::Memory() reports
   std::vector<int64_t> activations;  // peak bytes kept for backward, at once
-  std::vector<int64_t> transient;    // backward scratch, buckets, gathered layers
+  // Backward scratch, buckets, gathered layers; under ZeRO-3 with one
+  // micro-batch less the chunk gradients not yet made while activations
+  // peak (so it may be negative).
+  std::vector<int64_t> transient;
   std::vector<int64_t> tensor_peak;  // the three together
   int64_t max_tensor_peak = 0;       // of the worst rank
   // Plus the process's own memory, and what building the model left with
